@@ -1,0 +1,276 @@
+"""Run configuration: nested frozen dataclasses, YAML presets, `key=value` overrides, validation.
+
+Every algorithm is a combination of values here (advantage estimator, loss kind, clipping, KL, filters),
+never a branch in the trainer. `load_config("configs/grpo.yaml", ["optim.lr=1e-5"])` gives a checked
+`RunConfig`; an unknown key fails with the closest valid key, a bad value fails with the reason.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import pathlib
+from dataclasses import dataclass, field
+from typing import Any
+
+import yaml
+
+
+@dataclass(frozen=True)
+class ModelSection:
+    source: str = "bundled"  # "bundled", an HF folder path, or a .gguf file path
+    param_dtype: str = "float32"
+    compute_dtype: str = "float32"
+    remat: bool = False
+
+
+@dataclass(frozen=True)
+class DataSection:
+    task: str = "arithmetic"  # a registered procedural task, or a path to a JSONL/parquet file
+    eval_task: str = "arithmetic-heldout"
+    question_field: str = "question"
+    answer_field: str = "answer"
+    prompt_style: str = "few-shot-chat"  # "few-shot-chat", "chat" (DESIGN.md system prompt) or "raw"
+    max_prompt_tokens: int = 256
+    seed: int = 0
+    task_min_terms: int = 2
+    task_max_terms: int = 2
+    task_digits: int = 1
+
+
+@dataclass(frozen=True)
+class SamplingSection:
+    prompts_per_step: int = 8
+    samples_per_prompt: int = 8
+    max_new_tokens: int = 24
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    allocation: str = "uniform"  # "uniform" or "gvm"
+
+
+@dataclass(frozen=True)
+class AlgorithmSection:
+    name: str = "raftpp"
+    advantage: str = "raft"  # raft | grpo | dr_grpo | rloo | reinforce_rej
+    loss: str = "clip"  # clip (PPO / RAFT++ surrogate) | vanilla (-A log pi, plain RAFT)
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    dual_clip: float | None = None
+    agg: str = "token-mean"
+    agg_max_len: int | None = None  # constant length for seq-mean-token-sum-norm (Dr.GRPO)
+    kl_coef: float = 0.0
+    kl_kind: str = "k3"
+    entropy_coef: float = 0.0
+    reward: str = "binary"  # binary {0, 1} | signed {-1, +1}
+    format_reward: float = 0.0
+    group_filter: str = "none"  # none | mixed (drop groups whose rewards all agree)
+    dynamic_sampling: bool = False  # DAPO: resample until enough mixed groups
+    max_sampling_rounds: int = 3
+    overlong_buffer: int = 0  # DAPO overlong penalty; 0 disables
+    overlong_factor: float = 1.0
+    prl_eta: float | None = None  # set to shape per-token advantages with PRL
+    prl_step_len: int | None = None
+
+
+@dataclass(frozen=True)
+class OptimSection:
+    lr: float = 1e-5
+    warmup_steps: int = 0
+    weight_decay: float = 0.01
+    grad_clip: float = 1.0
+    b1: float = 0.9
+    b2: float = 0.999
+    mini_batches: int = 1  # optimizer updates per rollout batch and epoch
+    epochs: int = 1
+    micro_batch_size: int = 16  # rows per forward/backward; gradients accumulate to the mini-batch
+
+
+@dataclass(frozen=True)
+class TrainSection:
+    steps: int = 20
+    seed: int = 0
+    eval_every: int = 0  # 0: only before and after training
+    eval_problems: int = 100
+    eval_samples: int = 4
+    eval_temperature: float = 1.0
+    save_every: int = 10
+    keep_checkpoints: int = 2
+    out_dir: str = "runs/default"
+    max_bad_steps: int = 3  # consecutive non-finite updates before the run stops
+    verifier_timeout: float = 5.0
+    verifier_workers: int = 0  # 0: score in-process (with timeouts); >0: process pool
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    model: ModelSection = field(default_factory=ModelSection)
+    data: DataSection = field(default_factory=DataSection)
+    sampling: SamplingSection = field(default_factory=SamplingSection)
+    algorithm: AlgorithmSection = field(default_factory=AlgorithmSection)
+    optim: OptimSection = field(default_factory=OptimSection)
+    train: TrainSection = field(default_factory=TrainSection)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+class ConfigError(ValueError):
+    """A configuration key or value that cannot run; the message names the key and the reason."""
+
+
+_ALLOWED = {
+    ("sampling", "allocation"): {"uniform", "gvm"},
+    ("algorithm", "advantage"): {"raft", "grpo", "dr_grpo", "rloo", "reinforce_rej"},
+    ("algorithm", "loss"): {"clip", "vanilla"},
+    ("algorithm", "agg"): {"token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"},
+    ("algorithm", "kl_kind"): {"k1", "k2", "k3", "abs"},
+    ("algorithm", "reward"): {"binary", "signed"},
+    ("algorithm", "group_filter"): {"none", "mixed"},
+    ("model", "param_dtype"): {"float32", "bfloat16"},
+    ("model", "compute_dtype"): {"float32", "bfloat16"},
+    ("data", "prompt_style"): {"few-shot-chat", "chat", "raw"},
+}
+
+
+def _section_fields(section_cls) -> dict[str, dataclasses.Field]:
+    return {f.name: f for f in dataclasses.fields(section_cls)}
+
+
+def _all_keys() -> list[str]:
+    keys = []
+    for sec in dataclasses.fields(RunConfig):
+        keys += [f"{sec.name}.{name}" for name in _section_fields(sec.default_factory)]
+    return keys
+
+
+def _unknown_key(key: str, where: str) -> ConfigError:
+    close = difflib.get_close_matches(key, _all_keys(), n=1, cutoff=0.5)
+    hint = f"; did you mean '{close[0]}'?" if close else f"; valid keys: {', '.join(_all_keys())}"
+    return ConfigError(f"unknown config key '{key}' ({where}){hint}")
+
+
+def _coerce(key: str, value: Any, f: dataclasses.Field) -> Any:
+    typ = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+    if value is None:
+        if "None" in typ:
+            return None
+        raise ConfigError(f"config key '{key}' may not be null (expected {typ})")
+    try:
+        if typ.startswith("bool"):
+            if isinstance(value, str):
+                if value.lower() not in ("true", "false"):
+                    raise ValueError(value)
+                return value.lower() == "true"
+            return bool(value)
+        if typ.startswith("int"):
+            if isinstance(value, float) and not value.is_integer():
+                raise ValueError(value)
+            return int(value)
+        if typ.startswith("float"):
+            return float(value)
+        return str(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"config key '{key}' expects {typ}, got {value!r}") from None
+
+
+def _apply(tree: dict[str, dict[str, Any]], flat: dict[str, Any], where: str) -> None:
+    sections = {f.name: f.default_factory for f in dataclasses.fields(RunConfig)}
+    for key, value in flat.items():
+        sec, _, name = key.partition(".")
+        if sec not in sections or name not in _section_fields(sections[sec]):
+            raise _unknown_key(key, where)
+        tree[sec][name] = _coerce(key, value, _section_fields(sections[sec])[name])
+
+
+def _flatten(d: dict[str, Any], where: str) -> dict[str, Any]:
+    flat = {}
+    for sec, body in d.items():
+        if not isinstance(body, dict):
+            raise ConfigError(f"{where}: top-level key '{sec}' must be a section mapping, got {body!r}")
+        for name, value in body.items():
+            flat[f"{sec}.{name}"] = value
+    return flat
+
+
+def parse_overrides(overrides: list[str]) -> dict[str, Any]:
+    """`["optim.lr=1e-5", "train.steps=3"]` -> {"optim.lr": 1e-05, "train.steps": 3} (values parsed as YAML)."""
+    flat = {}
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"override '{item}' is not of the form section.key=value")
+        flat[key.strip()] = yaml.safe_load(raw) if raw.strip() else ""
+    return flat
+
+
+def load_config(path: str | pathlib.Path | None = None, overrides: list[str] | dict[str, Any] = ()) -> RunConfig:
+    """Build a validated RunConfig from defaults, an optional YAML file, then `section.key=value` overrides.
+
+    A preset may name another with `base: other.yaml` (resolved next to it) to inherit its values.
+    """
+    tree = {f.name: {} for f in dataclasses.fields(RunConfig)}
+    if path is not None:
+        _apply(tree, _read_yaml(pathlib.Path(path)), str(path))
+    flat = parse_overrides(list(overrides)) if not isinstance(overrides, dict) else dict(overrides)
+    _apply(tree, flat, "command line")
+    sections = {f.name: f.default_factory for f in dataclasses.fields(RunConfig)}
+    config = RunConfig(**{name: cls(**tree[name]) for name, cls in sections.items()})
+    validate(config)
+    return config
+
+
+def _read_yaml(path: pathlib.Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist")
+    try:
+        body = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as err:
+        raise ConfigError(f"config file {path} is not valid YAML: {err}") from None
+    if not isinstance(body, dict):
+        raise ConfigError(f"config file {path} must hold a mapping of sections")
+    base = body.pop("base", None)
+    flat = _read_yaml(path.parent / base) if base else {}
+    flat.update(_flatten(body, str(path)))
+    return flat
+
+
+def validate(config: RunConfig) -> None:
+    """Reject values that cannot run, naming the key and the reason."""
+    d = config.to_dict()
+    for (sec, name), allowed in _ALLOWED.items():
+        if d[sec][name] not in allowed:
+            raise ConfigError(f"config key '{sec}.{name}' must be one of {sorted(allowed)}, got {d[sec][name]!r}")
+    checks = [
+        ("optim.lr", config.optim.lr > 0, "must be > 0"),
+        ("optim.weight_decay", config.optim.weight_decay >= 0, "must be >= 0"),
+        ("optim.grad_clip", config.optim.grad_clip > 0, "must be > 0"),
+        ("optim.warmup_steps", config.optim.warmup_steps >= 0, "must be >= 0"),
+        ("optim.mini_batches", config.optim.mini_batches >= 1, "must be >= 1"),
+        ("optim.epochs", config.optim.epochs >= 1, "must be >= 1"),
+        ("optim.micro_batch_size", config.optim.micro_batch_size >= 1, "must be >= 1"),
+        ("algorithm.clip_low", 0 <= config.algorithm.clip_low < 1, "must be in [0, 1): the ratio floor is 1 - clip_low"),
+        ("algorithm.clip_high", config.algorithm.clip_high >= 0, "must be >= 0"),
+        ("algorithm.dual_clip", config.algorithm.dual_clip is None or config.algorithm.dual_clip > 1,
+         "must be > 1 (or null to disable)"),
+        ("algorithm.kl_coef", config.algorithm.kl_coef >= 0, "must be >= 0"),
+        ("algorithm.prl_eta", config.algorithm.prl_eta is None or config.algorithm.prl_eta > 0, "must be > 0 or null"),
+        ("algorithm.max_sampling_rounds", config.algorithm.max_sampling_rounds >= 1, "must be >= 1"),
+        ("algorithm.agg_max_len", config.algorithm.agg != "seq-mean-token-sum-norm"
+         or (config.algorithm.agg_max_len or 0) > 0, "must be set (> 0) for agg seq-mean-token-sum-norm"),
+        ("sampling.prompts_per_step", config.sampling.prompts_per_step >= 1, "must be >= 1"),
+        ("sampling.samples_per_prompt", config.sampling.samples_per_prompt >= 1, "must be >= 1"),
+        ("sampling.max_new_tokens", config.sampling.max_new_tokens >= 1, "must be >= 1"),
+        ("sampling.temperature", config.sampling.temperature >= 0, "must be >= 0 (0 is greedy)"),
+        ("sampling.top_p", 0 < config.sampling.top_p <= 1, "must be in (0, 1]"),
+        ("sampling.top_k", config.sampling.top_k >= 0, "must be >= 0 (0 disables)"),
+        ("train.steps", config.train.steps >= 0, "must be >= 0"),
+        ("train.eval_problems", config.train.eval_problems >= 0, "must be >= 0"),
+        ("train.eval_samples", config.train.eval_samples >= 1, "must be >= 1"),
+        ("train.keep_checkpoints", config.train.keep_checkpoints >= 1, "must be >= 1"),
+        ("train.max_bad_steps", config.train.max_bad_steps >= 1, "must be >= 1"),
+    ]
+    for key, ok, reason in checks:
+        if not ok:
+            sec, name = key.split(".")
+            raise ConfigError(f"config key '{key}' {reason}, got {d[sec][name]!r}")

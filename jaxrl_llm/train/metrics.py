@@ -1,0 +1,100 @@
+"""Run metrics: one JSON line per step, TensorBoard events, and PNG curves (`jaxrl-llm plot RUN_DIR`)."""
+
+from __future__ import annotations
+
+import json
+import math
+import pathlib
+from typing import Any
+
+import jax
+
+# Curves drawn by `plot`, in order; each becomes one panel when present in the log.
+PLOT_KEYS = ("eval_accuracy", "reward", "accuracy", "acceptance_rate", "response_length", "entropy", "kl",
+             "clip_fraction", "grad_norm", "samples_drawn")
+
+
+class MetricsWriter:
+    """Appends metrics to RUN_DIR/metrics.jsonl and TensorBoard events; only process 0 writes."""
+
+    def __init__(self, run_dir: str | pathlib.Path, *, tensorboard: bool = True):
+        self.run_dir = pathlib.Path(run_dir)
+        self.enabled = jax.process_index() == 0
+        self._tb = None
+        if not self.enabled:
+            return
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self._jsonl = open(self.run_dir / "metrics.jsonl", "a", encoding="utf-8")
+        if tensorboard:
+            from tensorboardX import SummaryWriter
+
+            self._tb = SummaryWriter(str(self.run_dir / "tensorboard"))
+
+    def write(self, step: int, metrics: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        clean = {k: _plain(v) for k, v in metrics.items()}
+        self._jsonl.write(json.dumps({"step": step, **clean}) + "\n")
+        self._jsonl.flush()
+        if self._tb is not None:
+            for key, value in clean.items():
+                if isinstance(value, (int, float)) and math.isfinite(value):
+                    self._tb.add_scalar(key, value, step)
+            self._tb.flush()
+
+    def close(self) -> None:
+        if self.enabled:
+            self._jsonl.close()
+            if self._tb is not None:
+                self._tb.close()
+
+
+def _plain(value: Any) -> Any:
+    if hasattr(value, "item") and getattr(value, "size", 2) == 1:
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    return value
+
+
+def read_metrics(run_dir: str | pathlib.Path) -> list[dict[str, Any]]:
+    path = pathlib.Path(run_dir) / "metrics.jsonl"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} does not exist: is {run_dir} a run directory?")
+    rows = []
+    for line_no, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if line.strip():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as err:
+                raise ValueError(f"{path}:{line_no}: not a JSON line ({err})") from None
+    return rows
+
+
+def plot_run(run_dir: str | pathlib.Path, out: str | pathlib.Path | None = None) -> pathlib.Path:
+    """Draw every PLOT_KEYS curve found in RUN_DIR/metrics.jsonl into one PNG; returns its path."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = read_metrics(run_dir)
+    keys = [k for k in PLOT_KEYS if any(isinstance(r.get(k), (int, float)) for r in rows)]
+    if not keys:
+        raise ValueError(f"{run_dir}/metrics.jsonl holds none of the plotted metrics {PLOT_KEYS}")
+    cols = min(3, len(keys))
+    nrows = -(-len(keys) // cols)
+    fig, axes = plt.subplots(nrows, cols, figsize=(4.5 * cols, 3.2 * nrows), squeeze=False)
+    for ax, key in zip(axes.flat, keys):
+        pts = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), (int, float))]
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o" if len(pts) < 30 else None)
+        ax.set_title(key)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+    for ax in list(axes.flat)[len(keys):]:
+        ax.axis("off")
+    fig.tight_layout()
+    out = pathlib.Path(out) if out else pathlib.Path(run_dir) / "curves.png"
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out
