@@ -1,0 +1,54 @@
+import pytest
+
+from jaxrl_llm.train.config import ConfigError, load_config, parse_overrides
+
+
+def test_defaults_and_overrides_are_typed():
+    cfg = load_config(None, ["optim.lr=3e-5", "train.steps=7", "algorithm.dual_clip=3", "model.remat=true"])
+    assert cfg.optim.lr == pytest.approx(3e-5)
+    assert cfg.train.steps == 7 and isinstance(cfg.train.steps, int)
+    assert cfg.algorithm.dual_clip == 3.0 and isinstance(cfg.algorithm.dual_clip, float)
+    assert cfg.model.remat is True
+
+
+def test_unknown_key_suggests_closest():
+    with pytest.raises(ConfigError, match=r"unknown config key 'optim.learning_rat'.*did you mean"):
+        load_config(None, ["optim.learning_rat=1"])
+    with pytest.raises(ConfigError, match=r"did you mean 'sampling.temperature'"):
+        load_config(None, ["sampling.temprature=0.5"])
+
+
+@pytest.mark.parametrize("override, message", [
+    ("optim.lr=-1", r"'optim.lr' must be > 0, got -1.0"),
+    ("algorithm.clip_low=1.0", r"'algorithm.clip_low' must be in \[0, 1\)"),
+    ("algorithm.advantage=ppo", r"'algorithm.advantage' must be one of"),
+    ("train.steps=abc", r"'train.steps' expects int, got 'abc'"),
+    ("algorithm.agg=seq-mean-token-sum-norm", r"'algorithm.agg_max_len' must be set"),
+])
+def test_bad_values_fail_with_reason(override, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, [override])
+
+
+def test_yaml_preset_with_base(tmp_path):
+    (tmp_path / "base.yaml").write_text("optim:\n  lr: 2.0e-5\ntrain:\n  steps: 3\n")
+    (tmp_path / "child.yaml").write_text("base: base.yaml\ntrain:\n  steps: 5\n")
+    cfg = load_config(tmp_path / "child.yaml", ["train.seed=4"])
+    assert (cfg.optim.lr, cfg.train.steps, cfg.train.seed) == (2e-5, 5, 4)
+
+
+def test_bad_files(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "missing.yaml")
+    (tmp_path / "bad.yaml").write_text("optim: [1, 2\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(tmp_path / "bad.yaml")
+    (tmp_path / "flat.yaml").write_text("lr: 1\n")
+    with pytest.raises(ConfigError, match="must be a section mapping"):
+        load_config(tmp_path / "flat.yaml")
+
+
+def test_parse_overrides_rejects_malformed():
+    assert parse_overrides(["a.b=1", "c.d=x"]) == {"a.b": 1, "c.d": "x"}
+    with pytest.raises(ConfigError, match="section.key=value"):
+        parse_overrides(["optim.lr"])

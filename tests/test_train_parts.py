@@ -1,0 +1,87 @@
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxrl_llm.train.checkpoint import Checkpointer
+from jaxrl_llm.train.config import OptimSection
+from jaxrl_llm.train.logprobs import chunked_logprobs, gather_response_hidden
+from jaxrl_llm.train.metrics import MetricsWriter, plot_run, read_metrics
+from jaxrl_llm.train.state import init_state, learning_rate, make_optimizer
+
+
+def test_chunked_logprobs_match_full_softmax():
+    rng = np.random.default_rng(0)
+    hidden = rng.normal(size=(2, 3, 8)).astype(np.float32)
+    head = rng.normal(size=(37, 8)).astype(np.float32)  # 37 = 4 chunks of 10 with 3 padded columns
+    targets = np.array([[0, 36, 5], [10, 9, 20]])
+    logits = hidden @ head.T
+    log_z = np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1)) + logits.max(-1)
+    want = np.take_along_axis(logits, targets[..., None], -1)[..., 0] - log_z
+    p = np.exp(logits - log_z[..., None])
+    want_entropy = -(p * np.log(p)).sum(-1)
+    logp, entropy = chunked_logprobs(jnp.asarray(hidden), jnp.asarray(head), jnp.asarray(targets), chunk=10,
+                                     with_entropy=True)
+    np.testing.assert_allclose(logp, want, atol=1e-5)
+    np.testing.assert_allclose(entropy, want_entropy, atol=1e-5)
+
+
+def test_gather_response_hidden_picks_predicting_positions():
+    hidden = jnp.arange(2 * 6, dtype=jnp.float32).reshape(2, 6, 1)
+    out = gather_response_hidden(hidden, jnp.array([2, 4]), 2)
+    # Row 0: prompt of 2 tokens -> response token r is predicted at position 1 + r.
+    np.testing.assert_array_equal(out[..., 0], [[1, 2], [9, 10]])
+
+
+def test_adamw_with_warmup_and_clip_matches_hand_update():
+    cfg = OptimSection(lr=0.1, warmup_steps=2, weight_decay=0.5, grad_clip=1.0)
+    params = {"w": jnp.array([[1.0, -1.0]]), "norm": jnp.array([2.0])}
+    opt = make_optimizer(cfg)
+    state = init_state(params, opt)
+    grads = {"w": jnp.array([[3.0, 4.0]]), "norm": jnp.array([0.0])}  # global norm 5 -> clipped to 1
+    updates, _ = opt.update(grads, state.opt_state, params)
+    # Step 0 of warmup: lr 0 -> no change at all, weight decay included (it is scaled by lr).
+    np.testing.assert_allclose(updates["w"], 0.0)
+    assert learning_rate(cfg, 1) == pytest.approx(0.05) and learning_rate(cfg, 5) == pytest.approx(0.1)
+    updates, opt_state = opt.update(grads, state.opt_state, params)
+    updates, _ = opt.update(grads, opt_state, params)  # second step: lr = 0.05
+    # Adam with a constant gradient: m_hat / sqrt(v_hat) = sign(g) -> update = -lr * (1 + wd * w) for w;
+    # the norm scale gets no decay and a zero gradient.
+    np.testing.assert_allclose(updates["w"], [[-0.05 * (1 + 0.5 * 1.0), -0.05 * (1 + 0.5 * -1.0)]], rtol=1e-4)
+    np.testing.assert_allclose(updates["norm"], [0.0], atol=1e-7)
+
+
+def test_checkpoint_roundtrip_keeps_latest_and_best(tmp_path):
+    ckpt = Checkpointer(tmp_path / "ckpt", keep=2)
+    tree = {"a": jnp.arange(4.0), "b": {"c": jnp.ones((2, 2), jnp.int32)}}
+    accs = {1: 0.9, 2: 0.1, 3: None, 4: 0.2}
+    for step, acc in accs.items():
+        ckpt.save(step, jax.tree_util.tree_map(lambda x: x + step, tree), {"step": step, "data": [step]},
+                  eval_accuracy=acc)
+    assert sorted(ckpt.all_steps()) == [1, 3, 4]  # the last two and the best (0.9 at step 1)
+    step, state, extra = ckpt.restore(tree)
+    assert step == 4 and extra == {"step": 4, "data": [4]}
+    np.testing.assert_array_equal(state["a"], np.arange(4.0) + 4)
+    _, state1, _ = ckpt.restore(tree, step=1)
+    np.testing.assert_array_equal(state1["b"]["c"], np.full((2, 2), 2))
+    ckpt.close()
+    with pytest.raises(FileNotFoundError, match="no checkpoint"):
+        Checkpointer(tmp_path / "empty").restore(tree)
+
+
+def test_metrics_jsonl_tensorboard_and_plot(tmp_path):
+    writer = MetricsWriter(tmp_path)
+    for step in range(3):
+        writer.write(step, {"reward": jnp.float32(step / 2), "accuracy": step / 4, "note": "x",
+                            "kl": float("nan")})
+    writer.close()
+    rows = read_metrics(tmp_path)
+    assert [r["reward"] for r in rows] == [0.0, 0.5, 1.0] and rows[0]["kl"] == "nan"
+    assert any((tmp_path / "tensorboard").iterdir())
+    png = plot_run(tmp_path)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 0}) + "\n{oops\n")
+    with pytest.raises(ValueError, match=r"metrics.jsonl:2"):
+        read_metrics(tmp_path)
