@@ -1,0 +1,47 @@
+"""Pure jax.numpy objectives for RL on verifiable rewards: advantages, policy losses, KL,
+aggregation, PRL shaping, GVM allocation and DAPO shaping.
+
+Arrays in, arrays out: shapes are [B] per sequence and [B, T] per token, and `mask` is the
+response-token mask (1.0 on generated tokens, 0.0 on prompt and padding). This package imports
+only jax, jax.numpy, numpy and the standard library, so other JAX codebases can use it alone.
+"""
+
+from jaxrl_llm.objectives.advantages import (
+    ADVANTAGE_ESTIMATORS,
+    grpo_advantages,
+    mixed_group_mask,
+    mixed_groups,
+    raft_advantages,
+    reinforce_rej_advantages,
+    rloo_advantages,
+)
+from jaxrl_llm.objectives.aggregate import AGG_MODES, LossTerms, aggregate, aggregate_denominator, aggregate_terms
+from jaxrl_llm.objectives.dapo import overlong_penalty
+from jaxrl_llm.objectives.gvm import gvm_allocate
+from jaxrl_llm.objectives.kl import KL_KINDS, entropy_from_logits, kl_penalty
+from jaxrl_llm.objectives.losses import POLICY_LOSS_KINDS, policy_loss, policy_loss_terms
+from jaxrl_llm.objectives.prl import prl_advantages
+
+__all__ = [
+    "ADVANTAGE_ESTIMATORS",
+    "AGG_MODES",
+    "KL_KINDS",
+    "POLICY_LOSS_KINDS",
+    "LossTerms",
+    "aggregate",
+    "aggregate_denominator",
+    "aggregate_terms",
+    "entropy_from_logits",
+    "grpo_advantages",
+    "gvm_allocate",
+    "kl_penalty",
+    "mixed_group_mask",
+    "mixed_groups",
+    "overlong_penalty",
+    "policy_loss",
+    "policy_loss_terms",
+    "prl_advantages",
+    "raft_advantages",
+    "reinforce_rej_advantages",
+    "rloo_advantages",
+]
