@@ -1,0 +1,41 @@
+"""Decoder models: config, pure-functional forward with KV cache, HF checkpoints, sharding rules.
+
+`load_gguf`, `load_bundled`, `bundled_gguf_path` and `Tokenizer` are resolved on first use from
+their own modules, so importing this package stays light.
+"""
+
+import importlib
+import importlib.util
+
+from jaxrl_llm.models.config import ModelConfig
+from jaxrl_llm.models.hf_io import load_hf, params_from_hf, params_to_hf, save_hf
+from jaxrl_llm.models.model import (
+    KVCache,
+    forward,
+    forward_cached,
+    hidden_states,
+    init_cache,
+    init_params,
+    output_logits,
+)
+
+_LAZY = {
+    "load_gguf": "jaxrl_llm.models.gguf",
+    "load_bundled": "jaxrl_llm.models.bundled",
+    "bundled_gguf_path": "jaxrl_llm.models.bundled",
+    "Tokenizer": "jaxrl_llm.models.tokenizer",
+}
+
+__all__ = [
+    "ModelConfig", "init_params", "forward", "forward_cached", "hidden_states", "output_logits",
+    "KVCache", "init_cache", "params_from_hf", "params_to_hf", "load_hf", "save_hf",
+    *(name for name, module in _LAZY.items() if importlib.util.find_spec(module) is not None),
+]
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'jaxrl_llm.models' has no attribute {name!r}")

@@ -1,0 +1,196 @@
+"""ModelConfig: one frozen description of the Llama 3 / SmolLM2, Qwen2 / Qwen2.5 and Qwen3 decoders.
+
+The fields mirror the `transformers` config.json keys of those families; `from_hf_dict` and
+`to_hf_dict` translate between the two so checkpoints round-trip through `transformers`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+SUPPORTED_ROPE_TYPES = ("default", "llama3")
+_DTYPES = ("float32", "bfloat16")
+_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+
+
+def _hashable(value: Any) -> Any:
+    """Turn lists / dicts from JSON into tuples so the config stays hashable (a jit static arg)."""
+    if isinstance(value, dict):
+        return tuple(sorted((k, _hashable(v)) for k, v in value.items()))
+    if isinstance(value, (list, tuple)):
+        return tuple(_hashable(v) for v in value)
+    return value
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Decoder hyper-parameters. Frozen and hashable so it can be a `jax.jit` static argument.
+
+    `rope_scaling` is None or a sorted tuple of (key, value) pairs, e.g. for Llama 3.1
+    (("factor", 8.0), ("high_freq_factor", 4.0), ("low_freq_factor", 1.0),
+     ("original_max_position_embeddings", 8192), ("rope_type", "llama3")).
+    `attention_bias` adds q/k/v biases (always on for Qwen2); `attention_out_bias` adds an o_proj
+    bias (Llama / Qwen3 with `attention_bias: true` in config.json); `qk_norm` is Qwen3's RMSNorm
+    over head_dim applied to q and k before RoPE.
+    """
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    model_type: str = "llama"
+    rope_theta: float = 10000.0
+    rope_scaling: tuple | None = None
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    attention_out_bias: bool = False
+    qk_norm: bool = False
+    max_position_embeddings: int = 2048
+    bos_token_id: int | None = None
+    eos_token_id: int | tuple[int, ...] | None = None
+    param_dtype: str = "float32"
+    compute_dtype: str = "float32"
+    remat: bool = False
+
+    def __post_init__(self):
+        if self.model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(
+                f"unsupported model_type {self.model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+            )
+        for name in ("param_dtype", "compute_dtype"):
+            if getattr(self, name) not in _DTYPES:
+                raise ValueError(f"{name} must be one of {_DTYPES}, got {getattr(self, name)!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
+        # Normalise JSON containers so equal configs hash equally.
+        object.__setattr__(self, "rope_scaling", _hashable(self.rope_scaling))
+        object.__setattr__(self, "eos_token_id", _hashable(self.eos_token_id))
+        rope_type = self.rope_scaling_dict().get("rope_type", "default")
+        if rope_type not in SUPPORTED_ROPE_TYPES:
+            raise ValueError(
+                f"unsupported rope_scaling type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
+            )
+
+    def replace(self, **changes) -> "ModelConfig":
+        return dataclasses.replace(self, **changes)
+
+    def rope_scaling_dict(self) -> dict:
+        return dict(self.rope_scaling) if self.rope_scaling else {}
+
+    @property
+    def architecture(self) -> str:
+        return _ARCHITECTURES[self.model_type]
+
+    @classmethod
+    def from_hf_dict(cls, d: dict, **overrides) -> "ModelConfig":
+        """Build from a transformers config.json dict; `overrides` replace any field afterwards."""
+        model_type = d.get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(
+                f"unsupported model_type {model_type!r} in config; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+            )
+        for key in ("mlp_bias", "use_sliding_window"):
+            if d.get(key):
+                raise ValueError(f"config option {key}=true is not supported for {model_type}")
+        missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                               "num_attention_heads") if k not in d]
+        if missing:
+            raise ValueError(f"config is missing required keys: {', '.join(missing)}")
+        num_heads = d["num_attention_heads"]
+        rope_params = d.get("rope_parameters") or {}  # newer transformers nest RoPE settings here
+        rope_theta = d.get("rope_theta", rope_params.get("rope_theta", 10000.0))
+        rope_scaling = d.get("rope_scaling")
+        if rope_scaling is None and rope_params.get("rope_type", "default") != "default":
+            rope_scaling = {k: v for k, v in rope_params.items() if k != "rope_theta"}
+        if rope_scaling is not None:
+            rope_scaling = dict(rope_scaling)
+            rope_scaling.setdefault("rope_type", rope_scaling.pop("type", "default"))
+            rope_scaling.pop("type", None)
+            if rope_scaling["rope_type"] == "default":
+                rope_scaling = None
+        has_bias = bool(d.get("attention_bias", False))
+        fields = dict(
+            model_type=model_type,
+            vocab_size=d["vocab_size"],
+            hidden_size=d["hidden_size"],
+            intermediate_size=d["intermediate_size"],
+            num_layers=d["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=d.get("num_key_value_heads") or num_heads,
+            head_dim=d.get("head_dim") or d["hidden_size"] // num_heads,
+            rope_theta=float(rope_theta),
+            rope_scaling=rope_scaling,
+            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            # Qwen2 always has q/k/v biases and never an o_proj bias; Llama/Qwen3 put both behind one flag.
+            attention_bias=True if model_type == "qwen2" else has_bias,
+            attention_out_bias=False if model_type == "qwen2" else has_bias,
+            qk_norm=model_type == "qwen3",
+            max_position_embeddings=d.get("max_position_embeddings", 2048),
+            bos_token_id=d.get("bos_token_id"),
+            eos_token_id=d.get("eos_token_id"),
+        )
+        fields.update(overrides)
+        return cls(**fields)
+
+    def to_hf_dict(self) -> dict:
+        """A transformers config.json dict (with `architectures`) for this model."""
+        self._check_hf_representable()
+        d = {
+            "architectures": [self.architecture],
+            "model_type": self.model_type,
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "hidden_act": "silu",
+            "rope_theta": self.rope_theta,
+            "rope_scaling": self.rope_scaling_dict() or None,
+            "rms_norm_eps": self.rms_norm_eps,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "max_position_embeddings": self.max_position_embeddings,
+            "torch_dtype": self.param_dtype,
+            "use_cache": True,
+        }
+        if self.model_type == "qwen2":
+            d["use_sliding_window"] = False
+        else:
+            d["attention_bias"] = self.attention_out_bias
+            d["mlp_bias"] = False
+        if self.bos_token_id is not None:
+            d["bos_token_id"] = self.bos_token_id
+        if self.eos_token_id is not None:
+            eos = self.eos_token_id
+            d["eos_token_id"] = list(eos) if isinstance(eos, tuple) else eos
+        return d
+
+    def _check_hf_representable(self) -> None:
+        """transformers ties some options to the family; refuse combinations it cannot express."""
+        if self.qk_norm != (self.model_type == "qwen3"):
+            raise ValueError(f"qk_norm={self.qk_norm} cannot be expressed for model_type {self.model_type!r}")
+        if self.model_type == "qwen2":
+            ok = self.attention_bias and not self.attention_out_bias
+        else:
+            ok = self.attention_bias == self.attention_out_bias
+        if not ok:
+            raise ValueError(
+                f"attention_bias={self.attention_bias}, attention_out_bias={self.attention_out_bias} "
+                f"cannot be expressed for model_type {self.model_type!r}"
+            )

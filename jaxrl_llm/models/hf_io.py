@@ -1,0 +1,222 @@
+"""Hugging Face checkpoints in and out: config.json + safetensors (single file or sharded index).
+
+Only numpy and `safetensors` are used (no torch). HF stores linear weights as [out, in]; the
+parameter tree stores them as [in, out] (x @ W) and stacks layers on a leading axis.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+from collections.abc import Mapping
+
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from safetensors import SafetensorError, safe_open
+from safetensors.numpy import save_file
+
+from jaxrl_llm.models.config import ModelConfig
+from jaxrl_llm.models.model import Params, param_shapes
+
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+# Parameter name in params["layers"] -> (HF name inside "model.layers.{i}.", HF stores it [out, in]).
+_LAYER_NAMES = {
+    "attn_norm": ("input_layernorm.weight", False),
+    "q_proj": ("self_attn.q_proj.weight", True),
+    "k_proj": ("self_attn.k_proj.weight", True),
+    "v_proj": ("self_attn.v_proj.weight", True),
+    "o_proj": ("self_attn.o_proj.weight", True),
+    "q_bias": ("self_attn.q_proj.bias", False),
+    "k_bias": ("self_attn.k_proj.bias", False),
+    "v_bias": ("self_attn.v_proj.bias", False),
+    "o_bias": ("self_attn.o_proj.bias", False),
+    "q_norm": ("self_attn.q_norm.weight", False),
+    "k_norm": ("self_attn.k_norm.weight", False),
+    "mlp_norm": ("post_attention_layernorm.weight", False),
+    "gate_proj": ("mlp.gate_proj.weight", True),
+    "up_proj": ("mlp.up_proj.weight", True),
+    "down_proj": ("mlp.down_proj.weight", True),
+}
+# Tensors some checkpoints carry that the model recomputes.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def _dtype_name(dtype) -> str:
+    name = jnp.dtype(dtype).name
+    if name not in ("float32", "bfloat16"):
+        raise ValueError(f"dtype must be float32 or bfloat16, got {name}")
+    return name
+
+
+def _np_dtype(name: str):
+    return ml_dtypes.bfloat16 if name == "bfloat16" else np.float32
+
+
+def _hf_layout(config: ModelConfig) -> dict[str, tuple[tuple[str, ...], bool]]:
+    """HF tensor name -> (path in the parameter tree, stored transposed)."""
+    shapes = param_shapes(config)
+    layout = {"model.embed_tokens.weight": (("embed",), False), "model.norm.weight": (("final_norm",), False)}
+    if "lm_head" in shapes:
+        layout["lm_head.weight"] = (("lm_head",), True)
+    for i in range(config.num_layers):
+        for name in shapes["layers"]:
+            suffix, transposed = _LAYER_NAMES[name]
+            layout[f"model.layers.{i}.{suffix}"] = (("layers", name, i), transposed)
+    return layout
+
+
+def hf_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """The HF tensor names and shapes ([out, in] for linear weights) a checkpoint of `config` holds."""
+    shapes = param_shapes(config)
+    out = {}
+    for hf_name, (path, transposed) in _hf_layout(config).items():
+        shape = shapes["layers"][path[1]][1:] if path[0] == "layers" else shapes[path[0]]
+        out[hf_name] = tuple(reversed(shape)) if transposed else tuple(shape)
+    return out
+
+
+def _check_names(config: ModelConfig, names, where: str) -> None:
+    expected = hf_tensor_shapes(config)
+    missing = [n for n in expected if n not in names]
+    if missing:
+        raise ValueError(f"{where}: missing tensor {missing[0]!r} ({len(missing)} missing in all) "
+                         f"for a {config.model_type} model with {config.num_layers} layers")
+    unexpected = [n for n in names if n not in expected and not n.endswith(_IGNORED_SUFFIXES)
+                  and not (n == "lm_head.weight" and config.tie_word_embeddings)]
+    if unexpected:
+        raise ValueError(f"{where}: unexpected tensor {unexpected[0]!r} ({len(unexpected)} in all); "
+                         f"the weights do not match the {config.model_type} config")
+
+
+def _check_shape(config: ModelConfig, name: str, shape, where: str) -> None:
+    expected = hf_tensor_shapes(config)[name]
+    if tuple(shape) != expected:
+        raise ValueError(f"{where}: tensor {name!r} has shape {tuple(shape)} but the config implies {expected}")
+
+
+def params_from_hf(config: ModelConfig, tensors: Mapping[str, np.ndarray], dtype=None) -> Params:
+    """Parameter tree from HF-named tensors in HF layout ("model.layers.3.self_attn.q_proj.weight"
+    [out, in], "model.embed_tokens.weight", "model.norm.weight", "lm_head.weight").
+    Weights are transposed to [in, out], layers stacked, and cast to `dtype`
+    (default config.param_dtype). Raises ValueError naming a missing, unexpected or mis-shaped tensor."""
+    np_dtype = _np_dtype(_dtype_name(dtype or config.param_dtype))
+    _check_names(config, tensors.keys(), "tensors")
+    layer_parts: dict[str, list] = {}
+    params: Params = {}
+    for hf_name, (path, transposed) in _hf_layout(config).items():
+        array = np.asarray(tensors[hf_name])
+        _check_shape(config, hf_name, array.shape, "tensors")
+        array = (array.T if transposed else array).astype(np_dtype)
+        if path[0] == "layers":
+            layer_parts.setdefault(path[1], []).append(array)
+        else:
+            params[path[0]] = jnp.asarray(array)
+    params["layers"] = {name: jnp.asarray(np.stack(parts)) for name, parts in layer_parts.items()}
+    return params
+
+
+def params_to_hf(config: ModelConfig, params: Params) -> dict[str, np.ndarray]:
+    """Inverse of `params_from_hf`: HF-named numpy tensors in HF layout, in the params' dtype."""
+    out = {}
+    for hf_name, (path, transposed) in _hf_layout(config).items():
+        if path[0] == "layers":
+            array = np.asarray(params["layers"][path[1]][path[2]])
+        else:
+            array = np.asarray(params[path[0]])
+        out[hf_name] = np.ascontiguousarray(array.T if transposed else array)
+    return out
+
+
+def _read_config(directory: pathlib.Path, dtype) -> ModelConfig:
+    config_path = directory / CONFIG_FILE
+    if not directory.is_dir():
+        raise FileNotFoundError(f"{directory}: no such checkpoint directory")
+    if not config_path.is_file():
+        raise FileNotFoundError(f"{config_path}: missing; a Hugging Face checkpoint needs config.json")
+    try:
+        raw = json.loads(config_path.read_text())
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{config_path}: not valid JSON ({err})") from None
+    overrides = {}
+    if dtype is not None:
+        overrides = dict(param_dtype=_dtype_name(dtype), compute_dtype=_dtype_name(dtype))
+    try:
+        return ModelConfig.from_hf_dict(raw, **overrides)
+    except ValueError as err:
+        raise ValueError(f"{config_path}: {err}") from None
+
+
+def _weight_files(directory: pathlib.Path) -> dict[str, pathlib.Path]:
+    """HF tensor name -> the safetensors file that should hold it (from the index when sharded)."""
+    index_path = directory / INDEX_FILE
+    if index_path.is_file():
+        try:
+            weight_map = json.loads(index_path.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as err:
+            raise ValueError(f"{index_path}: not a safetensors index with a weight_map ({err!r})") from None
+        return {name: directory / file for name, file in weight_map.items()}
+    single = directory / WEIGHTS_FILE
+    if not single.is_file():
+        raise FileNotFoundError(f"{directory}: neither {WEIGHTS_FILE} nor {INDEX_FILE} found")
+    with _open_safetensors(single) as f:
+        return {name: single for name in f.keys()}
+
+
+def _open_safetensors(path: pathlib.Path, framework: str = "np"):
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: missing safetensors file")
+    try:
+        return safe_open(str(path), framework=framework)
+    except SafetensorError as err:
+        raise ValueError(f"{path}: not a readable safetensors file, truncated or corrupt ({err})") from None
+
+
+def _get_tensor(handle, path: pathlib.Path, name: str) -> np.ndarray:
+    try:
+        return handle.get_tensor(name)
+    except (SafetensorError, TypeError, ValueError):
+        # Older safetensors cannot build bfloat16 numpy arrays: go through JAX instead.
+        with _open_safetensors(path, framework="flax") as f:
+            return np.asarray(f.get_tensor(name))
+
+
+def load_hf(path, dtype=None) -> tuple[ModelConfig, Params]:
+    """Load a Llama / Qwen2 / Qwen3 checkpoint directory: config.json plus model.safetensors or
+    model.safetensors.index.json with its shards. `dtype` ("float32" | "bfloat16") sets both
+    param_dtype and compute_dtype (default float32). Errors name the file and tensor at fault."""
+    directory = pathlib.Path(path)
+    config = _read_config(directory, dtype)
+    files = _weight_files(directory)
+    _check_names(config, files.keys(), str(directory))
+    names_by_file: dict[pathlib.Path, list[str]] = {}
+    for name in hf_tensor_shapes(config):
+        names_by_file.setdefault(files[name], []).append(name)
+    tensors = {}
+    for file, names in names_by_file.items():
+        with _open_safetensors(file) as handle:
+            present = set(handle.keys())
+            for name in names:
+                if name not in present:
+                    raise ValueError(f"{file}: missing tensor {name!r} listed in {INDEX_FILE}")
+                _check_shape(config, name, handle.get_slice(name).get_shape(), str(file))
+                tensors[name] = _get_tensor(handle, file, name)
+    return config, params_from_hf(config, tensors)
+
+
+def save_hf(path, config: ModelConfig, params: Params, tokenizer=None) -> pathlib.Path:
+    """Write config.json (with `architectures`, loadable by transformers' AutoModelForCausalLM) and
+    model.safetensors to directory `path`, plus the tokenizer files when `tokenizer` (anything with
+    `save_pretrained(dir)`) is given. Returns the directory."""
+    directory = pathlib.Path(path)
+    directory.mkdir(parents=True, exist_ok=True)
+    hf_config = config.to_hf_dict()
+    tensors = params_to_hf(config, params)
+    (directory / CONFIG_FILE).write_text(json.dumps(hf_config, indent=2) + "\n")
+    save_file(tensors, str(directory / WEIGHTS_FILE), metadata={"format": "pt"})
+    if tokenizer is not None:
+        tokenizer.save_pretrained(str(directory))
+    return directory

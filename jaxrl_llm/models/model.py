@@ -1,0 +1,197 @@
+"""Pure-functional decoder for the Llama / Qwen2 / Qwen3 families, with a static KV cache.
+
+Parameters are a plain nested dict (see `init_params` for the key names). Transformer layers are
+stacked on a leading `num_layers` axis and run by `jax.lax.scan`, so one layer is compiled whatever
+the depth; `config.remat` wraps the layer in `jax.checkpoint`. Every function takes the config as a
+plain argument: jit with `static_argnums=1` (ModelConfig is hashable).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from jaxrl_llm.models.config import ModelConfig
+from jaxrl_llm.models.layers import apply_rope, attention, rms_norm, rope_inv_freq, swiglu_mlp
+
+Params = dict
+
+
+class KVCache(NamedTuple):
+    """Keys and values for every layer: k, v of shape [num_layers, B, S, num_kv_heads, head_dim].
+    Slot s of a row holds the key/value of that row's token at absolute position s."""
+
+    k: jax.Array
+    v: jax.Array
+
+
+def _layer_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Per-layer parameter shapes (without the stacked layer axis); matrices are [in, out]."""
+    d, f, hd = config.hidden_size, config.intermediate_size, config.head_dim
+    q_out, kv_out = config.num_heads * hd, config.num_kv_heads * hd
+    shapes = {
+        "attn_norm": (d,),
+        "q_proj": (d, q_out),
+        "k_proj": (d, kv_out),
+        "v_proj": (d, kv_out),
+        "o_proj": (q_out, d),
+        "mlp_norm": (d,),
+        "gate_proj": (d, f),
+        "up_proj": (d, f),
+        "down_proj": (f, d),
+    }
+    if config.attention_bias:
+        shapes.update(q_bias=(q_out,), k_bias=(kv_out,), v_bias=(kv_out,))
+    if config.attention_out_bias:
+        shapes["o_bias"] = (d,)
+    if config.qk_norm:
+        shapes.update(q_norm=(hd,), k_norm=(hd,))
+    return shapes
+
+
+def param_shapes(config: ModelConfig) -> Params:
+    """The parameter tree of `init_params` as shapes: {"embed": [V, D], "layers": {name: [L, ...]},
+    "final_norm": [D], "lm_head": [D, V] (only when the output embedding is not tied)}."""
+    shapes = {
+        "embed": (config.vocab_size, config.hidden_size),
+        "layers": {k: (config.num_layers, *s) for k, s in _layer_shapes(config).items()},
+        "final_norm": (config.hidden_size,),
+    }
+    if not config.tie_word_embeddings:
+        shapes["lm_head"] = (config.hidden_size, config.vocab_size)
+    return shapes
+
+
+def init_params(config: ModelConfig, rng: jax.Array) -> Params:
+    """Random parameters as transformers initialises these models: weights ~ N(0, 0.02^2),
+    norm weights 1, biases 0; stored in `config.param_dtype`."""
+    dtype = jnp.dtype(config.param_dtype)
+    shapes = param_shapes(config)
+    flat, treedef = jax.tree_util.tree_flatten_with_path(shapes, is_leaf=lambda x: isinstance(x, tuple))
+    keys = jax.random.split(rng, len(flat))
+    leaves = []
+    for key, (path, shape) in zip(keys, flat):
+        name = path[-1].key
+        if name.endswith("norm"):
+            leaves.append(jnp.ones(shape, dtype))
+        elif name.endswith("bias"):
+            leaves.append(jnp.zeros(shape, dtype))
+        else:
+            leaves.append((0.02 * jax.random.normal(key, shape, jnp.float32)).astype(dtype))
+    return jax.tree_util.tree_unflatten(treedef, leaves)
+
+
+def _project_qkv(lp: Params, config: ModelConfig, h: jax.Array, positions: jax.Array):
+    """q [B,T,H,hd], k, v [B,T,KV,hd] for one layer, with biases, q/k norm and RoPE applied."""
+    batch, length, _ = h.shape
+    dtype = h.dtype
+    q, k, v = (h @ lp[f"{n}_proj"].astype(dtype) for n in "qkv")
+    if config.attention_bias:
+        q, k, v = q + lp["q_bias"].astype(dtype), k + lp["k_bias"].astype(dtype), v + lp["v_bias"].astype(dtype)
+    q = q.reshape(batch, length, config.num_heads, config.head_dim)
+    k = k.reshape(batch, length, config.num_kv_heads, config.head_dim)
+    v = v.reshape(batch, length, config.num_kv_heads, config.head_dim)
+    if config.qk_norm:  # Qwen3: RMSNorm over head_dim before the rotation
+        q = rms_norm(q, lp["q_norm"], config.rms_norm_eps)
+        k = rms_norm(k, lp["k_norm"], config.rms_norm_eps)
+    inv_freq = rope_inv_freq(config)
+    return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
+
+
+def _finish_layer(lp: Params, config: ModelConfig, x: jax.Array, attn: jax.Array) -> jax.Array:
+    """Output projection + residual, then the pre-norm SwiGLU block + residual."""
+    out = attn @ lp["o_proj"].astype(x.dtype)
+    if config.attention_out_bias:
+        out = out + lp["o_bias"].astype(x.dtype)
+    x = x + out
+    h = rms_norm(x, lp["mlp_norm"], config.rms_norm_eps)
+    return x + swiglu_mlp(h, lp["gate_proj"], lp["up_proj"], lp["down_proj"])
+
+
+def _maybe_remat(fn, config: ModelConfig):
+    return jax.checkpoint(fn, prevent_cse=False) if config.remat else fn
+
+
+def _embed(params: Params, config: ModelConfig, tokens: jax.Array) -> jax.Array:
+    return jnp.take(params["embed"], tokens, axis=0).astype(jnp.dtype(config.compute_dtype))
+
+
+def hidden_states(params: Params, config: ModelConfig, tokens: jax.Array, positions: jax.Array,
+                  *, attention_mask: jax.Array | None = None) -> jax.Array:
+    """Final-norm hidden states [B, T, D] of the pre-norm decoder (Llama / Qwen2 / Qwen3):
+    x_0 = embed[tokens]; per layer x += Attn(RMSNorm(x)); x += SwiGLU(RMSNorm(x)); out = RMSNorm(x).
+
+    Attention is causal by position: query i sees key j iff positions[j] <= positions[i] and
+    attention_mask[j] != 0 (when a mask is given). tokens, positions: int32 [B, T].
+    """
+    keep = positions[:, None, :] <= positions[:, :, None]  # [B, T(query), T(key)]
+    if attention_mask is not None:
+        keep = keep & (attention_mask[:, None, :] != 0)
+
+    def layer(x, lp):
+        h = rms_norm(x, lp["attn_norm"], config.rms_norm_eps)
+        q, k, v = _project_qkv(lp, config, h, positions)
+        return _finish_layer(lp, config, x, attention(q, k, v, keep)), None
+
+    x, _ = jax.lax.scan(_maybe_remat(layer, config), _embed(params, config, tokens), params["layers"])
+    return rms_norm(x, params["final_norm"], config.rms_norm_eps)
+
+
+def output_logits(params: Params, config: ModelConfig, hidden: jax.Array) -> jax.Array:
+    """Logits hidden @ W_out in float32, W_out = embed^T when the output embedding is tied,
+    else lm_head [D, V]. hidden: [..., D] -> [..., V]."""
+    dtype = jnp.dtype(config.compute_dtype)
+    hidden = hidden.astype(dtype)
+    if config.tie_word_embeddings:
+        return jnp.einsum("...d,vd->...v", hidden, params["embed"].astype(dtype),
+                          preferred_element_type=jnp.float32)
+    return jnp.einsum("...d,dv->...v", hidden, params["lm_head"].astype(dtype),
+                      preferred_element_type=jnp.float32)
+
+
+def forward(params: Params, config: ModelConfig, tokens: jax.Array, positions: jax.Array,
+            *, attention_mask: jax.Array | None = None) -> jax.Array:
+    """Logits [B, T, V] float32 = output_logits(hidden_states(...)); see `hidden_states`."""
+    hidden = hidden_states(params, config, tokens, positions, attention_mask=attention_mask)
+    return output_logits(params, config, hidden)
+
+
+def init_cache(config: ModelConfig, batch: int, max_len: int, dtype=None) -> KVCache:
+    """A zero cache for `batch` rows of up to `max_len` positions, in `dtype`
+    (default: config.compute_dtype)."""
+    dtype = jnp.dtype(dtype or config.compute_dtype)
+    shape = (config.num_layers, batch, max_len, config.num_kv_heads, config.head_dim)
+    return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+
+
+def forward_cached(params: Params, config: ModelConfig, tokens: jax.Array, positions: jax.Array,
+                   cache: KVCache) -> tuple[jax.Array, KVCache]:
+    """Logits [B, T, V] float32 for a chunk of tokens, reading and updating a KV cache.
+
+    Each token's key/value is written to cache slot = its absolute position (per row; positions
+    may differ across rows; positions >= max_len are dropped), then a query at position p attends
+    to slots s <= p of its row. Serves prefill (T = prompt bucket, positions = arange) and decode
+    (T = 1). Right padding is safe: a pad token's slot is overwritten by the real token that later
+    takes that position before any query at or beyond it reads the slot.
+    """
+    batch = tokens.shape[0]
+    max_len = cache.k.shape[2]
+    keep = jnp.arange(max_len)[None, None, :] <= positions[:, :, None]  # [B, T, S]
+    rows = jnp.arange(batch)[:, None]
+
+    def layer(x, layer_in):
+        lp, k_cache, v_cache = layer_in
+        h = rms_norm(x, lp["attn_norm"], config.rms_norm_eps)
+        q, k, v = _project_qkv(lp, config, h, positions)
+        k_cache = k_cache.at[rows, positions].set(k.astype(k_cache.dtype), mode="drop")
+        v_cache = v_cache.at[rows, positions].set(v.astype(v_cache.dtype), mode="drop")
+        attn = attention(q, k_cache.astype(q.dtype), v_cache.astype(q.dtype), keep)
+        return _finish_layer(lp, config, x, attn), (k_cache, v_cache)
+
+    x, (k_new, v_new) = jax.lax.scan(
+        _maybe_remat(layer, config), _embed(params, config, tokens), (params["layers"], cache.k, cache.v)
+    )
+    hidden = rms_norm(x, params["final_norm"], config.rms_norm_eps)
+    return output_logits(params, config, hidden), KVCache(k_new, v_new)

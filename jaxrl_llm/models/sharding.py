@@ -1,0 +1,118 @@
+"""Sharding rules beside the model: regex over parameter paths -> PartitionSpec over the mesh axes
+("data", "fsdp", "tensor"), in the style of EasyLM's `get_partition_rules`.
+
+Parameters are replicated over `data`, split over `fsdp` on their model dimension (ZeRO-3 style),
+and split over `tensor` Megatron-style: column-parallel q/k/v/gate/up (output dim), row-parallel
+o/down (input dim), vocabulary-parallel embedding and output head.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from jaxrl_llm.models.config import ModelConfig
+
+MESH_AXES = ("data", "fsdp", "tensor")
+# Batch dimension of activations: split over every data-parallel axis.
+BATCH_SPEC = P(("data", "fsdp"))
+
+
+def make_mesh(spec: str = "", devices=None) -> Mesh:
+    """Mesh with axes ("data", "fsdp", "tensor") from a string such as "data=2,fsdp=2,tensor=2".
+
+    Axes left out have size 1; one axis may be -1 to take the remaining devices; an empty string
+    puts every device on "fsdp". The product must equal the number of devices (default: all).
+    """
+    devices = list(jax.devices() if devices is None else devices)
+    sizes = {name: 1 for name in MESH_AXES}
+    if spec.strip():
+        for part in spec.split(","):
+            name, sep, value = part.partition("=")
+            name = name.strip()
+            if not sep or name not in sizes:
+                raise ValueError(f"mesh spec {spec!r}: expected comma-separated axis=size with axes {MESH_AXES}")
+            try:
+                sizes[name] = int(value)
+            except ValueError:
+                raise ValueError(f"mesh spec {spec!r}: size of {name!r} must be an integer") from None
+    else:
+        sizes["fsdp"] = -1
+    free = [name for name, size in sizes.items() if size == -1]
+    if len(free) > 1:
+        raise ValueError(f"mesh spec {spec!r}: at most one axis may be -1")
+    fixed = math.prod(size for size in sizes.values() if size != -1)
+    if free:
+        sizes[free[0]] = len(devices) // fixed if fixed and len(devices) % fixed == 0 else 0
+    if any(size < 1 for size in sizes.values()) or math.prod(sizes.values()) != len(devices):
+        raise ValueError(f"mesh spec {spec!r} gives sizes {sizes}, which do not multiply to the "
+                         f"{len(devices)} available devices")
+    shape = tuple(sizes[name] for name in MESH_AXES)
+    if len(devices) == jax.device_count():
+        return jax.make_mesh(shape, MESH_AXES, devices=devices)
+    return Mesh(np.asarray(devices).reshape(shape), MESH_AXES)
+
+
+def partition_rules(config: ModelConfig | None = None) -> list[tuple[str, P]]:
+    """(regex, PartitionSpec) pairs matched with re.search against "/"-joined parameter paths
+    ("embed", "layers/q_proj", ...); the first match wins. Layer tensors carry a leading layer axis
+    that is never split. The rules are the same for every supported family (`config` is accepted
+    so that family-specific rules can be added without changing callers)."""
+    del config
+    return [
+        (r"^embed$", P("tensor", "fsdp")),                              # [V, D]
+        (r"^lm_head$", P("fsdp", "tensor")),                            # [D, V]
+        (r"^layers/(q|k|v|gate|up)_proj$", P(None, "fsdp", "tensor")),  # [L, D, out]
+        (r"^layers/(o|down)_proj$", P(None, "tensor", "fsdp")),         # [L, in, D]
+        (r"^layers/(q|k|v)_bias$", P(None, "tensor")),                  # [L, out]
+        (r"(norm|o_bias)$", P()),                                       # small vectors: replicate
+    ]
+
+
+def _path_name(path) -> str:
+    return "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+
+
+def param_partition_specs(params, rules: list[tuple[str, P]] | None = None):
+    """A tree like `params` holding the PartitionSpec of the first rule whose regex matches each
+    leaf's path. Raises ValueError naming a parameter no rule matches."""
+    rules = partition_rules() if rules is None else rules
+    compiled = [(re.compile(pattern), spec) for pattern, spec in rules]
+
+    def spec_for(path, _leaf):
+        name = _path_name(path)
+        for pattern, spec in compiled:
+            if pattern.search(name):
+                return spec
+        raise ValueError(f"no partition rule matches parameter {name!r}")
+
+    return jax.tree_util.tree_map_with_path(spec_for, params)
+
+
+def _fit_spec(spec: P, shape: tuple[int, ...], mesh: Mesh) -> P:
+    """Drop mesh axes from dimensions they do not divide evenly (those dimensions replicate)."""
+    fitted = []
+    for dim, axes in zip(shape, tuple(spec) + (None,) * (len(shape) - len(spec))):
+        names = (axes,) if isinstance(axes, str) else tuple(axes or ())
+        size = math.prod(mesh.shape[n] for n in names)
+        fitted.append(axes if names and dim % size == 0 else None)
+    return P(*fitted)
+
+
+def param_shardings(params, mesh: Mesh, rules: list[tuple[str, P]] | None = None):
+    """NamedShardings for `params` on `mesh` (usable as jit in/out shardings)."""
+    specs, _ = jax.tree_util.tree_flatten(param_partition_specs(params, rules),
+                                          is_leaf=lambda x: isinstance(x, P))
+    leaves, treedef = jax.tree_util.tree_flatten(params)
+    shardings = [NamedSharding(mesh, _fit_spec(spec, np.shape(leaf), mesh)) for leaf, spec in zip(leaves, specs)]
+    return jax.tree_util.tree_unflatten(treedef, shardings)
+
+
+def shard_params(params, mesh: Mesh, rules: list[tuple[str, P]] | None = None):
+    """Place `params` on `mesh` following `rules` (default `partition_rules()`). A dimension that a
+    rule's mesh axes do not divide evenly is replicated instead."""
+    return jax.device_put(params, param_shardings(params, mesh, rules))
