@@ -1,0 +1,25 @@
+"""JAX sampling loop: prefill each prompt once, then a `lax.while_loop` decode over a static KV cache.
+
+`generate(params, config, prompts, *, num_samples, max_new_tokens, ...) -> Rollout` is the entry
+point; `prefill`, `decode` and `collect` are its stages (used by the benchmark to time them apart).
+"""
+
+from jaxrl_llm.sampling.buckets import SamplingPlan, bucket_size, make_plan
+from jaxrl_llm.sampling.engine import SamplingState
+from jaxrl_llm.sampling.generate import (
+    FINISH_LENGTH,
+    FINISH_REASON_NAMES,
+    FINISH_STOP,
+    Rollout,
+    collect,
+    decode,
+    generate,
+    prefill,
+)
+from jaxrl_llm.sampling.token_selection import inverse_cdf_sample, nucleus_mask, select_tokens
+
+__all__ = [
+    "generate", "Rollout", "FINISH_STOP", "FINISH_LENGTH", "FINISH_REASON_NAMES",
+    "prefill", "decode", "collect", "SamplingState", "SamplingPlan", "make_plan", "bucket_size",
+    "select_tokens", "inverse_cdf_sample", "nucleus_mask",
+]

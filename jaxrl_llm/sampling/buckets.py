@@ -1,0 +1,78 @@
+"""Static shapes for the sampler: lengths, row counts and prompt counts are rounded up to buckets so
+that a new prompt length or a new mix of per-prompt sample counts reuses a compiled program."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+
+def bucket_size(n: int, *, minimum: int = 1, granularity: int = 256) -> int:
+    """Smallest bucket >= max(n, minimum): powers of two below `granularity`, then multiples of it.
+
+    E.g. with minimum 16, granularity 256: 5 -> 16, 17 -> 32, 200 -> 256, 300 -> 512, 700 -> 768.
+    """
+    if n < 0:
+        raise ValueError(f"bucket_size needs a non-negative size, got {n}")
+    n = max(n, minimum, 1)
+    if n <= granularity:
+        return 1 << (n - 1).bit_length()
+    return -(-n // granularity) * granularity
+
+
+def round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingPlan:
+    """Where every output row comes from and the padded shapes of one `generate` call.
+
+    Output rows are ordered by prompt, then sample; row r samples prompt `row_prompt[r]`.
+    Rows [num_rows, row_bucket) are padding, marked done from the start. `prefill_prompts` are the
+    prompts with at least one sample, prefilled `prompts_per_prefill` at a time.
+    """
+
+    row_prompt: np.ndarray        # int32 [num_rows]
+    prefill_prompts: np.ndarray   # int32 [num_active] prompt indices with count > 0
+    num_rows: int
+    row_bucket: int
+    prompt_bucket: int            # padded prompt length
+    new_token_bucket: int         # padded max_new_tokens (token buffer width)
+    prompts_per_prefill: int
+
+    @property
+    def cache_length(self) -> int:
+        return self.prompt_bucket + self.new_token_bucket
+
+
+def make_plan(
+    prompt_lengths: np.ndarray,
+    counts: np.ndarray,
+    max_new_tokens: int,
+    *,
+    row_multiple: int = 1,
+    prefill_tokens_per_call: int = 4096,
+) -> SamplingPlan:
+    """Buckets: prompt length and max_new_tokens to powers of two (min 16) then multiples of 256;
+    rows to powers of two (then multiples of 256) and a multiple of `row_multiple` (the number of
+    devices the rows are split over); prompts per prefill call to a power of two such that
+    prompts x prompt_bucket stays within `prefill_tokens_per_call` (at least one prompt)."""
+    row_prompt = np.repeat(np.arange(len(counts), dtype=np.int32), counts)
+    active = np.flatnonzero(counts > 0).astype(np.int32)
+    num_rows = int(row_prompt.shape[0])
+    prompt_bucket = bucket_size(int(prompt_lengths[active].max()) if len(active) else 1, minimum=16)
+    row_bucket = round_up(bucket_size(num_rows), row_multiple)
+    budget_prompts = max(1, prefill_tokens_per_call // prompt_bucket)
+    budget_prompts = 1 << (budget_prompts.bit_length() - 1)  # round down to a power of two
+    per_call = min(bucket_size(len(active)), budget_prompts)
+    return SamplingPlan(
+        row_prompt=row_prompt,
+        prefill_prompts=active,
+        num_rows=num_rows,
+        row_bucket=row_bucket,
+        prompt_bucket=prompt_bucket,
+        new_token_bucket=bucket_size(max_new_tokens, minimum=16),
+        prompts_per_prefill=round_up(per_call, row_multiple),
+    )

@@ -1,0 +1,179 @@
+"""The compiled stages of sampling: allocate the row state, prefill prompts into it, decode.
+
+State is static (STYLE item 4): every array in `SamplingState` has a bucketed shape fixed before
+decoding starts; the decode loop only overwrites it (the cache in place, as the buffer is donated).
+Each prompt is prefilled once, and its cache is copied to the rows that sample it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jaxrl_llm.models import KVCache, ModelConfig, forward_cached, init_cache
+from jaxrl_llm.sampling.token_selection import select_tokens
+
+ROW_AXES = ("data", "fsdp")  # mesh axes the sample rows are split over
+
+
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=["tokens", "logprobs", "prompt_lengths", "done", "stopped", "lengths",
+                                "step", "cache"],
+                   meta_fields=[])
+@dataclasses.dataclass(frozen=True)
+class SamplingState:
+    """Everything the decode loop carries, one row per sample (R = row bucket, N = token bucket).
+
+    tokens [R, N] int32 generated tokens (pad_id after a row is done); logprobs [R, N] f32;
+    prompt_lengths [R] int32 (token t of a row sits at position prompt_length + t);
+    done [R] bool; stopped [R] bool (ended by a stop id); lengths [R] int32 tokens generated;
+    step [] int32 tokens generated so far by the longest row; cache: KVCache over R rows.
+    """
+
+    tokens: jax.Array
+    logprobs: jax.Array
+    prompt_lengths: jax.Array
+    done: jax.Array
+    stopped: jax.Array
+    lengths: jax.Array
+    step: jax.Array
+    cache: KVCache
+
+
+def row_axes(mesh: Mesh | None) -> tuple[str, ...]:
+    """The mesh axes present among ('data', 'fsdp'): rows are sharded over their product."""
+    if mesh is None:
+        return ()
+    return tuple(a for a in ROW_AXES if a in mesh.axis_names)
+
+
+def row_sharding(mesh: Mesh | None, ndim: int, axis: int = 0) -> NamedSharding | None:
+    """NamedSharding splitting dimension `axis` of an ndim array over the row axes of `mesh`."""
+    if mesh is None:
+        return None
+    spec = [None] * ndim
+    spec[axis] = row_axes(mesh) or None
+    return NamedSharding(mesh, PartitionSpec(*spec))
+
+
+def _constrain(x: jax.Array, mesh: Mesh | None, axis: int = 0) -> jax.Array:
+    if mesh is None:
+        return x
+    return jax.lax.with_sharding_constraint(x, row_sharding(mesh, x.ndim, axis))
+
+
+def _constrain_state(state: SamplingState, mesh: Mesh | None) -> SamplingState:
+    if mesh is None:
+        return state
+    cache = KVCache(_constrain(state.cache.k, mesh, 1), _constrain(state.cache.v, mesh, 1))
+    rows = {f.name: _constrain(getattr(state, f.name), mesh)
+            for f in dataclasses.fields(state) if f.name not in ("step", "cache")}
+    return SamplingState(**rows, step=state.step, cache=cache)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "mesh", "new_token_bucket", "cache_length"))
+def init_state(config: ModelConfig, mesh: Mesh | None, prompt_lengths: jax.Array, valid: jax.Array, *,
+               new_token_bucket: int, cache_length: int) -> tuple[SamplingState, jax.Array]:
+    """A fresh state for R = len(valid) rows (invalid rows are bucket padding: done from the start)
+    and a zero [R, V] buffer for the logits of each row's first token."""
+    rows = valid.shape[0]
+    state = SamplingState(
+        tokens=jnp.zeros((rows, new_token_bucket), jnp.int32),
+        logprobs=jnp.zeros((rows, new_token_bucket), jnp.float32),
+        prompt_lengths=prompt_lengths.astype(jnp.int32),
+        done=~valid,
+        stopped=jnp.zeros((rows,), bool),
+        lengths=jnp.zeros((rows,), jnp.int32),
+        step=jnp.zeros((), jnp.int32),
+        cache=init_cache(config, rows, cache_length),
+    )
+    first_logits = _constrain(jnp.zeros((rows, config.vocab_size), jnp.float32), mesh)
+    return _constrain_state(state, mesh), first_logits
+
+
+@functools.partial(jax.jit, static_argnames=("config", "mesh"), donate_argnames=("state", "first_logits"))
+def prefill_rows(params, config: ModelConfig, mesh: Mesh | None, prompt_tokens: jax.Array,
+                 prompt_lengths: jax.Array, row_source: jax.Array, state: SamplingState,
+                 first_logits: jax.Array) -> tuple[SamplingState, jax.Array]:
+    """Run C prompts (prompt_tokens [C, L], right-padded, positions 0..L-1) through the model once
+    and copy each prompt's cache slots [0, L) and its last-position logits to the rows with
+    row_source[r] = its index in this call (rows with -1 belong to another call and are kept)."""
+    count, length = prompt_tokens.shape
+    prompt_tokens = _constrain(prompt_tokens, mesh)
+    positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (count, length))
+    logits, cache = forward_cached(params, config, prompt_tokens, positions,
+                                   init_cache(config, count, length, state.cache.k.dtype))
+    last_logits = logits[jnp.arange(count), prompt_lengths - 1]  # [C, V]
+    take = row_source >= 0
+    source = jnp.maximum(row_source, 0)
+
+    def merge(rows_cache, prompt_cache):
+        copied = jnp.take(prompt_cache, source, axis=1)  # [layers, R, L, kv, hd]
+        head = jnp.where(take[None, :, None, None, None], copied, rows_cache[:, :, :length])
+        return jax.lax.dynamic_update_slice_in_dim(rows_cache, head, 0, axis=2)
+
+    new_cache = KVCache(merge(state.cache.k, cache.k), merge(state.cache.v, cache.v))
+    first_logits = jnp.where(take[:, None], jnp.take(last_logits, source, axis=0), first_logits)
+    state = dataclasses.replace(state, cache=new_cache)
+    return _constrain_state(state, mesh), _constrain(first_logits, mesh)
+
+
+def _row_uniforms(rng: jax.Array, rows: int, step: jax.Array) -> jax.Array:
+    """One U[0, 1) number per row: key = fold_in(fold_in(rng, row), step), so a row's draws depend
+    only on the seed, its output row index and the step (not on bucket padding or batch mix)."""
+    keys = jax.vmap(lambda r: jax.random.fold_in(jax.random.fold_in(rng, r), step))(jnp.arange(rows))
+    return jax.vmap(jax.random.uniform)(keys)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "mesh", "greedy", "top_k", "use_top_p"),
+                   donate_argnames=("state",))
+def decode_rows(params, config: ModelConfig, mesh: Mesh | None, state: SamplingState,
+                first_logits: jax.Array, rng: jax.Array, temperature: jax.Array, top_p: jax.Array,
+                max_new_tokens: jax.Array, stop_ids: jax.Array, pad_id: jax.Array, *,
+                greedy: bool, top_k: int, use_top_p: bool) -> SamplingState:
+    """Generate until every row is done: token 0 from `first_logits`, then a `lax.while_loop` that
+    feeds each row's last token at position prompt_length + t - 1 and picks token t.
+
+    A row is done after a token in `stop_ids` (-1 entries are padding) or after `max_new_tokens`
+    tokens; the loop exits when all rows are done. Done rows keep flowing through the batch (static
+    shapes) but write pad_id, log-prob 0 and do not grow.
+    """
+    rows = state.done.shape[0]
+
+    def pick(logits, step):
+        uniform = jnp.zeros((rows,), jnp.float32) if greedy else _row_uniforms(rng, rows, step)
+        return select_tokens(logits, uniform, temperature, top_p, greedy=greedy, top_k=top_k,
+                             use_top_p=use_top_p)
+
+    def record(state, tokens, logprobs):
+        active = ~state.done
+        t = state.step
+        column = jnp.where(active, tokens, pad_id)[:, None]
+        hit_stop = active & jnp.any(tokens[:, None] == stop_ids[None, :], axis=-1)
+        return dataclasses.replace(
+            state,
+            tokens=jax.lax.dynamic_update_slice(state.tokens, column, (0, t)),
+            logprobs=jax.lax.dynamic_update_slice(state.logprobs, jnp.where(active, logprobs, 0.0)[:, None],
+                                                  (0, t)),
+            done=state.done | hit_stop | (t + 1 >= max_new_tokens),
+            stopped=state.stopped | hit_stop,
+            lengths=state.lengths + active.astype(jnp.int32),
+            step=t + 1,
+        )
+
+    def keep_going(state):
+        return (state.step < max_new_tokens) & ~jnp.all(state.done)
+
+    def step(state):
+        last = jax.lax.dynamic_slice_in_dim(state.tokens, state.step - 1, 1, axis=1)
+        positions = state.prompt_lengths[:, None] + state.step - 1
+        logits, cache = forward_cached(params, config, last, positions, state.cache)
+        state = dataclasses.replace(state, cache=cache)
+        return _constrain_state(record(state, *pick(logits[:, 0], state.step)), mesh)
+
+    state = record(state, *pick(first_logits, state.step))
+    return jax.lax.while_loop(keep_going, step, _constrain_state(state, mesh))

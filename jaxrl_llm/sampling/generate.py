@@ -1,0 +1,209 @@
+"""`generate`: sample continuations of token prompts with per-prompt sample counts."""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh
+
+from jaxrl_llm.models import ModelConfig
+from jaxrl_llm.sampling.buckets import SamplingPlan, bucket_size, make_plan
+from jaxrl_llm.sampling.engine import (
+    SamplingState,
+    decode_rows,
+    init_state,
+    prefill_rows,
+    row_axes,
+    row_sharding,
+)
+
+FINISH_STOP = 0
+FINISH_LENGTH = 1
+FINISH_REASON_NAMES = ("stop", "length")
+
+
+class Rollout(NamedTuple):
+    """Sampled continuations as numpy arrays, one row per sample, ordered by prompt then sample.
+
+    prompt_index int32 [R]: which prompt the row continues.
+    tokens int32 [R, max_new_tokens]: generated tokens (a stop token included), pad_id after.
+    mask float32 [R, max_new_tokens]: 1.0 on generated tokens, 0.0 after the row ended.
+    logprobs float32 [R, max_new_tokens]: log_softmax(logits)[token] of the model at temperature 1
+        (see `generate`), 0.0 where mask is 0.
+    lengths int32 [R]: number of generated tokens = mask.sum(1).
+    finish_reason int32 [R]: FINISH_STOP (0) if the row ended with a stop id, else FINISH_LENGTH (1).
+    """
+
+    prompt_index: np.ndarray
+    tokens: np.ndarray
+    mask: np.ndarray
+    logprobs: np.ndarray
+    lengths: np.ndarray
+    finish_reason: np.ndarray
+
+    def finish_reason_names(self) -> list[str]:
+        """finish_reason as strings, "stop" or "length"."""
+        return [FINISH_REASON_NAMES[int(code)] for code in self.finish_reason]
+
+
+def _sample_counts(num_samples, num_prompts: int) -> np.ndarray:
+    if isinstance(num_samples, (int, np.integer)):
+        counts = np.full(num_prompts, int(num_samples), np.int64)
+    else:
+        counts = np.asarray(list(num_samples))
+        if counts.shape != (num_prompts,):
+            raise ValueError(f"num_samples must be an int or one count per prompt ({num_prompts}), "
+                             f"got {len(counts)} counts")
+        if counts.size and not np.issubdtype(counts.dtype, np.integer):
+            raise ValueError(f"num_samples must hold integers, got dtype {counts.dtype}")
+    if (counts < 0).any():
+        raise ValueError(f"num_samples must be >= 0, got {counts.tolist()}")
+    return counts.astype(np.int64)
+
+
+def _check_prompts(prompts, config: ModelConfig, max_new_tokens: int) -> list[np.ndarray]:
+    arrays = []
+    for i, prompt in enumerate(prompts):
+        ids = np.asarray(prompt)
+        if ids.ndim != 1 or ids.size == 0 or (ids.size and not np.issubdtype(ids.dtype, np.integer)):
+            raise ValueError(f"prompt {i} must be a non-empty list of token ids, got {prompt!r:.80}")
+        if ids.min() < 0 or ids.max() >= config.vocab_size:
+            raise ValueError(f"prompt {i} has token ids outside [0, {config.vocab_size})")
+        if ids.size + max_new_tokens > config.max_position_embeddings:
+            raise ValueError(f"prompt {i} ({ids.size} tokens) + max_new_tokens ({max_new_tokens}) exceeds "
+                             f"max_position_embeddings ({config.max_position_embeddings})")
+        arrays.append(ids.astype(np.int32))
+    return arrays
+
+
+def _stop_array(stop_ids: Sequence[int], vocab_size: int) -> np.ndarray:
+    stop = np.asarray(sorted(set(int(s) for s in stop_ids)), np.int32)
+    if stop.size and (stop.min() < 0 or stop.max() >= vocab_size):
+        raise ValueError(f"stop_ids must lie in [0, {vocab_size}), got {stop.tolist()}")
+    padded = np.full(bucket_size(stop.size, minimum=4), -1, np.int32)  # -1 never matches a token
+    padded[: stop.size] = stop
+    return padded
+
+
+def _empty_rollout(max_new_tokens: int) -> Rollout:
+    return Rollout(np.zeros(0, np.int32), np.zeros((0, max_new_tokens), np.int32),
+                   np.zeros((0, max_new_tokens), np.float32), np.zeros((0, max_new_tokens), np.float32),
+                   np.zeros(0, np.int32), np.zeros(0, np.int32))
+
+
+def _put(x: np.ndarray, mesh: Mesh | None, axis: int = 0):
+    return jnp.asarray(x) if mesh is None else jax.device_put(x, row_sharding(mesh, x.ndim, axis))
+
+
+def prefill(params, config: ModelConfig, prompts: list[np.ndarray], plan: SamplingPlan, *,
+            pad_id: int = 0, mesh: Mesh | None = None) -> tuple[SamplingState, jax.Array]:
+    """Allocate the row state of `plan` and prefill every prompt with samples once, copying its cache
+    to its rows. Returns (state, first_logits [row_bucket, V])."""
+    rows = plan.row_bucket
+    row_prompt = np.zeros(rows, np.int32)
+    row_prompt[: plan.num_rows] = plan.row_prompt
+    row_prompt[plan.num_rows:] = plan.prefill_prompts[0]  # padding rows copy a real prompt, never read
+    lengths = np.array([len(p) for p in prompts], np.int32)
+    valid = np.arange(rows) < plan.num_rows
+    state, first_logits = init_state(config, mesh, _put(lengths[row_prompt], mesh), _put(valid, mesh),
+                                     new_token_bucket=plan.new_token_bucket, cache_length=plan.cache_length)
+    per_call = plan.prompts_per_prefill
+    for start in range(0, len(plan.prefill_prompts), per_call):
+        chunk = plan.prefill_prompts[start: start + per_call]
+        tokens = np.full((per_call, plan.prompt_bucket), pad_id, np.int32)
+        chunk_lengths = np.ones(per_call, np.int32)  # unused slots: one pad token
+        for j, p in enumerate(chunk):
+            tokens[j, : lengths[p]] = prompts[p]
+            chunk_lengths[j] = lengths[p]
+        position_in_chunk = np.full(len(prompts), -1, np.int32)
+        position_in_chunk[chunk] = np.arange(len(chunk), dtype=np.int32)
+        row_source = np.where(valid, position_in_chunk[row_prompt], -1).astype(np.int32)
+        state, first_logits = prefill_rows(params, config, mesh, _put(tokens, mesh), _put(chunk_lengths, mesh),
+                                           _put(row_source, mesh), state, first_logits)
+    return state, first_logits
+
+
+def decode(params, config: ModelConfig, state: SamplingState, first_logits: jax.Array, *, max_new_tokens: int,
+           temperature: float, top_p: float, top_k: int, stop_ids: np.ndarray, rng: jax.Array, pad_id: int,
+           mesh: Mesh | None = None) -> SamplingState:
+    """Run the decode loop on a prefilled state (see `engine.decode_rows`)."""
+    greedy = temperature == 0.0
+    return decode_rows(params, config, mesh, state, first_logits, rng,
+                       jnp.float32(temperature if not greedy else 1.0), jnp.float32(top_p),
+                       jnp.int32(max_new_tokens), jnp.asarray(stop_ids), jnp.int32(pad_id),
+                       greedy=greedy, top_k=0 if greedy else int(top_k), use_top_p=not greedy and top_p < 1.0)
+
+
+def _fetch(x: jax.Array) -> np.ndarray:
+    if jax.process_count() > 1 and not x.is_fully_addressable:
+        from jax.experimental import multihost_utils
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    return np.asarray(x)
+
+
+def collect(state: SamplingState, plan: SamplingPlan, max_new_tokens: int) -> Rollout:
+    """Copy the first plan.num_rows rows of a decoded state to a `Rollout`."""
+    n = plan.num_rows
+    lengths = _fetch(state.lengths)[:n]
+    mask = (np.arange(max_new_tokens)[None, :] < lengths[:, None]).astype(np.float32)
+    return Rollout(
+        prompt_index=plan.row_prompt.astype(np.int32),
+        tokens=_fetch(state.tokens)[:n, :max_new_tokens],
+        mask=mask,
+        logprobs=_fetch(state.logprobs)[:n, :max_new_tokens],
+        lengths=lengths,
+        finish_reason=np.where(_fetch(state.stopped)[:n], FINISH_STOP, FINISH_LENGTH).astype(np.int32),
+    )
+
+
+def generate(params, config: ModelConfig, prompts: Sequence[Sequence[int]], *, num_samples, max_new_tokens: int,
+             temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, stop_ids: Sequence[int] = (),
+             rng: jax.Array, pad_id: int = 0, mesh: Mesh | None = None,
+             prefill_tokens_per_call: int = 4096) -> Rollout:
+    """Sample `num_samples[i]` continuations of each token prompt; returns a `Rollout`.
+
+    prompts: list of non-empty token-id lists. num_samples: an int for every prompt, or one count per
+    prompt (0 allowed: GVM-RAFT gives prompt i its own n_i). Each prompt is prefilled once (length
+    padded to a bucket) and its KV cache copied to its samples' rows; rows are padded to a power-of-two
+    bucket, so a new mix of counts with the same bucket reuses the compiled programs. Decoding is a
+    `lax.while_loop` that ends when every row has emitted a stop id or `max_new_tokens` tokens.
+
+    temperature = 0 is greedy (argmax). Otherwise token t is drawn from softmax(logits / temperature)
+    restricted to the top_k largest logits (0 = all) and then to the smallest set of tokens whose
+    probability reaches top_p (nucleus sampling, Holtzman et al. 2020), the order of transformers'
+    logits warpers. Row r's random numbers come from fold_in(fold_in(rng, r), t): reproducible for a
+    given seed, prompts and counts.
+
+    logprobs are ALWAYS log_softmax(logits)[token] of the unscaled logits (temperature 1, no top-k /
+    top-p renormalisation): the policy's log-probability as a trainer's importance ratios need it,
+    not the log-probability of the distribution the token was drawn from when temperature != 1 or
+    filters are on. A stop token is part of the response (mask 1); positions after it have mask 0,
+    token pad_id and logprob 0.
+
+    With `mesh`, rows are sharded over its ('data', 'fsdp') axes; params are used as given (shard
+    them with `jaxrl_llm.models.sharding.shard_params` first).
+    """
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
+    if not 0.0 < top_p <= 1.0:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+    if top_k < 0:
+        raise ValueError(f"top_k must be >= 0 (0 = no limit), got {top_k}")
+    prompt_arrays = _check_prompts(prompts, config, max_new_tokens)
+    counts = _sample_counts(num_samples, len(prompt_arrays))
+    if counts.sum() == 0:
+        return _empty_rollout(max_new_tokens)
+    row_multiple = int(np.prod([mesh.shape[a] for a in row_axes(mesh)])) if mesh is not None else 1
+    plan = make_plan(np.array([len(p) for p in prompt_arrays]), counts, max_new_tokens,
+                     row_multiple=row_multiple, prefill_tokens_per_call=prefill_tokens_per_call)
+    state, first_logits = prefill(params, config, prompt_arrays, plan, pad_id=pad_id, mesh=mesh)
+    state = decode(params, config, state, first_logits, max_new_tokens=max_new_tokens, temperature=temperature,
+                   top_p=top_p, top_k=top_k, stop_ids=_stop_array(stop_ids, config.vocab_size), rng=rng,
+                   pad_id=pad_id, mesh=mesh)
+    return collect(state, plan, max_new_tokens)
+
