@@ -1,0 +1,146 @@
+"""String normalisation of math answers before any comparison.
+
+Follows the rules of the MATH benchmark's answer normaliser (Hendrycks et al., 2021, "strip_string")
+and the Minerva normaliser (Lewkowycz et al., 2022), written anew: drop ``$`` and math delimiters,
+``\\text{}``/``\\mathrm{}`` wrappers, units, ``\\%``, degrees, ``\\left``/``\\right``, spacing
+commands and thousands separators; unify ``\\dfrac``/``\\tfrac``/``\\frac12`` into ``\\frac{1}{2}``;
+drop a trailing period. Every step is a linear scan or a backtracking-free regex.
+"""
+
+from __future__ import annotations
+
+import re
+
+from jaxrl_llm.rewards.extract import last_boxed, matching_brace
+
+# Unit words dropped after a number ("5 cm", "12 \text{ dollars}"); plural "s" is optional.
+UNIT_WORDS = (
+    "mm", "cm", "m", "km", "meter", "metre", "centimeter", "kilometer", "inch", "inches", "foot",
+    "feet", "ft", "yard", "mile", "miles", "mph", "second", "sec", "minute", "min", "hour", "hr", "day",
+    "week", "month", "year", "gram", "g", "kg", "pound", "lb", "lbs", "ounce", "oz", "liter", "litre",
+    "ml", "gallon", "degree", "unit", "dollar", "cent", "euro", "point", "percent", "sq", "square",
+    "cubic", "people", "person", "student", "apple", "book", "page", "ways", "way", "times",
+)
+_UNIT_PATTERN = "|".join(sorted(UNIT_WORDS, key=len, reverse=True))
+_TRAILING_UNITS = re.compile(
+    rf"(?<=[\d}}).])\s+(?:(?:{_UNIT_PATTERN})(?:s|es)?(?:\^?\{{?[23]\}}?)?\s*)+$", re.IGNORECASE
+)
+_TEXT_WRAPPERS = re.compile(
+    r"\\(?:text|textbf|textit|textrm|textnormal|mathrm|mathbf|mathit|mathsf|mathnormal|mbox|"
+    r"operatorname|boldsymbol|bm|rm)\s*\{"
+)
+_SPACING = re.compile(r"(?<!\\)\\(?:,|;|:|!|>|quad|qquad|displaystyle|textstyle|scriptstyle| )|~")
+_SIZING = re.compile(r"\\(?:left|right|bigl|bigr|Bigl|Bigr|biggl|biggr|big|Big|bigg|Bigg)(?![a-zA-Z])\s*")
+_DEGREES = re.compile(r"\^\s*\{?\s*\\circ\s*\}?|°|\\degree(?:s)?(?![a-zA-Z])")
+_FRAC_SHORT = re.compile(r"\\frac\s*(\d|\\?[a-zA-Z])\s*(\d|\\?[a-zA-Z]|\{)")
+_SQRT_SHORT = re.compile(r"\\sqrt\s*(\d|[a-zA-Z])")
+_THOUSANDS = re.compile(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?")
+_CHOICE = re.compile(r"(?:option|choice)?\s*\(?\s*([A-J])\s*\)?\s*[.:]?", re.IGNORECASE)
+
+
+def _unwrap_commands(text: str) -> str:
+    """Replace ``\\text{abc}`` (and kin) by ``abc``; a unit word right after a number is dropped."""
+    out = []
+    position = 0
+    for _ in range(len(text)):  # bounded: each round consumes at least one wrapper
+        match = _TEXT_WRAPPERS.search(text, position)
+        if match is None:
+            break
+        close = matching_brace(text, match.end() - 1)
+        if close is None:
+            break
+        inner = text[match.end() : close]
+        before = text[position : match.start()]
+        is_unit = re.fullmatch(rf"\s*(?:(?:{_UNIT_PATTERN})(?:s|es)?\s*)+\.?\s*", inner, re.IGNORECASE)
+        follows_value = before.rstrip()[-1:].isdigit() or before.rstrip()[-1:] in ("}", ")")
+        out.append(before)
+        if not (is_unit and follows_value):
+            out.append(inner)
+        position = close + 1
+    out.append(text[position:])
+    return "".join(out)
+
+
+def _expand_short_fracs(text: str) -> str:
+    r"""``\frac12`` -> ``\frac{1}{2}``, ``\frac1{x}`` -> ``\frac{1}{x}``, ``\sqrt2`` -> ``\sqrt{2}``."""
+
+    def fix(match: re.Match) -> str:
+        first, second = match.group(1), match.group(2)
+        return "\\frac{" + first + "}" + ("{" if second == "{" else "{" + second + "}")
+
+    text = _FRAC_SHORT.sub(fix, text)
+    return _SQRT_SHORT.sub(lambda m: "\\sqrt{" + m.group(1) + "}", text)
+
+
+def _strip_math_delimiters(text: str) -> str:
+    text = text.replace("\\$", "").replace("$", "")
+    for delimiter in ("\\(", "\\)", "\\[", "\\]"):
+        text = text.replace(delimiter, "")
+    return text
+
+
+def normalize_answer(answer: str) -> str:
+    """Canonical string form of one answer (whitespace collapsed to single spaces).
+
+    ``"$\\dfrac12$"`` -> ``"\\frac{1}{2}"``; ``"1{,}000"``/``"1,000"`` -> ``"1000"``;
+    ``"30^\\circ"`` -> ``"30"``; ``"5\\text{ cm}."`` -> ``"5"``; ``"\\left( 1,2 \\right)"`` -> ``"(1,2)"``.
+    """
+    if not isinstance(answer, str):
+        raise TypeError(f"normalize_answer expects a string, got {type(answer).__name__}")
+    text = answer.strip()
+    boxed = last_boxed(text) if ("\\boxed" in text or "\\fbox" in text) else None
+    if boxed is not None:
+        text = boxed
+    text = _strip_math_delimiters(text)
+    text = text.replace("\n", " ").replace("\\!", "")
+    text = _SPACING.sub(" ", text)
+    text = _SIZING.sub("", text).replace("\\middle", "")
+    text = _DEGREES.sub("", text)
+    text = text.replace("\\%", "").replace("%", "")
+    text = _unwrap_commands(text)
+    text = text.replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac")
+    text = text.replace("{,}", "").replace("\\cdotp", "\\cdot")
+    text = text.replace("\\le ", "\\leq ").replace("\\ge ", "\\geq ")
+    text = text.replace("\\varnothing", "\\emptyset").replace("\\lbrace", "\\{").replace("\\rbrace", "\\}")
+    text = re.sub(r"\s+", " ", text).strip()
+    if len(text) < 200:  # unit words only follow short answers; keeps the regex linear overall
+        text = _TRAILING_UNITS.sub("", text).strip()
+    text = _expand_short_fracs(text)
+    text = re.sub(r"(?<![\d}])\.(\d)", r"0.\1", text)  # ".5" -> "0.5"
+    text = re.sub(r"(?:\s*\.)+$", "", text).strip()  # a sentence's final period
+    if _THOUSANDS.fullmatch(text):
+        text = text.replace(",", "")
+    if text.lower() in ("infinity", "inf", "+\\infty"):
+        text = "\\infty"
+    return text
+
+
+def compact(text: str) -> str:
+    """``normalize_answer`` output with every space removed: the key for exact string matching."""
+    return text.replace(" ", "")
+
+
+def choice_letter(answer: str) -> str | None:
+    """The multiple-choice letter an answer names (``"(B)"``, ``"B."``, ``"Option b"`` -> ``"B"``)."""
+    match = _CHOICE.fullmatch(answer.strip())
+    return match.group(1).upper() if match else None
+
+
+def split_top_level(text: str, separator: str) -> list[str]:
+    """Split on ``separator`` where it is outside every (), [], {} pair."""
+    parts, depth, start, i = [], 0, 0, 0
+    width = len(separator)
+    while i < len(text):
+        ch = text[i]
+        if ch in "([{":
+            depth += 1
+        elif ch in ")]}":
+            depth -= 1
+        elif depth == 0 and text.startswith(separator, i):
+            parts.append(text[start:i])
+            start = i + width
+            i += width
+            continue
+        i += 1
+    parts.append(text[start:])
+    return [part.strip() for part in parts]

@@ -1,0 +1,79 @@
+"""Answer string -> sympy object, without ever evaluating text as code.
+
+Plain-text math (``sqrt(2)/2``, ``2*pi``, ``1.5e3``, ``x**2``) is first rewritten into LaTeX, then
+everything goes through one parser: the ANTLR LaTeX grammar of ``latex2sympy2_extended`` (the
+parser behind Hugging Face's math-verify), which builds sympy objects node by node — no
+``eval``, ``exec`` or ``sympify`` of the input. Inputs that fail the static screen of
+`safety.complexity_problem` are never parsed.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+
+from jaxrl_llm.rewards.safety import complexity_problem
+
+_SCIENTIFIC = re.compile(r"(?<![\w.\\])(\d+(?:\.\d+)?)[eE]([-+]?\d+)(?![\w.])")
+_PLAIN_FUNCTION = re.compile(r"(?<![\\a-zA-Z])(sin|cos|tan|cot|sec|csc|log|ln|exp|arcsin|arccos|arctan)(?=\s*\()")
+_PLAIN_CONSTANT = re.compile(r"(?<![\\a-zA-Z])(pi|infty|infinity|inf)(?![a-zA-Z])")
+_PLAIN_SQRT = re.compile(r"(?<![\\a-zA-Z])sqrt\s*(?=[({])")
+
+
+def _rewrite_plain_sqrt(text: str) -> str:
+    """``sqrt(2+x)`` -> ``\\sqrt{2+x}`` (balanced parentheses only)."""
+    out, position = [], 0
+    for match in _PLAIN_SQRT.finditer(text):
+        if match.start() < position:
+            continue
+        open_index = match.end()
+        opener = text[open_index]
+        closer = ")" if opener == "(" else "}"
+        depth = 0
+        for i in range(open_index, len(text)):
+            if text[i] == opener:
+                depth += 1
+            elif text[i] == closer:
+                depth -= 1
+                if depth == 0:
+                    out.append(text[position : match.start()])
+                    out.append("\\sqrt{" + text[open_index + 1 : i] + "}")
+                    position = i + 1
+                    break
+    out.append(text[position:])
+    return "".join(out)
+
+
+def plain_to_latex(text: str) -> str:
+    """Rewrite plain-text math into the LaTeX the parser reads (``x**2`` -> ``x^2``, ``pi`` -> ``\\pi``)."""
+    text = text.replace("**", "^").replace(">=", "\\geq ").replace("<=", "\\leq ").replace("!=", "\\neq ")
+    text = _SCIENTIFIC.sub(lambda m: f"{m.group(1)}\\times 10^{{{m.group(2)}}}", text)
+    text = _rewrite_plain_sqrt(text)
+    text = _PLAIN_FUNCTION.sub(r"\\\1", text)
+    constants = {"pi": "\\pi", "infty": "\\infty", "infinity": "\\infty", "inf": "\\infty"}
+    return _PLAIN_CONSTANT.sub(lambda m: constants[m.group(1)], text)
+
+
+@functools.lru_cache(maxsize=1)
+def _converter():
+    # Imported here: sympy and the ANTLR runtime cost ~0.5 s, paid on the first parse only.
+    from latex2sympy2_extended.latex2sympy2 import ConversionConfig, latex2sympy
+
+    config = ConversionConfig(
+        interpret_as_mixed_fractions=True,  # "2\frac{1}{2}" is 5/2 in competition answers
+        interpret_simple_eq_as_assignment=False,
+        interpret_contains_as_eq=False,
+        lowercase_symbols=False,  # "A" and "a" are different answers
+    )
+    return functools.partial(latex2sympy, normalization_config=None, conversion_config=config)
+
+
+def to_sympy(text: str):
+    """Parse one normalised answer atom into a sympy object; None when unsafe or unparsable."""
+    latex = plain_to_latex(text)
+    if not latex.strip() or complexity_problem(latex) is not None:
+        return None
+    try:
+        return _converter()(latex)
+    except (Exception, RecursionError):  # the parser reports bad input with bare Exception
+        return None

@@ -1,0 +1,205 @@
+"""Equality of two answer atoms: plain numbers first, then sympy objects.
+
+Rules (as in the MATH / Minerva / math-verify graders):
+- numbers: exact for integers and fractions; relative tolerance ``REL_TOL`` = 1e-4 as soon as
+  either side is written as a decimal (|a - b| <= 1e-4 * max(|a|, |b|));
+- constant expressions (pi, e, sqrt, exp, ...): compared numerically with 60 significant digits
+  (exact answers) or with REL_TOL (when a decimal is involved);
+- expressions with symbols: evaluated at fixed rational probe points of both signs (so ``sqrt(x^2)``
+  is not ``x``); a mismatch is a proof of inequality, agreement at every probe to 1e-20 is taken
+  as identity (Schwartz-Zippel style), ``simplify(a - b) == 0`` decides when probes are undefined;
+- relations: ``=`` / ``!=`` equal when ``lhs - rhs`` are proportional by a nonzero constant,
+  ``<``, ``<=``, ``>``, ``>=`` when they agree in strictness and the ratio is positive.
+"""
+
+from __future__ import annotations
+
+import re
+from fractions import Fraction
+
+REL_TOL = 1e-4
+_EXACT_DIGITS = 60
+_EXACT_TOL = 1e-45
+_PROBE_TOL = 1e-20
+# Rationals of both signs, never integers, so that sqrt(x^2) != x and poles at 0, 1 are avoided.
+_PROBES = ((7, 5), (-11, 13), (3, 7), (-23, 10), (5, 3), (-2, 9))
+
+_INTEGER = re.compile(r"[-+]?\d+")
+_DECIMAL = re.compile(r"[-+]?\d*\.\d+")
+_SLASH_FRACTION = re.compile(r"([-+]?\d+)\s*/\s*(\d+)")
+_LATEX_FRACTION = re.compile(r"(-?)\\frac\{(-?\d+)\}\{(-?\d+)\}")
+
+
+def plain_number(text: str) -> tuple[Fraction, bool] | None:
+    """(value, written_as_decimal) for an integer, decimal or simple fraction; else None."""
+    text = text.replace(" ", "")
+    if len(text) > 400:
+        return None
+    try:
+        if _INTEGER.fullmatch(text):
+            return Fraction(int(text)), False
+        if _DECIMAL.fullmatch(text):
+            return Fraction(text), True
+        match = _SLASH_FRACTION.fullmatch(text)
+        if match and int(match.group(2)) != 0:
+            return Fraction(int(match.group(1)), int(match.group(2))), False
+        match = _LATEX_FRACTION.fullmatch(text)
+        if match and int(match.group(3)) != 0:
+            value = Fraction(int(match.group(2)), int(match.group(3)))
+            return (-value if match.group(1) else value), False
+    except (ValueError, ZeroDivisionError):
+        return None
+    return None
+
+
+def numbers_equal(a: tuple[Fraction, bool], b: tuple[Fraction, bool]) -> bool:
+    """Exact equality, or REL_TOL relative closeness when either side was a decimal."""
+    (x, x_decimal), (y, y_decimal) = a, b
+    if not (x_decimal or y_decimal):
+        return x == y
+    return abs(x - y) <= Fraction(REL_TOL) * max(abs(x), abs(y))
+
+
+def _as_complex(value) -> complex | None:
+    try:
+        number = complex(value)
+    except (TypeError, ValueError, OverflowError):
+        return None
+    if number != number or abs(number) == float("inf"):  # nan / inf are not comparable values
+        return None
+    return number
+
+
+def _close(x, y, tol: float) -> bool:
+    """Relative closeness of two evaluated sympy numbers (also handles matching infinities)."""
+    if x == y:
+        return True
+    a, b = _as_complex(x), _as_complex(y)
+    if a is None or b is None:
+        return False
+    return abs(a - b) <= tol * max(abs(a), abs(b), 1e-300)
+
+
+def _has_float(expr) -> bool:
+    import sympy
+
+    return bool(expr.atoms(sympy.Float))
+
+
+def _probe_points(symbols) -> list[dict]:
+    import sympy
+
+    ordered = sorted(symbols, key=str)
+    points = []
+    for shift in range(len(_PROBES)):
+        point = {}
+        for index, symbol in enumerate(ordered):
+            numerator, denominator = _PROBES[(shift + index) % len(_PROBES)]
+            point[symbol] = sympy.Rational(numerator, denominator)
+        points.append(point)
+    return points
+
+
+def _evaluate(expr, point: dict):
+    value = expr.xreplace(point).evalf(_EXACT_DIGITS)
+    return value if value.is_number else None
+
+
+def expressions_equal(a, b) -> bool:
+    """Equality of two sympy expressions under the rules in the module docstring."""
+    import sympy
+
+    if a == b:
+        return True
+    tolerant = _has_float(a) or _has_float(b)
+    symbols = a.free_symbols | b.free_symbols
+    if not symbols:
+        x, y = a.evalf(_EXACT_DIGITS), b.evalf(_EXACT_DIGITS)
+        if not (x.is_number and y.is_number):
+            return False
+        return _close(x, y, REL_TOL if tolerant else _EXACT_TOL)
+    agreed = 0
+    for point in _probe_points(symbols):
+        x, y = _evaluate(a, point), _evaluate(b, point)
+        if x is None or y is None or _as_complex(x) is None or _as_complex(y) is None:
+            continue
+        if not _close(x, y, REL_TOL if tolerant else _PROBE_TOL):
+            return False
+        agreed += 1
+    if agreed >= 3:
+        return True
+    return sympy.simplify(a - b) == 0
+
+
+def _oriented_difference(relation):
+    """(d, kind) with the relation read as ``d > 0`` / ``d >= 0`` / ``d = 0`` / ``d != 0``."""
+    import sympy
+
+    lhs, rhs = relation.lhs, relation.rhs
+    if isinstance(relation, (sympy.StrictGreaterThan, sympy.GreaterThan)):
+        return lhs - rhs, ">" if isinstance(relation, sympy.StrictGreaterThan) else ">="
+    if isinstance(relation, (sympy.StrictLessThan, sympy.LessThan)):
+        return rhs - lhs, ">" if isinstance(relation, sympy.StrictLessThan) else ">="
+    return lhs - rhs, "=" if isinstance(relation, sympy.Equality) else "!="
+
+
+def relations_equal(a, b) -> bool:
+    """Two relations are equal when they define the same set: see the module docstring."""
+    d1, kind1 = _oriented_difference(a)
+    d2, kind2 = _oriented_difference(b)
+    if kind1 != kind2:
+        return False
+    symbols = d1.free_symbols | d2.free_symbols
+    if not symbols or d1.free_symbols != d2.free_symbols:
+        return not symbols and expressions_equal(d1, d2)
+    ratios = []
+    for point in _probe_points(symbols):
+        x, y = _evaluate(d1, point), _evaluate(d2, point)
+        x, y = (None, None) if x is None or y is None else (_as_complex(x), _as_complex(y))
+        if x is None or y is None or abs(y) < 1e-30:
+            continue
+        ratios.append(x / y)
+    if len(ratios) < 3 or abs(ratios[0]) < 1e-30:
+        return False
+    if kind1 in (">", ">=") and (abs(ratios[0].imag) > 1e-30 or ratios[0].real <= 0):
+        return False
+    return all(abs(r - ratios[0]) <= _PROBE_TOL * abs(ratios[0]) for r in ratios)
+
+
+def sympy_equal(a, b) -> bool:
+    """Equality of two parsed answers: relations, sets, matrices, tuples or expressions."""
+    import sympy
+    from sympy.core.relational import Relational
+
+    if isinstance(a, Relational) or isinstance(b, Relational):
+        return isinstance(a, Relational) and isinstance(b, Relational) and relations_equal(a, b)
+    if isinstance(a, sympy.MatrixBase) or isinstance(b, sympy.MatrixBase):
+        if not (isinstance(a, sympy.MatrixBase) and isinstance(b, sympy.MatrixBase)) or a.shape != b.shape:
+            return False
+        return all(sympy_equal(x, y) for x, y in zip(a, b))
+    if isinstance(a, sympy.FiniteSet) and isinstance(b, sympy.FiniteSet):
+        return unordered_equal(list(a.args), list(b.args), sympy_equal)
+    if isinstance(a, (sympy.Set, sympy.And, sympy.Or)) or isinstance(b, (sympy.Set, sympy.And, sympy.Or)):
+        return a == b
+    if isinstance(a, (tuple, sympy.Tuple)) or isinstance(b, (tuple, sympy.Tuple)):
+        if not (isinstance(a, (tuple, sympy.Tuple)) and isinstance(b, (tuple, sympy.Tuple))):
+            return False
+        return len(a) == len(b) and all(sympy_equal(x, y) for x, y in zip(a, b))
+    if not (isinstance(a, sympy.Expr) and isinstance(b, sympy.Expr)):
+        return a == b
+    return expressions_equal(a, b)
+
+
+def unordered_equal(left: list, right: list, equal) -> bool:
+    """Multiset equality of two lists under ``equal`` (each right item used once)."""
+    if len(left) != len(right):
+        return False
+    unused = list(right)
+    for item in left:
+        for index, candidate in enumerate(unused):
+            if equal(item, candidate):
+                del unused[index]
+                break
+        else:
+            return False
+    return True
