@@ -1,0 +1,181 @@
+"""Tokenizer: one interface over Hugging Face tokenizer folders and the vocabulary inside a GGUF file.
+
+Both sources end up as a `transformers` fast tokenizer, so encoding, decoding, chat templates
+(Jinja, applied by transformers' `apply_chat_template`) and `save_pretrained` behave the same way.
+From a GGUF file the byte-level BPE is rebuilt with `tokenizers` from `tokenizer.ggml.tokens` and
+`tokenizer.ggml.merges`: GPT-2's byte-to-unicode alphabet, a ByteLevel pre-tokenizer (after the
+split llama.cpp uses for that vocabulary, `tokenizer.ggml.pre`) and decoder, and the tokens marked
+CONTROL added as special tokens so they are matched whole ("<|im_end|>" is one id, never split).
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+from typing import Any, Mapping, Sequence
+
+# llama.cpp token types (gguf.TokenType): 3 = CONTROL (special), 4 = USER_DEFINED (added, not special).
+_CONTROL, _USER_DEFINED = 3, 4
+# Tokens that end an assistant turn in the chat formats of the supported families.
+END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|endoftext|>", "<|end_of_text|>")
+
+# Pre-tokenizer split patterns by `tokenizer.ggml.pre`: Llama 3 groups digits in threes, Qwen2 splits
+# every digit; both keep contractions, letter runs, punctuation runs and newlines apart.
+_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_SPLIT_BY_PRE = {
+    "llama-bpe": _LLAMA3_SPLIT, "llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT, "smaug-bpe": _LLAMA3_SPLIT,
+    "qwen2": _QWEN2_SPLIT, "deepseek-r1-qwen": _QWEN2_SPLIT,
+}
+# SmolLM's own tokenizer.json isolates every digit before GPT-2's byte-level regex.
+_DIGIT_FIRST_PRE = ("smollm",)
+
+
+def _byte_level_backend(meta: Mapping[str, Any], source: str):
+    """A `tokenizers.Tokenizer` (BPE, byte level) from the tokenizer.ggml.* metadata."""
+    from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+    from tokenizers import Tokenizer as Backend
+
+    tokens = meta["tokenizer.ggml.tokens"]
+    merges = [tuple(pair.split(" ", 1)) for pair in meta.get("tokenizer.ggml.merges", [])]
+    backend = Backend(models.BPE(vocab={tok: i for i, tok in enumerate(tokens)}, merges=merges,
+                                 fuse_unk=False, byte_fallback=False))
+    pre = meta.get("tokenizer.ggml.pre", "default")
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if pre in _SPLIT_BY_PRE:
+        backend.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(_SPLIT_BY_PRE[pre]), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ])
+    elif pre in _DIGIT_FIRST_PRE:
+        backend.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+    else:
+        backend.pre_tokenizer = byte_level
+    backend.decoder = decoders.ByteLevel()
+    token_types = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+    special = [AddedToken(tok, special=True, normalized=False)
+               for tok, kind in zip(tokens, token_types) if kind == _CONTROL]
+    added = [AddedToken(tok, special=False, normalized=False)
+             for tok, kind in zip(tokens, token_types) if kind == _USER_DEFINED]
+    backend.add_special_tokens(special)
+    backend.add_tokens(added)
+    if backend.get_vocab_size(with_added_tokens=True) != len(tokens):
+        raise ValueError(f"{source}: GGUF vocabulary has duplicate tokens; cannot rebuild it id for id")
+    return backend
+
+
+class Tokenizer:
+    """Text <-> token ids, chat templates and stop ids, over a `transformers` fast tokenizer (`.hf`).
+
+    `vocab_size` counts the tokenizer's ids (added tokens included); a model's embedding may have
+    more rows (padding to a multiple of 64 or 128 is common).
+    """
+
+    def __init__(self, hf_tokenizer, extra_stop_ids: Sequence[int] = ()):
+        if hf_tokenizer.eos_token_id is None:
+            raise ValueError("tokenizer has no eos token; cannot tell where a generation ends")
+        self.hf = hf_tokenizer
+        vocab = hf_tokenizer.get_vocab()
+        special = set(hf_tokenizer.all_special_tokens) | {
+            t.content for t in hf_tokenizer.added_tokens_decoder.values() if t.special}
+        turn_ends = [vocab[tok] for tok in END_OF_TURN_TOKENS if tok in special and tok in vocab]
+        ordered = [hf_tokenizer.eos_token_id, *extra_stop_ids, *turn_ends]
+        self._stop_ids = tuple(dict.fromkeys(int(i) for i in ordered))
+
+    @classmethod
+    def from_pretrained(cls, directory) -> "Tokenizer":
+        """Tokenizer of a local Hugging Face folder (tokenizer.json / tokenizer_config.json), via
+        transformers.AutoTokenizer; eos ids listed in generation_config.json become stop ids too."""
+        from transformers import AutoTokenizer
+
+        folder = pathlib.Path(directory)
+        if not folder.is_dir():
+            raise FileNotFoundError(f"{folder}: no such tokenizer directory")
+        try:
+            hf = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+        except (OSError, ValueError) as err:
+            raise ValueError(f"{folder}: no loadable tokenizer files ({err})") from None
+        extra = []
+        generation_config = folder / "generation_config.json"
+        if generation_config.is_file():
+            eos = json.loads(generation_config.read_text()).get("eos_token_id")
+            extra = [eos] if isinstance(eos, int) else list(eos or [])
+        return cls(hf, extra)
+
+    @classmethod
+    def from_gguf(cls, path) -> "Tokenizer":
+        """Tokenizer rebuilt from the vocabulary, merges and chat template inside a GGUF file."""
+        from jaxrl_llm.models.gguf import read_gguf_metadata
+
+        return cls.from_gguf_metadata(read_gguf_metadata(path), source=str(path))
+
+    @classmethod
+    def from_gguf_metadata(cls, meta: Mapping[str, Any], source: str = "<gguf>") -> "Tokenizer":
+        """As `from_gguf`, from already-read metadata (`read_gguf_metadata`); `source` names the file
+        in errors. Only byte-level BPE vocabularies (tokenizer.ggml.model "gpt2") are supported."""
+        from transformers import PreTrainedTokenizerFast
+
+        kind = meta.get("tokenizer.ggml.model")
+        if kind != "gpt2":
+            raise ValueError(f"{source}: GGUF tokenizer model {kind!r} is not supported (only byte-level BPE, 'gpt2')")
+        if "tokenizer.ggml.tokens" not in meta:
+            raise ValueError(f"{source}: GGUF metadata key tokenizer.ggml.tokens is missing")
+        tokens = meta["tokenizer.ggml.tokens"]
+        named = {}
+        for role, key in (("bos_token", "bos_token_id"), ("eos_token", "eos_token_id"),
+                          ("unk_token", "unknown_token_id"), ("pad_token", "padding_token_id")):
+            token_id = meta.get(f"tokenizer.ggml.{key}")
+            if token_id is not None and 0 <= token_id < len(tokens):
+                named[role] = tokens[token_id]
+        hf = PreTrainedTokenizerFast(
+            tokenizer_object=_byte_level_backend(meta, source),
+            chat_template=meta.get("tokenizer.chat_template"),
+            add_bos_token=bool(meta.get("tokenizer.ggml.add_bos_token", False)),
+            add_eos_token=bool(meta.get("tokenizer.ggml.add_eos_token", False)),
+            clean_up_tokenization_spaces=False,
+            **named,
+        )
+        extra = [meta[k] for k in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id") if k in meta]
+        return cls(hf, extra)
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """Token ids of `text`; special-token strings in it ("<|im_start|>") map to their single id."""
+        return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self.hf.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        """The prompt text for `messages` ([{"role": ..., "content": ...}]) from the Jinja chat template."""
+        if not self.hf.chat_template:
+            raise ValueError("tokenizer has no chat template")
+        return self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+
+    @property
+    def eos_token_id(self) -> int:
+        return int(self.hf.eos_token_id)
+
+    @property
+    def stop_ids(self) -> tuple[int, ...]:
+        """eos first, then the end-of-turn ids (e.g. <|im_end|>, <|endoftext|>) of this vocabulary."""
+        return self._stop_ids
+
+    @property
+    def pad_token_id(self) -> int:
+        """The pad id, or eos when the vocabulary names no pad token."""
+        pad = self.hf.pad_token_id
+        return int(pad) if pad is not None else self.eos_token_id
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.hf)
+
+    def save_pretrained(self, directory) -> pathlib.Path:
+        """Write tokenizer.json, tokenizer_config.json (with the chat template) and special tokens so
+        transformers.AutoTokenizer.from_pretrained(directory) gives the same ids."""
+        folder = pathlib.Path(directory)
+        folder.mkdir(parents=True, exist_ok=True)
+        self.hf.save_pretrained(str(folder))
+        return folder
