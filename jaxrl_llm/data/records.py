@@ -15,6 +15,8 @@ import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from jaxrl_llm.rewards.extract import last_boxed
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_QUESTION_KEYS = ("question", "problem", "prompt", "query", "input")
@@ -63,24 +65,8 @@ def fields(question: str | Sequence[str] | None = None, answer: str | Sequence[s
 
 
 def last_boxed_content(text: str) -> str | None:
-    """Content of the last ``\\boxed{...}`` (or ``\\fbox{...}``) in ``text``, braces balanced; None if absent."""
-    start = max(text.rfind("\\boxed"), text.rfind("\\fbox"))
-    if start < 0:
-        return None
-    brace = text.find("{", start)
-    if brace < 0:
-        # "\boxed 5" (no braces) as written in some MATH solutions
-        rest = text[start + len("\\boxed"):].strip()
-        return rest.split("$")[0].strip() or None
-    depth = 0
-    for pos in range(brace, len(text)):
-        if text[pos] == "{":
-            depth += 1
-        elif text[pos] == "}":
-            depth -= 1
-            if depth == 0:
-                return text[brace + 1:pos]
-    return None  # unbalanced braces
+    """Content of the last ``\\boxed{...}`` / ``\\fbox{...}`` in ``text`` (the verifier's own parser); None if absent."""
+    return last_boxed(text)
 
 
 def gsm8k_final_answer(solution: str) -> str | None:
