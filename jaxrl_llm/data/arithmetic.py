@@ -16,8 +16,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import itertools
-
-import numpy as np
+import random
 
 ENUMERATION_LIMIT = 200_000
 LARGE_SPACE_HELDOUT_FRACTION = 0.01
@@ -114,11 +113,11 @@ class ArithmeticTask:
                     for ops in itertools.product(self.operators, repeat=terms - 1):
                         yield numbers, ops
 
-    def _draw(self, rng: np.random.Generator):
-        terms = int(rng.integers(self.min_terms, self.max_terms + 1))
-        digits_range = _digit_range(int(rng.integers(self.min_digits, self.max_digits + 1)))
-        numbers = tuple(int(n) for n in rng.integers(digits_range.start, digits_range.stop, size=terms))
-        ops = tuple(self.operators[int(i)] for i in rng.integers(0, len(self.operators), size=terms - 1))
+    def _draw(self, rng: random.Random):
+        terms = rng.randint(self.min_terms, self.max_terms)
+        digits_range = _digit_range(rng.randint(self.min_digits, self.max_digits))
+        numbers = tuple(rng.randrange(digits_range.start, digits_range.stop) for _ in range(terms))
+        ops = tuple(rng.choice(self.operators) for _ in range(terms - 1))
         return numbers, ops
 
     # -- split ------------------------------------------------------------------------------------
@@ -127,7 +126,7 @@ class ArithmeticTask:
         if self.enumerable:
             ranked = sorted(self._all_problems(), key=lambda p: _split_hash(self.expression(*p)))
             return ranked[: self.heldout_size]
-        rng = np.random.default_rng(0)  # a fixed draw: the split must not depend on any training seed
+        rng = random.Random(_SPLIT_SALT)  # a fixed draw: the split must not depend on any training seed
         found: dict[str, tuple] = {}
         while len(found) < self.heldout_size:
             problem = self._draw(rng)
@@ -177,7 +176,7 @@ class ArithmeticTask:
                         p for p in self._all_problems() if not self.is_heldout(self.expression(*p)))]
         records = []
         for index in range(num):
-            rng = np.random.default_rng([seed, index])
+            rng = random.Random(f"{seed}:{index}")  # str seeds hash with SHA-512: stable across runs
             problem = self._draw(rng)
             while self.is_heldout(self.expression(*problem)):
                 problem = self._draw(rng)

@@ -36,13 +36,13 @@ class FieldSpec:
     ``answer_format``: "raw" keeps the field as is; "gsm8k" takes the text after the last ``####``;
     "boxed" takes the content of the last ``\\boxed{...}``; "auto" does "gsm8k" when the field holds
     ``####``, "boxed" when it holds ``\\boxed``, and "raw" otherwise.
-    ``id_key`` names a row id field; rows without one get ``"{source}-{index}"``.
+    ``id_key`` names a row id field (or a tuple of candidates); rows without one get ``"{source}-{index}"``.
     """
 
     question_keys: tuple[str, ...] = DEFAULT_QUESTION_KEYS
     answer_keys: tuple[str, ...] = DEFAULT_ANSWER_KEYS
     answer_format: str = "auto"
-    id_key: str | None = "id"
+    id_key: str | tuple[str, ...] | None = "id"
 
     def __post_init__(self):
         if self.answer_format not in ANSWER_FORMATS:
@@ -52,7 +52,7 @@ class FieldSpec:
 
 
 def fields(question: str | Sequence[str] | None = None, answer: str | Sequence[str] | None = None,
-           answer_format: str = "auto", id_key: str | None = "id") -> FieldSpec:
+           answer_format: str = "auto", id_key: str | tuple[str, ...] | None = "id") -> FieldSpec:
     """FieldSpec from one key name or a list of candidates per field (None keeps the defaults)."""
 
     def _keys(value, default):
@@ -140,7 +140,8 @@ def make_record(row: Mapping[str, Any], spec: FieldSpec, *, source: str, index: 
     raw_answer = _scalar_to_text(row[answer_key])
     if answer_key == "answer" and raw_answer.strip() != answer and "solution" not in row:
         record["solution"] = raw_answer  # keep GSM8K's worked solution once "answer" holds the number
-    raw_id = row.get(spec.id_key) if spec.id_key else None
+    id_keys = (spec.id_key,) if isinstance(spec.id_key, str) else (spec.id_key or ())
+    raw_id = next((row[key] for key in id_keys if row.get(key) is not None), None)
     record.update(id=_scalar_to_text(raw_id) if raw_id is not None else f"{source}-{index}",
                   source=source, question=question, answer=answer)
     return record
