@@ -227,3 +227,16 @@ def test_bad_arguments_raise():
         policy_loss(LOGP, OLD_LOGP, ADV[:2], MASK)
     with pytest.raises(ValueError, match="old_logp"):
         policy_loss(LOGP, OLD_LOGP[:, :2], ADV, MASK)
+
+
+def test_denominator_helper_bool_mask_and_jit():
+    mask = np.array([[1, 1, 0], [0, 0, 0], [1, 0, 1]], bool)
+    expected = {"token-mean": 4.0, "seq-mean-token-mean": 2.0, "seq-mean-token-sum": 3.0,
+                "seq-mean-token-sum-norm": 3.0}
+    for mode, value in expected.items():
+        assert float(jax.jit(aggregate_denominator, static_argnames="mode")(mask, mode=mode)) == value
+    x = np.arange(9, dtype=np.float32).reshape(3, 3)
+    np.testing.assert_allclose(float(aggregate(x, mask, "token-mean")), (0 + 1 + 6 + 8) / 4)
+    loss_bool, _ = policy_loss(LOGP, OLD_LOGP, ADV, MASK.astype(bool), dual_clip=3.0, **CLIP)
+    loss_float, _ = policy_loss(LOGP, OLD_LOGP, ADV, MASK, dual_clip=3.0, **CLIP)
+    assert float(loss_bool) == float(loss_float)

@@ -66,7 +66,14 @@ def masked_values(per_token, mask) -> tuple[jax.Array, jax.Array]:
 
 
 def aggregate_terms(per_token, mask, mode: str, *, max_len: int | None = None) -> LossTerms:
-    """The numerator and denominator of `aggregate` (see the module docstring for each mode).
+    """The numerator and denominator of `aggregate` (verl's `agg_loss` modes, kept unreduced).
+
+      token-mean               total = sum_{b,t} x m                 denom = sum_{b,t} m
+      seq-mean-token-mean      total = sum_b sum_t x m / sum_t m     denom = #rows with a token
+      seq-mean-token-sum       total = sum_{b,t} x m                 denom = B
+      seq-mean-token-sum-norm  total = sum_{b,t} x m / max_len       denom = B
+
+    Both parts are sums over rows, so they add up exactly across row-wise micro-batches.
 
     Args:
       per_token: [B, T] per-token values.
@@ -97,7 +104,8 @@ def aggregate_terms(per_token, mask, mode: str, *, max_len: int | None = None) -
 
 
 def aggregate_denominator(mask, mode: str) -> jax.Array:
-    """The denominator `aggregate_terms(., mask, mode).denom` of a whole batch, from its mask alone.
+    """The denominator `aggregate_terms(., mask, mode).denom` of a whole batch, from its mask alone:
+    sum(m) for token-mean, the number of rows with a token for seq-mean-token-mean, B otherwise.
 
     Compute it once for the full batch and pass it as `denom=` when normalising micro-batches.
     """

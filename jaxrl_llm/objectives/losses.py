@@ -33,15 +33,23 @@ def _check_inputs(logp, old_logp, advantages, mask, kind, clip_low, clip_high, d
 def policy_loss_terms(logp, old_logp, advantages, mask, *, kind: str = "clip", clip_low: float = 0.2,
                       clip_high: float = 0.2, dual_clip: float | None = None, agg: str = "token-mean",
                       max_len: int | None = None) -> tuple[LossTerms, dict[str, jax.Array]]:
-    """The unreduced policy loss `LossTerms(total, denom)` and metrics; see `policy_loss`.
+    """The unreduced policy loss `LossTerms(total, denom)` and the metrics of `policy_loss`.
 
+    loss = total / denom with the per-token PPO / RAFT loss l_t of `policy_loss` and, e.g. for
+    token-mean, total = sum_{b,t} l_t m_t and denom = sum_{b,t} m_t (all modes: `aggregate_terms`).
     Summing `total` and `denom` over micro-batches that split the batch by rows gives exactly the
-    full batch's `total` and `denom` for every `agg` mode (see `aggregate`).
+    full batch's `total` and `denom` for every `agg` mode, and the summed gradients of `total`
+    divided by the summed `denom` equal the full-batch gradient (the pattern of tunix's LossOutput).
+
+    Returns:
+      (LossTerms(total, denom), metrics) with the arguments and metrics of `policy_loss`.
     """
     logp, old_logp, mask = jnp.asarray(logp), jnp.asarray(old_logp), jnp.asarray(mask)
     advantages = jnp.asarray(advantages)
     _check_inputs(logp, old_logp, advantages, mask, kind, clip_low, clip_high, dual_clip)
     check_mode(agg, max_len, "policy_loss")
+    # Ratios of bfloat16 log-probs are too coarse for clipping at 1 +/- 0.2: compute in float32 or wider.
+    logp = logp.astype(jnp.promote_types(logp.dtype, jnp.float32))
     mask = mask.astype(logp.dtype)
     on = mask != 0
     # Old log-probs and advantages are data, never differentiated.
