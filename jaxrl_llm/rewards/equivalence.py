@@ -8,7 +8,8 @@ Pipeline for one pair (each stage only runs when the previous ones could not dec
 4. structure: matrices (shape + entries), intervals and tuples (matching brackets, element-wise),
    sets, ``\\cup`` unions and bare comma lists (order ignored);
 5. atoms: plain numbers without sympy, then sympy (`symbolic.sympy_equal`).
-The whole comparison runs under a wall-clock limit (`safety.time_limit`); a timeout, an input
+The first call imports sympy and the parser (~1 s, outside any limit); the whole comparison runs
+under a wall-clock limit (`safety.time_limit`); a timeout, an input
 that fails the size screen or any parser error counts as "not equal" — never an exception.
 """
 
@@ -18,7 +19,7 @@ import re
 
 from jaxrl_llm.rewards.extract import extract_answer
 from jaxrl_llm.rewards.normalize import choice_letter, compact, normalize_answer, split_top_level
-from jaxrl_llm.rewards.parse import to_sympy
+from jaxrl_llm.rewards.parse import to_sympy, warm_up
 from jaxrl_llm.rewards.safety import VerifierTimeout, time_limit
 from jaxrl_llm.rewards.symbolic import numbers_equal, plain_number, sympy_equal, unordered_equal
 
@@ -55,6 +56,10 @@ def _structure(text: str) -> tuple:
     union = split_top_level(text, "\\cup")
     if len(union) > 1:
         return ("unordered", union)
+    plus_minus = split_top_level(text, "\\pm")
+    if len(plus_minus) == 2 and plus_minus[1]:  # "a \pm b" is the pair {a + b, a - b}
+        center, offset = plus_minus[0] or "0", plus_minus[1]
+        return ("unordered", [f"{center}+({offset})", f"{center}-({offset})"])
     if text.startswith("\\{") and text.endswith("\\}"):
         inner = text[2:-2].strip()
         return ("unordered", split_top_level(inner, ",") if inner else [])
@@ -160,8 +165,8 @@ def _equal(pred: str, gold: str) -> bool:
         prefix = _CHOICE_PREFIX.match(pred)
         named = choice_letter(pred) or (prefix.group(1) if prefix else None)
         return named == gold_choice.group(1)
-    if not _is_relation(gold):
-        pred = _drop_assignment(pred)
+    if not _is_relation(gold):  # "x = 2, x = 3" -> "2, 3"
+        pred = ", ".join(_drop_assignment(item) for item in split_top_level(pred, ","))
     return _normalized_equal(pred, gold)
 
 
@@ -180,6 +185,7 @@ def answers_equal(pred: str | None, gold: str | None, *, timeout: float | None =
         )
     if len(pred) > MAX_ANSWER_CHARS or len(gold) > MAX_ANSWER_CHARS:
         return pred.strip() == gold.strip()
+    warm_up()  # imports must never run under the timer (see parse.warm_up)
     try:
         with time_limit(timeout):
             return _equal(pred, gold)

@@ -40,7 +40,25 @@ def matching_brace(text: str, open_index: int) -> int | None:
     return None
 
 
-def _box_content(text: str, command_end: int) -> str | None:
+def closing_braces(text: str) -> dict[int, int]:
+    """Map from the index of every balanced ``{`` to the index of its ``}`` (one linear pass)."""
+    closers: dict[int, int] = {}
+    stack: list[int] = []
+    i = 0
+    while i < len(text):
+        ch = text[i]
+        if ch == "\\":
+            i += 2
+            continue
+        if ch == "{":
+            stack.append(i)
+        elif ch == "}" and stack:
+            closers[stack.pop()] = i
+        i += 1
+    return closers
+
+
+def _box_content(text: str, command_end: int, closers: dict[int, int]) -> str | None:
     """Content of one box command whose name ends at ``command_end``; None when malformed."""
     i = command_end
     n = len(text)
@@ -49,7 +67,7 @@ def _box_content(text: str, command_end: int) -> str | None:
     if i >= n:
         return None
     if text[i] == "{":
-        close = matching_brace(text, i)
+        close = closers.get(i)
         return None if close is None else text[i + 1 : close]
     if i == command_end:  # "\boxedx" is another command name, not a box
         return None
@@ -60,15 +78,22 @@ def _box_content(text: str, command_end: int) -> str | None:
 
 def last_boxed(text: str) -> str | None:
     """Content of the last well-formed ``\\boxed`` / ``\\fbox`` in ``text`` (None if none)."""
-    for match in reversed(list(_BOX_COMMAND.finditer(text))):
-        content = _box_content(text, match.end())
+    boxes = list(_BOX_COMMAND.finditer(text))
+    closers = closing_braces(text) if boxes else {}
+    for match in reversed(boxes):
+        content = _box_content(text, match.end(), closers)
         if content is not None and content.strip():
             return content.strip()
     return None
 
 
 def _clean_phrase(answer: str) -> str | None:
-    answer = answer.strip().strip("$").strip()
+    answer = answer.strip()
+    if answer.startswith("$"):  # "$x = 3$. I hope" -> the math span only
+        answer = answer.lstrip("$").split("$", 1)[0]
+    else:  # the sentence ends at a period followed by a space (not a decimal point)
+        answer = re.split(r"\.\s", answer, maxsplit=1)[0]
+    answer = answer.strip()
     # A sentence ending after the answer: "The answer is 5." -> "5".
     answer = re.sub(r"[.\s]+$", "", answer).strip().strip("$").strip()
     return answer or None

@@ -31,7 +31,10 @@ _TEXT_WRAPPERS = re.compile(
 )
 _SPACING = re.compile(r"(?<!\\)\\(?:,|;|:|!|>|quad|qquad|displaystyle|textstyle|scriptstyle| )|~")
 _SIZING = re.compile(r"\\(?:left|right|bigl|bigr|Bigl|Bigr|biggl|biggr|big|Big|bigg|Bigg)(?![a-zA-Z])\s*")
-_DEGREES = re.compile(r"\^\s*\{?\s*\\circ\s*\}?|°|\\degree(?:s)?(?![a-zA-Z])")
+# Degrees are a unit only at the end ("30^\circ"); inside "\cos 60^\circ" they are not dropped.
+_DEGREES = re.compile(r"(?:\^\s*\{?\s*\\circ\s*\}?|°|\\degree(?:s)?(?![a-zA-Z]))\s*$")
+# "2 or 3", "x=2 \text{ and } x=3": a list of values.
+_WORD_SEPARATOR = re.compile(r"(?<=[\w})\]])\s+(?:and|or)\s+(?=[-\w\\({\[])")
 _FRAC_SHORT = re.compile(r"\\frac\s*(\d|\\?[a-zA-Z])\s*(\d|\\?[a-zA-Z]|\{)")
 _SQRT_SHORT = re.compile(r"\\sqrt\s*(\d|[a-zA-Z])")
 _THOUSANDS = re.compile(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?")
@@ -101,8 +104,11 @@ def normalize_answer(answer: str) -> str:
     text = text.replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac")
     text = text.replace("{,}", "").replace("\\cdotp", "\\cdot")
     text = text.replace("\\le ", "\\leq ").replace("\\ge ", "\\geq ")
-    text = text.replace("\\varnothing", "\\emptyset").replace("\\lbrace", "\\{").replace("\\rbrace", "\\}")
+    text = text.replace("\\varnothing", "\\emptyset").replace("\\mathbb{R}", "(-\\infty,\\infty)").replace("\\lbrace", "\\{").replace("\\rbrace", "\\}")
     text = re.sub(r"\s+", " ", text).strip()
+    if len(text) < 200 and re.search(r"\d", text):
+        text = _WORD_SEPARATOR.sub(", ", text)
+    text = re.sub(r"([(\[{]) | (?=[)\]}])", r"\1", text)  # "( 1,2 )" -> "(1,2)"
     if len(text) < 200:  # unit words only follow short answers; keeps the regex linear overall
         text = _TRAILING_UNITS.sub("", text).strip()
     text = _expand_short_fracs(text)
@@ -112,6 +118,8 @@ def normalize_answer(answer: str) -> str:
         text = text.replace(",", "")
     if text.lower() in ("infinity", "inf", "+\\infty"):
         text = "\\infty"
+    if text.replace(" ", "") == "\\{\\}":
+        text = "\\emptyset"
     return text
 
 

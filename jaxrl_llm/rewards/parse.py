@@ -68,6 +68,22 @@ def _converter():
     return functools.partial(latex2sympy, normalization_config=None, conversion_config=config)
 
 
+@functools.lru_cache(maxsize=1)
+def warm_up() -> None:
+    """Import sympy, the parser and the modules sympy loads lazily, once, before any time limit.
+
+    An import cut short by a timeout leaves a half-initialised module behind (for example
+    ``sympy`` without ``sympy.assumptions``) and breaks every later comparison in the process.
+    """
+    import sympy
+
+    expression = _converter()(r"\frac{x^2-1}{x-1} + \sqrt{2} \cdot \pi")
+    sympy.simplify(expression - sympy.Symbol("x")).evalf(30)
+    sympy.simplify(sympy.sin(sympy.Symbol("y")) ** 2 + sympy.cos(sympy.Symbol("y")) ** 2)
+    for text in (r"x \leq 3", r"\begin{pmatrix}1\\2\end{pmatrix}", r"(1, 2]", r"\{1, 2\}", r"10!", r"\log_2 8"):
+        _converter()(text)
+
+
 def to_sympy(text: str):
     """Parse one normalised answer atom into a sympy object; None when unsafe or unparsable."""
     latex = plain_to_latex(text)

@@ -3,8 +3,9 @@
 A verifier that hangs (sympy on a hostile answer) or dies (memory, segfault) must not stall the
 trainer. Each worker is one process with its own pipe, so the parent always knows which item a
 worker holds: an item that runs past ``timeout`` gets a soft SIGALRM inside the worker, and its
-worker is SIGKILLed ``kill_grace`` seconds later and replaced; a worker that dies is replaced; both
-items score ``failure_value`` (0.0). Workers start with ``forkserver`` (or ``spawn``), never
+worker is SIGKILLed ``kill_grace`` seconds later and replaced; a worker that dies is replaced and
+its item retried ``crash_retries`` times (it may have been killed from outside); items that time
+out or keep crashing score ``failure_value`` (0.0). Workers start with ``forkserver`` (or ``spawn``), never
 ``fork``: a JAX process must not fork after its runtime has started threads. Each worker caps its
 address space with ``resource.setrlimit(RLIMIT_AS)``.
 """
@@ -86,6 +87,7 @@ class VerifierPool:
         reward_fn: ItemReward = math_reward,
         failure_value: float = 0.0,
         kill_grace: float = 0.25,
+        crash_retries: int = 1,
         start_method: str | None = None,
     ):
         if num_workers < 1:
@@ -101,6 +103,7 @@ class VerifierPool:
         self.reward_fn = reward_fn
         self.failure_value = failure_value
         self.kill_grace = kill_grace
+        self.crash_retries = crash_retries
         self._memory_limit = None if memory_limit_mb is None else int(memory_limit_mb) * 2**20
         self._context = multiprocessing.get_context(start_method)
         if start_method == "forkserver":
@@ -192,11 +195,15 @@ class VerifierPool:
         timeout = self.timeout if timeout is None else timeout
         results = [self.failure_value] * len(completions)
         pending = collections.deque(range(len(completions)))
+        crashes = collections.Counter()
         deadline = None if batch_timeout is None else time.monotonic() + batch_timeout
         while pending or any(worker.task is not None for worker in self._workers):
             now = time.monotonic()
-            for worker in self._workers:
+            for worker in list(self._workers):
                 if worker.ready and worker.task is None and pending:
+                    if not worker.process.is_alive():
+                        self._replace(worker)  # died while idle: no item is lost
+                        continue
                     index = pending.popleft()
                     try:
                         worker.conn.send((index, reward_fn, completions[index], golds[index], timeout))
@@ -213,7 +220,11 @@ class VerifierPool:
             readable = multiprocessing.connection.wait([worker.conn for worker in self._workers], timeout=wait_for)
             for worker in list(self._workers):
                 if worker.conn in readable and not self._receive(worker, results):
-                    self._replace(worker)  # crashed: its item keeps failure_value
+                    lost = worker.task
+                    if lost is not None and crashes[lost] < self.crash_retries:
+                        crashes[lost] += 1
+                        pending.appendleft(lost)  # maybe killed from outside: one more try
+                    self._replace(worker)  # else the item keeps failure_value
             now = time.monotonic()
             for worker in list(self._workers):
                 overdue = worker.task is not None and now > worker.task_started + timeout + self.kill_grace
