@@ -151,3 +151,26 @@ def test_tfds_data_source(tmp_path):
     assert len(gsm_only) == 5
     with pytest.raises(FileNotFoundError, match="not prepared"):
         load_tfds("tiny_gsm", split="train", data_dir=str(tmp_path / "elsewhere"))
+
+
+def test_load_records_from_config_values(tmp_path):
+    from jaxrl_llm.data.arithmetic import ArithmeticTask
+    from jaxrl_llm.data.load import load_records
+
+    assert load_records("arithmetic") == ArithmeticTask().train_records()
+    assert load_records({"kind": "arithmetic_heldout"}) == ArithmeticTask().heldout_records()
+    three = load_records({"kind": "arithmetic", "max_terms": 3, "operators": ["+"], "num": 4, "seed": 2})
+    assert three == ArithmeticTask(max_terms=3, operators=("+",)).train_records(4, seed=2)
+    path = tmp_path / "train.jsonl"
+    _write_jsonl(path, [json.dumps({"prob": "1+1?", "sol": "so \\boxed{2}"})])
+    [record] = load_records({"kind": "jsonl", "path": str(path), "question": "prob", "answer": "sol"})
+    assert (record["question"], record["answer"]) == ("1+1?", "2")
+    assert load_records({"kind": "benchmark", "name": "gsm8k-100", "limit": 2})[1]["id"] == "gsm8k-test-20"
+    with pytest.raises(ValueError, match="needs 'path'"):
+        load_records({"kind": "jsonl"})
+    with pytest.raises(ValueError, match="unknown arithmetic option"):
+        load_records({"kind": "arithmetic", "digits": 2})
+    with pytest.raises(ValueError, match="'kind' in"):
+        load_records({"kind": "csv"})
+    with pytest.raises(ValueError, match="neither 'arithmetic'"):
+        load_records("no/such/file.jsonl")
