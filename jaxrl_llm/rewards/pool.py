@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 from jaxrl_llm.rewards.equivalence import DEFAULT_TIMEOUT, math_reward
+from jaxrl_llm.rewards.parse import warm_up
 from jaxrl_llm.rewards.safety import time_limit
 
 ItemReward = Callable[[str, str], float]
@@ -40,7 +41,7 @@ def _worker_main(conn, memory_limit_bytes: int | None) -> None:
         _, hard = resource.getrlimit(resource.RLIMIT_AS)
         cap = memory_limit_bytes if hard == resource.RLIM_INFINITY else min(memory_limit_bytes, hard)
         resource.setrlimit(resource.RLIMIT_AS, (cap, hard))
-    math_reward("\\boxed{\\frac{1}{2}}", "0.5")  # import sympy and the parser before reporting ready
+    warm_up()  # import sympy and the parser before reporting ready (a no-op after the preload)
     conn.send(("ready", os.getpid()))
     while True:
         try:
@@ -108,7 +109,7 @@ class VerifierPool:
         self._context = multiprocessing.get_context(start_method)
         if start_method == "forkserver":
             # Workers fork from a server that already imported the verifier: fast replacements.
-            self._context.set_forkserver_preload(["jaxrl_llm.rewards.equivalence", "sympy"])
+            self._context.set_forkserver_preload(["jaxrl_llm.rewards.preload"])
         self._start_failures = 0
         self._workers = [self._launch() for _ in range(num_workers)]
         self._closed = False
@@ -283,6 +284,7 @@ def score_batch(
     """
     if len(completions) != len(golds):
         raise ValueError(f"score_batch: {len(completions)} completions but {len(golds)} golds")
+    warm_up()  # imports must not run under the per-item timer (see parse.warm_up)
     if num_workers > 0:
         with VerifierPool(num_workers, timeout=timeout, memory_limit_mb=memory_limit_mb, reward_fn=reward_fn) as pool:
             return pool.score(completions, golds)
