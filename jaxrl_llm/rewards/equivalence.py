@@ -6,11 +6,11 @@ Pipeline for one pair (each stage only runs when the previous ones could not dec
 2. ``x = 5`` -> ``5`` when the gold is a bare value (no relation);
 3. identical compact strings -> equal;
 4. structure: matrices (shape + entries), intervals and tuples (matching brackets, element-wise),
-   sets, ``\\cup`` unions and bare comma lists (order ignored);
+   sets, ``\\cup`` unions, ``a \\pm b`` pairs and bare comma lists (order ignored);
 5. atoms: plain numbers without sympy, then sympy (`symbolic.sympy_equal`).
-The first call imports sympy and the parser (~1 s, outside any limit); the whole comparison runs
-under a wall-clock limit (`safety.time_limit`); a timeout, an input
-that fails the size screen or any parser error counts as "not equal" — never an exception.
+The first call in a process imports and warms sympy and the parser (1-5 s, outside any limit);
+every comparison then runs under a wall-clock limit (`safety.time_limit`). A timeout, an input
+that fails the size screen or any parser error counts as "not equal", never an exception.
 """
 
 from __future__ import annotations
@@ -53,10 +53,10 @@ def _structure(text: str) -> tuple:
     if matrix:
         rows = [row for row in re.split(r"\\\\", matrix.group(2)) if row.strip() and row.strip() != "\\hline"]
         return ("matrix", [[cell.strip() for cell in row.split("&")] for row in rows])
-    union = split_top_level(text, "\\cup")
+    union = split_top_level(re.sub(r"\\cup(?![a-zA-Z])", "\u222a", text), "\u222a")
     if len(union) > 1:
         return ("unordered", union)
-    plus_minus = split_top_level(text, "\\pm")
+    plus_minus = split_top_level(re.sub(r"\\pm(?![a-zA-Z])", "\u00b1", text), "\u00b1")
     if len(plus_minus) == 2 and plus_minus[1]:  # "a \pm b" is the pair {a + b, a - b}
         center, offset = plus_minus[0] or "0", plus_minus[1]
         return ("unordered", [f"{center}+({offset})", f"{center}-({offset})"])

@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 import re
 
-from jaxrl_llm.rewards.safety import complexity_problem
+from jaxrl_llm.rewards.safety import MAX_SYMPY_CHARS, complexity_problem
 
 _SCIENTIFIC = re.compile(r"(?<![\w.\\])(\d+(?:\.\d+)?)[eE]([-+]?\d+)(?![\w.])")
 _PLAIN_FUNCTION = re.compile(r"(?<![\\a-zA-Z])(sin|cos|tan|cot|sec|csc|log|ln|exp|arcsin|arccos|arctan)(?=\s*\()")
@@ -86,6 +86,8 @@ def warm_up() -> None:
 
 def to_sympy(text: str):
     """Parse one normalised answer atom into a sympy object; None when unsafe or unparsable."""
+    if len(text) > 2 * MAX_SYMPY_CHARS:  # keep the rewrites below cheap; the screen would refuse it anyway
+        return None
     latex = plain_to_latex(text)
     if not latex.strip() or complexity_problem(latex) is not None:
         return None

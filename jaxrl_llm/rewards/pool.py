@@ -264,7 +264,10 @@ class VerifierPool:
         self.close()
 
     def __del__(self) -> None:
-        self.close()
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - interpreter shutdown may have torn multiprocessing down
+            pass
 
 
 def score_batch(
