@@ -107,7 +107,7 @@ def mixed_group_mask(rewards, group_ids, num_groups: int | None = None) -> jax.A
 
 
 def mixed_groups(rewards, group_ids, *, num_groups: int | None = None) -> jax.Array:
-    """[num_groups] bool: True for each group holding at least two different rewards.
+    """[num_groups] bool: mixed_g = max_{i in g} r_i != min_{i in g} r_i (DAPO, Yu et al. 2025).
 
     The per-group form of `mixed_group_mask`; `mixed_groups(...).sum()` is the number of groups a
     DAPO dynamic-sampling round contributed. Empty groups are not mixed.
