@@ -14,6 +14,9 @@ import jax.numpy as jnp
 from jaxrl_llm import models
 
 
+_FLOOR = -1e30
+
+
 def gather_response_hidden(hidden: jax.Array, prompt_lens: jax.Array, response_len: int) -> jax.Array:
     """Rows of `hidden` [B, T, D] that predict response token r: position prompt_len - 1 + r -> [B, R, D]."""
     idx = prompt_lens[:, None] - 1 + jnp.arange(response_len)[None, :]
@@ -35,7 +38,8 @@ def chunked_logprobs(hidden: jax.Array, head: jax.Array, targets: jax.Array, *, 
     head = jnp.pad(head, ((0, pad), (0, 0))).reshape(n_chunks, chunk, head.shape[1])
     hidden = hidden.astype(head.dtype)
     shape = targets.shape
-    init = (jnp.full(shape, -jnp.inf, jnp.float32), jnp.zeros(shape, jnp.float32),
+    # A finite floor instead of -inf: exp() of it is 0, and 0 * floor stays finite in the backward pass.
+    init = (jnp.full(shape, _FLOOR, jnp.float32), jnp.zeros(shape, jnp.float32),
             jnp.zeros(shape, jnp.float32), jnp.zeros(shape, jnp.float32))
 
     def body(carry, inputs):
@@ -43,8 +47,9 @@ def chunked_logprobs(hidden: jax.Array, head: jax.Array, targets: jax.Array, *, 
         block, start = inputs
         logits = jnp.einsum("brd,vd->brv", hidden, block, preferred_element_type=jnp.float32)
         valid = (start + jnp.arange(chunk)) < vocab
-        logits = jnp.where(valid, logits, -jnp.inf)
-        m_new = jnp.maximum(m, logits.max(-1))
+        logits = jnp.where(valid, logits, _FLOOR)
+        # The running max only keeps exp() in range; log Z does not depend on it, so no gradient.
+        m_new = jax.lax.stop_gradient(jnp.maximum(m, logits.max(-1)))
         scale = jnp.exp(m - m_new)
         p = jnp.exp(logits - m_new[..., None])
         s = s * scale + p.sum(-1)
@@ -73,5 +78,11 @@ def response_logprobs(params, config, tokens, prompt_lens, response_tokens, *, c
     positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
     hidden = models.hidden_states(params, config, tokens, positions)
     hidden = gather_response_hidden(hidden, prompt_lens, response_tokens.shape[1])
-    return chunked_logprobs(hidden, models.output_embedding(params, config), response_tokens,
+    return chunked_logprobs(hidden, output_matrix(params, config), response_tokens,
                             chunk=chunk, with_entropy=with_entropy)
+
+
+def output_matrix(params, config) -> jax.Array:
+    """The [V, D] output embedding in the compute dtype: the token embedding when tied, else lm_head^T."""
+    head = params["embed"] if config.tie_word_embeddings else params["lm_head"].T
+    return head.astype(jnp.dtype(config.compute_dtype))

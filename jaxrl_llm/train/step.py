@@ -1,0 +1,119 @@
+"""The jitted policy update: per-token log-probs, policy loss + KL + entropy, micro-batch gradient
+accumulation, and one optax update that is skipped when the loss or gradient is not finite.
+
+Loss = policy_loss(logp, old_logp, A, mask, agg)             (objectives.policy_loss)
+     + kl_coef * aggregate(kl_penalty(logp, ref_logp), mask, agg)
+     - entropy_coef * aggregate(entropy, mask, agg)
+Every term of a micro-batch is normalised by the denominator of the whole mini-batch (computed on the
+host from the real rows), so summing micro-batch gradients gives exactly the mini-batch gradient.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from jaxrl_llm import objectives
+from jaxrl_llm.train.config import AlgorithmSection
+from jaxrl_llm.train.logprobs import response_logprobs
+from jaxrl_llm.train.state import TrainState
+
+
+class TrainBatch(NamedTuple):
+    """Rows of (prompt + response). Padding rows have mask 0 everywhere and change nothing."""
+
+    tokens: jax.Array  # [B, T] int32: prompt then response, right-padded
+    prompt_lens: jax.Array  # [B] int32
+    response_tokens: jax.Array  # [B, R] int32
+    mask: jax.Array  # [B, R] f32: 1 on generated tokens
+    advantages: jax.Array  # [B, R] f32 (sequence advantages broadcast over tokens, or PRL's per-token)
+    old_logp: jax.Array  # [B, R] f32: behaviour policy log-probs
+    ref_logp: jax.Array  # [B, R] f32: reference policy log-probs (zeros when KL is off)
+
+
+def split_micro(batch: TrainBatch, micro_batch_size: int) -> TrainBatch:
+    """[B, ...] -> [B / micro, micro, ...] for a scan over micro-batches."""
+    rows = batch.tokens.shape[0]
+    if rows % micro_batch_size:
+        raise ValueError(f"batch of {rows} rows is not a multiple of micro_batch_size={micro_batch_size}")
+    return jax.tree_util.tree_map(lambda x: x.reshape(rows // micro_batch_size, micro_batch_size, *x.shape[1:]),
+                                  batch)
+
+
+def loss_fn(params, model_config, algo: AlgorithmSection, micro: TrainBatch, denom: jax.Array):
+    """Loss of one micro-batch, normalised by the whole mini-batch's `denom`; returns (loss, metrics)."""
+    logp, entropy = response_logprobs(params, model_config, micro.tokens, micro.prompt_lens,
+                                      micro.response_tokens, with_entropy=True)
+    loss, pg_metrics = objectives.policy_loss(
+        logp, micro.old_logp, micro.advantages, micro.mask, kind=algo.loss, clip_low=algo.clip_low,
+        clip_high=algo.clip_high, dual_clip=algo.dual_clip, agg=algo.agg, max_len=algo.agg_max_len, denom=denom)
+    agg = dict(mode=algo.agg, max_len=algo.agg_max_len, denom=denom)
+    ent = objectives.aggregate(entropy, micro.mask, **agg)
+    total = loss - algo.entropy_coef * ent
+    kl = jnp.zeros((), jnp.float32)
+    if algo.kl_coef > 0:  # static: no reference model is kept when the KL term is off
+        kl = objectives.aggregate(objectives.kl_penalty(logp, micro.ref_logp, algo.kl_kind), micro.mask, **agg)
+        total = total + algo.kl_coef * kl
+    tokens = micro.mask.sum()
+    metrics = {"policy_loss": loss, "kl": kl, "entropy": ent,
+               "clip_fraction": pg_metrics["clip_frac"] * tokens, "tokens": tokens}
+    return total, metrics
+
+
+def make_train_step(model_config, algo: AlgorithmSection, optimizer: optax.GradientTransformation, *,
+                    micro_batch_size: int, state_sharding: Any = None, batch_sharding: Any = None):
+    """Build `step(state, batch, denom) -> (state, metrics)`: one optimizer update on a mini-batch.
+
+    The batch is scanned in micro-batches of `micro_batch_size` rows; gradients are summed (each
+    micro-batch already carries the 1/denom of the mini-batch). When the loss or the gradient norm is
+    not finite, the parameters and optimizer state are returned unchanged and metrics["finite"] = 0.
+    The state argument is donated.
+    """
+
+    def step(state: TrainState, batch: TrainBatch, denom: jax.Array):
+        micro = split_micro(batch, micro_batch_size)
+        grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+
+        def accumulate(carry, mb):
+            grads, loss_sum, metric_sum = carry
+            (loss, metrics), g = grad_fn(state.params, model_config, algo, mb, denom)
+            grads = jax.tree_util.tree_map(jnp.add, grads, g)
+            metric_sum = jax.tree_util.tree_map(jnp.add, metric_sum, metrics)
+            return (grads, loss_sum + loss, metric_sum), None
+
+        zeros = jax.tree_util.tree_map(lambda p: jnp.zeros(p.shape, jnp.float32), state.params)
+        metric_zeros = {k: jnp.zeros((), jnp.float32)
+                        for k in ("policy_loss", "kl", "entropy", "clip_fraction", "tokens")}
+        (grads, loss, msum), _ = jax.lax.scan(accumulate, (zeros, jnp.zeros((), jnp.float32), metric_zeros), micro)
+        grads = jax.tree_util.tree_map(lambda g, p: g.astype(p.dtype), grads, state.params)
+        grad_norm = optax.global_norm(grads)
+        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+        updates, new_opt = optimizer.update(grads, state.opt_state, state.params)
+        new_params = optax.apply_updates(state.params, updates)
+        keep = lambda new, old: jax.tree_util.tree_map(lambda a, b: jnp.where(finite, a, b), new, old)  # noqa: E731
+        new_state = TrainState(params=keep(new_params, state.params), opt_state=keep(new_opt, state.opt_state),
+                               step=state.step + finite.astype(jnp.int32))
+        tokens = jnp.maximum(msum["tokens"], 1.0)
+        metrics = {"loss": loss, "policy_loss": msum["policy_loss"], "kl": msum["kl"], "entropy": msum["entropy"],
+                   "clip_fraction": msum["clip_fraction"] / tokens, "grad_norm": grad_norm,
+                   "finite": finite.astype(jnp.float32)}
+        return new_state, metrics
+
+    kwargs = {}
+    if state_sharding is not None:
+        kwargs = dict(in_shardings=(state_sharding, batch_sharding, None), out_shardings=(state_sharding, None))
+    return jax.jit(step, donate_argnums=(0,), **kwargs)
+
+
+def make_logprob_fn(model_config, *, param_sharding: Any = None, batch_sharding: Any = None):
+    """Jitted `(params, tokens, prompt_lens, response_tokens) -> logp [B, R]` (old and reference log-probs)."""
+
+    def logprob(params, tokens, prompt_lens, response_tokens):
+        return response_logprobs(params, model_config, tokens, prompt_lens, response_tokens)
+
+    if param_sharding is None:
+        return jax.jit(logprob)
+    return jax.jit(logprob, in_shardings=(param_sharding, batch_sharding, batch_sharding, batch_sharding))
