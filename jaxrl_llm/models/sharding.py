@@ -17,6 +17,13 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxrl_llm.models.config import ModelConfig
 
+try:  # JAX >= 0.5 types mesh axes; sharding here is propagated by the compiler ("Auto")
+    from jax.sharding import AxisType
+
+    _AUTO_AXES = {"axis_types": (AxisType.Auto,) * 3}
+except ImportError:
+    _AUTO_AXES = {}
+
 MESH_AXES = ("data", "fsdp", "tensor")
 # Batch dimension of activations: split over every data-parallel axis.
 BATCH_SPEC = P(("data", "fsdp"))
@@ -27,6 +34,7 @@ def make_mesh(spec: str = "", devices=None) -> Mesh:
 
     Axes left out have size 1; one axis may be -1 to take the remaining devices; an empty string
     puts every device on "fsdp". The product must equal the number of devices (default: all).
+    Axes are of the "Auto" type: jit propagates the parameter shardings through the model.
     """
     devices = list(jax.devices() if devices is None else devices)
     sizes = {name: 1 for name in MESH_AXES}
@@ -53,8 +61,8 @@ def make_mesh(spec: str = "", devices=None) -> Mesh:
                          f"{len(devices)} available devices")
     shape = tuple(sizes[name] for name in MESH_AXES)
     if len(devices) == jax.device_count():
-        return jax.make_mesh(shape, MESH_AXES, devices=devices)
-    return Mesh(np.asarray(devices).reshape(shape), MESH_AXES)
+        return jax.make_mesh(shape, MESH_AXES, devices=devices, **_AUTO_AXES)
+    return Mesh(np.asarray(devices).reshape(shape), MESH_AXES, **_AUTO_AXES)
 
 
 def partition_rules(config: ModelConfig | None = None) -> list[tuple[str, P]]:
