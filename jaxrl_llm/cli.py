@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 import time
 
@@ -22,6 +23,22 @@ DEMO_MESSAGES = (
     {"role": "user", "content": "5 + 2 = ?"},
 )
 _PREFILL_BUCKET = 64  # prompt lengths round up to this, so nearby lengths share one compiled prefill
+
+
+def _lazy_jit(fn, **jit_kwargs):
+    """jax.jit applied on first call, so `import jaxrl_llm.cli` (and --help) does not import jax."""
+    compiled = None
+
+    @functools.wraps(fn)
+    def call(*args):
+        nonlocal compiled
+        if compiled is None:
+            import jax
+
+            compiled = jax.jit(fn, **jit_kwargs)
+        return compiled(*args)
+
+    return call
 
 
 def _say(message: str) -> None:
@@ -56,16 +73,46 @@ def _load(args):
     return config, params, tokenizer
 
 
-def _generate(params, config, prompt_ids, *, max_new_tokens, temperature=0.0, stop_ids=(), seed=0):
-    """Sample up to `max_new_tokens` ids after `prompt_ids` for one row; returns (ids, timings).
-
-    Prefill writes the (right-padded) prompt into a KV cache with forward_cached; each decode step
-    feeds the last token at the next position. A token is argmax(logits) when temperature == 0,
-    else a draw from softmax(logits / temperature). Stops after the first id in `stop_ids`."""
+def _choose(logits, key, temperature):
+    """argmax(logits) when temperature == 0, else a draw from softmax(logits / temperature)."""
     import jax
     import jax.numpy as jnp
 
-    from jaxrl_llm.models.model import forward_cached, init_cache
+    scaled = logits / jnp.maximum(temperature, 1e-6)
+    return jnp.where(temperature > 0, jax.random.categorical(key, scaled), jnp.argmax(logits)).astype(jnp.int32)
+
+
+@functools.partial(_lazy_jit, static_argnums=(1,), donate_argnums=(4,))
+def _prefill(params, config, tokens, last, cache, key, temperature):
+    """Write the right-padded prompt [1, bucket] into the cache; choose the token after index `last`."""
+    import jax.numpy as jnp
+
+    from jaxrl_llm.models.model import forward_cached
+
+    positions = jnp.arange(tokens.shape[1])[None]
+    logits, cache = forward_cached(params, config, tokens, positions, cache)
+    return _choose(logits[0, last], key, temperature), cache
+
+
+@functools.partial(_lazy_jit, static_argnums=(1,), donate_argnums=(4,))
+def _decode(params, config, token, position, cache, key, temperature):
+    """Feed one token at `position`; choose the next one."""
+    from jaxrl_llm.models.model import forward_cached
+
+    logits, cache = forward_cached(params, config, token[None, None], position[None, None], cache)
+    return _choose(logits[0, -1], key, temperature), cache
+
+
+def _generate(params, config, prompt_ids, *, max_new_tokens, temperature=0.0, stop_ids=(), seed=0):
+    """Sample up to `max_new_tokens` ids after `prompt_ids` for one row; returns (ids, timings).
+
+    Prefill writes the right-padded prompt into a KV cache with forward_cached; each decode step
+    feeds the last token at the next position (one jitted step per token). Greedy when
+    temperature == 0. Stops after the first id in `stop_ids`."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxrl_llm.models.model import init_cache
 
     if not prompt_ids:
         raise ValueError("the prompt is empty")
@@ -74,33 +121,19 @@ def _generate(params, config, prompt_ids, *, max_new_tokens, temperature=0.0, st
     length = len(prompt_ids)
     bucket = -(-length // _PREFILL_BUCKET) * _PREFILL_BUCKET
     cache_len = -(-max(bucket, length + max_new_tokens) // _PREFILL_BUCKET) * _PREFILL_BUCKET
-
-    def choose(logits, key):
-        scaled = logits / jnp.maximum(temperature, 1e-6)
-        return jnp.where(temperature > 0, jax.random.categorical(key, scaled), jnp.argmax(logits)).astype(jnp.int32)
-
-    @jax.jit
-    def prefill(params, tokens, cache, key):
-        logits, cache = forward_cached(params, config, tokens, jnp.arange(bucket)[None], cache)
-        return choose(logits[0, length - 1], key), cache
-
-    @jax.jit
-    def decode(params, token, position, cache, key):
-        logits, cache = forward_cached(params, config, token[None, None], position[None, None], cache)
-        return choose(logits[0, -1], key), cache
-
     keys = jax.random.split(jax.random.PRNGKey(seed), max_new_tokens)
+    temperature = jnp.float32(temperature)
     tokens = jnp.zeros((1, bucket), jnp.int32).at[0, :length].set(jnp.asarray(prompt_ids, jnp.int32))
     start = time.perf_counter()
-    token, cache = prefill(params, tokens, init_cache(config, 1, cache_len), keys[0])
+    token, cache = _prefill(params, config, tokens, jnp.int32(length - 1), init_cache(config, 1, cache_len),
+                            keys[0], temperature)
     out = [int(token)]
-    prefill_s = time.perf_counter() - start
-    timing = {"prefill_s": prefill_s, "first_decode_s": 0.0, "decode_s": 0.0}
+    timing = {"prefill_s": time.perf_counter() - start, "first_decode_s": 0.0, "decode_s": 0.0}
     for step in range(1, max_new_tokens):
         if out[-1] in stop_ids:
             break
         start = time.perf_counter()
-        token, cache = decode(params, token, jnp.int32(length + step - 1), cache, keys[step])
+        token, cache = _decode(params, config, token, jnp.int32(length + step - 1), cache, keys[step], temperature)
         out.append(int(token))
         timing["first_decode_s" if step == 1 else "decode_s"] += time.perf_counter() - start
     return out, timing

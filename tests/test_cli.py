@@ -1,0 +1,127 @@
+"""jaxrl-llm CLI: convert (GGUF -> HF folder loadable by transformers), sample, train demo, errors."""
+
+import numpy as np
+import pytest
+
+from jaxrl_llm.cli import _generate, main
+from jaxrl_llm.models import forward, load_hf
+from jaxrl_llm.models.gguf import load_gguf
+from jaxrl_llm.models.tokenizer import Tokenizer
+from tiny_gguf import write_tiny_gguf
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory):
+    path = tmp_path_factory.mktemp("gguf") / "tiny.gguf"
+    write_tiny_gguf(path, "llama", seed=11)
+    return path
+
+
+@pytest.fixture(scope="module")
+def converted(tiny_gguf, tmp_path_factory):
+    out = tmp_path_factory.mktemp("converted") / "hf"
+    assert main(["convert", str(out), "--gguf", str(tiny_gguf)]) == 0
+    return out
+
+
+def _greedy_by_full_forward(params, config, prompt, steps, stop_ids, width=128):
+    """Reference decoder: re-run the whole sequence each step (no cache), take the argmax. The
+    sequence is right-padded to `width` (causal attention: later slots do not change earlier logits)."""
+    import jax
+
+    full_forward = jax.jit(forward, static_argnums=1)
+    seq = list(prompt)
+    for _ in range(steps):
+        padded = np.zeros((1, width), np.int32)
+        padded[0, :len(seq)] = seq
+        logits = full_forward(params, config, padded, np.arange(width)[None])
+        seq.append(int(np.argmax(np.asarray(logits)[0, len(seq) - 1])))
+        if seq[-1] in stop_ids:
+            break
+    return seq[len(prompt):]
+
+
+def _completion(stdout: str) -> str:
+    return stdout.split("--- completion ---\n", 1)[1].split("\n------------------\n", 1)[0]
+
+
+def test_convert_writes_a_folder_transformers_loads_with_the_same_logits(tiny_gguf, converted):
+    torch = pytest.importorskip("torch")
+    import transformers
+
+    assert {p.name for p in converted.iterdir()} >= {"config.json", "model.safetensors", "tokenizer.json"}
+    config, params, tokenizer = load_gguf(tiny_gguf)
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(converted), dtype=torch.float32).eval()
+    tokens = np.random.default_rng(1).integers(0, config.vocab_size, size=(2, 9))
+    with torch.no_grad():
+        want = model(torch.from_numpy(tokens)).logits.numpy()
+    got = forward(params, config, tokens, np.broadcast_to(np.arange(9), (2, 9)))
+    np.testing.assert_allclose(np.asarray(got), want, atol=1e-4, rtol=0)
+    hf_tokenizer = transformers.AutoTokenizer.from_pretrained(str(converted))
+    text = "<|im_start|>user\n the 12 café<|im_end|>\n"
+    assert hf_tokenizer.encode(text, add_special_tokens=False) == tokenizer.encode(text)
+
+
+def test_converted_folder_reloads_as_the_same_params(tiny_gguf, converted):
+    import jax
+
+    _, params, _ = load_gguf(tiny_gguf)
+    _, reloaded = load_hf(converted)
+    for a, b in zip(jax.tree_util.tree_leaves(params), jax.tree_util.tree_leaves(reloaded)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_generate_greedy_matches_full_forward_argmax(tiny_gguf):
+    config, params, _ = load_gguf(tiny_gguf)
+    prompt = np.random.default_rng(2).integers(3, 259, size=70).tolist()  # crosses one prefill bucket
+    ids, timing = _generate(params, config, prompt, max_new_tokens=12)
+    assert ids == _greedy_by_full_forward(params, config, prompt, 12, stop_ids=())
+    assert set(timing) == {"prefill_s", "first_decode_s", "decode_s"}
+    # stopping: with the 3rd greedy token as a stop id, generation ends right after it
+    assert _generate(params, config, prompt, max_new_tokens=12, stop_ids=(ids[2],))[0] == ids[:3]
+
+
+def test_generate_with_temperature_is_seeded(tiny_gguf):
+    config, params, _ = load_gguf(tiny_gguf)
+    prompt = [1, 261, 35, 262]
+    greedy, _ = _generate(params, config, prompt, max_new_tokens=10)
+    first, _ = _generate(params, config, prompt, max_new_tokens=10, temperature=5.0, seed=3)
+    again, _ = _generate(params, config, prompt, max_new_tokens=10, temperature=5.0, seed=3)
+    other, _ = _generate(params, config, prompt, max_new_tokens=10, temperature=5.0, seed=4)
+    assert first == again and first != other and first != greedy
+    assert all(0 <= t < config.vocab_size for t in first + other)
+    # a vanishing temperature samples the argmax
+    assert _generate(params, config, prompt, max_new_tokens=10, temperature=1e-6, seed=3)[0] == greedy
+    with pytest.raises(ValueError, match="prompt is empty"):
+        _generate(params, config, [], max_new_tokens=3)
+
+
+def test_sample_on_a_tiny_model_folder_prints_the_greedy_completion(converted, capsys):
+    assert main(["sample", "--model", str(converted), "--prompt", "the 12", "--max-new-tokens", "8"]) == 0
+    out = capsys.readouterr().out
+    config, params = load_hf(converted)
+    tokenizer = Tokenizer.from_pretrained(converted)
+    prompt = tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": "the 12"}]))
+    assert f"prompt: {len(prompt)} tokens" in out
+    expected = _greedy_by_full_forward(params, config, prompt, 8, tokenizer.stop_ids)
+    assert _completion(out) == tokenizer.decode(expected)
+    assert "loaded " in out and "M parameters" in out and "tok/s" in out
+
+
+def test_train_runs_the_sampling_demo_for_now(tiny_gguf, capsys):
+    assert main(["train", "--gguf", str(tiny_gguf), "--max-new-tokens", "4"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("The RL trainer is not available yet")
+    assert "--- completion ---" in out
+
+
+def test_bad_inputs_give_one_clear_error(tmp_path, capsys):
+    assert main(["sample", "--gguf", str(tmp_path / "missing.gguf")]) == 2
+    assert "jaxrl-llm sample: error: " in capsys.readouterr().err
+    assert main(["convert", str(tmp_path / "out"), "--model", str(tmp_path / "nowhere")]) == 2
+    assert "nowhere: no such checkpoint directory" in capsys.readouterr().err
+    (tmp_path / "notes.txt").write_text("not a model")
+    assert main(["sample", "--gguf", str(tmp_path / "notes.txt")]) == 2
+    assert "notes.txt: not a GGUF file" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["sample", "--gguf", "a.gguf", "--model", "dir"])  # the two sources exclude each other
