@@ -37,6 +37,8 @@ class Checkpointer:
     def save(self, step: int, state: Any, extra: dict[str, Any], *, eval_accuracy: float | None = None) -> None:
         """Save `state` (any pytree of arrays) and the JSON-able `extra` as checkpoint `step`."""
         metrics = {BEST_METRIC: float(eval_accuracy)} if eval_accuracy is not None else None
+        if step in self.manager.all_steps():  # re-saving a step (e.g. the final one, now with its eval)
+            self.manager.delete(step)
         self.manager.save(step, args=ocp.args.Composite(
             state=ocp.args.StandardSave(state), extra=ocp.args.JsonSave(extra)), metrics=metrics, force=True)
         self.manager.wait_until_finished()

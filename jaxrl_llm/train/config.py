@@ -26,16 +26,13 @@ class ModelSection:
 
 @dataclass(frozen=True)
 class DataSection:
-    task: str = "arithmetic"  # a registered procedural task, or a path to a JSONL/parquet file
-    eval_task: str = "arithmetic-heldout"
-    question_field: str = "question"
-    answer_field: str = "answer"
-    prompt_style: str = "few-shot-chat"  # "few-shot-chat", "chat" (DESIGN.md system prompt) or "raw"
-    max_prompt_tokens: int = 256
+    # A `jaxrl_llm.data.load_records` spec: a task or benchmark name, a file path, or a mapping such as
+    # {kind: jsonl, path: train.jsonl, question: problem, answer: solution}.
+    train: Any = "arithmetic"
+    eval: Any = "arithmetic-heldout"
+    prompt: str = "arithmetic-2shot"  # a jaxrl_llm.data.PROMPT_PRESETS name
+    max_prompt_tokens: int = 256  # longer prompts are dropped and counted, never truncated
     seed: int = 0
-    task_min_terms: int = 2
-    task_max_terms: int = 2
-    task_digits: int = 1
 
 
 @dataclass(frozen=True)
@@ -52,7 +49,7 @@ class SamplingSection:
 @dataclass(frozen=True)
 class AlgorithmSection:
     name: str = "raftpp"
-    advantage: str = "raft"  # raft | grpo | dr_grpo | rloo | reinforce_rej
+    advantage: str = "raft"  # raft | grpo | drgrpo | rloo | reinforce_rej (objectives.ADVANTAGE_ESTIMATORS)
     loss: str = "clip"  # clip (PPO / RAFT++ surrogate) | vanilla (-A log pi, plain RAFT)
     clip_low: float = 0.2
     clip_high: float = 0.2
@@ -70,6 +67,9 @@ class AlgorithmSection:
     overlong_buffer: int = 0  # DAPO overlong penalty; 0 disables
     overlong_factor: float = 1.0
     prl_eta: float | None = None  # set to shape per-token advantages with PRL
+    # "recompute": old log-probs from a teacher-forced pass before the update; "sampler": the sampler's
+    # own log-probs (equal to 1e-5 in f32, and a forward pass cheaper when there is one update per batch).
+    old_logp: str = "recompute"
     prl_step_len: int | None = None
 
 
@@ -100,6 +100,7 @@ class TrainSection:
     max_bad_steps: int = 3  # consecutive non-finite updates before the run stops
     verifier_timeout: float = 5.0
     verifier_workers: int = 0  # 0: score in-process (with timeouts); >0: process pool
+    mesh: str = ""  # e.g. "data=2,fsdp=2,tensor=2"; empty: one device
 
 
 @dataclass(frozen=True)
@@ -121,15 +122,15 @@ class ConfigError(ValueError):
 
 _ALLOWED = {
     ("sampling", "allocation"): {"uniform", "gvm"},
-    ("algorithm", "advantage"): {"raft", "grpo", "dr_grpo", "rloo", "reinforce_rej"},
+    ("algorithm", "advantage"): {"raft", "grpo", "drgrpo", "rloo", "reinforce_rej"},
     ("algorithm", "loss"): {"clip", "vanilla"},
     ("algorithm", "agg"): {"token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"},
     ("algorithm", "kl_kind"): {"k1", "k2", "k3", "abs"},
     ("algorithm", "reward"): {"binary", "signed"},
     ("algorithm", "group_filter"): {"none", "mixed"},
+    ("algorithm", "old_logp"): {"recompute", "sampler"},
     ("model", "param_dtype"): {"float32", "bfloat16"},
     ("model", "compute_dtype"): {"float32", "bfloat16"},
-    ("data", "prompt_style"): {"few-shot-chat", "chat", "raw"},
 }
 
 
@@ -152,6 +153,8 @@ def _unknown_key(key: str, where: str) -> ConfigError:
 
 def _coerce(key: str, value: Any, f: dataclasses.Field) -> Any:
     typ = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+    if typ == "Any":
+        return value
     if value is None:
         if "None" in typ:
             return None

@@ -1,0 +1,253 @@
+"""The RL outer loop, read top to bottom:
+
+    evaluate -> for each step: take prompts -> sample -> score -> keep groups -> advantages -> update
+             -> log -> evaluate every k -> checkpoint every k -> evaluate -> export
+
+Every stage is a named function defined in `rollouts`, `algorithms` and `step`; this module only
+orders them and keeps the books (samples drawn, prompts filtered, time per stage).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import signal
+import time
+from typing import Any
+
+import jax
+import numpy as np
+from tqdm.auto import tqdm
+
+from jaxrl_llm import models
+from jaxrl_llm.eval import evaluate
+from jaxrl_llm.train.algorithms import mixed_groups, needs_reference, sequence_advantages, token_advantages
+from jaxrl_llm.train.config import RunConfig
+from jaxrl_llm.train.rollouts import ScoredRollouts, all_rows_batch, build_train_batches, sample_and_score
+from jaxrl_llm.train.setup import Run, setup_run
+from jaxrl_llm.train.state import learning_rate
+
+
+class NonFiniteError(RuntimeError):
+    """Raised after `train.max_bad_steps` consecutive updates with a non-finite loss or gradient."""
+
+
+def train(config: RunConfig, *, resume: bool = False, policy=None, log=print) -> dict[str, Any]:
+    """Run RL training as configured; returns the summary (evaluations before/after, counters, status)."""
+    run = setup_run(config, policy=policy)
+    try:
+        return _train(run, resume, log)
+    finally:
+        run.close()
+
+
+def _train(run: Run, resume: bool, log) -> dict[str, Any]:
+    cfg = run.config
+    start, books = restore(run) if resume else (0, new_books())
+    if start:
+        log(f"resumed from step {start} in {run.checkpointer.directory}")
+    if "eval_before" not in books["summary"] and cfg.train.eval_problems:
+        books["summary"]["eval_before"] = evaluate_policy(run, "before training", log)
+    bad_streak = 0
+    with preemption_guard() as preempted, tqdm(total=cfg.train.steps, initial=start, desc="RL steps",
+                                                dynamic_ncols=True, disable=jax.process_index() != 0) as bar:
+        for step in range(start, cfg.train.steps):
+            t0 = time.perf_counter()
+            scored, round_info = collect_rollouts(run, step, books)
+            t1 = time.perf_counter()
+            update_info = update_policy(run, scored, step)
+            t2 = time.perf_counter()
+            bad_streak = 0 if update_info["finite"] else bad_streak + 1
+            metrics = step_metrics(run, scored, round_info, update_info, books, step,
+                                   sample_s=round_info["sample_s"], score_s=round_info["score_s"],
+                                   wall_s=t2 - t0, train_s=t2 - t1)
+            done = step + 1
+            eval_acc = None
+            if cfg.train.eval_every and done % cfg.train.eval_every == 0 and done < cfg.train.steps:
+                eval_acc = evaluate_policy(run, f"step {done}", log)["accuracy"]
+                metrics["eval_accuracy"] = eval_acc
+            run.metrics.write(done, metrics)
+            bar.update(1)
+            bar.set_postfix(acc=f"{metrics['accuracy']:.2f}", reward=f"{metrics['reward']:.2f}",
+                            len=f"{metrics['response_length']:.1f}", kept=metrics["groups_kept"])
+            if bad_streak:
+                log(f"step {done}: non-finite loss or gradient, update skipped ({bad_streak} in a row)")
+                if bad_streak >= cfg.train.max_bad_steps:
+                    save(run, done, books, eval_acc)
+                    raise NonFiniteError(f"{bad_streak} consecutive non-finite updates (train.max_bad_steps="
+                                         f"{cfg.train.max_bad_steps}); last good state saved at step {done}")
+            if preempted() or (cfg.train.save_every and done % cfg.train.save_every == 0) or eval_acc is not None:
+                save(run, done, books, eval_acc)
+            if preempted():
+                log(f"SIGTERM: saved step {done} to {run.checkpointer.directory}; resume with --resume")
+                books["summary"]["status"] = "preempted"
+                return books["summary"]
+    summary = books["summary"]
+    if cfg.train.eval_problems:
+        summary["eval_after"] = evaluate_policy(run, "after training", log)
+    save(run, cfg.train.steps, books, summary.get("eval_after", {}).get("accuracy"))
+    export_dir = run.out_dir / "final"
+    models.save_hf(export_dir, run.model_config, run.state.params, tokenizer=run.tokenizer)
+    summary.update(status="done", export_dir=str(export_dir), **books["counters"])
+    report(summary, log)
+    return summary
+
+
+# ---- stages -----------------------------------------------------------------------------------------------
+
+def collect_rollouts(run: Run, step: int, books: dict) -> tuple[ScoredRollouts, dict]:
+    """Sample `samples_per_prompt` per prompt and score; with the `mixed` filter keep only groups whose
+    rewards differ, and with dynamic sampling (DAPO) draw new prompts until enough groups are kept or
+    `max_sampling_rounds` is reached."""
+    cfg, algo = run.config, run.config.algorithm
+    key = jax.random.fold_in(jax.random.PRNGKey(cfg.train.seed), step)
+    kept_parts, info = [], {"rounds": 0, "drawn": 0, "prompts": 0, "filtered": 0, "sample_s": 0.0, "score_s": 0.0}
+    need = cfg.sampling.prompts_per_step
+    while True:
+        records = next(run.data)
+        t0 = time.perf_counter()
+        scored = sample_and_score(run.state.params, run.model_config, run.tokenizer, records,
+                                  cfg.sampling.samples_per_prompt, cfg.sampling, run.scorer,
+                                  jax.random.fold_in(key, info["rounds"]), mesh=run.mesh)
+        info["sample_s"] += time.perf_counter() - t0  # scoring time is measured inside the scorer
+        info["score_s"] += run.scorer.last_seconds
+        info["sample_s"] -= run.scorer.last_seconds
+        info["rounds"] += 1
+        info["drawn"] += scored.num_samples
+        info["prompts"] += len(records)
+        if algo.group_filter == "mixed" or algo.dynamic_sampling:
+            keep = mixed_groups(scored.rewards, scored.prompt_index, len(records))
+            info["filtered"] += int((~keep).sum())
+            scored = scored.select_groups(keep)
+        kept_parts.append(scored)
+        kept = sum(len(p.records) for p in kept_parts)
+        if not algo.dynamic_sampling or kept >= need or info["rounds"] >= algo.max_sampling_rounds:
+            break
+    scored = ScoredRollouts.concat(kept_parts)
+    if algo.dynamic_sampling and len(scored.records) > need:
+        keep = np.arange(len(scored.records)) < need
+        info["filtered"] += int((~keep).sum())
+        scored = scored.select_groups(keep)
+    books["counters"]["samples_drawn"] += info["drawn"]
+    books["counters"]["prompts_drawn"] += info["prompts"]
+    books["counters"]["prompts_filtered"] += info["filtered"]
+    return scored, info
+
+
+def update_policy(run: Run, scored: ScoredRollouts, step: int) -> dict[str, Any]:
+    """Advantages -> old / reference log-probs -> `epochs` x `mini_batches` optimizer updates."""
+    cfg, algo = run.config, run.config.algorithm
+    if scored.num_samples == 0:
+        return {"finite": True, "updates": 0}
+    seq_adv = sequence_advantages(algo, scored.rewards, scored.prompt_index, len(scored.records))
+    old_logp = scored.logprobs if algo.old_logp == "sampler" else token_logprobs(run, run.state.params, scored)
+    ref_logp = token_logprobs(run, run.ref_params, scored) if needs_reference(algo) else np.zeros_like(old_logp)
+    advantages = token_advantages(algo, seq_adv, old_logp, ref_logp, scored.mask)
+    rng = np.random.default_rng([cfg.train.seed, step])
+    sums: dict[str, float] = {}
+    updates, finite = 0, True
+    for _ in range(cfg.optim.epochs):
+        for batch, denom, _rows in build_train_batches(
+                scored, advantages, old_logp, ref_logp, algo, mini_batches=cfg.optim.mini_batches,
+                micro_batch_size=cfg.optim.micro_batch_size, pad_id=run.tokenizer.pad_token_id, rng=rng):
+            run.state, metrics = run.train_step(run.state, batch, np.float32(denom))
+            metrics = jax.device_get(metrics)
+            finite = finite and bool(metrics["finite"])
+            for k, v in metrics.items():
+                sums[k] = sums.get(k, 0.0) + float(v)
+            updates += 1
+    out = {k: v / max(updates, 1) for k, v in sums.items()}
+    out.update(finite=finite, updates=updates, advantage_mean=float(seq_adv.mean()))
+    return out
+
+
+def token_logprobs(run: Run, params, scored: ScoredRollouts) -> np.ndarray:
+    """Teacher-forced log-probs [R, N] of every sampled response under `params`."""
+    batch = all_rows_batch(scored, run.config.optim.micro_batch_size, run.tokenizer.pad_token_id)
+    logp = run.logprob_fn(params, batch.tokens, batch.prompt_lens, batch.response_tokens)
+    return np.asarray(logp)[:scored.num_samples] * scored.mask
+
+
+def evaluate_policy(run: Run, label: str, log) -> dict[str, Any]:
+    """avg@k on the held-out set, with the standard error over problems."""
+    cfg = run.config
+    metrics = evaluate(run.state.params, run.model_config, run.tokenizer, run.eval_records,
+                       k=cfg.train.eval_samples, max_new_tokens=cfg.sampling.max_new_tokens,
+                       temperature=cfg.train.eval_temperature, top_p=cfg.sampling.top_p, top_k=cfg.sampling.top_k,
+                       template=cfg.data.prompt, seed=cfg.train.seed + 1000, return_samples=True, mesh=run.mesh)
+    per_problem = np.array([np.mean(s["correct"]) for s in metrics.pop("samples")])
+    k = cfg.train.eval_samples
+    result = {"accuracy": float(metrics[f"avg@{k}"]), "stderr": float(per_problem.std(ddof=1) / math.sqrt(
+        max(len(per_problem), 1))) if len(per_problem) > 1 else 0.0, **{
+        key: value for key, value in metrics.items() if isinstance(value, (int, float))}}
+    log(f"eval {label}: avg@{k} = {result['accuracy']:.3f} +/- {result['stderr']:.3f} over "
+        f"{len(per_problem)} problems, pass@{k} = {metrics[f'pass@{k}']:.3f}, format {metrics['format_rate']:.2f} "
+        f"({metrics['seconds']:.0f}s)")
+    return result
+
+
+def step_metrics(run: Run, scored: ScoredRollouts, round_info: dict, update: dict, books: dict, step: int,
+                 **times) -> dict[str, Any]:
+    n = max(scored.num_samples, 1)
+    tokens = float(scored.mask.sum())
+    return {
+        "reward": float(scored.rewards.mean()) if scored.num_samples else 0.0,
+        "accuracy": float(scored.correct.mean()) if scored.num_samples else 0.0,
+        "acceptance_rate": float(scored.correct.sum() / n),
+        "response_length": float(scored.lengths.mean()) if scored.num_samples else 0.0,
+        "groups_kept": len(scored.records), "sampling_rounds": round_info["rounds"],
+        "samples_drawn": books["counters"]["samples_drawn"], "prompts_filtered": books["counters"]["prompts_filtered"],
+        "lr": learning_rate(run.config.optim, int(run.state.step)),
+        "tokens_per_s": tokens / max(times["sample_s"], 1e-9),
+        **{k: update[k] for k in ("loss", "policy_loss", "kl", "entropy", "clip_fraction", "grad_norm")
+           if k in update},
+        "updates": update["updates"], "skipped_update": 0 if update["finite"] else 1,
+        **{f"time_{k}": v for k, v in times.items()},
+    }
+
+
+# ---- books, checkpoints, preemption -----------------------------------------------------------------------
+
+def new_books() -> dict:
+    return {"counters": {"samples_drawn": 0, "prompts_drawn": 0, "prompts_filtered": 0}, "summary": {}}
+
+
+def save(run: Run, step: int, books: dict, eval_accuracy: float | None) -> None:
+    extra = {"step": step, "data": run.data.get_state(), "counters": books["counters"],
+             "summary": books["summary"], "config": run.config.to_dict()}
+    run.checkpointer.save(step, run.state, extra, eval_accuracy=eval_accuracy)
+
+
+def restore(run: Run) -> tuple[int, dict]:
+    """Continue from the latest checkpoint: state, data position and counters (a fresh start if none)."""
+    if run.checkpointer.latest_step() is None:
+        return 0, new_books()
+    step, run.state, extra = run.checkpointer.restore(run.state)
+    run.data.set_state(extra["data"])
+    return step, {"counters": extra["counters"], "summary": extra["summary"]}
+
+
+@contextlib.contextmanager
+def preemption_guard():
+    """Turn SIGTERM (a preempted TPU VM) into a flag the loop checks after each step."""
+    hit = {"flag": False}
+
+    def handler(signum, frame):
+        hit["flag"] = True
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield lambda: hit["flag"]
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def report(summary: dict, log) -> None:
+    before, after = summary.get("eval_before"), summary.get("eval_after")
+    if before and after:
+        gain = after["accuracy"] - before["accuracy"]
+        noise = math.sqrt(before["stderr"] ** 2 + after["stderr"] ** 2)
+        log(f"held-out accuracy: {before['accuracy']:.3f} -> {after['accuracy']:.3f} "
+            f"(change {gain:+.3f}, {gain / noise if noise else float('inf'):.1f} standard errors)")
+    log(f"samples drawn: {summary.get('samples_drawn')}, prompts filtered: {summary.get('prompts_filtered')}; "
+        f"policy exported to {summary.get('export_dir')}")

@@ -1,0 +1,177 @@
+"""Host-side stages of an RL iteration: sample and score rollouts, keep groups, build the train batches.
+
+Each function is one named stage of `train/loop.py`; arrays are NumPy here (the device work lives in
+`jaxrl_llm.sampling.generate` and the jitted train step).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any, Sequence
+
+import jax
+import numpy as np
+
+from jaxrl_llm import objectives
+from jaxrl_llm.sampling import generate
+from jaxrl_llm.train.config import AlgorithmSection, SamplingSection
+from jaxrl_llm.train.step import TrainBatch
+
+
+@dataclasses.dataclass
+class ScoredRollouts:
+    """Samples of a set of prompts with their rewards; group g = prompt g of `records`."""
+
+    records: list[dict]  # one per prompt, with "prompt_ids" and "answer"
+    prompt_index: np.ndarray  # [R] int32
+    tokens: np.ndarray  # [R, N] int32 response tokens
+    mask: np.ndarray  # [R, N] float32
+    logprobs: np.ndarray  # [R, N] float32 sampler log-probs (temperature 1)
+    lengths: np.ndarray  # [R] int32
+    rewards: np.ndarray  # [R] float32
+    correct: np.ndarray  # [R] bool: the verifier accepted the final answer
+
+    @property
+    def num_samples(self) -> int:
+        return int(self.prompt_index.shape[0])
+
+    def select_groups(self, keep: np.ndarray) -> "ScoredRollouts":
+        """Only the prompts where keep[g]; prompt indices are renumbered 0..kept-1."""
+        new_index = np.cumsum(keep) - 1
+        rows = keep[self.prompt_index]
+        return ScoredRollouts(
+            records=[r for r, k in zip(self.records, keep) if k], prompt_index=new_index[self.prompt_index[rows]],
+            tokens=self.tokens[rows], mask=self.mask[rows], logprobs=self.logprobs[rows], lengths=self.lengths[rows],
+            rewards=self.rewards[rows], correct=self.correct[rows])
+
+    @staticmethod
+    def concat(parts: Sequence["ScoredRollouts"]) -> "ScoredRollouts":
+        offsets = np.cumsum([0] + [len(p.records) for p in parts[:-1]])
+        return ScoredRollouts(
+            records=[r for p in parts for r in p.records],
+            prompt_index=np.concatenate([p.prompt_index + o for p, o in zip(parts, offsets)]),
+            **{f: np.concatenate([getattr(p, f) for p in parts])
+               for f in ("tokens", "mask", "logprobs", "lengths", "rewards", "correct")})
+
+
+def sample_and_score(params, model_config, tokenizer, records: list[dict], counts, sampling: SamplingSection,
+                     scorer: "RewardScorer", rng: jax.Array, *, mesh=None) -> ScoredRollouts:
+    """Draw counts[i] (or `counts` each) samples of every prompt and score them."""
+    rollout = generate(params, model_config, [r["prompt_ids"] for r in records], num_samples=counts,
+                       max_new_tokens=sampling.max_new_tokens, temperature=sampling.temperature,
+                       top_p=sampling.top_p, top_k=sampling.top_k, stop_ids=tokenizer.stop_ids, rng=rng,
+                       pad_id=tokenizer.pad_token_id, mesh=mesh)
+    prompt_index = np.asarray(rollout.prompt_index, np.int32)
+    lengths = np.asarray(rollout.lengths, np.int32)
+    texts = [tokenizer.decode(list(row[:n]), skip_special_tokens=True) for row, n in zip(rollout.tokens, lengths)]
+    golds = [records[i]["answer"] for i in prompt_index]
+    correct, rewards = scorer(texts, golds, lengths)
+    return ScoredRollouts(records=list(records), prompt_index=prompt_index, tokens=np.asarray(rollout.tokens),
+                          mask=np.asarray(rollout.mask, np.float32), logprobs=np.asarray(rollout.logprobs),
+                          lengths=lengths, rewards=rewards, correct=correct)
+
+
+class RewardScorer:
+    """Verifier verdicts and rewards: r = correctness ({0, 1}, or {-1, +1} when signed) + shaping terms
+    (format bonus, DAPO overlong penalty) from `jaxrl_llm.rewards.build_reward_fn`."""
+
+    def __init__(self, algo: AlgorithmSection, sampling: SamplingSection, *, timeout: float, workers: int):
+        from jaxrl_llm import rewards
+
+        self.pool = rewards.VerifierPool(workers, timeout=timeout) if workers > 0 else None
+        self.timeout = timeout
+        self.signed = algo.reward == "signed"
+        shaping = {}
+        if algo.format_reward:
+            shaping["format"] = {"weight": algo.format_reward}
+        if algo.overlong_buffer > 0:
+            shaping["overlong"] = {"weight": 1.0, "max_len": sampling.max_new_tokens,
+                                   "buffer": algo.overlong_buffer, "factor": algo.overlong_factor}
+        self.shaping = rewards.build_reward_fn(shaping) if shaping else None
+        self.last_seconds = 0.0  # time spent in the latest call, for the time split in the metrics
+
+    def __call__(self, texts: list[str], golds: list[str], lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        from jaxrl_llm import rewards
+
+        started = time.perf_counter()
+        verdict = rewards.correctness_reward(texts, golds, pool=self.pool, timeout=self.timeout)
+        correct = np.asarray(verdict, np.float32) > 0
+        reward = np.where(correct, 1.0, -1.0 if self.signed else 0.0).astype(np.float32)
+        if self.shaping is not None:
+            reward += np.asarray(self.shaping(texts, golds, lengths=lengths), np.float32)
+        self.last_seconds = time.perf_counter() - started
+        return correct, reward
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.close()
+
+
+def group_stats(scored: ScoredRollouts) -> dict[str, Any]:
+    """Per-prompt acceptance counts, for logging and for filters."""
+    n = len(scored.records)
+    drawn = np.bincount(scored.prompt_index, minlength=n)
+    accepted = np.bincount(scored.prompt_index, weights=scored.correct.astype(np.float64), minlength=n)
+    return {"drawn": drawn, "accepted": accepted}
+
+
+def pad_rows(n: int, multiple: int) -> int:
+    """Rows after padding: a multiple of `multiple` with a power-of-two number of multiples, so that
+    batches of varying size reuse a handful of compiled train steps."""
+    chunks = max(1, -(-n // multiple))
+    return multiple * (1 << (chunks - 1).bit_length())
+
+
+def build_train_batches(scored: ScoredRollouts, advantages: np.ndarray, old_logp: np.ndarray, ref_logp: np.ndarray,
+                        algo: AlgorithmSection, *, mini_batches: int, micro_batch_size: int, pad_id: int,
+                        rng: np.random.Generator, seq_multiple: int = 32) -> list[tuple[TrainBatch, float, int]]:
+    """Split the rows into `mini_batches` shuffled mini-batches -> [(TrainBatch, denom, real_rows)].
+
+    `denom` is the aggregation denominator of the whole mini-batch, computed before rows whose every
+    advantage is 0 are dropped (they add nothing to the policy gradient when KL and entropy terms are
+    off: RAFT's rejected samples, groups that all agree), so dropping them leaves the update exact.
+    """
+    rows = rng.permutation(scored.num_samples)
+    out = []
+    drop_zero = algo.kl_coef == 0 and algo.entropy_coef == 0
+    for part in np.array_split(rows, mini_batches):
+        if part.size == 0:
+            continue
+        denom = float(objectives.aggregate_denominator(scored.mask[part], algo.agg))
+        if drop_zero:
+            part = part[np.any(advantages[part] != 0, axis=1)]
+        if part.size == 0:
+            continue
+        out.append((_pack(scored, part, advantages, old_logp, ref_logp, micro_batch_size, pad_id, seq_multiple),
+                    denom, int(part.size)))
+    return out
+
+
+def _pack(scored: ScoredRollouts, rows: np.ndarray, advantages, old_logp, ref_logp, micro_batch_size: int,
+          pad_id: int, seq_multiple: int) -> TrainBatch:
+    n_pad = pad_rows(rows.size, micro_batch_size)
+    resp_len = scored.tokens.shape[1]
+    prompts = [scored.records[scored.prompt_index[r]]["prompt_ids"] for r in rows]
+    seq_len = -(-(max(len(p) for p in prompts) + resp_len) // seq_multiple) * seq_multiple
+    tokens = np.full((n_pad, seq_len), pad_id, np.int32)
+    prompt_lens = np.ones(n_pad, np.int32)
+    for i, (r, prompt) in enumerate(zip(rows, prompts)):
+        tokens[i, :len(prompt)] = prompt
+        tokens[i, len(prompt):len(prompt) + resp_len] = scored.tokens[r]
+        prompt_lens[i] = len(prompt)
+
+    def take(x, dtype):
+        full = np.zeros((n_pad, *x.shape[1:]), dtype)
+        full[:rows.size] = x[rows]
+        return full
+
+    return TrainBatch(tokens=tokens, prompt_lens=prompt_lens, response_tokens=take(scored.tokens, np.int32),
+                      mask=take(scored.mask, np.float32), advantages=take(advantages, np.float32),
+                      old_logp=take(old_logp, np.float32), ref_logp=take(ref_logp, np.float32))
+
+
+def all_rows_batch(scored: ScoredRollouts, micro_batch_size: int, pad_id: int, seq_multiple: int = 32) -> TrainBatch:
+    """Every row packed (advantages and log-probs zero): the input of old/reference log-prob passes."""
+    zeros = np.zeros(scored.mask.shape, np.float32)
+    return _pack(scored, np.arange(scored.num_samples), zeros, zeros, zeros, micro_batch_size, pad_id, seq_multiple)
