@@ -75,7 +75,7 @@ SCRIPT = {
 def test_evaluate_with_scripted_generate():
     generate = ScriptedGenerate(SCRIPT)
     metrics = evaluate(None, None, ByteTokenizer(), RECORDS, k=3, max_new_tokens=24, template="arithmetic-2shot",
-                       prompts_per_call=2, seed=5, generate_fn=generate, return_samples=True)
+                       samples_per_call=7, seed=5, generate_fn=generate, return_samples=True)
     # correctness: a = [1,0,1], b = [0,0,1], c = [1,0,1]
     assert metrics["avg@3"] == pytest.approx((2 / 3 + 1 / 3 + 2 / 3) / 3)
     assert metrics["pass@3"] == pytest.approx(1.0)

@@ -25,7 +25,7 @@ def _default_generate():
 def evaluate(params, config, tokenizer, records: Sequence[dict], *, k: int, max_new_tokens: int,
              temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
              template: PromptTemplate | str = "reasoning", max_prompt_tokens: int | None = None,
-             prompts_per_call: int = 64, seed: int = 0, stop_ids: Sequence[int] | None = None,
+             samples_per_call: int = 128, seed: int = 0, stop_ids: Sequence[int] | None = None,
              verify: Verifier | None = None, generate_fn: Callable | None = None,
              return_samples: bool = False, **generate_kwargs) -> dict:
     """Metrics of ``k`` samples per record (see ``jaxrl_llm.eval.metrics``), plus bookkeeping.
@@ -34,7 +34,8 @@ def evaluate(params, config, tokenizer, records: Sequence[dict], *, k: int, max_
     are dropped and reported as ``dropped_prompts``). Completions are drawn by
     ``generate_fn(params, config, prompt_ids, num_samples=k, max_new_tokens=..., temperature=...,
     top_p=..., top_k=..., stop_ids=..., rng=...)`` (default ``jaxrl_llm.sampling.generate``),
-    ``prompts_per_call`` prompts at a time with rng = fold_in(PRNGKey(seed), call index); each
+    max(1, samples_per_call // k) prompts at a time (the KV cache grows with the rows of one call: 128
+    rows of SmolLM2-135M with 256-token prompts hold ~3.5 GB), with rng = fold_in(PRNGKey(seed), call index); each
     response is decoded up to its length with ``tokenizer.decode`` and scored with ``verify``
     (default ``jaxrl_llm.rewards.math_reward``). Extra keys: dropped_prompts, truncated_rate (samples
     that hit max_new_tokens), seconds; with ``return_samples``, ``samples`` lists each problem's id,
@@ -49,6 +50,7 @@ def evaluate(params, config, tokenizer, records: Sequence[dict], *, k: int, max_
     completions: list[list[str]] = [[] for _ in kept]
     lengths: list[list[int]] = [[] for _ in kept]
     truncated = 0
+    prompts_per_call = max(1, samples_per_call // k)
     started = time.perf_counter()
     for call, start in enumerate(range(0, len(kept), prompts_per_call)):
         chunk = kept[start:start + prompts_per_call]
