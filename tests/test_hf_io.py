@@ -239,7 +239,10 @@ def test_save_hf_then_transformers_gives_the_same_logits(family, tmp_path):
     ref = torch_logits(load_torch_model(tmp_path / "saved"), tokens)
     assert np.abs(ref).max() > 0.5
     assert np.abs(ours - ref).max() <= 1e-4
-    reloaded_config, reloaded = load_hf(tmp_path / "saved")
+    if config.rope_scaling:  # the comparison is sensitive to transformers honouring the llama3 scaling
+        unscaled = np.asarray(forward(params, config.replace(rope_scaling=None), tokens, _positions(2, 9)))
+        assert np.abs(unscaled - ref).max() > 1e-3
+    reloaded_config, _ = load_hf(tmp_path / "saved")
     assert reloaded_config == config
 
 

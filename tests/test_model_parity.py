@@ -135,6 +135,10 @@ def test_cache_slots_beyond_the_position_are_ignored(family_model):
     # the chunk wrote exactly slots 0..5; later slots keep what was there
     np.testing.assert_array_equal(np.asarray(cache_a.k[:, :, :6]), np.asarray(cache_b.k[:, :, :6]))
     np.testing.assert_array_equal(np.asarray(cache_b.k[:, :, 6:]), np.asarray(dirty.k[:, :, 6:]))
+    # positions past the cache end are dropped, not wrapped or clamped onto the last slot
+    _, cache_c = forward_cached_jit(params, config, tokens, _arange(2, 6, start=CACHE_LEN - 2), clean)
+    written = np.any(np.asarray(cache_c.k) != 0, axis=(0, 3, 4))  # [B, S]
+    assert written[:, CACHE_LEN - 2:].all() and not written[:, :CACHE_LEN - 2].any()
 
 
 def test_llama3_rope_frequencies_match_transformers():
