@@ -125,6 +125,24 @@ def test_load_gguf_logits_match_transformers_on_the_original_weights(tmp_path, a
     np.testing.assert_allclose(np.asarray(got), want, atol=1e-4, rtol=0)
 
 
+def test_header_parser_agrees_with_gguf_reader(tmp_path):
+    import gguf
+
+    from jaxrl_llm.models.gguf import _GGUFFile
+
+    write_tiny_gguf(tmp_path / "m.gguf", "qwen2", tied=True, float16=True)
+    ours = _GGUFFile(tmp_path / "m.gguf")
+    reader = gguf.GGUFReader(str(tmp_path / "m.gguf"))
+    for key, field in reader.fields.items():
+        if not key.startswith("GGUF."):
+            assert ours.metadata[key] == field.contents(), key
+    assert list(ours.tensors) == [t.name for t in reader.tensors]
+    for tensor in reader.tensors:
+        qtype, dims, raw = ours.tensors[tensor.name]
+        assert qtype == tensor.tensor_type and dims == tensor.shape.tolist()
+        np.testing.assert_array_equal(raw, np.asarray(tensor.data).reshape(-1).view(np.uint8))
+
+
 def test_read_gguf_metadata_values(tmp_path):
     write_tiny_gguf(tmp_path / "m.gguf", "qwen3", add_bos=True)
     meta = read_gguf_metadata(tmp_path / "m.gguf")
@@ -215,20 +233,17 @@ def test_bundled_tensors_equal_transformers_state_dict(bundled_reference):
 
 @pytest.mark.slow
 def test_bundled_quantized_blocks_match_numpy_decoders(bundled_reference):
-    import gguf
-
     from jaxrl_llm.models.bundled import bundled_gguf_path
+    from jaxrl_llm.models.gguf import _GGUFFile
 
     tensors, _ = bundled_reference
-    raw = {t.name: t for t in gguf.GGUFReader(str(bundled_gguf_path())).tensors}
-    v = raw["blk.0.attn_v.weight"]
-    assert v.tensor_type.name == "Q4_1"
-    np.testing.assert_array_equal(tensors["model.layers.0.self_attn.v_proj.weight"],
-                                  _q4_1_reference(np.array(v.data), (192, 576)))
-    emb = raw["token_embd.weight"]
-    assert emb.tensor_type.name == "Q8_0"
-    np.testing.assert_array_equal(tensors["model.embed_tokens.weight"],
-                                  _q8_0_reference(np.array(emb.data), (49152, 576)))
+    raw = _GGUFFile(bundled_gguf_path()).tensors  # name -> (type, dims, bytes), checked against GGUFReader above
+    qtype, _, v = raw["blk.0.attn_v.weight"]
+    assert qtype.name == "Q4_1"
+    np.testing.assert_array_equal(tensors["model.layers.0.self_attn.v_proj.weight"], _q4_1_reference(v, (192, 576)))
+    qtype, _, emb = raw["token_embd.weight"]
+    assert qtype.name == "Q8_0"
+    np.testing.assert_array_equal(tensors["model.embed_tokens.weight"], _q8_0_reference(emb, (49152, 576)))
 
 
 @pytest.mark.slow

@@ -171,16 +171,17 @@ def rewrite_gguf(source, target, *, replace=None, extra=None) -> None:
     (raw_array, ggml_type)` instead of a tensor's data and appending `extra[name] = float32 array`."""
     import gguf
 
-    from jaxrl_llm.models.gguf import _field_value
+    from jaxrl_llm.models.gguf import read_gguf_metadata
 
     replace, extra = replace or {}, extra or {}
-    reader = gguf.GGUFReader(str(source))
-    writer = gguf.GGUFWriter(str(target), _field_value(reader.fields["general.architecture"]))
+    values = read_gguf_metadata(source)
+    reader = gguf.GGUFReader(str(source))  # for the value types
+    writer = gguf.GGUFWriter(str(target), values["general.architecture"])
     for key, field in reader.fields.items():
         if key.startswith("GGUF.") or key == "general.architecture":
             continue
         sub_type = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
-        writer.add_key_value(key, _field_value(field), field.types[0], sub_type=sub_type)
+        writer.add_key_value(key, values[key], field.types[0], sub_type=sub_type)
     for tensor in reader.tensors:
         if tensor.name in replace:
             raw, ggml_type = replace[tensor.name]

@@ -2,9 +2,9 @@
 
 A GGUF file holds key/value metadata (hyper-parameters, the tokenizer vocabulary, merges and chat
 template) and tensors named in llama.cpp's scheme ("blk.3.attn_q.weight"), possibly block-quantized
-(Q4_1, Q8_0, ...). `gguf_to_hf` reads it with the `gguf` package (llama.cpp's own Python reader),
-dequantizes every tensor to float32 with `gguf.quants.dequantize`, renames it to the Hugging Face
-name and layout ([out, in]) and writes the matching transformers config.json dict. The result feeds
+(Q4_1, Q8_0, ...). `gguf_to_hf` parses the header, dequantizes every tensor to float32 with
+`gguf.quants.dequantize` (the `gguf` package: llama.cpp's own block decoders), renames it to the
+Hugging Face name and layout ([out, in]) and writes the matching transformers config.json dict. The result feeds
 `params_from_hf`, so GGUF and safetensors checkpoints share one loading path.
 
 llama.cpp's converter (convert_hf_to_gguf.py, LlamaModel) reorders the rows of Llama's q and k
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import pathlib
 import re
+import struct
 from typing import Any
 
 import numpy as np
@@ -64,42 +65,120 @@ def unpermute_qk(weight: np.ndarray, num_heads: int) -> np.ndarray:
     return split.swapaxes(1, 2).reshape(weight.shape)
 
 
-def _field_value(field) -> Any:
-    """One GGUF metadata field as a Python value (str, int, float, bool, or a list of them)."""
-    import gguf
-
-    def scalar(part, value_type):
-        if value_type == gguf.GGUFValueType.STRING:
-            return bytes(part).decode("utf-8")
-        value = part[0].item()
-        return bool(value) if value_type == gguf.GGUFValueType.BOOL else value
-
-    if field.types[0] == gguf.GGUFValueType.ARRAY:
-        return [scalar(field.parts[i], field.types[-1]) for i in field.data]
-    return scalar(field.parts[field.data[0]], field.types[0])
+# GGUF metadata value types (gguf.GGUFValueType): numeric ones as little-endian numpy dtypes.
+_STRING, _ARRAY = 8, 9
+_NUMERIC = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "?", 10: "<u8", 11: "<i8",
+            12: "<f8"}
 
 
-def _open_reader(path):
-    """GGUFReader for `path`, with errors that name the file and what is wrong with it."""
-    import gguf
+class _GGUFFile:
+    """The header of a GGUF v2/v3 file, parsed from a memory map: `metadata` (key -> Python value)
+    and `tensors` (name -> (ggml type, dims innermost first, raw uint8 block data)).
 
-    file = pathlib.Path(path)
-    if not file.is_file():
-        raise FileNotFoundError(f"{file}: no such GGUF file")
-    with open(file, "rb") as handle:
-        magic = handle.read(4)
-    if magic != _MAGIC:
-        raise ValueError(f"{file}: not a GGUF file (starts with {magic!r}, expected {_MAGIC!r})")
-    try:
-        return gguf.GGUFReader(str(file))
-    except Exception as err:  # the reader raises bare ValueError/IndexError on truncated files
-        raise ValueError(f"{file}: unreadable GGUF file, truncated or corrupt ({err})") from None
+    The layout follows llama.cpp's gguf.md: magic, version u32, tensor count u64, key/value count
+    u64, the key/value pairs, the tensor infos (name, n_dims u32, dims u64..., type u32, offset u64),
+    then the tensor data from the next multiple of `general.alignment` (default 32). It is read here
+    rather than with gguf.GGUFReader, which spends seconds wrapping each of the ~100k vocabulary
+    strings in its own array view; the blocks are still decoded by gguf.quants.dequantize.
+    """
+
+    def __init__(self, path):
+        self.path = pathlib.Path(path)
+        if not self.path.is_file():
+            raise FileNotFoundError(f"{self.path}: no such GGUF file")
+        with open(self.path, "rb") as handle:
+            magic = handle.read(4)
+        if magic != _MAGIC:
+            raise ValueError(f"{self.path}: not a GGUF file (starts with {magic!r}, expected {_MAGIC!r})")
+        self._data = np.memmap(self.path, dtype=np.uint8, mode="r").view(np.ndarray)  # plain views: fast slicing
+        try:
+            self._parse()
+        except (struct.error, ValueError, IndexError, UnicodeDecodeError) as err:
+            raise ValueError(f"{self.path}: unreadable GGUF file, truncated or corrupt ({err})") from None
+
+    def _unpack(self, fmt: str):
+        values = struct.unpack_from(fmt, self._data, self._pos)
+        self._pos += struct.calcsize(fmt)
+        return values[0] if len(values) == 1 else values
+
+    def _string(self) -> str:
+        size = self._unpack("<Q")
+        end = self._pos + size
+        if end > self._data.size:
+            raise ValueError(f"string of {size} bytes runs past the end of the file")
+        text = self._data[self._pos:end].tobytes().decode("utf-8")
+        self._pos = end
+        return text
+
+    def _value(self, value_type: int):
+        if value_type == _STRING:
+            return self._string()
+        if value_type == _ARRAY:
+            item_type, count = self._unpack("<IQ")
+            if item_type == _STRING:
+                return [self._string() for _ in range(count)]
+            if item_type not in _NUMERIC:
+                raise ValueError(f"unsupported metadata array item type {item_type}")
+            items = np.frombuffer(self._data, _NUMERIC[item_type], count, self._pos)
+            self._pos += items.nbytes
+            return items.tolist()
+        if value_type not in _NUMERIC:
+            raise ValueError(f"unsupported metadata value type {value_type}")
+        value = np.frombuffer(self._data, _NUMERIC[value_type], 1, self._pos)[0].item()
+        self._pos += np.dtype(_NUMERIC[value_type]).itemsize
+        return value
+
+    def _parse(self) -> None:
+        import gguf
+
+        self._pos = 4
+        version, tensor_count, kv_count = self._unpack("<IQQ")
+        if version not in (2, 3):
+            raise ValueError(f"GGUF version {version} is not supported (2 or 3, little-endian)")
+        self.metadata = {}
+        for _ in range(kv_count):
+            key = self._string()
+            self.metadata[key] = self._value(self._unpack("<I"))
+        infos = []
+        for _ in range(tensor_count):
+            name = self._string()
+            dims = [self._unpack("<Q") for _ in range(self._unpack("<I"))]
+            infos.append((name, dims, *self._unpack("<IQ")))
+        alignment = self.metadata.get("general.alignment", 32)
+        start = -(-self._pos // alignment) * alignment
+        self.tensors = {}
+        for name, dims, ggml_type, offset in infos:
+            try:
+                qtype = gguf.GGMLQuantizationType(ggml_type)
+                block, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
+            except (ValueError, KeyError):
+                raise ValueError(f"tensor {name!r} has unknown ggml type {ggml_type}") from None
+            nbytes = int(np.prod(dims)) // block * block_bytes
+            if start + offset + nbytes > self._data.size:
+                raise ValueError(f"tensor {name!r} runs past the end of the file")
+            self.tensors[name] = (qtype, dims, self._data[start + offset:start + offset + nbytes])
+
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        """HF-order shapes (outermost first) of every tensor."""
+        return {name: tuple(reversed(dims)) for name, (_, dims, _) in self.tensors.items()}
+
+    def dequantize(self, name: str) -> np.ndarray:
+        """Tensor `name` as a float32 array in HF order (a copy, detached from the memory map)."""
+        import gguf
+
+        qtype, dims, raw = self.tensors[name]
+        block, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
+        rows = raw.reshape(*reversed(dims[1:]), dims[0] // block * block_bytes)
+        try:
+            values = gguf.quants.dequantize(rows, qtype)
+        except NotImplementedError as err:
+            raise ValueError(f"{self.path}: tensor {name!r} has unsupported type {qtype.name} ({err})") from None
+        return np.array(values, dtype=np.float32).reshape(tuple(reversed(dims)))
 
 
 def read_gguf_metadata(path) -> dict[str, Any]:
     """All metadata key/value pairs of a GGUF file as Python values (no tensor is read)."""
-    reader = _open_reader(path)
-    return {key: _field_value(field) for key, field in reader.fields.items() if not key.startswith("GGUF.")}
+    return dict(_GGUFFile(path).metadata)
 
 
 def _hf_config(file: pathlib.Path, meta: dict[str, Any], tensor_shapes: dict[str, tuple]) -> dict:
@@ -165,34 +244,19 @@ def _hf_name(file: pathlib.Path, gguf_name: str) -> str:
     raise ValueError(f"{file}: unexpected tensor {gguf_name!r} (no Llama/Qwen2/Qwen3 equivalent)")
 
 
-def _dequantize(file: pathlib.Path, tensor) -> np.ndarray:
-    import gguf
-
-    try:
-        values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
-    except NotImplementedError as err:
-        raise ValueError(f"{file}: tensor {tensor.name!r} has unsupported type {tensor.tensor_type.name} "
-                         f"({err})") from None
-    # GGUF lists dims innermost first; HF's layout is the reverse (rows = output features).
-    shape = tuple(int(n) for n in reversed(tensor.shape.tolist()))
-    return np.array(values, dtype=np.float32).reshape(shape)  # copy: detaches from the memory map
-
-
-def _convert(file: pathlib.Path, reader) -> tuple[dict, dict[str, np.ndarray], dict[str, Any]]:
-    meta = {key: _field_value(field) for key, field in reader.fields.items() if not key.startswith("GGUF.")}
-    shapes = {t.name: tuple(int(n) for n in reversed(t.shape.tolist())) for t in reader.tensors}
-    config = _hf_config(file, meta, shapes)
+def _convert(file: _GGUFFile) -> tuple[dict, dict[str, np.ndarray]]:
+    config = _hf_config(file.path, file.metadata, file.shapes())
     permuted = config["model_type"] == "llama"
     heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
     tensors = {}
-    for tensor in reader.tensors:
-        name = _hf_name(file, tensor.name)
-        values = _dequantize(file, tensor)
-        kind = tensor.name.split(".")[-2]
+    for gguf_name in file.tensors:
+        name = _hf_name(file.path, gguf_name)
+        values = file.dequantize(gguf_name)
+        kind = gguf_name.split(".")[-2]
         if permuted and kind in heads:
             values = unpermute_qk(values, heads[kind])
         tensors[name] = values
-    return config, tensors, meta
+    return config, tensors
 
 
 def gguf_to_hf(path) -> tuple[dict, dict[str, np.ndarray]]:
@@ -203,9 +267,7 @@ def gguf_to_hf(path) -> tuple[dict, dict[str, np.ndarray]]:
     Llama q/k rows are un-permuted. A file without output.weight gets tie_word_embeddings=True.
     Raises FileNotFoundError / ValueError naming the file and the problem.
     """
-    file = pathlib.Path(path)
-    config, tensors, _ = _convert(file, _open_reader(file))
-    return config, tensors
+    return _convert(_GGUFFile(path))
 
 
 def load_gguf(path, dtype=None):
@@ -218,8 +280,8 @@ def load_gguf(path, dtype=None):
     from jaxrl_llm.models.hf_io import _dtype_name, params_from_hf
     from jaxrl_llm.models.tokenizer import Tokenizer
 
-    file = pathlib.Path(path)
-    hf_config, tensors, meta = _convert(file, _open_reader(file))
+    file = _GGUFFile(path)
+    hf_config, tensors = _convert(file)
     overrides = {}
     if dtype is not None:
         overrides = dict(param_dtype=_dtype_name(dtype), compute_dtype=_dtype_name(dtype))
@@ -227,6 +289,6 @@ def load_gguf(path, dtype=None):
         config = ModelConfig.from_hf_dict(hf_config, **overrides)
         params = params_from_hf(config, tensors)
     except ValueError as err:
-        raise ValueError(f"{file}: {err}") from None
-    tokenizer = Tokenizer.from_gguf_metadata(meta, source=str(file))
+        raise ValueError(f"{file.path}: {err}") from None
+    tokenizer = Tokenizer.from_gguf_metadata(file.metadata, source=str(file.path))
     return config, params, tokenizer
