@@ -89,7 +89,7 @@ def test_forward_on_fsdp4_tensor2_mesh_equals_single_device():
         import json, jax, jax.numpy as jnp, numpy as np
         from jax.sharding import NamedSharding
         from jaxrl_llm.models import ModelConfig, init_params, forward, forward_cached, init_cache
-        from jaxrl_llm.models.sharding import BATCH_SPEC, make_mesh, shard_params
+        from jaxrl_llm.models.sharding import BATCH_SPEC, cache_shardings, make_mesh, shard_params
 
         assert jax.device_count() == 8
         config = ModelConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_layers=2,
@@ -105,19 +105,22 @@ def test_forward_on_fsdp4_tensor2_mesh_equals_single_device():
         sharded = shard_params(params, mesh)
         batch = NamedSharding(mesh, BATCH_SPEC)
         logits = fwd(sharded, config, jax.device_put(tokens, batch), jax.device_put(positions, batch))
-        cached, _ = jax.jit(forward_cached, static_argnums=1)(
-            sharded, config, jax.device_put(tokens, batch), jax.device_put(positions, batch),
-            init_cache(config, 4, 16))
+        cache = init_cache(config, 4, 16)
+        cache = jax.device_put(cache, cache_shardings(cache, mesh))
+        cached, cache = jax.jit(forward_cached, static_argnums=1)(
+            sharded, config, jax.device_put(tokens, batch), jax.device_put(positions, batch), cache)
         print(json.dumps({
             "diff": float(np.abs(np.asarray(logits) - single).max()),
             "cached_diff": float(np.abs(np.asarray(cached) - single).max()),
             "scale": float(np.abs(single).max()),
             "q_shard": sharded["layers"]["q_proj"].addressable_shards[0].data.shape,
             "devices": len(sharded["layers"]["q_proj"].sharding.device_set),
+            "cache_shard": cache.k.addressable_shards[0].data.shape,
         }))
     """)
     assert result["devices"] == 8
     assert result["q_shard"] == [2, 16, 32]  # [L, D/fsdp, (H*hd)/tensor]
+    assert result["cache_shard"] == [2, 1, 16, 1, 16]  # [L, B/(data*fsdp), S, KV/tensor, hd]
     assert result["scale"] > 0.5
     # sharded matmuls sum in a different order: equal up to float32 rounding (measured 3.5e-5 at scale 17)
     assert result["diff"] <= 1e-5 * result["scale"]

@@ -27,6 +27,8 @@ except ImportError:
 MESH_AXES = ("data", "fsdp", "tensor")
 # Batch dimension of activations: split over every data-parallel axis.
 BATCH_SPEC = P(("data", "fsdp"))
+# KVCache k / v [layers, batch, slots, kv_heads, head_dim]: rows like the batch, heads like attention.
+KV_CACHE_SPEC = P(None, ("data", "fsdp"), None, "tensor", None)
 
 
 def make_mesh(spec: str = "", devices=None) -> Mesh:
@@ -124,3 +126,8 @@ def shard_params(params, mesh: Mesh, rules: list[tuple[str, P]] | None = None):
     """Place `params` on `mesh` following `rules` (default `partition_rules()`). A dimension that a
     rule's mesh axes do not divide evenly is replicated instead."""
     return jax.device_put(params, param_shardings(params, mesh, rules))
+
+
+def cache_shardings(cache, mesh: Mesh):
+    """NamedShardings for a KVCache (`KV_CACHE_SPEC`, replicating dimensions it does not divide)."""
+    return type(cache)(*(NamedSharding(mesh, _fit_spec(KV_CACHE_SPEC, np.shape(c), mesh)) for c in cache))
