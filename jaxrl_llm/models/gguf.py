@@ -25,7 +25,7 @@ SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
 _MAGIC = b"GGUF"
 _HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 
-# llama.cpp tensor name -> HF name; "{i}" is the layer index.
+# llama.cpp tensor name -> HF name; per-layer names follow "blk.{layer}." / "model.layers.{layer}.".
 _GLOBAL_TENSORS = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -276,15 +276,17 @@ def load_gguf(path, dtype=None):
     `dtype` ("float32" | "bfloat16") sets both param_dtype and compute_dtype (default float32), as
     in `load_hf`. The tokenizer is rebuilt from the file's vocabulary, merges and chat template.
     """
+    import jax.numpy as jnp
+
     from jaxrl_llm.models.config import ModelConfig
-    from jaxrl_llm.models.hf_io import _dtype_name, params_from_hf
+    from jaxrl_llm.models.hf_io import params_from_hf
     from jaxrl_llm.models.tokenizer import Tokenizer
 
     file = _GGUFFile(path)
     hf_config, tensors = _convert(file)
     overrides = {}
-    if dtype is not None:
-        overrides = dict(param_dtype=_dtype_name(dtype), compute_dtype=_dtype_name(dtype))
+    if dtype is not None:  # ModelConfig rejects anything but float32 / bfloat16
+        overrides = dict(param_dtype=jnp.dtype(dtype).name, compute_dtype=jnp.dtype(dtype).name)
     try:
         config = ModelConfig.from_hf_dict(hf_config, **overrides)
         params = params_from_hf(config, tensors)
