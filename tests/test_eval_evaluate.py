@@ -95,7 +95,7 @@ def test_evaluate_drops_long_prompts():
     template = prompt_template("raw", user_suffix="", raw_format="<|im_start|>user\n{question}<|im_end|>")
     records = RECORDS + [{"id": "long", "question": "Calculate " + "1 + " * 40 + "1.", "answer": "41"}]
     metrics = evaluate(None, None, ByteTokenizer(), records, k=2, max_new_tokens=24, template=template,
-                       max_prompt_tokens=60, generate_fn=ScriptedGenerate(SCRIPT))
+                       max_prompt_tokens=60, generate_fn=ScriptedGenerate(SCRIPT), progress=True)
     assert metrics["dropped_prompts"] == 1 and metrics["num_problems"] == 3
 
 

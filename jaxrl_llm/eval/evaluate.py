@@ -27,7 +27,7 @@ def evaluate(params, config, tokenizer, records: Sequence[dict], *, k: int, max_
              template: PromptTemplate | str = "reasoning", max_prompt_tokens: int | None = None,
              samples_per_call: int = 128, seed: int = 0, stop_ids: Sequence[int] | None = None,
              verify: Verifier | None = None, generate_fn: Callable | None = None,
-             return_samples: bool = False, **generate_kwargs) -> dict:
+             return_samples: bool = False, progress: bool = False, **generate_kwargs) -> dict:
     """Metrics of ``k`` samples per record (see ``jaxrl_llm.eval.metrics``), plus bookkeeping.
 
     Prompts come from ``build_prompts(records, tokenizer, template, max_prompt_tokens)`` (over-long ones
@@ -39,7 +39,7 @@ def evaluate(params, config, tokenizer, records: Sequence[dict], *, k: int, max_
     response is decoded up to its length with ``tokenizer.decode`` and scored with ``verify``
     (default ``jaxrl_llm.rewards.math_reward``). Extra keys: dropped_prompts, truncated_rate (samples
     that hit max_new_tokens), seconds; with ``return_samples``, ``samples`` lists each problem's id,
-    gold, completions and correctness.
+    gold, completions and correctness. ``progress`` shows a tqdm bar over the generate calls.
     """
     import jax
 
@@ -52,7 +52,12 @@ def evaluate(params, config, tokenizer, records: Sequence[dict], *, k: int, max_
     truncated = 0
     prompts_per_call = max(1, samples_per_call // k)
     started = time.perf_counter()
-    for call, start in enumerate(range(0, len(kept), prompts_per_call)):
+    starts = range(0, len(kept), prompts_per_call)
+    if progress:
+        from tqdm.auto import tqdm
+
+        starts = tqdm(starts, desc=f"eval k={k}", unit="call")
+    for call, start in enumerate(starts):
         chunk = kept[start:start + prompts_per_call]
         rollout = generate_fn(params, config, [record["prompt_ids"] for record in chunk], num_samples=k,
                               max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
