@@ -1,5 +1,6 @@
 """GGUF import: synthetic files written here with gguf.GGUFWriter (fast), the bundled SmolLM2 (slow)."""
 
+import math
 import numpy as np
 import pytest
 
@@ -125,6 +126,51 @@ def test_load_gguf_logits_match_transformers_on_the_original_weights(tmp_path, a
     np.testing.assert_allclose(np.asarray(got), want, atol=1e-4, rtol=0)
 
 
+def _llama_cpp_rope_freqs(head_dim, theta, factor, low=1.0, high=4.0, context=8192):
+    """The divisors llama.cpp's converter writes for Llama 3.1 RoPE scaling, frequency by frequency."""
+    out = []
+    for i in range(0, head_dim, 2):
+        wavelength = 2 * math.pi * theta ** (i / head_dim)
+        if wavelength < context / high:
+            out.append(1.0)
+        elif wavelength > context / low:
+            out.append(factor)
+        else:
+            smooth = (context / wavelength - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(out, np.float32)
+
+
+def test_llama3_rope_freqs_become_rope_scaling_with_transformers_logits(tmp_path):
+    torch = pytest.importorskip("torch")
+    import transformers
+
+    from jaxrl_llm.models import forward
+
+    theta = 500000.0  # with head_dim 8 the four frequencies fall in all three bands
+    divisors = _llama_cpp_rope_freqs(8, theta, factor=8.0)
+    assert divisors[0] == 1 and divisors[-1] == 8 and 1 < divisors[2] < 8
+    original = write_tiny_gguf(tmp_path / "plain.gguf", "llama", seed=2, rope_theta=theta)
+    rewrite_gguf(tmp_path / "plain.gguf", tmp_path / "m.gguf", extra={"rope_freqs.weight": divisors})
+    hf_config, tensors = gguf_to_hf(tmp_path / "m.gguf")
+    assert hf_config["rope_scaling"] == {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                         "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    assert "rope_freqs.weight" not in tensors and sorted(tensors) == sorted(original)
+    config, params, _ = load_gguf(tmp_path / "m.gguf")
+    reference = transformers.LlamaConfig(**expected_hf_config("llama", tied=False, rope_theta=theta),
+                                         rms_norm_eps=1e-6, rope_scaling=hf_config["rope_scaling"])
+    model = transformers.LlamaForCausalLM(reference).eval()
+    model.load_state_dict({k: torch.from_numpy(v) for k, v in original.items()}, strict=True)
+    tokens = np.random.default_rng(4).integers(0, 263, size=(1, 200))  # long enough for low frequencies to matter
+    with torch.no_grad():
+        want = model(torch.from_numpy(tokens)).logits.numpy()
+    got = forward(params, config, tokens, np.arange(200)[None])
+    np.testing.assert_allclose(np.asarray(got), want, atol=1e-4, rtol=0)
+    # all divisors 1: no scaling at all
+    rewrite_gguf(tmp_path / "plain.gguf", tmp_path / "ones.gguf", extra={"rope_freqs.weight": np.ones(4, np.float32)})
+    assert "rope_scaling" not in gguf_to_hf(tmp_path / "ones.gguf")[0]
+
+
 def test_header_parser_agrees_with_gguf_reader(tmp_path):
     import gguf
 
@@ -191,13 +237,14 @@ def test_unsupported_architecture_is_named(tmp_path):
         gguf_to_hf(path)
 
 
-@pytest.mark.parametrize("extra, message", [
-    ("blk.0.ffn_gate_inp.weight", "unexpected tensor 'blk.0.ffn_gate_inp.weight'"),
-    ("rope_freqs.weight", "RoPE scaling stored in a GGUF"),
+@pytest.mark.parametrize("extra, values, message", [
+    ("blk.0.ffn_gate_inp.weight", [1, 1, 1, 1], "unexpected tensor 'blk.0.ffn_gate_inp.weight'"),
+    ("rope_freqs.weight", [1, 2, 3, 4], "rope_freqs.weight does not match Llama 3 RoPE scaling"),
+    ("rope_freqs.weight", [1, 1, 1], r"rope_freqs.weight has shape \(3,\), expected \(4,\)"),
 ])
-def test_unknown_tensor_and_rope_freqs_are_rejected(tmp_path, extra, message):
+def test_unknown_tensor_and_foreign_rope_freqs_are_rejected(tmp_path, extra, values, message):
     write_tiny_gguf(tmp_path / "ok.gguf", "llama", tied=True)
-    rewrite_gguf(tmp_path / "ok.gguf", tmp_path / "bad.gguf", extra={extra: np.ones((4,), np.float32)})
+    rewrite_gguf(tmp_path / "ok.gguf", tmp_path / "bad.gguf", extra={extra: np.array(values, np.float32)})
     with pytest.raises(ValueError, match=message):
         gguf_to_hf(tmp_path / "bad.gguf")
 

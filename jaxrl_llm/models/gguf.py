@@ -181,6 +181,39 @@ def read_gguf_metadata(path) -> dict[str, Any]:
     return dict(_GGUFFile(path).metadata)
 
 
+# llama.cpp keeps Llama 3.1+ RoPE scaling only as the per-frequency divisors in rope_freqs.weight;
+# Meta's released models all use these band settings, only the factor differs (8 for 3.1, 32 for 3.2).
+_LLAMA3_BANDS = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
+def llama3_rope_divisors(head_dim: int, theta: float, factor: float, low_freq_factor: float,
+                         high_freq_factor: float, original_max_position_embeddings: int) -> np.ndarray:
+    """Per-frequency divisors of Llama 3.1 RoPE scaling (Meta's llama3 reference, as in
+    transformers' rope_type "llama3"): with wavelength w_i = 2 pi theta^(2i/d), L = the original
+    context, the divisor is 1 for w_i < L / high_freq_factor, `factor` for w_i > L / low_freq_factor,
+    and 1 / ((1 - s) / factor + s) in between, s = (L / w_i - low_freq_factor) / (high - low)."""
+    wavelength = 2 * np.pi * theta ** (np.arange(0, head_dim, 2) / head_dim)
+    context = original_max_position_embeddings
+    smooth = (context / wavelength - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    divisor = 1 / ((1 - smooth) / factor + smooth)
+    divisor = np.where(wavelength < context / high_freq_factor, 1.0, divisor)
+    return np.where(wavelength > context / low_freq_factor, factor, divisor)
+
+
+def _llama3_scaling(file: pathlib.Path, divisors: np.ndarray, head_dim: int, theta: float) -> dict | None:
+    """HF rope_scaling dict that reproduces the file's rope_freqs divisors (None when all are 1)."""
+    if divisors.shape != (head_dim // 2,):
+        raise ValueError(f"{file}: rope_freqs.weight has shape {divisors.shape}, expected ({head_dim // 2},)")
+    if np.all(divisors == 1):
+        return None
+    scaling = {"rope_type": "llama3", "factor": float(divisors.max()), **_LLAMA3_BANDS}
+    expected = llama3_rope_divisors(head_dim, theta, **{k: v for k, v in scaling.items() if k != "rope_type"})
+    if not np.allclose(divisors, expected, rtol=1e-4):
+        raise ValueError(f"{file}: rope_freqs.weight does not match Llama 3 RoPE scaling (factor "
+                         f"{scaling['factor']}, low/high frequency factors 1/4, original context 8192)")
+    return scaling
+
+
 def _hf_config(file: pathlib.Path, meta: dict[str, Any], tensor_shapes: dict[str, tuple]) -> dict:
     """transformers config.json dict from the GGUF hyper-parameters (`{arch}.*` keys)."""
     arch = meta.get("general.architecture")
@@ -195,8 +228,8 @@ def _hf_config(file: pathlib.Path, meta: dict[str, Any], tensor_shapes: dict[str
             raise ValueError(f"{file}: GGUF metadata key {arch}.{key!s} is missing")
         return value
 
-    if "rope_freqs.weight" in tensor_shapes or f"{arch}.rope.scaling.type" in meta:
-        raise ValueError(f"{file}: RoPE scaling stored in a GGUF (rope_freqs / rope.scaling.*) is not supported")
+    if meta.get(f"{arch}.rope.scaling.type", "none") != "none":
+        raise ValueError(f"{file}: RoPE scaling type {meta[f'{arch}.rope.scaling.type']!r} is not supported")
     num_heads = get("attention.head_count")
     hidden = get("embedding_length")
     head_dim = meta.get(f"{arch}.attention.key_length", hidden // num_heads)
@@ -250,6 +283,13 @@ def _convert(file: _GGUFFile) -> tuple[dict, dict[str, np.ndarray]]:
     heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
     tensors = {}
     for gguf_name in file.tensors:
+        if gguf_name == "rope_freqs.weight":  # a config value in HF checkpoints, not a weight
+            if config["model_type"] != "llama":
+                raise ValueError(f"{file.path}: rope_freqs.weight is only supported for llama")
+            scaling = _llama3_scaling(file.path, file.dequantize(gguf_name), config["head_dim"], config["rope_theta"])
+            if scaling is not None:
+                config["rope_scaling"] = scaling
+            continue
         name = _hf_name(file.path, gguf_name)
         values = file.dequantize(gguf_name)
         kind = gguf_name.split(".")[-2]
@@ -264,7 +304,8 @@ def gguf_to_hf(path) -> tuple[dict, dict[str, np.ndarray]]:
 
     Tensors are float32 numpy arrays with Hugging Face names and layout ("model.layers.0.self_attn.
     q_proj.weight" as [out, in]); quantized blocks (Q4_1, Q8_0, ...) are dequantized, F16 is widened,
-    Llama q/k rows are un-permuted. A file without output.weight gets tie_word_embeddings=True.
+    Llama q/k rows are un-permuted. A file without output.weight gets tie_word_embeddings=True;
+    Llama 3.1+ rope_freqs divisors become rope_scaling {"rope_type": "llama3", ...}.
     Raises FileNotFoundError / ValueError naming the file and the problem.
     """
     return _convert(_GGUFFile(path))
