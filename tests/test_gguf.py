@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from jaxrl_llm.models.config import ModelConfig
-from jaxrl_llm.models.gguf import gguf_to_hf, load_gguf, read_gguf_metadata, unpermute_qk
+from jaxrl_llm.models.gguf import gguf_to_hf, llama3_rope_divisors, load_gguf, read_gguf_metadata, unpermute_qk
 from jaxrl_llm.models.hf_io import params_from_hf
 from tiny_gguf import expected_hf_config, llama_cpp_interleave, rewrite_gguf, tiny_hf_tensors, write_tiny_gguf
 
@@ -150,6 +150,7 @@ def test_llama3_rope_freqs_become_rope_scaling_with_transformers_logits(tmp_path
     theta = 500000.0  # with head_dim 8 the four frequencies fall in all three bands
     divisors = _llama_cpp_rope_freqs(8, theta, factor=8.0)
     assert divisors[0] == 1 and divisors[-1] == 8 and 1 < divisors[2] < 8
+    np.testing.assert_allclose(llama3_rope_divisors(8, theta, 8.0, 1.0, 4.0, 8192), divisors, rtol=1e-6)
     original = write_tiny_gguf(tmp_path / "plain.gguf", "llama", seed=2, rope_theta=theta)
     rewrite_gguf(tmp_path / "plain.gguf", tmp_path / "m.gguf", extra={"rope_freqs.weight": divisors})
     hf_config, tensors = gguf_to_hf(tmp_path / "m.gguf")
