@@ -68,7 +68,7 @@ def _load(args):
     import jax
 
     count = sum(x.size for x in jax.tree_util.tree_leaves(params))
-    _say(f"loaded {source}: {config.model_type}, {config.num_layers} layers, {count / 1e6:.1f}M parameters "
+    _say(f"loaded {source}: {config.model_type}, {config.num_layers} layers, {count:,} parameters "
          f"({config.param_dtype}) in {time.perf_counter() - start:.1f} s")
     return config, params, tokenizer
 
