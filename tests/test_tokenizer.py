@@ -135,3 +135,14 @@ def test_bad_inputs_are_named(tmp_path):
     tok.hf.chat_template = None
     with pytest.raises(ValueError, match="no chat template"):
         tok.apply_chat_template([{"role": "user", "content": "x"}])
+
+
+@pytest.mark.parametrize("pre", ["default", "qwen2", "llama-bpe"])
+def test_tiny_vocabulary_ids_equal_transformers_for_each_split(tmp_path, pre):
+    from transformers import AutoTokenizer
+
+    write_tiny_gguf(tmp_path / "t.gguf", "llama", pre=pre)
+    ours = Tokenizer.from_gguf(tmp_path / "t.gguf")
+    ref = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file="t.gguf")
+    for text in STRINGS + [" 1212 12345 the12the", "I'll  don't\n\n  x"]:
+        assert ours.encode(text) == ref.encode(text, add_special_tokens=False), text
