@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import pathlib
 from dataclasses import dataclass, field
 from typing import Any
@@ -43,7 +44,18 @@ class SamplingSection:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
-    allocation: str = "uniform"  # "uniform" or "gvm"
+    allocation: str = "uniform"  # "uniform" or "gvm" (GVM dynamic allocation, jaxrl_llm/train/gvm.py)
+    # GVM: stage 1 draws N' samples per prompt to estimate p_i and G_i; stage 2 spends prompts x N''.
+    gvm_stage1_samples: int = 8  # N'
+    gvm_samples_per_prompt: int = 8  # N'': stage-2 budget per prompt (samples_per_prompt is unused with gvm)
+    gvm_alpha: float = 1e-3
+    gvm_beta: float = 2.0
+    gvm_filter_threshold: float = 1.0  # zero weight where p_i > threshold; 1.0 keeps every prompt
+    gvm_filter_insufficient: float = 0.0  # zero weight where p_i w_i budget < this; 0 keeps every prompt
+    gvm_max_samples: int = 0  # cap on n_i, the excess goes to uncapped prompts; 0: no cap
+    gvm_param_subset: str = "embed"  # comma-separated parameter paths ("embed", "layers/q_proj") for G_i
+    gvm_refresh_every: int = 1  # stage 1 + allocation every k steps; other steps sample N'' uniformly
+    gvm_reuse_stage1: bool = False  # stage-2 groups take their first min(n_i, N') rows from stage 1
 
 
 @dataclass(frozen=True)
@@ -267,6 +279,20 @@ def validate(config: RunConfig) -> None:
         ("sampling.temperature", config.sampling.temperature >= 0, "must be >= 0 (0 is greedy)"),
         ("sampling.top_p", 0 < config.sampling.top_p <= 1, "must be in (0, 1]"),
         ("sampling.top_k", config.sampling.top_k >= 0, "must be >= 0 (0 disables)"),
+        ("sampling.gvm_stage1_samples", config.sampling.gvm_stage1_samples >= 1, "must be >= 1"),
+        ("sampling.gvm_samples_per_prompt", config.sampling.gvm_samples_per_prompt >= 1, "must be >= 1"),
+        ("sampling.gvm_alpha", config.sampling.gvm_alpha >= 0, "must be >= 0"),
+        ("sampling.gvm_beta", math.isfinite(config.sampling.gvm_beta), "must be a finite number"),
+        ("sampling.gvm_filter_threshold", 0 < config.sampling.gvm_filter_threshold <= 1,
+         "must be in (0, 1] (1.0 disables the filter)"),
+        ("sampling.gvm_filter_insufficient", config.sampling.gvm_filter_insufficient >= 0,
+         "must be >= 0 (0 disables the filter)"),
+        ("sampling.gvm_max_samples", config.sampling.gvm_max_samples >= 0, "must be >= 0 (0: no cap)"),
+        ("sampling.gvm_refresh_every", config.sampling.gvm_refresh_every >= 1, "must be >= 1"),
+        ("sampling.gvm_param_subset", bool(config.sampling.gvm_param_subset.strip(", ")),
+         "must name at least one parameter path, e.g. 'embed' or 'embed,layers/q_proj'"),
+        ("algorithm.dynamic_sampling", not (config.sampling.allocation == "gvm" and config.algorithm.dynamic_sampling),
+         "cannot be combined with sampling.allocation=gvm (GVM already chooses how many samples each prompt gets)"),
         ("train.steps", config.train.steps >= 0, "must be >= 0"),
         ("train.eval_problems", config.train.eval_problems >= 0, "must be >= 0"),
         ("train.eval_samples", config.train.eval_samples >= 1, "must be >= 1"),

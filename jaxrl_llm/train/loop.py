@@ -3,6 +3,9 @@
     evaluate -> for each step: take prompts -> sample -> score -> keep groups -> advantages -> update
              -> log -> evaluate every k -> checkpoint every k -> evaluate -> export
 
+With `sampling.allocation: gvm` the sampling stage is GVM's two stages (`train/gvm.py`): N' samples per
+prompt, acceptance rates and gradient norms, n_i per prompt, then n_i samples per prompt.
+
 Every stage is a named function defined in `rollouts`, `algorithms` and `step`; this module only
 orders them and keeps the books (samples drawn, prompts filtered, time per stage).
 """
@@ -23,6 +26,7 @@ from jaxrl_llm import models
 from jaxrl_llm.eval import evaluate
 from jaxrl_llm.train.algorithms import mixed_groups, needs_reference, sequence_advantages, token_advantages
 from jaxrl_llm.train.config import RunConfig
+from jaxrl_llm.train.gvm import gvm_rollouts
 from jaxrl_llm.train.rollouts import ScoredRollouts, all_rows_batch, build_train_batches, sample_and_score
 from jaxrl_llm.train.setup import Run, setup_run
 from jaxrl_llm.train.state import learning_rate
@@ -55,7 +59,11 @@ def _train(run: Run, resume: bool, log) -> dict[str, Any]:
             t0 = time.perf_counter()
             scored, round_info = collect_rollouts(run, step, books)
             t1 = time.perf_counter()
-            update_info = update_policy(run, scored, step)
+            if round_info.get("skip_update"):
+                log(f"step {step + 1}: {round_info['skip_reason']}")
+                update_info = {"finite": True, "updates": 0}
+            else:
+                update_info = update_policy(run, scored, step)
             t2 = time.perf_counter()
             bad_streak = 0 if update_info["finite"] else bad_streak + 1
             metrics = step_metrics(run, scored, round_info, update_info, books, step,
@@ -98,16 +106,21 @@ def _train(run: Run, resume: bool, log) -> dict[str, Any]:
 def collect_rollouts(run: Run, step: int, books: dict) -> tuple[ScoredRollouts, dict]:
     """Sample `samples_per_prompt` per prompt and score; with the `mixed` filter keep only groups whose
     rewards differ, and with dynamic sampling (DAPO) draw new prompts until enough groups are kept or
-    `max_sampling_rounds` is reached."""
+    `max_sampling_rounds` is reached. With GVM allocation, every `gvm_refresh_every`-th step runs the
+    two GVM stages and the steps between sample `gvm_samples_per_prompt` per prompt."""
     cfg, algo = run.config, run.config.algorithm
     key = jax.random.fold_in(jax.random.PRNGKey(cfg.train.seed), step)
+    gvm = cfg.sampling.allocation == "gvm"
+    if gvm and step % cfg.sampling.gvm_refresh_every == 0:
+        return collect_gvm_rollouts(run, key, books)
+    per_prompt = cfg.sampling.gvm_samples_per_prompt if gvm else cfg.sampling.samples_per_prompt
     kept_parts, info = [], {"rounds": 0, "drawn": 0, "prompts": 0, "filtered": 0, "sample_s": 0.0, "score_s": 0.0}
     need = cfg.sampling.prompts_per_step
     while True:
         records = next(run.data)
         t0 = time.perf_counter()
         scored = sample_and_score(run.state.params, run.model_config, run.tokenizer, records,
-                                  cfg.sampling.samples_per_prompt, cfg.sampling, run.scorer,
+                                  per_prompt, cfg.sampling, run.scorer,
                                   jax.random.fold_in(key, info["rounds"]), mesh=run.mesh)
         info["sample_s"] += time.perf_counter() - t0  # scoring time is measured inside the scorer
         info["score_s"] += run.scorer.last_seconds
@@ -128,10 +141,28 @@ def collect_rollouts(run: Run, step: int, books: dict) -> tuple[ScoredRollouts, 
         keep = np.arange(len(scored.records)) < need
         info["filtered"] += int((~keep).sum())
         scored = scored.select_groups(keep)
+    count_samples(books, info)
+    return scored, info
+
+
+def collect_gvm_rollouts(run: Run, key: jax.Array, books: dict) -> tuple[ScoredRollouts, dict]:
+    """GVM's two sampling stages on one prompt batch; both stages count as samples drawn. The `mixed`
+    group filter applies to the stage-2 groups."""
+    cfg = run.config
+    scored, info = gvm_rollouts(run.state.params, run.model_config, run.tokenizer, next(run.data), cfg.sampling,
+                                run.scorer, key, rows_per_chunk=cfg.optim.micro_batch_size, mesh=run.mesh)
+    if cfg.algorithm.group_filter == "mixed" and not info.get("skip_update"):
+        keep = mixed_groups(scored.rewards, scored.prompt_index, len(scored.records))
+        info["filtered"] += int((~keep).sum())
+        scored = scored.select_groups(keep)
+    count_samples(books, info)
+    return scored, info
+
+
+def count_samples(books: dict, info: dict) -> None:
     books["counters"]["samples_drawn"] += info["drawn"]
     books["counters"]["prompts_drawn"] += info["prompts"]
     books["counters"]["prompts_filtered"] += info["filtered"]
-    return scored, info
 
 
 def update_policy(run: Run, scored: ScoredRollouts, step: int) -> dict[str, Any]:
@@ -203,6 +234,7 @@ def step_metrics(run: Run, scored: ScoredRollouts, round_info: dict, update: dic
            if k in update},
         "updates": update["updates"], "skipped_update": 0 if update["finite"] else 1,
         **{f"time_{k}": v for k, v in times.items()},
+        **round_info.get("gvm", {}),  # the GVM allocation (n_i against p_i) on steps that ran stage 1
     }
 
 

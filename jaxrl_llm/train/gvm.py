@@ -1,0 +1,256 @@
+"""GVM dynamic sample allocation in the trainer (Yao et al. 2025, "Optimizing Chain-of-Thought Reasoners
+via Gradient Variance Minimization in Rejection Sampling and RL"; reference code RLHFlow/GVM).
+
+One GVM iteration over P prompts:
+
+  stage 1   draw N' samples per prompt and score them: p_i = accepted_i / N'
+  norms     G_i = mean over prompt i's accepted samples y of || d/dW ( -sum_t log pi(y_t | x, y_<t) ) ||_2,
+            W a configurable parameter subset (default the token-embedding matrix); G_i = 0 if none accepted
+  allocate  n_i = gvm_allocate(p, G, budget = P x N''), optionally capped at `gvm_max_samples`
+  stage 2   draw n_i fresh samples of prompt i (or reuse up to N' stage-1 samples) -> one group per prompt
+
+The prompts with n_i = 0 are dropped from the update. When every n_i is 0 (no prompt has an accepted
+sample, or the filters removed every prompt) nothing is drawn in stage 2 and the step's update is
+skipped; the stage-1 rollouts are returned for the step's metrics and the reason is logged.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxrl_llm.objectives import gvm_allocate
+from jaxrl_llm.train.config import SamplingSection
+from jaxrl_llm.train.logprobs import response_logprobs
+from jaxrl_llm.train.rollouts import ScoredRollouts, all_rows_batch, sample_and_score
+
+
+# ---- per-sample gradient norms ----------------------------------------------------------------------------
+
+def parse_param_subset(spec: str | Sequence[str]) -> tuple[tuple[str, ...], ...]:
+    """"embed,layers/q_proj" (or a list of such names) -> (("embed",), ("layers", "q_proj"))."""
+    names = spec.split(",") if isinstance(spec, str) else list(spec)
+    paths = tuple(tuple(part for part in name.strip().replace(".", "/").split("/") if part)
+                  for name in names if name.strip())
+    if not paths:
+        raise ValueError(f"GVM parameter subset {spec!r} names no parameter; use e.g. 'embed' or 'embed,layers/q_proj'")
+    return paths
+
+
+def _get(params, path: tuple[str, ...]):
+    node = params
+    for depth, key in enumerate(path):
+        if not isinstance(node, dict) or key not in node:
+            have = sorted(node) if isinstance(node, dict) else []
+            raise KeyError(f"GVM parameter subset: no parameter '{'/'.join(path)}' ('{key}' not found under "
+                           f"'{'/'.join(path[:depth]) or '<root>'}'; available: {have})")
+        node = node[key]
+    return node
+
+
+def _replace(params, path: tuple[str, ...], value):
+    """A shallow copy of the nested dict `params` with the entry at `path` set to `value`."""
+    if not path:
+        return value
+    out = dict(params)
+    out[path[0]] = _replace(params[path[0]], path[1:], value)
+    return out
+
+
+@functools.partial(jax.jit, static_argnames=("model_config", "paths", "rows_per_chunk"))
+def _grad_norms(params, model_config, paths, rows_per_chunk, tokens, prompt_lens, response_tokens, mask):
+    def row_nll(subset, token_row, prompt_len, response_row, mask_row):
+        full = params
+        for path, value in zip(paths, subset):
+            full = _replace(full, path, value)
+        logp = response_logprobs(full, model_config, token_row[None], prompt_len[None], response_row[None])[0]
+        return -jnp.sum(logp * mask_row)
+
+    subset = [_get(params, path) for path in paths]
+    row_grad = jax.grad(row_nll)
+
+    def row_norm(row):
+        grads = row_grad(subset, *row)
+        return jnp.sqrt(sum(jnp.sum(jnp.square(g.astype(jnp.float32))) for g in jax.tree_util.tree_leaves(grads)))
+
+    # lax.map with batch_size vmaps `rows_per_chunk` rows at a time: the per-row gradients of one chunk
+    # are the only ones alive at once.
+    return jax.lax.map(row_norm, (tokens, prompt_lens, response_tokens, mask), batch_size=rows_per_chunk)
+
+
+def per_sample_grad_norms(params, model_config, tokens, prompt_lens, response_tokens, mask, *,
+                          param_subset: str | Sequence[str] = "embed", rows_per_chunk: int = 8) -> np.ndarray:
+    """|| d/dW ( -sum_t mask_t log pi(y_t | x, y_<t) ) ||_2 for each row, W = the parameters in `param_subset`
+    (the norm over all of them together). Summed, not length-normalised, NLL, as in the GVM paper.
+
+    tokens [B, T] (prompt then response, right-padded), prompt_lens [B], response_tokens [B, R], mask [B, R]
+    as in `jaxrl_llm.train.step.TrainBatch`. A jitted `jax.vmap` of `jax.grad` of a one-row loss, run over
+    chunks of `rows_per_chunk` rows (`jax.lax.map(..., batch_size=rows_per_chunk)`) to bound memory.
+    Returns float32 [B] (0 for rows whose mask is all 0).
+    """
+    paths = parse_param_subset(param_subset)
+    for path in paths:
+        _get(params, path)  # a clear error for a wrong name before tracing
+    if rows_per_chunk < 1:
+        raise ValueError(f"rows_per_chunk must be >= 1, got {rows_per_chunk}")
+    norms = _grad_norms(params, model_config, paths, int(rows_per_chunk), jnp.asarray(tokens, jnp.int32),
+                        jnp.asarray(prompt_lens, jnp.int32), jnp.asarray(response_tokens, jnp.int32),
+                        jnp.asarray(mask, jnp.float32))
+    return np.asarray(norms, np.float32)
+
+
+def prompt_grad_norms(params, model_config, scored: ScoredRollouts, *, param_subset: str | Sequence[str] = "embed",
+                      rows_per_chunk: int = 8, pad_id: int = 0) -> np.ndarray:
+    """G_i [P]: the mean per-sample gradient norm over prompt i's accepted samples (0 when none is accepted).
+    Only accepted rows are differentiated."""
+    num_prompts = len(scored.records)
+    accepted = np.flatnonzero(scored.correct)
+    if accepted.size == 0:
+        return np.zeros(num_prompts, np.float32)
+    rows = _take_rows(scored, accepted)
+    batch = all_rows_batch(rows, rows_per_chunk, pad_id)
+    norms = per_sample_grad_norms(params, model_config, batch.tokens, batch.prompt_lens, batch.response_tokens,
+                                  batch.mask, param_subset=param_subset, rows_per_chunk=rows_per_chunk)
+    norms = norms[:accepted.size]
+    index = scored.prompt_index[accepted]
+    total = np.bincount(index, weights=norms, minlength=num_prompts)
+    count = np.bincount(index, minlength=num_prompts)
+    return np.where(count > 0, total / np.maximum(count, 1), 0.0).astype(np.float32)
+
+
+def _take_rows(scored: ScoredRollouts, rows: np.ndarray) -> ScoredRollouts:
+    """The given rows of `scored`, records and prompt indices unchanged."""
+    return ScoredRollouts(records=scored.records, prompt_index=scored.prompt_index[rows], tokens=scored.tokens[rows],
+                          mask=scored.mask[rows], logprobs=scored.logprobs[rows], lengths=scored.lengths[rows],
+                          rewards=scored.rewards[rows], correct=scored.correct[rows])
+
+
+# ---- allocation -------------------------------------------------------------------------------------------
+
+def cap_counts(counts: np.ndarray, weights: np.ndarray, cap: int) -> np.ndarray:
+    """n_i <= cap, with the samples removed by the cap handed one at a time to the uncapped prompt of weight
+    > 0 whose count is furthest below its share w_i * budget (ties: lower index), so the sum stays at
+    budget = sum(counts). When every prompt of weight > 0 sits at the cap, the sum ends below budget.
+    cap <= 0 means no cap."""
+    counts = np.asarray(counts, np.int64).copy()
+    if cap <= 0:
+        return counts
+    budget = int(counts.sum())
+    weights = np.asarray(weights, np.float64)
+    target = weights / weights.sum() * budget if weights.sum() > 0 else np.zeros_like(weights)
+    counts = np.minimum(counts, cap)
+    for _ in range(budget - int(counts.sum())):
+        room = (weights > 0) & (counts < cap)
+        if not room.any():
+            break
+        counts[int(np.argmax(np.where(room, target - counts, -np.inf)))] += 1
+    return counts
+
+
+def allocation_weights(accept_rate: np.ndarray, grad_norm: np.ndarray, *, alpha: float, beta: float) -> np.ndarray:
+    """w_i = G_i / sqrt(p_i + alpha / p_i^(beta - 1)), 0 where G_i = 0 or p_i = 0 (before normalising)."""
+    p = np.asarray(accept_rate, np.float64)
+    g = np.asarray(grad_norm, np.float64)
+    usable = (p > 0) & (g > 0)
+    safe_p = np.where(usable, p, 1.0)
+    return np.where(usable, g / np.sqrt(safe_p + alpha / safe_p ** (beta - 1.0)), 0.0)
+
+
+def allocate_samples(accept_rate: np.ndarray, grad_norm: np.ndarray, sampling: SamplingSection) -> np.ndarray:
+    """n_i for stage 2: `gvm_allocate` with budget = P x gvm_samples_per_prompt and the configured alpha, beta
+    and filters, then the optional cap `gvm_max_samples` (see `cap_counts`). int64 [P]."""
+    budget = len(accept_rate) * sampling.gvm_samples_per_prompt
+    counts = np.asarray(gvm_allocate(np.asarray(accept_rate, np.float32), np.asarray(grad_norm, np.float32), budget,
+                                     alpha=sampling.gvm_alpha, beta=sampling.gvm_beta,
+                                     filter_threshold=sampling.gvm_filter_threshold,
+                                     filter_insufficient=sampling.gvm_filter_insufficient), np.int64)
+    if sampling.gvm_max_samples > 0:
+        weights = np.where(counts > 0, allocation_weights(accept_rate, grad_norm, alpha=sampling.gvm_alpha,
+                                                          beta=sampling.gvm_beta), 0.0)
+        counts = cap_counts(counts, weights, sampling.gvm_max_samples)
+    return counts
+
+
+# ---- the two-stage sampling of one iteration --------------------------------------------------------------
+
+def gvm_rollouts(params, model_config, tokenizer, records: list[dict], sampling: SamplingSection, scorer,
+                 rng: jax.Array, *, rows_per_chunk: int = 8, mesh=None) -> tuple[ScoredRollouts, dict[str, Any]]:
+    """Stage 1, gradient norms, allocation and stage 2 for one batch of prompts -> (scored, info).
+
+    `scored` holds one group per prompt with n_i > 0 (prompt indices renumbered); when every n_i is 0 it
+    is the stage-1 rollouts and info["skip_update"] is True. `scorer(texts, golds, lengths) ->
+    (correct, rewards)` with a `last_seconds` attribute (train.rollouts.RewardScorer). info holds the
+    samples drawn (both stages), sampling / scoring / gradient-norm seconds, and the allocation:
+    gvm_p, gvm_grad_norm, gvm_n (lists over prompts) and their summaries.
+    """
+    info = {"rounds": 2, "drawn": 0, "prompts": len(records), "filtered": 0, "sample_s": 0.0, "score_s": 0.0}
+
+    def draw(counts, key):
+        t0 = time.perf_counter()
+        out = sample_and_score(params, model_config, tokenizer, records, counts, sampling, scorer, key, mesh=mesh)
+        info["score_s"] += scorer.last_seconds
+        info["sample_s"] += time.perf_counter() - t0 - scorer.last_seconds
+        info["drawn"] += out.num_samples
+        return out
+
+    stage1 = draw(sampling.gvm_stage1_samples, jax.random.fold_in(rng, 0))
+    accepted = np.bincount(stage1.prompt_index, weights=stage1.correct.astype(np.float64), minlength=len(records))
+    accept_rate = accepted / sampling.gvm_stage1_samples
+    t0 = time.perf_counter()
+    grad_norm = prompt_grad_norms(params, model_config, stage1, param_subset=sampling.gvm_param_subset,
+                                  rows_per_chunk=rows_per_chunk, pad_id=tokenizer.pad_token_id)
+    grad_norm_s = time.perf_counter() - t0
+    counts = allocate_samples(accept_rate, grad_norm, sampling)
+    info["gvm"] = {**allocation_log(accept_rate, grad_norm, counts, sampling, stage1),
+                   "time_gvm_grad_norm_s": grad_norm_s}
+    if counts.sum() == 0:
+        info["skip_update"] = True
+        info["skip_reason"] = ("GVM: every prompt got n_i = 0 (" + (
+            "no stage-1 sample was accepted" if accepted.sum() == 0 else "the filters removed every prompt")
+            + "); nothing drawn in stage 2, update skipped")
+        return stage1, info
+    if sampling.gvm_reuse_stage1:
+        fresh = draw(np.maximum(counts - sampling.gvm_stage1_samples, 0), jax.random.fold_in(rng, 1))
+        stage2 = reuse_stage1(stage1, fresh, counts)
+    else:
+        stage2 = draw(counts, jax.random.fold_in(rng, 1))
+    keep = counts > 0
+    info["filtered"] = int((~keep).sum())
+    return stage2.select_groups(keep), info
+
+
+def reuse_stage1(stage1: ScoredRollouts, fresh: ScoredRollouts, counts: np.ndarray) -> ScoredRollouts:
+    """Groups of exactly counts[i] rows: prompt i's first min(counts[i], N') stage-1 rows, then its fresh rows
+    (`fresh` holds max(counts[i] - N', 0) rows of prompt i). Rows come out ordered by prompt."""
+    rank = np.zeros(stage1.num_samples, np.int64)
+    for i in np.unique(stage1.prompt_index):  # position of each row among its prompt's samples
+        rows = np.flatnonzero(stage1.prompt_index == i)
+        rank[rows] = np.arange(rows.size)
+    kept = _take_rows(stage1, np.flatnonzero(rank < np.asarray(counts)[stage1.prompt_index]))
+    fields = ("prompt_index", "tokens", "mask", "logprobs", "lengths", "rewards", "correct")
+    merged = ScoredRollouts(records=stage1.records, **{f: np.concatenate([getattr(kept, f), getattr(fresh, f)])
+                                                       for f in fields})
+    return _take_rows(merged, np.argsort(merged.prompt_index, kind="stable"))
+
+
+def allocation_log(accept_rate, grad_norm, counts, sampling: SamplingSection, stage1: ScoredRollouts) -> dict:
+    """The per-step GVM metrics: n_i against p_i (lists over prompts) and summaries."""
+    counts = np.asarray(counts)
+    return {
+        "gvm_p": [round(float(p), 6) for p in accept_rate],
+        "gvm_grad_norm": [round(float(g), 6) for g in grad_norm],
+        "gvm_n": [int(n) for n in counts],
+        "gvm_budget": len(counts) * sampling.gvm_samples_per_prompt,
+        "gvm_n_mean": float(counts.mean()) if counts.size else 0.0,
+        "gvm_n_max": int(counts.max()) if counts.size else 0,
+        "gvm_zero_fraction": float((counts == 0).mean()) if counts.size else 0.0,
+        "gvm_stage1_accuracy": float(stage1.correct.mean()) if stage1.num_samples else 0.0,
+        "gvm_unsolved_fraction": float((np.asarray(accept_rate) == 0).mean()) if counts.size else 0.0,
+        "gvm_solved_fraction": float((np.asarray(accept_rate) == 1).mean()) if counts.size else 0.0,
+        "gvm_skipped": int(counts.sum() == 0),
+    }

@@ -1,0 +1,286 @@
+"""GVM in the trainer: per-sample gradient norms, allocation with cap, the two-stage sampling, the loop."""
+
+import dataclasses
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxrl_llm import models
+from jaxrl_llm.train.config import ConfigError, SamplingSection, load_config
+from jaxrl_llm.train.gvm import (
+    allocate_samples,
+    cap_counts,
+    gvm_rollouts,
+    parse_param_subset,
+    per_sample_grad_norms,
+    prompt_grad_norms,
+    reuse_stage1,
+)
+from jaxrl_llm.train.rollouts import ScoredRollouts
+
+TINY = models.ModelConfig(vocab_size=61, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+                          num_kv_heads=2, head_dim=8, tie_word_embeddings=True)
+
+
+@pytest.fixture(scope="module")
+def params():
+    return models.init_params(TINY, jax.random.PRNGKey(0))
+
+
+def _rows(rows=7, prompt=5, resp=6, seed=0):
+    """Right-padded (prompt + response) rows; row 3 has an empty response (mask all 0)."""
+    rng = np.random.default_rng(seed)
+    prompt_lens = rng.integers(2, prompt + 1, size=rows)
+    resp_lens = rng.integers(1, resp + 1, size=rows)
+    resp_lens[3] = 0
+    tokens = np.zeros((rows, prompt + resp), np.int32)
+    response = rng.integers(1, TINY.vocab_size, size=(rows, resp)).astype(np.int32)
+    for i in range(rows):
+        tokens[i, :prompt_lens[i]] = rng.integers(1, TINY.vocab_size, size=prompt_lens[i])
+        tokens[i, prompt_lens[i]:prompt_lens[i] + resp_lens[i]] = response[i, :resp_lens[i]]
+    mask = (np.arange(resp)[None] < resp_lens[:, None]).astype(np.float32)
+    return tokens, prompt_lens.astype(np.int32), response, mask, resp_lens
+
+
+def _reference_norm(params, config, tokens, prompt_len, resp_len, paths):
+    """|| grad of -sum log pi(response) || for one unpadded row, from the full-vocabulary forward pass."""
+    seq = jnp.asarray(tokens[:prompt_len + resp_len])[None]
+
+    def nll(p):
+        logits = models.forward(p, config, seq, jnp.arange(seq.shape[1])[None])
+        logp = jax.nn.log_softmax(logits[0], -1)
+        pos = jnp.arange(prompt_len - 1, prompt_len + resp_len - 1)
+        return -logp[pos, seq[0, pos + 1]].sum()
+
+    grads = jax.grad(nll)(params)
+    total = 0.0
+    for path in paths:
+        g = grads
+        for key in path:
+            g = g[key]
+        total += float(jnp.sum(g.astype(jnp.float32) ** 2))
+    return np.sqrt(total)
+
+
+@pytest.mark.parametrize("subset, tied", [("embed", True), ("embed, layers/q_proj,final_norm", True),
+                                          (["lm_head", "layers.down_proj"], False)])
+def test_per_sample_grad_norms_equal_single_row_grad(params, subset, tied):
+    config = TINY if tied else dataclasses.replace(TINY, tie_word_embeddings=False)
+    p = params if tied else models.init_params(config, jax.random.PRNGKey(3))
+    tokens, prompt_lens, response, mask, resp_lens = _rows()
+    # 7 rows in chunks of 3: two vmapped chunks and a remainder.
+    got = per_sample_grad_norms(p, config, tokens, prompt_lens, response, mask, param_subset=subset, rows_per_chunk=3)
+    paths = parse_param_subset(subset)
+    want = [_reference_norm(p, config, tokens[i], prompt_lens[i], resp_lens[i], paths) for i in range(len(tokens))]
+    assert got.shape == (7,) and got[3] == 0.0 and np.all(got[np.arange(7) != 3] > 0)
+    np.testing.assert_allclose(got, want, rtol=2e-4, atol=1e-6)
+
+
+def test_param_subset_errors(params):
+    tokens, prompt_lens, response, mask, _ = _rows()
+    with pytest.raises(KeyError, match=r"'layers/qproj'.*available: \['attn_norm'"):
+        per_sample_grad_norms(params, TINY, tokens, prompt_lens, response, mask, param_subset="layers/qproj")
+    with pytest.raises(ValueError, match="names no parameter"):
+        parse_param_subset(" , ")
+    assert parse_param_subset("embed,layers.q_proj") == (("embed",), ("layers", "q_proj"))
+
+
+def _scored(prompt_index, correct, records=None, resp=4, seed=0):
+    rng = np.random.default_rng(seed)
+    n = len(prompt_index)
+    records = records or [{"prompt_ids": [1, 2, 3 + i], "answer": str(i)} for i in range(max(prompt_index) + 1)]
+    lengths = rng.integers(1, resp + 1, size=n).astype(np.int32)
+    mask = (np.arange(resp)[None] < lengths[:, None]).astype(np.float32)
+    return ScoredRollouts(records=records, prompt_index=np.asarray(prompt_index, np.int32),
+                          tokens=rng.integers(1, TINY.vocab_size, size=(n, resp)).astype(np.int32) * (mask > 0),
+                          mask=mask, logprobs=-mask, lengths=lengths,
+                          rewards=np.asarray(correct, np.float32), correct=np.asarray(correct, bool))
+
+
+def test_prompt_grad_norms_average_accepted_rows_only(params):
+    scored = _scored([0, 0, 0, 1, 1, 2, 2, 2], [1, 0, 1, 0, 0, 0, 1, 0])
+    got = prompt_grad_norms(params, TINY, scored, rows_per_chunk=2)
+    row = []
+    for i in range(scored.num_samples):
+        prompt = scored.records[scored.prompt_index[i]]["prompt_ids"]
+        seq = np.array(prompt + list(scored.tokens[i, :scored.lengths[i]]), np.int32)
+        row.append(_reference_norm(params, TINY, seq, len(prompt), int(scored.lengths[i]), [("embed",)]))
+    np.testing.assert_allclose(got, [(row[0] + row[2]) / 2, 0.0, row[6]], rtol=2e-4)
+    nothing = dataclasses.replace(scored, correct=np.zeros(8, bool))
+    np.testing.assert_array_equal(prompt_grad_norms(params, TINY, nothing), [0.0, 0.0, 0.0])
+
+
+def test_allocation_gives_unsolved_prompts_nothing_and_sums_to_budget():
+    sampling = SamplingSection(gvm_samples_per_prompt=8)
+    p = np.array([0.0, 0.25, 0.5, 1.0, 0.125])
+    g = np.array([0.0, 2.0, 1.0, 1.0, 3.0])
+    n = allocate_samples(p, g, sampling)
+    assert n.sum() == 40 and n[0] == 0
+    # Hand computation: w = G / sqrt(p + 1e-3 / p).
+    w = np.array([0.0, 2 / np.sqrt(0.25 + 4e-3), 1 / np.sqrt(0.5 + 2e-3), 1 / np.sqrt(1.001), 3 / np.sqrt(0.125 + 8e-3)])
+    assert np.all(np.abs(n - w / w.sum() * 40) < 1.0)
+    np.testing.assert_array_equal(allocate_samples(np.zeros(3), np.zeros(3), sampling), [0, 0, 0])
+
+
+def test_cap_redistributes_the_excess():
+    # Shares 12, 3, 3, 2 (budget 20) under a cap of 6: 6 removed from prompt 0, handed one at a time to
+    # the prompt furthest below its share: ends at 6, 5, 5, 4.
+    weights = np.array([12.0, 3.0, 3.0, 2.0])
+    np.testing.assert_array_equal(cap_counts([12, 3, 3, 2], weights, 6), [6, 5, 5, 4])
+    # Prompts of weight 0 never receive samples; with no room left the sum falls below budget.
+    np.testing.assert_array_equal(cap_counts([12, 3, 0], np.array([4.0, 1.0, 0.0]), 5), [5, 5, 0])
+    np.testing.assert_array_equal(cap_counts([7, 1], np.array([7.0, 1.0]), 0), [7, 1])
+    capped = allocate_samples(np.array([0.05, 0.9, 0.9, 0.9]), np.ones(4), SamplingSection(
+        gvm_samples_per_prompt=4, gvm_max_samples=6))
+    assert capped.sum() == 16 and capped.max() <= 6 and capped[0] == 6
+
+
+def test_reuse_stage1_builds_groups_of_exactly_n():
+    stage1 = _scored([0, 0, 0, 1, 1, 1], [1, 0, 1, 1, 1, 0], seed=1)
+    fresh = _scored([1, 1], [0, 1], records=stage1.records, seed=2)
+    merged = reuse_stage1(stage1, fresh, np.array([2, 5]))
+    np.testing.assert_array_equal(merged.prompt_index, [0, 0, 1, 1, 1, 1, 1])
+    np.testing.assert_array_equal(merged.tokens, np.concatenate([stage1.tokens, fresh.tokens])[[0, 1, 3, 4, 5, 6, 7]])
+    np.testing.assert_array_equal(merged.correct, [1, 0, 1, 1, 0, 0, 1])
+
+
+# ---- the two stages with a stub tokenizer and verifier -------------------------------------------------------
+
+class StubTokenizer:
+    pad_token_id = 0
+    stop_ids = ()
+
+    def decode(self, ids, skip_special_tokens=True):
+        return " ".join(str(int(i)) for i in ids)
+
+
+class StubScorer:
+    """Correctness from the gold: "yes" always, "no" never, "even" when the first response token is even."""
+
+    last_seconds = 0.0
+
+    def __call__(self, texts, golds, lengths):
+        correct = np.array([g == "yes" or (g == "even" and int(t.split()[0]) % 2 == 0) for t, g in zip(texts, golds)])
+        return correct, correct.astype(np.float32)
+
+
+def _records(golds):
+    return [{"prompt_ids": [5 + i, 7, 9 + 2 * i], "answer": gold} for i, gold in enumerate(golds)]
+
+
+def _sampling(**kw):
+    return SamplingSection(max_new_tokens=4, gvm_stage1_samples=4, gvm_samples_per_prompt=3, **kw)
+
+
+def test_two_stages_allocate_to_solved_prompts_only(params):
+    records = _records(["yes", "no", "even", "no"])
+    scored, info = gvm_rollouts(params, TINY, StubTokenizer(), records, _sampling(), StubScorer(),
+                                jax.random.PRNGKey(0), rows_per_chunk=4)
+    log = info["gvm"]
+    n = np.array(log["gvm_n"])
+    assert n.sum() == log["gvm_budget"] == 12 and n[1] == 0 and n[3] == 0 and n[0] > 0
+    assert log["gvm_p"][0] == 1.0 and log["gvm_p"][1] == 0.0 and log["gvm_grad_norm"][1] == 0.0
+    assert info["drawn"] == 4 * 4 + 12 and not info.get("skip_update")
+    # One group per prompt with n_i > 0, each exactly n_i rows, renumbered 0..kept-1.
+    kept = n[n > 0]
+    assert len(scored.records) == len(kept) and info["filtered"] == int((n == 0).sum())
+    np.testing.assert_array_equal(np.bincount(scored.prompt_index, minlength=len(kept)), kept)
+    assert scored.records[0]["answer"] == "yes" and scored.correct[scored.prompt_index == 0].all()
+
+
+def test_reuse_option_draws_only_the_missing_rows(params):
+    records = _records(["yes", "even", "no"])
+    scored, info = gvm_rollouts(params, TINY, StubTokenizer(), records, _sampling(gvm_reuse_stage1=True),
+                                StubScorer(), jax.random.PRNGKey(1), rows_per_chunk=4)
+    n = np.array(info["gvm"]["gvm_n"])
+    assert n.sum() == 9 and n[2] == 0
+    assert info["drawn"] == 3 * 4 + int(np.maximum(n - 4, 0).sum())
+    np.testing.assert_array_equal(np.bincount(scored.prompt_index), n[n > 0])
+
+
+@pytest.mark.parametrize("golds, skipped", [(["no", "no", "no"], True), (["yes", "yes", "yes"], False)])
+def test_all_unsolved_or_all_solved_does_not_crash(params, golds, skipped):
+    scored, info = gvm_rollouts(params, TINY, StubTokenizer(), _records(golds), _sampling(), StubScorer(),
+                                jax.random.PRNGKey(2), rows_per_chunk=4)
+    log = info["gvm"]
+    assert bool(info.get("skip_update")) == skipped and log["gvm_skipped"] == int(skipped)
+    if skipped:  # nothing drawn in stage 2; the stage-1 rollouts come back for the metrics
+        assert log["gvm_n"] == [0, 0, 0] and info["drawn"] == 12 and scored.num_samples == 12
+        assert "no stage-1 sample was accepted" in info["skip_reason"]
+        assert log["gvm_unsolved_fraction"] == 1.0
+    else:  # all solved: p = 1 everywhere, the budget is split by gradient norm
+        assert sum(log["gvm_n"]) == 9 and log["gvm_solved_fraction"] == 1.0 and info["drawn"] == 21
+        filtered = _sampling(gvm_filter_threshold=0.9)  # ... unless the easy-prompt filter removes them all
+        _, info = gvm_rollouts(params, TINY, StubTokenizer(), _records(golds), filtered, StubScorer(),
+                               jax.random.PRNGKey(2), rows_per_chunk=4)
+        assert info["skip_update"] and "filters removed every prompt" in info["skip_reason"]
+
+
+@pytest.mark.parametrize("override, message", [
+    ("sampling.gvm_filter_threshold=0", r"'sampling.gvm_filter_threshold' must be in \(0, 1\]"),
+    ("sampling.gvm_stage1_samples=0", r"'sampling.gvm_stage1_samples' must be >= 1"),
+    ("sampling.gvm_param_subset=','", r"'sampling.gvm_param_subset' must name at least one"),
+    ("sampling.gvm_refresh_every=0", r"'sampling.gvm_refresh_every' must be >= 1"),
+])
+def test_config_rejects_bad_gvm_values(override, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, [override])
+    with pytest.raises(ConfigError, match="cannot be combined with sampling.allocation=gvm"):
+        load_config(None, ["sampling.allocation=gvm", "algorithm.dynamic_sampling=true"])
+
+
+# ---- the RL loop with GVM allocation -------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def bundled_policy():
+    from jaxrl_llm.models.bundled import bundled_gguf_path
+    from jaxrl_llm.models.tokenizer import Tokenizer
+
+    try:
+        tokenizer = Tokenizer.from_gguf(bundled_gguf_path())
+    except (FileNotFoundError, ImportError) as err:
+        pytest.skip(f"bundled tokenizer unavailable: {err}")
+    config = dataclasses.replace(TINY, vocab_size=tokenizer.vocab_size)
+    return config, models.init_params(config, jax.random.PRNGKey(0)), tokenizer
+
+
+def _train_gvm(tmp_path, policy, monkeypatch, verdict, extra=()):
+    from jaxrl_llm.train import loop, rollouts
+
+    def stub_scorer(self, texts, golds, lengths):  # a verifier whose verdict the test chooses
+        correct = np.array([verdict(t) for t in texts], bool)
+        return correct, correct.astype(np.float32)
+
+    monkeypatch.setattr(rollouts.RewardScorer, "__call__", stub_scorer)
+    config = load_config(None, [
+        "sampling.allocation=gvm", "train.steps=2", "train.eval_problems=0", "sampling.prompts_per_step=4",
+        "sampling.gvm_stage1_samples=4", "sampling.gvm_samples_per_prompt=4", "sampling.max_new_tokens=8",
+        "optim.micro_batch_size=8", f"train.out_dir={tmp_path}", *extra])
+    lines = []
+    summary = loop.train(config, policy=policy, log=lines.append)
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    return summary, rows, lines
+
+
+def test_loop_all_unsolved_skips_and_logs(tmp_path, bundled_policy, monkeypatch):
+    summary, rows, lines = _train_gvm(tmp_path, bundled_policy, monkeypatch, lambda text: False)
+    assert summary["status"] == "done" and summary["samples_drawn"] == 2 * 4 * 4  # stage 1 only
+    assert [r["gvm_skipped"] for r in rows] == [1, 1] and all(r["updates"] == 0 for r in rows)
+    assert all(r["gvm_n"] == [0, 0, 0, 0] and r["gvm_p"] == [0.0] * 4 for r in rows)
+    assert sum("update skipped" in line for line in lines) == 2
+
+
+def test_loop_mixed_allocation_updates_and_counts_both_stages(tmp_path, bundled_policy, monkeypatch):
+    # Accept a response when its text has an even number of characters: mixed per-prompt success.
+    summary, rows, _ = _train_gvm(tmp_path, bundled_policy, monkeypatch, lambda text: len(text) % 2 == 0,
+                                  extra=["sampling.gvm_refresh_every=2", "algorithm.advantage=grpo"])
+    first, second = rows
+    n, p = np.array(first["gvm_n"]), np.array(first["gvm_p"])
+    assert n.sum() == first["gvm_budget"] == 16 and np.all(n[p == 0] == 0) and first["gvm_skipped"] == 0
+    assert first["updates"] >= 1 and first["groups_kept"] == int((n > 0).sum())
+    # Step 2 is between refreshes: 4 samples per prompt, no stage 1, no allocation logged.
+    assert "gvm_n" not in second and second["groups_kept"] == 4
+    assert summary["samples_drawn"] == (16 + 16) + 16 == second["samples_drawn"]
