@@ -1,45 +1,20 @@
-"""Command line: `jaxrl-llm sample | convert | train`.
+"""Command line: `jaxrl-llm train | eval | sample | convert | plot`.
 
     jaxrl-llm sample --prompt "What is 7 + 5?"            # bundled SmolLM2-135M-Instruct, greedy
     jaxrl-llm sample --gguf model.gguf --temperature 0.7  # any Llama / Qwen2 / Qwen3 GGUF
     jaxrl-llm sample --model hf_folder                    # a Hugging Face checkpoint folder
     jaxrl-llm convert out_dir [--gguf model.gguf]         # GGUF -> HF folder (config, safetensors, tokenizer)
-    jaxrl-llm train                                       # the default job on the bundled model
+    jaxrl-llm train                                       # the embedded RL demo on the bundled model
+    jaxrl-llm train --config configs/grpo.yaml optim.lr=1e-5 train.steps=50 [--resume]
+    jaxrl-llm eval --benchmarks arithmetic-heldout gsm8k-100 -k 8
+    jaxrl-llm plot runs/default                           # PNG curves of a run
 """
 
 from __future__ import annotations
 
 import argparse
-import functools
 import sys
 import time
-
-# Fixed prompt of the default job: the single-step arithmetic shape the bundled model answers best.
-DEMO_MESSAGES = (
-    {"role": "user", "content": "3 + 4 = ?"},
-    {"role": "assistant", "content": "3 + 4 = 7 \\boxed{7}"},
-    {"role": "user", "content": "9 - 5 = ?"},
-    {"role": "assistant", "content": "9 - 5 = 4 \\boxed{4}"},
-    {"role": "user", "content": "5 + 2 = ?"},
-)
-_PREFILL_BUCKET = 64  # prompt lengths round up to this, so nearby lengths share one compiled prefill
-
-
-def _lazy_jit(fn, **jit_kwargs):
-    """jax.jit applied on first call, so `import jaxrl_llm.cli` (and --help) does not import jax."""
-    compiled = None
-
-    @functools.wraps(fn)
-    def call(*args):
-        nonlocal compiled
-        if compiled is None:
-            import jax
-
-            compiled = jax.jit(fn, **jit_kwargs)
-        return compiled(*args)
-
-    return call
-
 
 def _say(message: str) -> None:
     print(message, flush=True)
@@ -73,88 +48,28 @@ def _load(args):
     return config, params, tokenizer
 
 
-def _choose(logits, key, temperature):
-    """argmax(logits) when temperature == 0, else a draw from softmax(logits / temperature)."""
+def _sample(config, params, tokenizer, messages, args) -> list[str]:
     import jax
-    import jax.numpy as jnp
 
-    scaled = logits / jnp.maximum(temperature, 1e-6)
-    return jnp.where(temperature > 0, jax.random.categorical(key, scaled), jnp.argmax(logits)).astype(jnp.int32)
+    from jaxrl_llm.sampling import generate
 
-
-@functools.partial(_lazy_jit, static_argnums=(1,), donate_argnums=(4,))
-def _prefill(params, config, tokens, last, cache, key, temperature):
-    """Write the right-padded prompt [1, bucket] into the cache; choose the token after index `last`."""
-    import jax.numpy as jnp
-
-    from jaxrl_llm.models.model import forward_cached
-
-    positions = jnp.arange(tokens.shape[1])[None]
-    logits, cache = forward_cached(params, config, tokens, positions, cache)
-    return _choose(logits[0, last], key, temperature), cache
-
-
-@functools.partial(_lazy_jit, static_argnums=(1,), donate_argnums=(4,))
-def _decode(params, config, token, position, cache, key, temperature):
-    """Feed one token at `position`; choose the next one."""
-    from jaxrl_llm.models.model import forward_cached
-
-    logits, cache = forward_cached(params, config, token[None, None], position[None, None], cache)
-    return _choose(logits[0, -1], key, temperature), cache
-
-
-def _generate(params, config, prompt_ids, *, max_new_tokens, temperature=0.0, stop_ids=(), seed=0):
-    """Sample up to `max_new_tokens` ids after `prompt_ids` for one row; returns (ids, timings).
-
-    Prefill writes the right-padded prompt into a KV cache with forward_cached; each decode step
-    feeds the last token at the next position (one jitted step per token). Greedy when
-    temperature == 0. Stops after the first id in `stop_ids`."""
-    import jax
-    import jax.numpy as jnp
-
-    from jaxrl_llm.models.model import init_cache
-
-    if not prompt_ids:
-        raise ValueError("the prompt is empty")
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    length = len(prompt_ids)
-    bucket = -(-length // _PREFILL_BUCKET) * _PREFILL_BUCKET
-    cache_len = -(-max(bucket, length + max_new_tokens) // _PREFILL_BUCKET) * _PREFILL_BUCKET
-    keys = jax.random.split(jax.random.PRNGKey(seed), max_new_tokens)
-    temperature = jnp.float32(temperature)
-    tokens = jnp.zeros((1, bucket), jnp.int32).at[0, :length].set(jnp.asarray(prompt_ids, jnp.int32))
-    start = time.perf_counter()
-    token, cache = _prefill(params, config, tokens, jnp.int32(length - 1), init_cache(config, 1, cache_len),
-                            keys[0], temperature)
-    out = [int(token)]
-    timing = {"prefill_s": time.perf_counter() - start, "first_decode_s": 0.0, "decode_s": 0.0}
-    for step in range(1, max_new_tokens):
-        if out[-1] in stop_ids:
-            break
-        start = time.perf_counter()
-        token, cache = _decode(params, config, token, jnp.int32(length + step - 1), cache, keys[step], temperature)
-        out.append(int(token))
-        timing["first_decode_s" if step == 1 else "decode_s"] += time.perf_counter() - start
-    return out, timing
-
-
-def _sample(config, params, tokenizer, messages, args) -> str:
     prompt = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True)
     prompt_ids = tokenizer.encode(prompt)
-    _say(f"prompt: {len(prompt_ids)} tokens; sampling {args.max_new_tokens} new tokens "
+    _say(f"prompt: {len(prompt_ids)} tokens; sampling {args.num_samples} x up to {args.max_new_tokens} new tokens "
          f"({'greedy' if args.temperature == 0 else f'temperature {args.temperature}'})")
-    ids, timing = _generate(params, config, prompt_ids, max_new_tokens=args.max_new_tokens,
-                            temperature=args.temperature, stop_ids=tokenizer.stop_ids, seed=args.seed)
-    text = tokenizer.decode(ids)
-    _say("--- completion ---")
-    _say(text)
+    start = time.perf_counter()
+    rollout = generate(params, config, [prompt_ids], num_samples=args.num_samples,
+                       max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                       top_k=args.top_k, stop_ids=tokenizer.stop_ids, rng=jax.random.PRNGKey(args.seed),
+                       pad_id=tokenizer.pad_token_id)
+    seconds = time.perf_counter() - start
+    texts = [tokenizer.decode([int(t) for t in row[:n]]) for row, n in zip(rollout.tokens, rollout.lengths)]
+    for i, text in enumerate(texts):
+        _say(f"--- completion {i + 1} ---" if len(texts) > 1 else "--- completion ---")
+        _say(text)
     _say("------------------")
-    steady = len(ids) - 2  # the first id comes from prefill, the first decode step compiles
-    rate = f"{steady / timing['decode_s']:.1f} tok/s" if steady > 0 and timing["decode_s"] > 0 else "n/a"
-    _say(f"{len(ids)} tokens: prefill {timing['prefill_s']:.2f} s and first decode step "
-         f"{timing['first_decode_s']:.2f} s (both compile), then {rate}")
-    return text
+    _say(f"{int(rollout.lengths.sum())} tokens in {seconds:.2f} s (compilation included)")
+    return texts
 
 
 def _cmd_sample(args) -> int:
@@ -178,9 +93,31 @@ def _cmd_convert(args) -> int:
 
 
 def _cmd_train(args) -> int:
-    _say("The RL trainer is not available yet; running the sampling demo on a fixed arithmetic prompt.")
+    from jaxrl_llm.train import load_config
+    from jaxrl_llm.train.loop import train
+
+    config = load_config(args.config, args.overrides)
+    _say(f"jaxrl-llm train: algorithm {config.algorithm.name}, model {config.model.source}, "
+         f"{config.train.steps} steps of {config.sampling.prompts_per_step} prompts x "
+         f"{config.sampling.samples_per_prompt} samples, run dir {config.train.out_dir}")
+    summary = train(config, resume=args.resume, log=_say)
+    return 0 if summary.get("status") in ("done", "preempted") else 1
+
+
+def _cmd_eval(args) -> int:
+    from jaxrl_llm.eval import evaluate_benchmarks
+
     config, params, tokenizer = _load(args)
-    _sample(config, params, tokenizer, DEMO_MESSAGES, args)
+    evaluate_benchmarks(params, config, tokenizer, args.benchmarks, k=args.k, max_new_tokens=args.max_new_tokens,
+                        limit=args.limit, out_path=args.out, temperature=args.temperature, top_p=args.top_p,
+                        top_k=args.top_k, template=args.prompt, seed=args.seed)
+    return 0
+
+
+def _cmd_plot(args) -> int:
+    from jaxrl_llm.train.metrics import plot_run
+
+    _say(f"wrote {plot_run(args.run_dir, args.out)}")
     return 0
 
 
@@ -191,9 +128,11 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default=None, help="parameter dtype")
 
 
-def _add_sampling_args(parser: argparse.ArgumentParser, max_new_tokens: int) -> None:
+def _add_sampling_args(parser: argparse.ArgumentParser, max_new_tokens: int, temperature: float = 0.0) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=max_new_tokens)
-    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    parser.add_argument("--temperature", type=float, default=temperature, help="0 = greedy")
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0, help="0 = no top-k filter")
     parser.add_argument("--seed", type=int, default=0)
 
 
@@ -205,15 +144,33 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling_args(sample, max_new_tokens=64)
     sample.add_argument("--prompt", default="What is 7 + 5?")
     sample.add_argument("--system", default=None, help="optional system message")
+    sample.add_argument("--num-samples", type=int, default=1)
     sample.set_defaults(run=_cmd_sample)
     convert = commands.add_parser("convert", help="write a GGUF model as a Hugging Face folder")
     convert.add_argument("out", help="output folder")
     _add_model_args(convert)
     convert.set_defaults(run=_cmd_convert)
-    train = commands.add_parser("train", help="the default job (for now: the sampling demo)")
-    _add_model_args(train)
-    _add_sampling_args(train, max_new_tokens=32)
+    train = commands.add_parser(
+        "train", help="RL training (no arguments: the embedded demo on the bundled model)",
+        description="RL training from a YAML preset (configs/) and section.key=value overrides.")
+    train.add_argument("--config", metavar="YAML", default=None, help="a preset such as configs/grpo.yaml")
+    train.add_argument("--resume", action="store_true", help="continue from the run directory's latest checkpoint")
+    train.add_argument("overrides", nargs="*", metavar="section.key=value")
     train.set_defaults(run=_cmd_train)
+    evaluation = commands.add_parser("eval", help="avg@k / pass@k / maj@k of a model on benchmark sets")
+    _add_model_args(evaluation)
+    _add_sampling_args(evaluation, max_new_tokens=32, temperature=1.0)
+    evaluation.add_argument("--benchmarks", nargs="+", default=["arithmetic-heldout"],
+                            help="registry names (arithmetic-heldout, gsm8k-100, champ, ...) or JSONL files")
+    evaluation.add_argument("-k", type=int, default=4, help="samples per problem")
+    evaluation.add_argument("--limit", type=int, default=None, help="first N problems of each set")
+    evaluation.add_argument("--prompt", default="arithmetic-2shot", help="a prompt preset (jaxrl_llm.data)")
+    evaluation.add_argument("--out", default=None, help="write the results as JSON here")
+    evaluation.set_defaults(run=_cmd_eval)
+    plot = commands.add_parser("plot", help="PNG curves of a run directory's metrics.jsonl")
+    plot.add_argument("run_dir")
+    plot.add_argument("--out", default=None, help="PNG path (default RUN_DIR/curves.png)")
+    plot.set_defaults(run=_cmd_plot)
     return parser
 
 
@@ -222,7 +179,7 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.run(args)
-    except (FileNotFoundError, ValueError) as err:
+    except (FileNotFoundError, ValueError, KeyError) as err:
         print(f"jaxrl-llm {args.command}: error: {err}", file=sys.stderr)
         return 2
 

@@ -4,7 +4,7 @@ import jax
 import numpy as np
 import pytest
 
-from jaxrl_llm.cli import _generate, main
+from jaxrl_llm.cli import main
 from jaxrl_llm.models import forward, load_hf
 from jaxrl_llm.models.gguf import load_gguf
 from jaxrl_llm.models.tokenizer import Tokenizer
@@ -70,29 +70,13 @@ def test_converted_folder_reloads_as_the_same_params(tiny_gguf, converted):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-def test_generate_greedy_matches_full_forward_argmax(tiny_gguf):
-    config, params, _ = load_gguf(tiny_gguf)
-    prompt = np.random.default_rng(2).integers(3, 259, size=70).tolist()  # crosses one prefill bucket
-    ids, timing = _generate(params, config, prompt, max_new_tokens=12)
-    assert ids == _greedy_by_full_forward(params, config, prompt, 12, stop_ids=())
-    assert set(timing) == {"prefill_s", "first_decode_s", "decode_s"}
-    # stopping: with the 3rd greedy token as a stop id, generation ends right after it
-    assert _generate(params, config, prompt, max_new_tokens=12, stop_ids=(ids[2],))[0] == ids[:3]
-
-
-def test_generate_with_temperature_is_seeded(tiny_gguf):
-    config, params, _ = load_gguf(tiny_gguf)
-    prompt = [1, 261, 35, 262]
-    greedy, _ = _generate(params, config, prompt, max_new_tokens=10)
-    first, _ = _generate(params, config, prompt, max_new_tokens=10, temperature=5.0, seed=3)
-    again, _ = _generate(params, config, prompt, max_new_tokens=10, temperature=5.0, seed=3)
-    other, _ = _generate(params, config, prompt, max_new_tokens=10, temperature=5.0, seed=4)
-    assert first == again and first != other and first != greedy
-    assert all(0 <= t < config.vocab_size for t in first + other)
-    # a vanishing temperature samples the argmax
-    assert _generate(params, config, prompt, max_new_tokens=10, temperature=1e-6, seed=3)[0] == greedy
-    with pytest.raises(ValueError, match="prompt is empty"):
-        _generate(params, config, [], max_new_tokens=3)
+def test_sample_with_temperature_is_seeded(converted, capsys):
+    args = ["sample", "--model", str(converted), "--prompt", "the 12", "--max-new-tokens", "8", "--temperature", "5"]
+    outs = []
+    for seed in ("3", "3", "4"):
+        assert main(args + ["--seed", seed]) == 0
+        outs.append(_completion(capsys.readouterr().out))
+    assert outs[0] == outs[1] and outs[0] != outs[2]
 
 
 def test_sample_on_a_tiny_model_folder_prints_the_greedy_completion(converted, capsys):
@@ -105,14 +89,30 @@ def test_sample_on_a_tiny_model_folder_prints_the_greedy_completion(converted, c
     expected = _greedy_by_full_forward(params, config, prompt, 8, tokenizer.stop_ids)
     assert _completion(out) == tokenizer.decode(expected)
     assert "loaded " in out and f"{sum(x.size for x in jax.tree_util.tree_leaves(params)):,} parameters" in out
-    assert "tok/s" in out
+    assert "tokens in" in out
 
 
-def test_train_runs_the_sampling_demo_for_now(tiny_gguf, capsys):
-    assert main(["train", "--gguf", str(tiny_gguf), "--max-new-tokens", "4"]) == 0
+def test_train_and_eval_and_plot_commands(converted, tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    overrides = [f"model.source={converted}", "data.prompt=raw", "train.steps=1", "train.eval_problems=2",
+                 "train.eval_samples=1", "sampling.prompts_per_step=2", "sampling.samples_per_prompt=2",
+                 "sampling.max_new_tokens=4", "optim.micro_batch_size=4", f"train.out_dir={run_dir}"]
+    assert main(["train", *overrides]) == 0
     out = capsys.readouterr().out
-    assert out.startswith("The RL trainer is not available yet")
-    assert "--- completion ---" in out
+    assert "eval before training: avg@1" in out and "eval after training: avg@1" in out
+    assert (run_dir / "final" / "model.safetensors").is_file() and (run_dir / "metrics.jsonl").is_file()
+    assert main(["plot", str(run_dir)]) == 0
+    assert (run_dir / "curves.png").read_bytes()[:4] == b"\x89PNG"
+    assert main(["eval", "--model", str(converted), "--benchmarks", "arithmetic-heldout", "--limit", "3", "-k", "2",
+                 "--prompt", "raw", "--max-new-tokens", "4", "--out", str(tmp_path / "eval.json")]) == 0
+    assert "arithmetic-heldout" in capsys.readouterr().out and (tmp_path / "eval.json").is_file()
+
+
+def test_train_config_errors_exit_2(capsys):
+    assert main(["train", "optim.learning_rate=1"]) == 2
+    assert "did you mean 'optim.lr'" in capsys.readouterr().err
+    assert main(["train", "optim.lr=-1"]) == 2
+    assert "'optim.lr' must be > 0" in capsys.readouterr().err
 
 
 def test_bad_inputs_give_one_clear_error(tmp_path, capsys):

@@ -157,8 +157,17 @@ def _all_keys() -> list[str]:
     return keys
 
 
+# Common names from other trainers that string similarity cannot map to ours.
+_ALIASES = {"learning_rate": "optim.lr", "max_steps": "train.steps", "num_steps": "train.steps",
+            "total_steps": "train.steps", "batch_size": "sampling.prompts_per_step",
+            "num_samples": "sampling.samples_per_prompt", "n_samples": "sampling.samples_per_prompt",
+            "max_tokens": "sampling.max_new_tokens", "max_response_length": "sampling.max_new_tokens",
+            "kl_loss_coef": "algorithm.kl_coef", "clip_ratio": "algorithm.clip_low", "seed": "train.seed"}
+
+
 def _unknown_key(key: str, where: str) -> ConfigError:
-    close = difflib.get_close_matches(key, _all_keys(), n=1, cutoff=0.5)
+    alias = _ALIASES.get(key.rpartition(".")[2])
+    close = [alias] if alias else difflib.get_close_matches(key, _all_keys(), n=1, cutoff=0.5)
     hint = f"; did you mean '{close[0]}'?" if close else f"; valid keys: {', '.join(_all_keys())}"
     return ConfigError(f"unknown config key '{key}' ({where}){hint}")
 
