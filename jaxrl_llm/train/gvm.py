@@ -26,7 +26,7 @@ import numpy as np
 
 from jaxrl_llm.objectives import gvm_allocate
 from jaxrl_llm.train.config import SamplingSection
-from jaxrl_llm.train.logprobs import response_logprobs
+from jaxrl_llm.train.logprobs import row_logprobs
 from jaxrl_llm.train.rollouts import ScoredRollouts, all_rows_batch, sample_and_score
 
 
@@ -68,7 +68,7 @@ def _grad_norms(params, model_config, paths, rows_per_chunk, tokens, prompt_lens
         full = params
         for path, value in zip(paths, subset):
             full = _replace(full, path, value)
-        logp = response_logprobs(full, model_config, token_row[None], prompt_len[None], response_row[None])[0]
+        logp = row_logprobs(full, model_config, token_row[None], prompt_len[None], response_row[None])[0]
         return -jnp.sum(logp * mask_row)
 
     subset = [_get(params, path) for path in paths]
@@ -98,10 +98,17 @@ def per_sample_grad_norms(params, model_config, tokens, prompt_lens, response_to
         _get(params, path)  # a clear error for a wrong name before tracing
     if rows_per_chunk < 1:
         raise ValueError(f"rows_per_chunk must be >= 1, got {rows_per_chunk}")
-    norms = _grad_norms(params, model_config, paths, int(rows_per_chunk), jnp.asarray(tokens, jnp.int32),
-                        jnp.asarray(prompt_lens, jnp.int32), jnp.asarray(response_tokens, jnp.int32),
-                        jnp.asarray(mask, jnp.float32))
-    return np.asarray(norms, np.float32)
+    rows = np.shape(tokens)[0]
+    pad = -rows % rows_per_chunk  # whole chunks only: lax.map would compile a second body for a remainder
+
+    def padded(x, dtype, fill=0):
+        x = np.asarray(x, dtype)
+        return np.concatenate([x, np.full((pad, *x.shape[1:]), fill, dtype)]) if pad else x
+
+    norms = _grad_norms(params, model_config, paths, int(rows_per_chunk), padded(tokens, np.int32),
+                        padded(prompt_lens, np.int32, 1), padded(response_tokens, np.int32),
+                        padded(mask, np.float32))
+    return np.asarray(norms, np.float32)[:rows]
 
 
 def prompt_grad_norms(params, model_config, scored: ScoredRollouts, *, param_subset: str | Sequence[str] = "embed",
