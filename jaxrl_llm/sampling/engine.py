@@ -14,7 +14,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxrl_llm.models import KVCache, ModelConfig, forward_cached, init_cache
+from jaxrl_llm.models import ModelConfig
+from jaxrl_llm.sampling.decoder import RowCache, decode_step, empty_row_cache, prefill_cache, unstack_layers
 from jaxrl_llm.sampling.token_selection import select_tokens
 
 ROW_AXES = ("data", "fsdp")  # mesh axes the sample rows are split over
@@ -31,7 +32,7 @@ class SamplingState:
     tokens [R, N] int32 generated tokens (pad_id after a row is done); logprobs [R, N] f32;
     prompt_lengths [R] int32 (token t of a row sits at position prompt_length + t);
     done [R] bool; stopped [R] bool (ended by a stop id); lengths [R] int32 tokens generated;
-    step [] int32 tokens generated so far by the longest row; cache: KVCache over R rows.
+    step [] int32 tokens generated so far by the longest row; cache: the rows' RowCache.
     """
 
     tokens: jax.Array
@@ -41,7 +42,7 @@ class SamplingState:
     stopped: jax.Array
     lengths: jax.Array
     step: jax.Array
-    cache: KVCache
+    cache: RowCache
 
 
 def row_axes(mesh: Mesh | None) -> tuple[str, ...]:
@@ -69,15 +70,15 @@ def _constrain(x: jax.Array, mesh: Mesh | None, axis: int = 0) -> jax.Array:
 def _constrain_state(state: SamplingState, mesh: Mesh | None) -> SamplingState:
     if mesh is None:
         return state
-    cache = KVCache(_constrain(state.cache.k, mesh, 1), _constrain(state.cache.v, mesh, 1))
+    cache = jax.tree_util.tree_map(lambda x: _constrain(x, mesh), state.cache)
     rows = {f.name: _constrain(getattr(state, f.name), mesh)
             for f in dataclasses.fields(state) if f.name not in ("step", "cache")}
     return SamplingState(**rows, step=state.step, cache=cache)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "mesh", "new_token_bucket", "cache_length"))
+@functools.partial(jax.jit, static_argnames=("config", "mesh", "prompt_bucket", "new_token_bucket"))
 def init_state(config: ModelConfig, mesh: Mesh | None, prompt_lengths: jax.Array, valid: jax.Array, *,
-               new_token_bucket: int, cache_length: int) -> tuple[SamplingState, jax.Array]:
+               prompt_bucket: int, new_token_bucket: int) -> tuple[SamplingState, jax.Array]:
     """A fresh state for R = len(valid) rows (invalid rows are bucket padding: done from the start)
     and a zero [R, V] buffer for the logits of each row's first token."""
     rows = valid.shape[0]
@@ -89,7 +90,7 @@ def init_state(config: ModelConfig, mesh: Mesh | None, prompt_lengths: jax.Array
         stopped=jnp.zeros((rows,), bool),
         lengths=jnp.zeros((rows,), jnp.int32),
         step=jnp.zeros((), jnp.int32),
-        cache=init_cache(config, rows, cache_length),
+        cache=empty_row_cache(config, rows, prompt_bucket, new_token_bucket),
     )
     first_logits = _constrain(jnp.zeros((rows, config.vocab_size), jnp.float32), mesh)
     return _constrain_state(state, mesh), first_logits
@@ -102,23 +103,21 @@ def prefill_rows(params, config: ModelConfig, mesh: Mesh | None, prompt_tokens: 
     """Run C prompts (prompt_tokens [C, L], right-padded, positions 0..L-1) through the model once
     and copy each prompt's cache slots [0, L) and its last-position logits to the rows with
     row_source[r] = its index in this call (rows with -1 belong to another call and are kept)."""
-    count, length = prompt_tokens.shape
     prompt_tokens = _constrain(prompt_tokens, mesh)
-    positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (count, length))
-    logits, cache = forward_cached(params, config, prompt_tokens, positions,
-                                   init_cache(config, count, length, state.cache.k.dtype))
-    last_logits = logits[jnp.arange(count), prompt_lengths - 1]  # [C, V]
+    last_logits, keys, values = prefill_cache(params, config, prompt_tokens, prompt_lengths,
+                                              state.cache.prompt_k[0].dtype)
     take = row_source >= 0
     source = jnp.maximum(row_source, 0)
 
     def merge(rows_cache, prompt_cache):
-        copied = jnp.take(prompt_cache, source, axis=1)  # [layers, R, L, kv, hd]
-        head = jnp.where(take[None, :, None, None, None], copied, rows_cache[:, :, :length])
-        return jax.lax.dynamic_update_slice_in_dim(rows_cache, head, 0, axis=2)
+        copied = jnp.take(prompt_cache, source, axis=0)
+        return jnp.where(take.reshape((-1,) + (1,) * (copied.ndim - 1)), copied, rows_cache)
 
-    new_cache = KVCache(merge(state.cache.k, cache.k), merge(state.cache.v, cache.v))
-    first_logits = jnp.where(take[:, None], jnp.take(last_logits, source, axis=0), first_logits)
-    state = dataclasses.replace(state, cache=new_cache)
+    cache = state.cache._replace(
+        prompt_k=tuple(merge(old, keys[i]) for i, old in enumerate(state.cache.prompt_k)),
+        prompt_v=tuple(merge(old, values[i]) for i, old in enumerate(state.cache.prompt_v)))
+    first_logits = merge(first_logits, last_logits)
+    state = dataclasses.replace(state, cache=cache)
     return _constrain_state(state, mesh), _constrain(first_logits, mesh)
 
 
@@ -136,13 +135,14 @@ def decode_rows(params, config: ModelConfig, mesh: Mesh | None, state: SamplingS
                 max_new_tokens: jax.Array, stop_ids: jax.Array, pad_id: jax.Array, *,
                 greedy: bool, top_k: int, use_top_p: bool) -> SamplingState:
     """Generate until every row is done: token 0 from `first_logits`, then a `lax.while_loop` that
-    feeds each row's last token at position prompt_length + t - 1 and picks token t.
+    feeds each row's token t - 1 (position prompt_length + t - 1) and picks token t.
 
     A row is done after a token in `stop_ids` (-1 entries are padding) or after `max_new_tokens`
     tokens; the loop exits when all rows are done. Done rows keep flowing through the batch (static
     shapes) but write pad_id, log-prob 0 and do not grow.
     """
     rows = state.done.shape[0]
+    layers = unstack_layers(params)  # sliced once, outside the loop
 
     def pick(logits, step):
         uniform = jnp.zeros((rows,), jnp.float32) if greedy else _row_uniforms(rng, rows, step)
@@ -169,11 +169,11 @@ def decode_rows(params, config: ModelConfig, mesh: Mesh | None, state: SamplingS
         return (state.step < max_new_tokens) & ~jnp.all(state.done)
 
     def step(state):
-        last = jax.lax.dynamic_slice_in_dim(state.tokens, state.step - 1, 1, axis=1)
-        positions = state.prompt_lengths[:, None] + state.step - 1
-        logits, cache = forward_cached(params, config, last, positions, state.cache)
+        last = jax.lax.dynamic_slice_in_dim(state.tokens, state.step - 1, 1, axis=1)[:, 0]
+        logits, cache = decode_step(params, layers, config, last, state.prompt_lengths, state.step - 1,
+                                    state.cache)
         state = dataclasses.replace(state, cache=cache)
-        return _constrain_state(record(state, *pick(logits[:, 0], state.step)), mesh)
+        return _constrain_state(record(state, *pick(logits, state.step)), mesh)
 
     state = record(state, *pick(first_logits, state.step))
     return jax.lax.while_loop(keep_going, step, _constrain_state(state, mesh))
