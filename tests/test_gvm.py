@@ -124,7 +124,8 @@ def test_allocation_gives_unsolved_prompts_nothing_and_sums_to_budget():
     n = allocate_samples(p, g, sampling)
     assert n.sum() == 40 and n[0] == 0
     # Hand computation: w = G / sqrt(p + 1e-3 / p).
-    w = np.array([0.0, 2 / np.sqrt(0.25 + 4e-3), 1 / np.sqrt(0.5 + 2e-3), 1 / np.sqrt(1.001), 3 / np.sqrt(0.125 + 8e-3)])
+    w = np.array([0.0, 2 / np.sqrt(0.25 + 4e-3), 1 / np.sqrt(0.5 + 2e-3), 1 / np.sqrt(1.001),
+                  3 / np.sqrt(0.125 + 8e-3)])
     assert np.all(np.abs(n - w / w.sum() * 40) < 1.0)
     np.testing.assert_array_equal(allocate_samples(np.zeros(3), np.zeros(3), sampling), [0, 0, 0])
 
@@ -298,3 +299,25 @@ def test_gvm_presets_inherit_their_algorithm(preset, advantage, kl):
     assert (cfg.sampling.allocation, cfg.sampling.gvm_stage1_samples, cfg.sampling.gvm_samples_per_prompt) == (
         "gvm", 8, 8)
     assert (cfg.algorithm.advantage, cfg.algorithm.kl_coef, cfg.optim.lr) == (advantage, kl, 1e-6)
+
+
+def test_study_summary_counts_samples_to_target():
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).parent.parent / "benchmarks" / "gvm_study.py"
+    spec = importlib.util.spec_from_file_location("gvm_study", path)
+    study = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(study)
+    curve = lambda accs: [{"samples": 100 * i, "step": 2 * i, "train_s": 10.0 * i, "accuracy": a}  # noqa: E731
+                          for i, a in enumerate(accs)]
+    runs = [{"algorithm": "raftpp", "allocation": "gvm", "curve": curve([0.1, 0.6, 0.7]), "final_accuracy": 0.7,
+             "samples_drawn": 200}, {"algorithm": "raftpp", "allocation": "gvm", "curve": curve([0.1, 0.4, 0.5]),
+                                     "final_accuracy": 0.5, "samples_drawn": 200},
+            {"algorithm": "raftpp", "allocation": "uniform", "curve": curve([0.1, 0.2]), "final_accuracy": 0.2,
+             "samples_drawn": 100}]
+    table = study.summarise(runs, target=0.5)
+    assert table["raftpp/gvm"]["reached_target"] == 2
+    assert table["raftpp/gvm"]["samples_to_target"] == 150.0 and table["raftpp/gvm"]["steps_to_target"] == 3.0
+    assert table["raftpp/gvm"]["final_accuracy_mean"] == pytest.approx(0.6)
+    assert table["raftpp/uniform"]["reached_target"] == 0 and table["raftpp/uniform"]["samples_to_target"] is None
