@@ -1,0 +1,58 @@
+"""generate on a simulated 8-device CPU mesh (data=2, fsdp=2, tensor=2) gives the single-device
+results. Runs in a subprocess because the device count is fixed when JAX starts."""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import textwrap
+
+SCRIPT = textwrap.dedent("""
+    import json
+    import jax
+    import numpy as np
+    from jaxrl_llm.models import ModelConfig, init_params
+    from jaxrl_llm.models.sharding import make_mesh, shard_params
+    from jaxrl_llm.sampling import generate
+
+    assert jax.device_count() == 8, jax.devices()
+    config = ModelConfig(vocab_size=32, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+                         num_kv_heads=2, head_dim=8, tie_word_embeddings=False, max_position_embeddings=256)
+    params = init_params(config, jax.random.key(0))
+    params["embed"] = params["embed"] * 3.0
+    params["lm_head"] = params["lm_head"] * 3.0
+    mesh = make_mesh("data=2,fsdp=2,tensor=2")
+    sharded = shard_params(params, mesh)
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10], [11], [12, 13]]
+    counts = [3, 0, 5, 2]
+    results = {}
+    for name, kwargs in {"greedy": dict(temperature=0.0),
+                         "sampled": dict(temperature=0.8, top_k=8, top_p=0.9)}.items():
+        single = generate(params, config, prompts, num_samples=counts, max_new_tokens=12, stop_ids=(5,),
+                          rng=jax.random.key(3), **kwargs)
+        multi = generate(sharded, config, prompts, num_samples=counts, max_new_tokens=12, stop_ids=(5,),
+                         rng=jax.random.key(3), mesh=mesh, **kwargs)
+        results[name] = dict(
+            tokens_equal=bool(np.array_equal(single.tokens, multi.tokens)),
+            lengths_equal=bool(np.array_equal(single.lengths, multi.lengths)),
+            finish_equal=bool(np.array_equal(single.finish_reason, multi.finish_reason)),
+            logprob_diff=float(np.abs(single.logprobs - multi.logprobs).max()),
+            rows=int(single.tokens.shape[0]),
+        )
+    print("RESULT", json.dumps(results))
+""")
+
+
+def test_mesh_results_equal_single_device():
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    root = pathlib.Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, cwd=root,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    line = next(l for l in proc.stdout.splitlines() if l.startswith("RESULT "))
+    results = json.loads(line[len("RESULT "):])
+    for name, r in results.items():
+        assert r["rows"] == 10
+        assert r["tokens_equal"] and r["lengths_equal"] and r["finish_equal"], (name, r)
+        assert r["logprob_diff"] < 1e-5, (name, r)
