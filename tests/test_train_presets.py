@@ -13,7 +13,8 @@ from jaxrl_llm.objectives import aggregate_denominator
 from jaxrl_llm.train import load_config
 from jaxrl_llm.train.algorithms import sequence_advantages, token_advantages
 from jaxrl_llm.train.state import init_state, make_optimizer
-from jaxrl_llm.train.step import TrainBatch, make_logprob_fn, make_train_step
+from jaxrl_llm.train.packing import pack_groups, unpack
+from jaxrl_llm.train.step import make_logprob_fn, make_train_step
 
 CONFIGS = pathlib.Path(__file__).resolve().parents[1] / "configs"
 PRESETS = sorted(p.stem for p in CONFIGS.glob("*.yaml") if p.stem not in ("reference",) and "gvm" not in p.stem
@@ -40,19 +41,22 @@ def test_preset_update_lowers_its_loss(preset):
     seq_adv = sequence_advantages(algo, rewards, group_ids, groups)
     assert np.any(seq_adv != 0)
 
-    tokens = rng.integers(1, TINY.vocab_size, size=(rows, prompt + resp)).astype(np.int32)
-    prompt_lens = np.full(rows, prompt, np.int32)
+    prompts = [rng.integers(1, TINY.vocab_size, size=prompt).tolist() for _ in range(groups)]
+    responses = rng.integers(1, TINY.vocab_size, size=(rows, resp)).astype(np.int32)
+    lengths = np.full(rows, resp)
+    members = [np.flatnonzero(group_ids == g) for g in range(groups)]
     mask = np.ones((rows, resp), np.float32)
     params = models.init_params(TINY, jax.random.PRNGKey(0))
-    logp = np.asarray(make_logprob_fn(TINY)(params, tokens, prompt_lens, tokens[:, prompt:]))
+    probe = pack_groups(prompts, members, responses, lengths)
+    logp = unpack(np.asarray(make_logprob_fn(TINY)(params, probe)), members, rows)
     ref = logp - 0.01 * rng.random(logp.shape).astype(np.float32)  # a reference slightly off the policy
     adv = token_advantages(algo, seq_adv, logp, ref, mask)
-    batch = TrainBatch(tokens, prompt_lens, tokens[:, prompt:], mask, adv, logp, ref)
+    batch = pack_groups(prompts, members, responses, lengths, advantages=adv, old_logp=logp, ref_logp=ref)
     batch = jax.tree_util.tree_map(jnp.asarray, batch)
-    denom = aggregate_denominator(batch.mask, algo.agg)
+    denom = aggregate_denominator(jnp.asarray(mask), algo.agg)
 
     opt = make_optimizer(cfg.optim)
-    step = make_train_step(TINY, algo, opt, micro_batch_size=8)
+    step = make_train_step(TINY, algo, opt, micro_batch_size=2)
     state, first = step(init_state(params, opt), batch, denom)
     assert float(first["finite"]) == 1.0 and int(state.step) == 1
     _, second = step(state, batch, denom)

@@ -7,47 +7,62 @@ import pytest
 from jaxrl_llm import models
 from jaxrl_llm.objectives import aggregate_denominator
 from jaxrl_llm.train.config import AlgorithmSection, OptimSection
-from jaxrl_llm.train.logprobs import response_logprobs
+from jaxrl_llm.train.logprobs import response_logprobs, row_logprobs
+from jaxrl_llm.train.packing import bucket, pack_groups, unpack
 from jaxrl_llm.train.state import init_state, make_optimizer
-from jaxrl_llm.train.step import TrainBatch, make_logprob_fn, make_train_step
+from jaxrl_llm.train.step import make_logprob_fn, make_train_step
 
 TINY = models.ModelConfig(vocab_size=61, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
                           num_kv_heads=2, head_dim=8, tie_word_embeddings=True)
 
 
-def _batch(rows=8, prompt=5, resp=6, seed=0):
+def _samples(groups=4, per_group=3, resp=6, seed=0):
+    """Prompts of varied length, each with a few responses of varied length (a group may be empty)."""
     rng = np.random.default_rng(seed)
-    prompt_lens = rng.integers(2, prompt + 1, size=rows)
-    resp_lens = rng.integers(1, resp + 1, size=rows)
-    tokens = np.zeros((rows, prompt + resp), np.int32)
-    response = rng.integers(1, TINY.vocab_size, size=(rows, resp)).astype(np.int32)
-    mask = (np.arange(resp)[None] < resp_lens[:, None]).astype(np.float32)
-    for i in range(rows):
-        tokens[i, :prompt_lens[i]] = rng.integers(1, TINY.vocab_size, size=prompt_lens[i])
-        tokens[i, prompt_lens[i]:prompt_lens[i] + resp_lens[i]] = response[i, :resp_lens[i]]
-    adv = np.repeat(rng.choice([-1.0, 0.5, 1.0], size=rows)[:, None], resp, 1).astype(np.float32)
-    zeros = np.zeros((rows, resp), np.float32)
-    return TrainBatch(jnp.asarray(tokens), jnp.asarray(prompt_lens, jnp.int32), jnp.asarray(response),
-                      jnp.asarray(mask), jnp.asarray(adv), jnp.asarray(zeros), jnp.asarray(zeros))
+    prompts = [rng.integers(1, TINY.vocab_size, size=rng.integers(2, 7)).tolist() for _ in range(groups)]
+    n = groups * per_group
+    responses = rng.integers(1, TINY.vocab_size, size=(n, resp)).astype(np.int32)
+    lengths = rng.integers(1, resp + 1, size=n)
+    members = [np.arange(g * per_group, (g + 1) * per_group) for g in range(groups)]
+    adv = np.repeat(rng.choice([-1.0, 0.5, 1.0], size=n)[:, None], resp, 1).astype(np.float32)
+    mask = (np.arange(resp)[None] < lengths[:, None]).astype(np.float32)
+    return prompts, members, responses, lengths, adv * mask, mask
 
 
-def _with_old_logp(params, batch):
-    old = make_logprob_fn(TINY)(params, batch.tokens, batch.prompt_lens, batch.response_tokens)
-    return batch._replace(old_logp=old, ref_logp=old)
+def _unpacked_logprobs(params, prompts, members, responses, lengths):
+    out = np.zeros(responses.shape, np.float32)
+    for prompt, group in zip(prompts, members):
+        for i in group:
+            tokens = np.array([prompt + responses[i].tolist()], np.int32)
+            logp = row_logprobs(params, TINY, tokens, np.array([len(prompt)]), responses[i:i + 1])
+            out[i, :lengths[i]] = np.asarray(logp)[0, :lengths[i]]
+    return out
 
 
-def test_response_logprobs_equal_full_forward():
+def test_packed_logprobs_equal_one_row_per_sample():
     params = models.init_params(TINY, jax.random.PRNGKey(0))
-    b = _batch()
-    logp = response_logprobs(params, TINY, b.tokens, b.prompt_lens, b.response_tokens, chunk=16)
-    positions = jnp.broadcast_to(jnp.arange(b.tokens.shape[1]), b.tokens.shape)
-    full = jax.nn.log_softmax(models.forward(params, TINY, b.tokens, positions), -1)
-    for i in range(b.tokens.shape[0]):
-        p = int(b.prompt_lens[i])
-        for r in range(b.response_tokens.shape[1]):
-            want = full[i, p - 1 + r, b.response_tokens[i, r]]
-            if p - 1 + r < b.tokens.shape[1]:
-                np.testing.assert_allclose(logp[i, r], want, atol=1e-5)
+    prompts, members, responses, lengths, _, mask = _samples()
+    members[1] = members[1][:1]  # groups of different sizes
+    batch = pack_groups(prompts, members, responses, lengths, row_multiple=4, seq_multiple=8)
+    assert batch.tokens.shape[0] == 4 and batch.pred_index.shape[1] == bucket(3)
+    got = unpack(np.asarray(response_logprobs(params, TINY, batch, chunk=16)), members, responses.shape[0]) * mask
+    want = _unpacked_logprobs(params, prompts, members, responses, lengths)
+    np.testing.assert_allclose(got, want, atol=2e-5)
+    # Direct check of one row against a full-sequence forward pass.
+    tokens = np.array([prompts[0] + responses[0].tolist()], np.int32)
+    full = jax.nn.log_softmax(models.forward(params, TINY, tokens, np.arange(tokens.shape[1])[None]), -1)
+    p = len(prompts[0])
+    direct = [float(full[0, p - 1 + r, responses[0, r]]) for r in range(lengths[0])]
+    np.testing.assert_allclose(got[0, :lengths[0]], direct, atol=2e-5)
+
+
+def _batch(params, seed=0):
+    prompts, members, responses, lengths, adv, mask = _samples(seed=seed)
+    probe = pack_groups(prompts, members, responses, lengths, row_multiple=4)
+    old = unpack(np.asarray(make_logprob_fn(TINY)(params, probe)), members, responses.shape[0])
+    batch = pack_groups(prompts, members, responses, lengths, advantages=adv, old_logp=old, ref_logp=old,
+                        row_multiple=4)
+    return jax.tree_util.tree_map(jnp.asarray, batch), mask
 
 
 @pytest.mark.parametrize("algo", [
@@ -58,17 +73,16 @@ def test_response_logprobs_equal_full_forward():
 ])
 def test_micro_batches_equal_one_batch_and_loss_decreases(algo):
     params = models.init_params(TINY, jax.random.PRNGKey(1))
-    batch = _with_old_logp(params, _batch())
-    denom = aggregate_denominator(batch.mask, algo.agg)
+    batch, mask = _batch(params)
+    denom = aggregate_denominator(jnp.asarray(mask), algo.agg)
     # Plain SGD, so the parameter change is the gradient itself (Adam's first step is sign(g), which
     # magnifies float-rounding differences of near-zero gradients).
     opt = optax.sgd(1.0)
     results = []
-    for micro in (8, 2):
+    for micro in (4, 1):
         state = init_state(jax.tree_util.tree_map(jnp.copy, params), opt)
         step = make_train_step(TINY, algo, opt, micro_batch_size=micro)
-        state, metrics = step(state, batch, denom)
-        results.append((state, metrics))
+        results.append(step(state, batch, denom))
     (s1, m1), (s4, m4) = results
     np.testing.assert_allclose(m1["loss"], m4["loss"], rtol=1e-6, atol=1e-6)
     np.testing.assert_allclose(m1["grad_norm"], m4["grad_norm"], rtol=1e-5)
@@ -76,7 +90,7 @@ def test_micro_batches_equal_one_batch_and_loss_decreases(algo):
         np.testing.assert_allclose(a, b, atol=1e-6)
     # A second step on the same batch sees a lower loss: the update followed the gradient.
     adamw = make_optimizer(OptimSection(lr=1e-2, weight_decay=0.0))
-    step = make_train_step(TINY, algo, adamw, micro_batch_size=8)
+    step = make_train_step(TINY, algo, adamw, micro_batch_size=4)
     s1, m1 = step(init_state(params, adamw), batch, denom)
     assert int(s1.step) == 1 and float(m1["finite"]) == 1.0
     _, again = step(s1, batch, denom)
@@ -87,17 +101,17 @@ def test_non_finite_update_is_skipped_and_step_compiles_once():
     params = models.init_params(TINY, jax.random.PRNGKey(2))
     algo = AlgorithmSection()
     opt = make_optimizer(OptimSection(lr=1e-2))
-    step = make_train_step(TINY, algo, opt, micro_batch_size=4)
-    batch = _with_old_logp(params, _batch())
-    denom = aggregate_denominator(batch.mask, algo.agg)
+    step = make_train_step(TINY, algo, opt, micro_batch_size=2)
+    batch, mask = _batch(params)
+    denom = aggregate_denominator(jnp.asarray(mask), algo.agg)
     state = init_state(params, opt)
     before = jax.tree_util.tree_map(np.asarray, state.params)
-    bad = batch._replace(advantages=batch.advantages.at[0, 0].set(jnp.nan))
+    bad = batch._replace(advantages=batch.advantages.at[0, 0, 0].set(jnp.nan))
     state, metrics = step(state, bad, denom)
     assert float(metrics["finite"]) == 0.0 and int(state.step) == 0
     for a, b in zip(jax.tree_util.tree_leaves(before), jax.tree_util.tree_leaves(state.params)):
         np.testing.assert_array_equal(a, b)
     for seed in range(3):
-        state, metrics = step(state, _with_old_logp(state.params, _batch(seed=seed)), denom)
+        state, metrics = step(state, _batch(state.params, seed=0)[0], denom)
     assert int(state.step) == 3
     assert step._cache_size() == 1

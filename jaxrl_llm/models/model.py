@@ -129,16 +129,22 @@ def _embed(params: Params, config: ModelConfig, tokens: jax.Array) -> jax.Array:
 
 
 def hidden_states(params: Params, config: ModelConfig, tokens: jax.Array, positions: jax.Array,
-                  *, attention_mask: jax.Array | None = None) -> jax.Array:
+                  *, attention_mask: jax.Array | None = None, segment_ids: jax.Array | None = None) -> jax.Array:
     """Final-norm hidden states [B, T, D] of the pre-norm decoder (Llama / Qwen2 / Qwen3):
     x_0 = embed[tokens]; per layer x += Attn(RMSNorm(x)); x += SwiGLU(RMSNorm(x)); out = RMSNorm(x).
 
     Attention is causal by position: query i sees key j iff positions[j] <= positions[i] and
-    attention_mask[j] != 0 (when a mask is given). tokens, positions: int32 [B, T].
+    attention_mask[j] != 0 (when a mask is given) and, with `segment_ids`, segment[j] is segment[i] or
+    0. Packing several responses after one shared prompt (segment 0), each response restarting its
+    positions where the prompt ends, gives every response exactly the logits of its own unpacked row.
+    tokens, positions, segment_ids: int32 [B, T].
     """
     keep = positions[:, None, :] <= positions[:, :, None]  # [B, T(query), T(key)]
     if attention_mask is not None:
         keep = keep & (attention_mask[:, None, :] != 0)
+    if segment_ids is not None:
+        # Packed rows: a token sees its own segment and segment 0 (a shared prefix such as the prompt).
+        keep = keep & ((segment_ids[:, None, :] == segment_ids[:, :, None]) | (segment_ids[:, None, :] == 0))
 
     def layer(x, lp):
         h = rms_norm(x, lp["attn_norm"], config.rms_norm_eps)

@@ -95,7 +95,7 @@ class OptimSection:
     b2: float = 0.999
     mini_batches: int = 1  # optimizer updates per rollout batch and epoch
     epochs: int = 1
-    micro_batch_size: int = 16  # rows per forward/backward; gradients accumulate to the mini-batch
+    micro_batch_size: int = 4  # packed rows (prompts, each with its responses) per forward/backward
 
 
 @dataclass(frozen=True)

@@ -1,9 +1,9 @@
 """Log-probabilities and entropies of response tokens without a [B, T, V] logits tensor.
 
 The policy's log-prob of each response token needs a softmax over the whole vocabulary. Rather than
-materialise logits for every position, the trainer (1) runs the decoder once, (2) gathers the hidden
-states of response positions only, and (3) scans over vocabulary chunks with an online log-sum-exp, so
-peak memory holds one [B, R, chunk] block.
+materialise logits for every position, the trainer (1) runs the decoder once over packed rows, (2)
+gathers the hidden states that predict response tokens only, and (3) scans over vocabulary chunks with
+an online log-sum-exp, so peak memory holds one [B, R, chunk] block.
 """
 
 from __future__ import annotations
@@ -69,17 +69,29 @@ def chunked_logprobs(hidden: jax.Array, head: jax.Array, targets: jax.Array, *, 
     return logp
 
 
-def response_logprobs(params, config, tokens, prompt_lens, response_tokens, *, chunk: int = 8192,
-                      with_entropy: bool = False):
-    """Per-token log pi(y_r | x, y_<r) for each row's response.
+def response_logprobs(params, config, batch, *, chunk: int = 8192, with_entropy: bool = False):
+    """Per-token log pi(y_r | x, y_<r) [G, S, R] of the responses of a packed batch (`train.packing`).
 
-    tokens [B, T]: prompt followed by response, right-padded; prompt_lens [B]; response_tokens [B, R].
+    One decoder pass over the packed rows (segment-aware attention), then the hidden states that
+    predict each response token are gathered and scored against the vocabulary in chunks.
     """
+    hidden = models.hidden_states(params, config, batch.tokens, batch.positions, segment_ids=batch.segments)
+    rows, slots, resp_len = batch.pred_index.shape
+    hidden = jnp.take_along_axis(hidden, batch.pred_index.reshape(rows, slots * resp_len)[..., None], axis=1)
+    out = chunked_logprobs(hidden, output_matrix(params, config), batch.response_tokens.reshape(rows, -1),
+                           chunk=chunk, with_entropy=with_entropy)
+    if with_entropy:
+        return tuple(x.reshape(rows, slots, resp_len) for x in out)
+    return out.reshape(rows, slots, resp_len)
+
+
+def row_logprobs(params, config, tokens, prompt_lens, response_tokens, *, chunk: int = 8192):
+    """log pi of each response token [B, R] for unpacked rows: tokens [B, T] = prompt then response,
+    right-padded; prompt_lens [B]; response_tokens [B, R] (one sample per row, e.g. per-sample gradients)."""
     positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
     hidden = models.hidden_states(params, config, tokens, positions)
     hidden = gather_response_hidden(hidden, prompt_lens, response_tokens.shape[1])
-    return chunked_logprobs(hidden, output_matrix(params, config), response_tokens,
-                            chunk=chunk, with_entropy=with_entropy)
+    return chunked_logprobs(hidden, output_matrix(params, config), response_tokens, chunk=chunk)
 
 
 def output_matrix(params, config) -> jax.Array:

@@ -27,7 +27,8 @@ from jaxrl_llm.eval import evaluate
 from jaxrl_llm.train.algorithms import mixed_groups, needs_reference, sequence_advantages, token_advantages
 from jaxrl_llm.train.config import RunConfig
 from jaxrl_llm.train.gvm import gvm_rollouts
-from jaxrl_llm.train.rollouts import ScoredRollouts, all_rows_batch, build_train_batches, sample_and_score
+from jaxrl_llm.train.packing import unpack
+from jaxrl_llm.train.rollouts import ScoredRollouts, build_train_batches, packed_rollouts, sample_and_score
 from jaxrl_llm.train.setup import Run, setup_run
 from jaxrl_llm.train.state import learning_rate
 
@@ -194,9 +195,8 @@ def update_policy(run: Run, scored: ScoredRollouts, step: int) -> dict[str, Any]
 
 def token_logprobs(run: Run, params, scored: ScoredRollouts) -> np.ndarray:
     """Teacher-forced log-probs [R, N] of every sampled response under `params`."""
-    batch = all_rows_batch(scored, run.config.optim.micro_batch_size, run.tokenizer.pad_token_id)
-    logp = run.logprob_fn(params, batch.tokens, batch.prompt_lens, batch.response_tokens)
-    return np.asarray(logp)[:scored.num_samples] * scored.mask
+    batch, groups = packed_rollouts(scored, run.config.optim.micro_batch_size, run.tokenizer.pad_token_id)
+    return unpack(np.asarray(run.logprob_fn(params, batch)), groups, scored.num_samples) * scored.mask
 
 
 def evaluate_policy(run: Run, label: str, log) -> dict[str, Any]:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import jax
 import numpy as np
@@ -16,7 +16,7 @@ import numpy as np
 from jaxrl_llm import objectives
 from jaxrl_llm.sampling import generate
 from jaxrl_llm.train.config import AlgorithmSection, SamplingSection
-from jaxrl_llm.train.step import TrainBatch
+from jaxrl_llm.train.packing import TrainBatch, bucket, pack_groups, round_up
 
 
 @dataclasses.dataclass
@@ -116,62 +116,74 @@ def group_stats(scored: ScoredRollouts) -> dict[str, Any]:
     return {"drawn": drawn, "accepted": accepted}
 
 
-def pad_rows(n: int, multiple: int) -> int:
-    """Rows after padding: a multiple of `multiple` with a power-of-two number of multiples, so that
-    batches of varying size reuse a handful of compiled train steps."""
-    chunks = max(1, -(-n // multiple))
-    return multiple * (1 << (chunks - 1).bit_length())
+def prompt_groups(scored: ScoredRollouts) -> list[np.ndarray]:
+    """Sample indices of each prompt, in prompt order."""
+    return [np.flatnonzero(scored.prompt_index == g) for g in range(len(scored.records))]
 
 
 def build_train_batches(scored: ScoredRollouts, advantages: np.ndarray, old_logp: np.ndarray, ref_logp: np.ndarray,
                         algo: AlgorithmSection, *, mini_batches: int, micro_batch_size: int, pad_id: int,
                         rng: np.random.Generator, seq_multiple: int = 32) -> list[tuple[TrainBatch, float, int]]:
-    """Split the rows into `mini_batches` shuffled mini-batches -> [(TrainBatch, denom, real_rows)].
+    """Split the prompts into `mini_batches` shuffled mini-batches of packed rows (one row per prompt
+    holding its responses) -> [(TrainBatch, denom, samples)].
 
-    `denom` is the aggregation denominator of the whole mini-batch, computed before rows whose every
-    advantage is 0 are dropped (they add nothing to the policy gradient when KL and entropy terms are
-    off: RAFT's rejected samples, groups that all agree), so dropping them leaves the update exact.
+    `denom` is the aggregation denominator of the whole mini-batch, computed before samples whose every
+    advantage is 0 are dropped (they add nothing to the policy gradient when the KL and entropy terms
+    are off: RAFT's rejected samples, groups that all agree), so dropping them leaves the update exact.
     """
-    rows = rng.permutation(scored.num_samples)
-    out = []
+    groups = prompt_groups(scored)
     drop_zero = algo.kl_coef == 0 and algo.entropy_coef == 0
-    for part in np.array_split(rows, mini_batches):
-        if part.size == 0:
+    out = []
+    for part in np.array_split(rng.permutation(len(groups)), mini_batches):
+        members = [groups[g] for g in part]
+        samples = np.concatenate(members) if members else np.zeros(0, np.int64)
+        if samples.size == 0:
             continue
-        denom = float(objectives.aggregate_denominator(scored.mask[part], algo.agg))
+        denom = float(objectives.aggregate_denominator(scored.mask[samples], algo.agg))
         if drop_zero:
-            part = part[np.any(advantages[part] != 0, axis=1)]
-        if part.size == 0:
+            members = [m[np.any(advantages[m] != 0, axis=1)] for m in members]
+        kept = sum(len(m) for m in members)
+        if kept == 0:
             continue
-        out.append((_pack(scored, part, advantages, old_logp, ref_logp, micro_batch_size, pad_id, seq_multiple),
-                    denom, int(part.size)))
+        batch = pack_groups([scored.records[g]["prompt_ids"] for g in part], members, scored.tokens, scored.lengths,
+                            advantages=advantages, old_logp=old_logp, ref_logp=ref_logp, pad_id=pad_id,
+                            row_multiple=micro_batch_size, seq_multiple=seq_multiple)
+        out.append((batch, denom, kept))
     return out
 
 
-def _pack(scored: ScoredRollouts, rows: np.ndarray, advantages, old_logp, ref_logp, micro_batch_size: int,
-          pad_id: int, seq_multiple: int) -> TrainBatch:
-    n_pad = pad_rows(rows.size, micro_batch_size)
+def packed_rollouts(scored: ScoredRollouts, micro_batch_size: int, pad_id: int) -> tuple[TrainBatch, list[np.ndarray]]:
+    """Every sample packed by prompt (advantages and log-probs zero): the input of old/reference log-prob
+    passes. Returns the batch and the groups to `packing.unpack` its outputs with."""
+    groups = prompt_groups(scored)
+    batch = pack_groups([r["prompt_ids"] for r in scored.records], groups, scored.tokens, scored.lengths,
+                        pad_id=pad_id, row_multiple=micro_batch_size)
+    return batch, groups
+
+
+class RowBatch(NamedTuple):
+    """One sample per row, unpacked: what per-sample computations (GVM gradient norms) need."""
+
+    tokens: np.ndarray  # [B, T] int32: prompt then response, right-padded
+    prompt_lens: np.ndarray  # [B] int32
+    response_tokens: np.ndarray  # [B, R] int32
+    mask: np.ndarray  # [B, R] float32
+
+
+def all_rows_batch(scored: ScoredRollouts, row_multiple: int, pad_id: int, seq_multiple: int = 32) -> RowBatch:
+    """Every sample as its own row (prompt + response), rows padded to `bucket(., row_multiple)`."""
+    n = scored.num_samples
+    n_pad = bucket(n, row_multiple)
+    prompts = [scored.records[g]["prompt_ids"] for g in scored.prompt_index]
     resp_len = scored.tokens.shape[1]
-    prompts = [scored.records[scored.prompt_index[r]]["prompt_ids"] for r in rows]
-    seq_len = -(-(max(len(p) for p in prompts) + resp_len) // seq_multiple) * seq_multiple
-    tokens = np.full((n_pad, seq_len), pad_id, np.int32)
+    tokens = np.full((n_pad, round_up(max(len(p) for p in prompts) + resp_len, seq_multiple)), pad_id, np.int32)
     prompt_lens = np.ones(n_pad, np.int32)
-    for i, (r, prompt) in enumerate(zip(rows, prompts)):
+    for i, prompt in enumerate(prompts):
         tokens[i, :len(prompt)] = prompt
-        tokens[i, len(prompt):len(prompt) + resp_len] = scored.tokens[r]
+        tokens[i, len(prompt):len(prompt) + resp_len] = scored.tokens[i]
         prompt_lens[i] = len(prompt)
-
-    def take(x, dtype):
-        full = np.zeros((n_pad, *x.shape[1:]), dtype)
-        full[:rows.size] = x[rows]
-        return full
-
-    return TrainBatch(tokens=tokens, prompt_lens=prompt_lens, response_tokens=take(scored.tokens, np.int32),
-                      mask=take(scored.mask, np.float32), advantages=take(advantages, np.float32),
-                      old_logp=take(old_logp, np.float32), ref_logp=take(ref_logp, np.float32))
-
-
-def all_rows_batch(scored: ScoredRollouts, micro_batch_size: int, pad_id: int, seq_multiple: int = 32) -> TrainBatch:
-    """Every row packed (advantages and log-probs zero): the input of old/reference log-prob passes."""
-    zeros = np.zeros(scored.mask.shape, np.float32)
-    return _pack(scored, np.arange(scored.num_samples), zeros, zeros, zeros, micro_batch_size, pad_id, seq_multiple)
+    response_tokens = np.zeros((n_pad, resp_len), np.int32)
+    response_tokens[:n] = scored.tokens
+    mask = np.zeros((n_pad, resp_len), np.float32)
+    mask[:n] = scored.mask
+    return RowBatch(tokens, prompt_lens, response_tokens, mask)

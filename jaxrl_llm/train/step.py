@@ -19,23 +19,12 @@ import optax
 from jaxrl_llm import objectives
 from jaxrl_llm.train.config import AlgorithmSection
 from jaxrl_llm.train.logprobs import response_logprobs
+from jaxrl_llm.train.packing import TrainBatch
 from jaxrl_llm.train.state import TrainState
 
 
-class TrainBatch(NamedTuple):
-    """Rows of (prompt + response). Padding rows have mask 0 everywhere and change nothing."""
-
-    tokens: jax.Array  # [B, T] int32: prompt then response, right-padded
-    prompt_lens: jax.Array  # [B] int32
-    response_tokens: jax.Array  # [B, R] int32
-    mask: jax.Array  # [B, R] f32: 1 on generated tokens
-    advantages: jax.Array  # [B, R] f32 (sequence advantages broadcast over tokens, or PRL's per-token)
-    old_logp: jax.Array  # [B, R] f32: behaviour policy log-probs
-    ref_logp: jax.Array  # [B, R] f32: reference policy log-probs (zeros when KL is off)
-
-
 def split_micro(batch: TrainBatch, micro_batch_size: int) -> TrainBatch:
-    """[B, ...] -> [B / micro, micro, ...] for a scan over micro-batches."""
+    """[G, ...] -> [G / micro, micro, ...] for a scan over micro-batches of packed rows."""
     rows = batch.tokens.shape[0]
     if rows % micro_batch_size:
         raise ValueError(f"batch of {rows} rows is not a multiple of micro_batch_size={micro_batch_size}")
@@ -45,8 +34,12 @@ def split_micro(batch: TrainBatch, micro_batch_size: int) -> TrainBatch:
 
 def loss_fn(params, model_config, algo: AlgorithmSection, micro: TrainBatch, denom: jax.Array):
     """Loss of one micro-batch, normalised by the whole mini-batch's `denom`; returns (loss, metrics)."""
-    logp, entropy = response_logprobs(params, model_config, micro.tokens, micro.prompt_lens,
-                                      micro.response_tokens, with_entropy=True)
+    logp, entropy = response_logprobs(params, model_config, micro, with_entropy=True)
+    # Each response slot of a packed row is one sequence of the loss: [G, S, R] -> [G * S, R].
+    flat = lambda x: x.reshape(-1, x.shape[-1])  # noqa: E731
+    logp, entropy = flat(logp), flat(entropy)
+    micro = micro._replace(mask=flat(micro.mask), advantages=flat(micro.advantages), old_logp=flat(micro.old_logp),
+                           ref_logp=flat(micro.ref_logp))
     loss, pg_metrics = objectives.policy_loss(
         logp, micro.old_logp, micro.advantages, micro.mask, kind=algo.loss, clip_low=algo.clip_low,
         clip_high=algo.clip_high, dual_clip=algo.dual_clip, agg=algo.agg, max_len=algo.agg_max_len, denom=denom)
@@ -109,11 +102,11 @@ def make_train_step(model_config, algo: AlgorithmSection, optimizer: optax.Gradi
 
 
 def make_logprob_fn(model_config, *, param_sharding: Any = None, batch_sharding: Any = None):
-    """Jitted `(params, tokens, prompt_lens, response_tokens) -> logp [B, R]` (old and reference log-probs)."""
+    """Jitted `(params, batch) -> logp [G, S, R]` of a packed batch (old and reference log-probs)."""
 
-    def logprob(params, tokens, prompt_lens, response_tokens):
-        return response_logprobs(params, model_config, tokens, prompt_lens, response_tokens)
+    def logprob(params, batch):
+        return response_logprobs(params, model_config, batch)
 
     if param_sharding is None:
         return jax.jit(logprob)
-    return jax.jit(logprob, in_shardings=(param_sharding, batch_sharding, batch_sharding, batch_sharding))
+    return jax.jit(logprob, in_shardings=(param_sharding, batch_sharding))
