@@ -79,9 +79,10 @@ class AlgorithmSection:
     overlong_buffer: int = 0  # DAPO overlong penalty; 0 disables
     overlong_factor: float = 1.0
     prl_eta: float | None = None  # set to shape per-token advantages with PRL
-    # "recompute": old log-probs from a teacher-forced pass before the update; "sampler": the sampler's
-    # own log-probs (equal to 1e-5 in f32, and a forward pass cheaper when there is one update per batch).
-    old_logp: str = "recompute"
+    # "recompute": old log-probs from a teacher-forced pass before the first update; "sampler": the
+    # sampler's own (equal to 1e-5 in f32, and a forward pass cheaper); "auto": the sampler's when there is
+    # a single update per rollout batch (the ratio is then 1 either way), else recompute.
+    old_logp: str = "auto"
     prl_step_len: int | None = None
 
 
@@ -140,7 +141,7 @@ _ALLOWED = {
     ("algorithm", "kl_kind"): {"k1", "k2", "k3", "abs"},
     ("algorithm", "reward"): {"binary", "signed"},
     ("algorithm", "group_filter"): {"none", "mixed"},
-    ("algorithm", "old_logp"): {"recompute", "sampler"},
+    ("algorithm", "old_logp"): {"auto", "recompute", "sampler"},
     ("model", "param_dtype"): {"float32", "bfloat16"},
     ("model", "compute_dtype"): {"float32", "bfloat16"},
 }

@@ -172,7 +172,9 @@ def update_policy(run: Run, scored: ScoredRollouts, step: int) -> dict[str, Any]
     if scored.num_samples == 0:
         return {"finite": True, "updates": 0}
     seq_adv = sequence_advantages(algo, scored.rewards, scored.prompt_index, len(scored.records))
-    old_logp = scored.logprobs if algo.old_logp == "sampler" else token_logprobs(run, run.state.params, scored)
+    use_sampler = algo.old_logp == "sampler" or (
+        algo.old_logp == "auto" and cfg.optim.epochs * cfg.optim.mini_batches == 1)
+    old_logp = scored.logprobs if use_sampler else token_logprobs(run, run.state.params, scored)
     ref_logp = token_logprobs(run, run.ref_params, scored) if needs_reference(algo) else np.zeros_like(old_logp)
     advantages = token_advantages(algo, seq_adv, old_logp, ref_logp, scored.mask)
     rng = np.random.default_rng([cfg.train.seed, step])
@@ -200,21 +202,32 @@ def token_logprobs(run: Run, params, scored: ScoredRollouts) -> np.ndarray:
 
 
 def evaluate_policy(run: Run, label: str, log) -> dict[str, Any]:
-    """avg@k on the held-out set, with the standard error over problems."""
+    """avg@k on the held-out set, with its sampling noise (see `sampling_sd`)."""
     cfg = run.config
     metrics = evaluate(run.state.params, run.model_config, run.tokenizer, run.eval_records,
                        k=cfg.train.eval_samples, max_new_tokens=cfg.sampling.max_new_tokens,
                        temperature=cfg.train.eval_temperature, top_p=cfg.sampling.top_p, top_k=cfg.sampling.top_k,
                        template=cfg.data.prompt, seed=cfg.train.seed + 1000, return_samples=True, mesh=run.mesh)
-    per_problem = np.array([np.mean(s["correct"]) for s in metrics.pop("samples")])
+    correct = [s["correct"] for s in metrics.pop("samples")]
     k = cfg.train.eval_samples
-    result = {"accuracy": float(metrics[f"avg@{k}"]), "stderr": float(per_problem.std(ddof=1) / math.sqrt(
-        max(len(per_problem), 1))) if len(per_problem) > 1 else 0.0, **{
-        key: value for key, value in metrics.items() if isinstance(value, (int, float))}}
-    log(f"eval {label}: avg@{k} = {result['accuracy']:.3f} +/- {result['stderr']:.3f} over "
-        f"{len(per_problem)} problems, pass@{k} = {metrics[f'pass@{k}']:.3f}, format {metrics['format_rate']:.2f} "
+    result = {"accuracy": float(metrics[f"avg@{k}"]), "sampling_sd": sampling_sd(correct),
+              **{key: value for key, value in metrics.items() if isinstance(value, (int, float))}}
+    log(f"eval {label}: avg@{k} = {result['accuracy']:.3f} (sampling sd {result['sampling_sd']:.3f}) over "
+        f"{len(correct)} problems, pass@{k} = {metrics[f'pass@{k}']:.3f}, format {metrics['format_rate']:.2f} "
         f"({metrics['seconds']:.0f}s)")
     return result
+
+
+def sampling_sd(correct: list[list[float]]) -> float:
+    """Standard deviation of avg@k between two evaluations of the same model on the same problems:
+    sd^2 = (1 / N^2) sum_i p_i (1 - p_i) / k_i, with p_i(1 - p_i) estimated without bias as
+    c_i (k_i - c_i) / (k_i (k_i - 1)) from c_i correct of k_i samples."""
+    total = 0.0
+    for row in correct:
+        k, c = len(row), float(sum(row))
+        if k > 1:
+            total += c * (k - c) / (k * (k - 1)) / k
+    return math.sqrt(total) / max(len(correct), 1)
 
 
 def step_metrics(run: Run, scored: ScoredRollouts, round_info: dict, update: dict, books: dict, step: int,
@@ -278,8 +291,11 @@ def report(summary: dict, log) -> None:
     before, after = summary.get("eval_before"), summary.get("eval_after")
     if before and after:
         gain = after["accuracy"] - before["accuracy"]
-        noise = math.sqrt(before["stderr"] ** 2 + after["stderr"] ** 2)
-        log(f"held-out accuracy: {before['accuracy']:.3f} -> {after['accuracy']:.3f} "
-            f"(change {gain:+.3f}, {gain / noise if noise else float('inf'):.1f} standard errors)")
+        noise = math.sqrt(before["sampling_sd"] ** 2 + after["sampling_sd"] ** 2)
+        summary["improvement"] = gain
+        summary["improvement_in_noise_sd"] = gain / noise if noise else float("inf")
+        log(f"held-out accuracy: {before['accuracy']:.3f} -> {after['accuracy']:.3f} (change {gain:+.3f}; "
+            f"the noise between two evaluations of one model is {noise:.3f} sd, so this is "
+            f"{summary['improvement_in_noise_sd']:.1f} sd)")
     log(f"samples drawn: {summary.get('samples_drawn')}, prompts filtered: {summary.get('prompts_filtered')}; "
         f"policy exported to {summary.get('export_dir')}")
