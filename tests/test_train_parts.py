@@ -85,3 +85,72 @@ def test_metrics_jsonl_tensorboard_and_plot(tmp_path):
     (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 0}) + "\n{oops\n")
     with pytest.raises(ValueError, match=r"metrics.jsonl:2"):
         read_metrics(tmp_path)
+
+
+def test_sampling_sd_by_hand():
+    from jaxrl_llm.train.loop import sampling_sd
+
+    # Problem 1: 2 of 4 correct -> p(1-p) unbiased = 2*2/(4*3) = 1/3, / k = 1/12; problem 2: all correct -> 0.
+    assert sampling_sd([[1, 0, 1, 0], [1, 1, 1, 1]]) == pytest.approx(np.sqrt(1 / 12) / 2)
+    assert sampling_sd([[1], [0]]) == 0.0
+
+
+def _scored(rewards_by_group, resp=4):
+    from jaxrl_llm.train.rollouts import ScoredRollouts
+
+    prompt_index = np.concatenate([[g] * len(r) for g, r in enumerate(rewards_by_group)]).astype(np.int32)
+    n = prompt_index.size
+    rewards = np.concatenate(rewards_by_group).astype(np.float32)
+    lengths = np.arange(n) % resp + 1
+    mask = (np.arange(resp)[None] < lengths[:, None]).astype(np.float32)
+    records = [{"prompt_ids": [5] * (g + 2), "answer": "1"} for g in range(len(rewards_by_group))]
+    return ScoredRollouts(records=records, prompt_index=prompt_index, tokens=np.full((n, resp), 7, np.int32),
+                          mask=mask, logprobs=-mask, lengths=lengths.astype(np.int32), rewards=rewards,
+                          correct=rewards > 0)
+
+
+def test_train_batches_drop_zero_advantage_rows_but_keep_the_denominator():
+    from jaxrl_llm.train.config import AlgorithmSection
+    from jaxrl_llm.train.rollouts import build_train_batches
+
+    scored = _scored([[1, 0, 1], [0, 0], [1, 1]])
+    adv = np.where(scored.rewards[:, None] > 0, 1.0, 0.0) * scored.mask  # RAFT: rejected rows are 0
+    batches = build_train_batches(scored, adv, scored.logprobs, np.zeros_like(adv), AlgorithmSection(),
+                                  mini_batches=1, micro_batch_size=2, pad_id=0, rng=np.random.default_rng(0))
+    (batch, denom, kept), = batches
+    assert denom == scored.mask.sum()  # token-mean over every sample drawn, accepted or not
+    assert kept == 4 and batch.mask.sum() == scored.mask[scored.rewards > 0].sum()
+    assert batch.tokens.shape[0] == 2  # the all-rejected prompt packs no row
+    # With a KL term every row matters (its KL gradient), so nothing is dropped.
+    (_, _, kept_kl), = build_train_batches(scored, adv, scored.logprobs, np.zeros_like(adv),
+                                          AlgorithmSection(kl_coef=0.1), mini_batches=1, micro_batch_size=2,
+                                          pad_id=0, rng=np.random.default_rng(0))
+    assert kept_kl == 7
+
+
+def test_group_selection_and_concat_renumber_prompts():
+    from jaxrl_llm.train.rollouts import ScoredRollouts
+
+    scored = _scored([[1, 0], [0, 0], [1, 1]])
+    kept = scored.select_groups(np.array([True, False, True]))
+    assert [r["prompt_ids"] for r in kept.records] == [[5, 5], [5, 5, 5, 5]]
+    np.testing.assert_array_equal(kept.prompt_index, [0, 0, 1, 1])
+    both = ScoredRollouts.concat([kept, scored])
+    np.testing.assert_array_equal(both.prompt_index, [0, 0, 1, 1, 2, 2, 3, 3, 4, 4])
+    assert both.num_samples == 10 and len(both.records) == 5
+
+
+def test_reward_scorer_binary_signed_and_overlong():
+    from jaxrl_llm.train.config import AlgorithmSection, SamplingSection
+    from jaxrl_llm.train.rollouts import RewardScorer
+
+    texts, golds = ["so \\boxed{4}", "\\boxed{5}", "no answer"], ["4", "4", "4"]
+    correct, reward = RewardScorer(AlgorithmSection(), SamplingSection(), timeout=5, workers=0)(
+        texts, golds, np.array([3, 3, 3]))
+    np.testing.assert_array_equal(correct, [True, False, False])
+    np.testing.assert_array_equal(reward, [1, 0, 0])
+    signed = RewardScorer(AlgorithmSection(reward="signed", overlong_buffer=4), SamplingSection(max_new_tokens=10),
+                          timeout=5, workers=0)
+    _, reward = signed(texts, golds, np.array([6, 8, 10]))
+    # overlong: min(-(L - (10 - 4)) / 4, 0) = 0, -0.5, -1
+    np.testing.assert_allclose(reward, [1.0, -1.5, -2.0])
