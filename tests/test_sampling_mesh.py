@@ -31,7 +31,7 @@ SCRIPT = textwrap.dedent("""
                          "sampled": dict(temperature=0.8, top_k=8, top_p=0.9)}.items():
         single = generate(params, config, prompts, num_samples=counts, max_new_tokens=12, stop_ids=(5,),
                           rng=jax.random.key(3), **kwargs)
-        multi = generate(sharded, config, prompts, num_samples=counts, max_new_tokens=12, stop_ids=(5,),
+        multi = generate(params if name == "greedy" else sharded, config, prompts, num_samples=counts, max_new_tokens=12, stop_ids=(5,),
                          rng=jax.random.key(3), mesh=mesh, **kwargs)
         results[name] = dict(
             tokens_equal=bool(np.array_equal(single.tokens, multi.tokens)),

@@ -183,8 +183,8 @@ def generate(params, config: ModelConfig, prompts: Sequence[Sequence[int]], *, n
     filters are on. A stop token is part of the response (mask 1); positions after it have mask 0,
     token pad_id and logprob 0.
 
-    With `mesh`, rows are sharded over its ('data', 'fsdp') axes; params are used as given (shard
-    them with `jaxrl_llm.models.sharding.shard_params` first).
+    With `mesh`, rows are sharded over its ('data', 'fsdp') axes and params are placed by the model's
+    partition rules (`jaxrl_llm.models.sharding.shard_params`; a no-op when already placed so).
     """
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
@@ -198,7 +198,12 @@ def generate(params, config: ModelConfig, prompts: Sequence[Sequence[int]], *, n
     counts = _sample_counts(num_samples, len(prompt_arrays))
     if counts.sum() == 0:
         return _empty_rollout(max_new_tokens)
-    row_multiple = int(np.prod([mesh.shape[a] for a in row_axes(mesh)])) if mesh is not None else 1
+    row_multiple = 1
+    if mesh is not None:
+        from jaxrl_llm.models.sharding import shard_params
+
+        params = shard_params(params, mesh)
+        row_multiple = int(np.prod([mesh.shape[a] for a in row_axes(mesh)]))
     plan = make_plan(np.array([len(p) for p in prompt_arrays]), counts, max_new_tokens,
                      row_multiple=row_multiple, prefill_tokens_per_call=prefill_tokens_per_call)
     state, first_logits = prefill(params, config, prompt_arrays, plan, pad_id=pad_id, mesh=mesh)
