@@ -83,6 +83,9 @@ class PromptTemplate:
 PROMPT_PRESETS = {
     "reasoning": PromptTemplate(),
     "arithmetic-2shot": PromptTemplate(system=None, user_suffix="", fewshot=ARITHMETIC_EXEMPLARS),
+    # One more exemplar with a negative result, which the 2-shot prompt almost never gets right.
+    "arithmetic-3shot": PromptTemplate(system=None, user_suffix="",
+                                       fewshot=ARITHMETIC_EXEMPLARS + (("Calculate 2 - 7.", "2 - 7 = -5 \\boxed{-5}"),)),
     "raw": PromptTemplate(chat=False),
 }
 
