@@ -120,7 +120,17 @@ def complexity_problem(text: str) -> str | None:
     return None
 
 
+# Re-raise interval and how long to keep re-raising: library code with a bare `except:` (sympy's evalf
+# has some) can swallow one VerifierTimeout and carry on computing, so the limit fires again until the
+# block has really been left.
+_RETRY_INTERVAL = 0.05
+_RETRY_FOR = 5.0
+_deadline = [0.0]
+
+
 def _raise_timeout(signum, frame):  # noqa: ARG001 - signal handler signature
+    if time.monotonic() < _deadline[0]:
+        signal.setitimer(signal.ITIMER_REAL, _RETRY_INTERVAL)
     raise VerifierTimeout()
 
 
@@ -145,11 +155,14 @@ def time_limit(seconds: float | None) -> Iterator[None]:
     previous_handler = signal.signal(signal.SIGALRM, _raise_timeout)
     outer_remaining, _ = signal.setitimer(signal.ITIMER_REAL, 0)
     own = seconds if outer_remaining <= 0 else min(seconds, outer_remaining)
+    outer_deadline = _deadline[0]
+    _deadline[0] = started + own + _RETRY_FOR
     signal.setitimer(signal.ITIMER_REAL, own)
     try:
         yield
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
+        _deadline[0] = outer_deadline
         signal.signal(signal.SIGALRM, previous_handler)
         if outer_remaining > 0:
             left = outer_remaining - (time.monotonic() - started)
