@@ -17,6 +17,12 @@ from typing import Any
 import yaml
 
 
+# The defaults are the embedded demo (`jaxrl-llm train` with no arguments): GRPO without KL on the
+# bundled SmolLM2-135M-Instruct, 2-term 1-digit +/- problems with a 3-shot chat prompt, 20 steps of
+# 8 prompts x 8 samples, avg@4 on 100 held-out problems before and after. The presets in configs/
+# carry the papers' hyper-parameters instead.
+
+
 @dataclass(frozen=True)
 class ModelSection:
     source: str = "bundled"  # "bundled", an HF folder path, or a .gguf file path
@@ -31,7 +37,7 @@ class DataSection:
     # {kind: jsonl, path: train.jsonl, question: problem, answer: solution}.
     train: Any = "arithmetic"
     eval: Any = "arithmetic-heldout"
-    prompt: str = "arithmetic-2shot"  # a jaxrl_llm.data.PROMPT_PRESETS name
+    prompt: str = "arithmetic-3shot"  # a jaxrl_llm.data.PROMPT_PRESETS name
     max_prompt_tokens: int = 256  # longer prompts are dropped and counted, never truncated
     seed: int = 0
 
@@ -60,8 +66,8 @@ class SamplingSection:
 
 @dataclass(frozen=True)
 class AlgorithmSection:
-    name: str = "raftpp"
-    advantage: str = "raft"  # raft | grpo | drgrpo | rloo | reinforce_rej (objectives.ADVANTAGE_ESTIMATORS)
+    name: str = "grpo"
+    advantage: str = "grpo"  # raft | grpo | drgrpo | rloo | reinforce_rej (objectives.ADVANTAGE_ESTIMATORS)
     loss: str = "clip"  # clip (PPO / RAFT++ surrogate) | vanilla (-A log pi, plain RAFT)
     clip_low: float = 0.2
     clip_high: float = 0.2

@@ -53,6 +53,7 @@ def _train(run: Run, resume: bool, log) -> dict[str, Any]:
         log(f"resumed from step {start} in {run.checkpointer.directory}")
     if "eval_before" not in books["summary"] and cfg.train.eval_problems:
         books["summary"]["eval_before"] = evaluate_policy(run, "before training", log)
+        run.metrics.write(0, {"eval_accuracy": books["summary"]["eval_before"]["accuracy"]})
     bad_streak = 0
     with preemption_guard() as preempted, tqdm(total=cfg.train.steps, initial=start, desc="RL steps",
                                                 dynamic_ncols=True, disable=jax.process_index() != 0) as bar:
@@ -94,6 +95,7 @@ def _train(run: Run, resume: bool, log) -> dict[str, Any]:
     summary = books["summary"]
     if cfg.train.eval_problems:
         summary["eval_after"] = evaluate_policy(run, "after training", log)
+        run.metrics.write(cfg.train.steps, {"eval_accuracy": summary["eval_after"]["accuracy"]})
     save(run, cfg.train.steps, books, summary.get("eval_after", {}).get("accuracy"))
     export_dir = run.out_dir / "final"
     models.save_hf(export_dir, run.model_config, run.state.params, tokenizer=run.tokenizer)
