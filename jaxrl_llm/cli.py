@@ -179,7 +179,7 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.run(args)
-    except (FileNotFoundError, ValueError, KeyError) as err:
+    except (FileNotFoundError, FileExistsError, ValueError, KeyError) as err:
         print(f"jaxrl-llm {args.command}: error: {err}", file=sys.stderr)
         return 2
 

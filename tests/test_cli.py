@@ -101,6 +101,8 @@ def test_train_and_eval_and_plot_commands(converted, tmp_path, capsys):
     out = capsys.readouterr().out
     assert "eval before training: avg@1" in out and "eval after training: avg@1" in out
     assert (run_dir / "final" / "model.safetensors").is_file() and (run_dir / "metrics.jsonl").is_file()
+    assert main(["train", *overrides]) == 2  # a second fresh run would mix with the first one's checkpoints
+    assert "already holds checkpoints" in capsys.readouterr().err
     assert main(["plot", str(run_dir)]) == 0
     assert (run_dir / "curves.png").read_bytes()[:4] == b"\x89PNG"
     assert main(["eval", "--model", str(converted), "--benchmarks", "arithmetic-heldout", "--limit", "3", "-k", "2",

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import pathlib
 import signal
 import time
 from typing import Any
@@ -39,6 +40,10 @@ class NonFiniteError(RuntimeError):
 
 def train(config: RunConfig, *, resume: bool = False, policy=None, log=print) -> dict[str, Any]:
     """Run RL training as configured; returns the summary (evaluations before/after, counters, status)."""
+    checkpoints = pathlib.Path(config.train.out_dir) / "checkpoints"
+    if not resume and checkpoints.is_dir() and any(p.name.isdigit() for p in checkpoints.iterdir()):
+        raise FileExistsError(f"{config.train.out_dir} already holds checkpoints of a run: pass --resume to continue "
+                              f"it, or set train.out_dir to a new directory")
     run = setup_run(config, policy=policy)
     try:
         return _train(run, resume, log)
