@@ -298,14 +298,25 @@ def test_bundled_quantized_blocks_match_numpy_decoders(bundled_reference):
 @pytest.mark.slow
 def test_bundled_greedy_continuation_matches_transformers(bundled_reference):
     torch = pytest.importorskip("torch")
-    from jaxrl_llm.cli import _generate
+    import jax
+
+    from jaxrl_llm.models import forward
     from jaxrl_llm.models.bundled import load_bundled
 
     _, model = bundled_reference
     config, params, tokenizer = load_bundled()
     prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Explain why the sky is blue in one sentence."}])
     prompt_ids = tokenizer.encode(prompt)
-    ours, _ = _generate(params, config, prompt_ids, max_new_tokens=20, stop_ids=(tokenizer.eos_token_id,))
+    # Greedy by full forward passes (no cache, no sampler): this checks the imported weights alone.
+    full_forward = jax.jit(forward, static_argnums=1)
+    width = len(prompt_ids) + 20
+    seq = list(prompt_ids)
+    while len(seq) < width and (len(seq) == len(prompt_ids) or seq[-1] != tokenizer.eos_token_id):
+        padded = np.zeros((1, width), np.int32)
+        padded[0, :len(seq)] = seq
+        logits = full_forward(params, config, padded, np.arange(width, dtype=np.int32)[None])
+        seq.append(int(np.argmax(np.asarray(logits)[0, len(seq) - 1])))
+    ours = seq[len(prompt_ids):]
     with torch.no_grad():
         out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=20, do_sample=False,
                              eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
