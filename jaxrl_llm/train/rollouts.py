@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any, NamedTuple, Sequence
+from typing import NamedTuple, Sequence
 
 import jax
 import numpy as np
@@ -106,14 +106,6 @@ class RewardScorer:
     def close(self) -> None:
         if self.pool is not None:
             self.pool.close()
-
-
-def group_stats(scored: ScoredRollouts) -> dict[str, Any]:
-    """Per-prompt acceptance counts, for logging and for filters."""
-    n = len(scored.records)
-    drawn = np.bincount(scored.prompt_index, minlength=n)
-    accepted = np.bincount(scored.prompt_index, weights=scored.correct.astype(np.float64), minlength=n)
-    return {"drawn": drawn, "accepted": accepted}
 
 
 def prompt_groups(scored: ScoredRollouts) -> list[np.ndarray]:
