@@ -21,41 +21,51 @@ import yaml
 # bundled SmolLM2-135M-Instruct, 2-term 1-digit +/- problems with a 3-shot chat prompt, 20 steps of
 # 8 prompts x 8 samples, avg@4 on 100 held-out problems before and after. The presets in configs/
 # carry the papers' hyper-parameters instead.
+#
+# Documentation convention: a section's docstring and each field's comment (the `#` lines directly above
+# it plus its trailing `#` comment) are its documentation; scripts/gen_config_reference.py turns them into
+# docs/config_reference.md, and tests/test_docs.py fails when a field has none or the file is stale.
 
 
 @dataclass(frozen=True)
 class ModelSection:
+    """The policy: where its weights come from and the dtypes it is stored and computed in."""
+
     source: str = "bundled"  # "bundled", an HF folder path, or a .gguf file path
-    param_dtype: str = "float32"
-    compute_dtype: str = "float32"
-    remat: bool = False
+    param_dtype: str = "float32"  # dtype of the stored parameters: float32 or bfloat16
+    compute_dtype: str = "float32"  # dtype of activations and matmuls in the forward pass
+    remat: bool = False  # rematerialise each layer's activations in the backward pass (less memory, more compute)
 
 
 @dataclass(frozen=True)
 class DataSection:
+    """Training prompts, held-out evaluation problems and the prompt template."""
+
     # A `jaxrl_llm.data.load_records` spec: a task or benchmark name, a file path, or a mapping such as
     # {kind: jsonl, path: train.jsonl, question: problem, answer: solution}.
     train: Any = "arithmetic"
-    eval: Any = "arithmetic-heldout"
+    eval: Any = "arithmetic-heldout"  # the held-out set, in the same forms as `train`
     prompt: str = "arithmetic-3shot"  # a jaxrl_llm.data.PROMPT_PRESETS name
     max_prompt_tokens: int = 256  # longer prompts are dropped and counted, never truncated
-    seed: int = 0
+    seed: int = 0  # shuffling seed of the training prompts
 
 
 @dataclass(frozen=True)
 class SamplingSection:
-    prompts_per_step: int = 8
-    samples_per_prompt: int = 8
-    max_new_tokens: int = 24
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
+    """How rollouts are drawn each step: batch shape, decoding, and the sample allocation (uniform or GVM)."""
+
+    prompts_per_step: int = 8  # prompts (groups) drawn per training step
+    samples_per_prompt: int = 8  # responses per prompt with uniform allocation (the group size)
+    max_new_tokens: int = 24  # generation budget per response, in tokens
+    temperature: float = 1.0  # sampling temperature; 0 is greedy
+    top_p: float = 1.0  # nucleus sampling mass; 1.0 disables it
+    top_k: int = 0  # keep only the k most likely tokens; 0 disables it
     allocation: str = "uniform"  # "uniform" or "gvm" (GVM dynamic allocation, jaxrl_llm/train/gvm.py)
     # GVM: stage 1 draws N' samples per prompt to estimate p_i and G_i; stage 2 spends prompts x N''.
     gvm_stage1_samples: int = 8  # N'
     gvm_samples_per_prompt: int = 8  # N'': stage-2 budget per prompt (samples_per_prompt is unused with gvm)
-    gvm_alpha: float = 1e-3
-    gvm_beta: float = 2.0
+    gvm_alpha: float = 1e-3  # alpha in w_i = G_i / sqrt(p_i + alpha / p_i^(beta - 1))
+    gvm_beta: float = 2.0  # beta in the same rule
     gvm_filter_threshold: float = 1.0  # zero weight where p_i > threshold; 1.0 keeps every prompt
     gvm_filter_insufficient: float = 0.0  # zero weight where p_i w_i budget < this; 0 keeps every prompt
     gvm_max_samples: int = 0  # cap on n_i, the excess goes to uncapped prompts; 0: no cap
@@ -66,58 +76,64 @@ class SamplingSection:
 
 @dataclass(frozen=True)
 class AlgorithmSection:
-    name: str = "grpo"
+    """The RL algorithm as data: advantage estimator, policy loss, clipping, KL, filters and reward shaping."""
+
+    name: str = "grpo"  # a label for logs and run summaries; behaviour comes from the keys below
     advantage: str = "grpo"  # raft | grpo | drgrpo | rloo | reinforce_rej (objectives.ADVANTAGE_ESTIMATORS)
     loss: str = "clip"  # clip (PPO / RAFT++ surrogate) | vanilla (-A log pi, plain RAFT)
-    clip_low: float = 0.2
-    clip_high: float = 0.2
-    dual_clip: float | None = None
-    agg: str = "token-mean"
+    clip_low: float = 0.2  # the ratio is clipped below at 1 - clip_low
+    clip_high: float = 0.2  # the ratio is clipped above at 1 + clip_high (DAPO: 0.28)
+    dual_clip: float | None = None  # c > 1 bounds the loss of negative-advantage tokens at -A c; null disables
+    agg: str = "token-mean"  # how per-token losses reduce to a scalar (objectives.aggregate)
     agg_max_len: int | None = None  # constant length for seq-mean-token-sum-norm (Dr.GRPO)
-    kl_coef: float = 0.0
-    kl_kind: str = "k3"
-    entropy_coef: float = 0.0
+    kl_coef: float = 0.0  # weight of the KL penalty to the reference policy; 0 keeps no reference model
+    kl_kind: str = "k3"  # the KL estimator (objectives.kl_penalty)
+    entropy_coef: float = 0.0  # weight of the entropy bonus (subtracted from the loss)
     reward: str = "binary"  # binary {0, 1} | signed {-1, +1}
-    format_reward: float = 0.0
+    format_reward: float = 0.0  # weight of a bonus for responses with an extractable final answer; 0 disables
     group_filter: str = "none"  # none | mixed (drop groups whose rewards all agree)
     dynamic_sampling: bool = False  # DAPO: resample until enough mixed groups
-    max_sampling_rounds: int = 3
+    max_sampling_rounds: int = 3  # bound on DAPO's generation rounds per step
     overlong_buffer: int = 0  # DAPO overlong penalty; 0 disables
-    overlong_factor: float = 1.0
+    overlong_factor: float = 1.0  # the overlong penalty at max_new_tokens
     prl_eta: float | None = None  # set to shape per-token advantages with PRL
     # "recompute": old log-probs from a teacher-forced pass before the first update; "sampler": the
     # sampler's own (equal to 1e-5 in f32, and a forward pass cheaper); "auto": the sampler's when there is
     # a single update per rollout batch (the ratio is then 1 either way), else recompute.
     old_logp: str = "auto"
-    prl_step_len: int | None = None
+    prl_step_len: int | None = None  # PRL step length in response tokens; null: a step per token
 
 
 @dataclass(frozen=True)
 class OptimSection:
-    lr: float = 1e-5
-    warmup_steps: int = 0
-    weight_decay: float = 0.01
-    grad_clip: float = 1.0
-    b1: float = 0.9
-    b2: float = 0.999
+    """AdamW, the learning-rate schedule, and how a rollout batch is split into updates."""
+
+    lr: float = 1e-5  # peak learning rate
+    warmup_steps: int = 0  # linear warmup from 0, in optimizer updates
+    weight_decay: float = 0.01  # AdamW decoupled weight decay
+    grad_clip: float = 1.0  # global gradient-norm clip
+    b1: float = 0.9  # AdamW beta1
+    b2: float = 0.999  # AdamW beta2
     mini_batches: int = 1  # optimizer updates per rollout batch and epoch
-    epochs: int = 1
+    epochs: int = 1  # passes over each rollout batch
     micro_batch_size: int = 4  # packed rows (prompts, each with its responses) per forward/backward
 
 
 @dataclass(frozen=True)
 class TrainSection:
-    steps: int = 20
-    seed: int = 0
+    """Run length, evaluation, checkpoints, the output directory, the verifier and the device mesh."""
+
+    steps: int = 20  # RL steps (one rollout batch each)
+    seed: int = 0  # seed of sampling and of the mini-batch shuffles
     eval_every: int = 0  # 0: only before and after training
-    eval_problems: int = 100
-    eval_samples: int = 4
-    eval_temperature: float = 1.0
-    save_every: int = 10
-    keep_checkpoints: int = 2
-    out_dir: str = "runs/default"
+    eval_problems: int = 100  # held-out problems per evaluation (0 skips evaluation)
+    eval_samples: int = 4  # samples per problem: the k of the reported avg@k
+    eval_temperature: float = 1.0  # sampling temperature of evaluations
+    save_every: int = 10  # checkpoint every k steps (0: only at the end and at evaluations)
+    keep_checkpoints: int = 2  # most recent checkpoints kept (the best by held-out accuracy is kept too)
+    out_dir: str = "runs/default"  # run directory: metrics.jsonl, TensorBoard, checkpoints, final/
     max_bad_steps: int = 3  # consecutive non-finite updates before the run stops
-    verifier_timeout: float = 5.0
+    verifier_timeout: float = 5.0  # seconds allowed to check one answer
     verifier_workers: int = 0  # 0: score in-process (with timeouts); >0: process pool
     mesh: str = ""  # e.g. "data=2,fsdp=2,tensor=2"; empty: one device
 
