@@ -6,6 +6,7 @@
     jaxrl-llm convert out_dir [--gguf model.gguf]         # GGUF -> HF folder (config, safetensors, tokenizer)
     jaxrl-llm train                                       # the embedded RL demo on the bundled model
     jaxrl-llm train --config configs/grpo.yaml optim.lr=1e-5 train.steps=50 [--resume]
+    jaxrl-llm train --distributed --config ...            # one process per host (TPU pod, SLURM): docs/launch.md
     jaxrl-llm eval --benchmarks arithmetic-heldout gsm8k-100 -k 8
     jaxrl-llm plot runs/default                           # PNG curves of a run
 """
@@ -13,6 +14,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
@@ -92,10 +94,38 @@ def _cmd_convert(args) -> int:
     return 0
 
 
+DISTRIBUTED_ENV = "JAXRL_DISTRIBUTED"
+
+
+def init_distributed() -> tuple[int, int]:
+    """Join the multi-controller runtime: `jax.distributed.initialize()`, before any JAX computation.
+
+    On a Cloud TPU VM slice and under SLURM (srun) JAX finds the coordinator, the process count and this
+    process's id by itself. Elsewhere set JAX_COORDINATOR_ADDRESS (host:port of process 0, read by JAX),
+    JAX_NUM_PROCESSES and JAX_PROCESS_ID; explicit values also override the detection. A no-op when
+    already initialised. Returns (process_index, process_count).
+    """
+    import jax
+
+    if not jax.distributed.is_initialized():
+        kwargs = {}
+        for env, key in (("JAX_NUM_PROCESSES", "num_processes"), ("JAX_PROCESS_ID", "process_id")):
+            value = os.environ.get(env, "").strip()
+            if value:
+                if not value.isdigit():
+                    raise ValueError(f"environment variable {env} must be a non-negative integer, got {value!r}")
+                kwargs[key] = int(value)
+        jax.distributed.initialize(**kwargs)
+    return jax.process_index(), jax.process_count()
+
+
 def _cmd_train(args) -> int:
     from jaxrl_llm.train import load_config
     from jaxrl_llm.train.loop import train
 
+    if args.distributed or os.environ.get(DISTRIBUTED_ENV, "0") not in ("", "0"):
+        index, count = init_distributed()
+        _say(f"jax.distributed: process {index} of {count}")
     config = load_config(args.config, args.overrides)
     _say(f"jaxrl-llm train: algorithm {config.algorithm.name}, model {config.model.source}, "
          f"{config.train.steps} steps of {config.sampling.prompts_per_step} prompts x "
@@ -155,6 +185,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="RL training from a YAML preset (configs/) and section.key=value overrides.")
     train.add_argument("--config", metavar="YAML", default=None, help="a preset such as configs/grpo.yaml")
     train.add_argument("--resume", action="store_true", help="continue from the run directory's latest checkpoint")
+    train.add_argument("--distributed", action="store_true",
+                       help=f"call jax.distributed.initialize() first: one process per host (also when "
+                            f"{DISTRIBUTED_ENV}=1); see docs/launch.md")
     train.add_argument("overrides", nargs="*", metavar="section.key=value")
     train.set_defaults(run=_cmd_train)
     evaluation = commands.add_parser("eval", help="avg@k / pass@k / maj@k of a model on benchmark sets")

@@ -1,0 +1,258 @@
+"""Per-device memory estimate of a training run, from its config alone (no devices, no arrays).
+
+Every term counts what jaxrl_llm itself allocates, per device of a `data x fsdp x tensor` mesh
+(c = bytes of model.compute_dtype, p = bytes of model.param_dtype):
+
+  params      sum over parameter leaves of size / (mesh axes the sharding rules split it over) x p
+              (`models.sharding.partition_rules`; an axis that does not divide a dimension replicates it)
+  optimizer   AdamW first and second moments, kept by optax in the parameters' dtype: 2 x params
+  reference   a frozen copy of params when the KL term or PRL shaping needs a reference policy
+  train step  gradients: the f32 accumulator of the micro-batch scan + one micro-batch gradient in p;
+              activations of one micro-batch of packed rows (one prompt + n responses per row):
+                per layer and token  (4 D + 2 q + 3 kv + 4 F) x c   (norm inputs/outputs, q/k/v before and
+                                     after RoPE, attention output, residuals, gate/up/silu/product)
+                per layer, attention rows x H_t x L^2 x (4 + c)     (f32 softmax, probs in c: the scores are
+                                     materialised, there is no flash attention)
+                without remat every layer keeps both; with remat (jax.checkpoint per layer) only the layer
+                input rows x L x D x c is kept per layer and one layer is recomputed at a time;
+                plus one layer's f32 score gradient rows x H_t x L^2 x 4 and the bool mask rows x L^2;
+              log-prob residuals: the vocabulary-chunk scan of `train.logprobs.chunked_logprobs` keeps the
+                f32 logits and exp(logits) of every chunk for the backward pass:
+                rows x (n R) x V_pad x 8, V_pad = V rounded up to the chunk (8192)
+  sampling    KV cache of every sampled row (the sampler draws all of a step's rows in one call):
+              layers x rows x (P_bucket + R_bucket) x kv_heads x head_dim x 2 x c, rows split over
+              data x fsdp; plus two [rows, V] f32 logits buffers
+  gvm norms   (GVM only) per-sample gradients of the subset (default the embedding) for `micro_batch_size`
+              unpacked rows at a time, in p, with those rows' activations and log-prob residuals
+              (taken as not split over the batch axes)
+
+  peak = params + optimizer + reference + max(train step, sampling, gvm norms)
+
+H_t = heads / tensor when tensor divides the heads, else all heads. Rows per device = ceil(rows /
+(data x fsdp)). Lengths are the worst case: every response reaches max_new_tokens (set
+`response_fill` below 1 for an average fill). XLA's temporaries and fragmentation are not counted:
+leave ~10-20% of HBM free.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import pathlib
+import re
+from typing import Any
+
+from jaxrl_llm.models.config import ModelConfig
+from jaxrl_llm.models.model import param_shapes
+from jaxrl_llm.models.sharding import MESH_AXES, partition_rules
+from jaxrl_llm.sampling.buckets import bucket_size, round_up
+from jaxrl_llm.train.algorithms import needs_reference
+from jaxrl_llm.train.config import RunConfig
+
+GIB = 1024 ** 3
+_BYTES = {"float32": 4, "bfloat16": 2}
+LOGPROB_CHUNK = 8192  # vocabulary chunk of train.logprobs.chunked_logprobs
+ROW_SEQ_MULTIPLE = 32  # packed rows are padded to a multiple of this (train.packing.pack_groups)
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """An accelerator slice: devices JAX sees and HBM per device."""
+
+    name: str
+    devices: int
+    hbm_bytes: int
+    note: str
+
+
+# A v4 chip (two TensorCores as one megacore device) has 32 GiB HBM; v4-32 = 32 TensorCores = 16 chips.
+# A v5e chip has 16 GiB HBM; v5litepod-64 = 64 chips. An H100 SXM has 80 GB (81,559 MiB seen by CUDA).
+TARGETS = {
+    "v4-32": Target("v4-32", 16, 32 * GIB, "16 chips x 32 GiB HBM, 4 hosts"),
+    "v5e-64": Target("v5e-64", 64, 16 * GIB, "64 chips x 16 GiB HBM, 16 hosts"),
+    "8xH100": Target("8xH100", 8, 81559 * 1024 ** 2, "8 GPUs x 80 GB HBM3, 1 node"),
+}
+
+# The paper models' transformers config.json values (Qwen/Qwen2.5-Math-1.5B and -7B on the HF Hub).
+KNOWN_MODELS = {
+    "qwen2.5-math-1.5b": ModelConfig(
+        model_type="qwen2", vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_layers=28,
+        num_heads=12, num_kv_heads=2, head_dim=128, rope_theta=10000.0, tie_word_embeddings=True,
+        attention_bias=True, max_position_embeddings=4096, rms_norm_eps=1e-6),
+    "qwen2.5-math-7b": ModelConfig(
+        model_type="qwen2", vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_layers=28,
+        num_heads=28, num_kv_heads=4, head_dim=128, rope_theta=10000.0, tie_word_embeddings=False,
+        attention_bias=True, max_position_embeddings=4096, rms_norm_eps=1e-6),
+}
+
+
+def model_config_for(source: str) -> ModelConfig:
+    """The ModelConfig of `model.source`: its config.json when it is an HF folder, else the entry of
+    KNOWN_MODELS whose name is the folder's basename (case-insensitive), e.g. ~/models/Qwen2.5-Math-1.5B."""
+    path = pathlib.Path(source).expanduser()
+    if (path / "config.json").is_file():
+        return ModelConfig.from_hf_dict(json.loads((path / "config.json").read_text()))
+    key = path.name.lower()
+    if key not in KNOWN_MODELS:
+        raise ValueError(f"model.source {source!r}: no config.json there and {path.name!r} is not a known model "
+                         f"({', '.join(sorted(KNOWN_MODELS))}); pass an HF folder")
+    return KNOWN_MODELS[key]
+
+
+def parse_mesh(spec: str, devices: int) -> dict[str, int]:
+    """{"data", "fsdp", "tensor"} sizes from a `train.mesh` string for `devices` devices, with
+    `models.sharding.make_mesh`'s rules: missing axes are 1, one axis may be -1 (the rest), "" = all fsdp."""
+    sizes = {name: 1 for name in MESH_AXES}
+    if not spec.strip():
+        sizes["fsdp"] = -1
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        name, sep, value = part.partition("=")
+        if not sep or name.strip() not in sizes or not re.fullmatch(r"-?\d+", value.strip()):
+            raise ValueError(f"mesh spec {spec!r}: expected comma-separated axis=size with axes {MESH_AXES}")
+        sizes[name.strip()] = int(value)
+    free = [n for n, s in sizes.items() if s == -1]
+    if len(free) > 1:
+        raise ValueError(f"mesh spec {spec!r}: at most one axis may be -1")
+    fixed = math.prod(s for s in sizes.values() if s != -1)
+    if free:
+        sizes[free[0]] = devices // fixed if devices % fixed == 0 else 0
+    if any(s < 1 for s in sizes.values()) or math.prod(sizes.values()) != devices:
+        raise ValueError(f"mesh spec {spec!r} gives {sizes}, which do not multiply to {devices} devices")
+    return sizes
+
+
+def _leaf_paths(tree, prefix=()):
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            yield from _leaf_paths(value, prefix + (key,))
+        else:
+            yield "/".join(prefix + (key,)), value
+
+
+def sharded_param_elements(model_config: ModelConfig, mesh: dict[str, int]) -> tuple[int, int]:
+    """(total parameter count, elements held by one device) under the model's partition rules."""
+    rules = [(re.compile(pattern), spec) for pattern, spec in partition_rules(model_config)]
+    total = local = 0
+    for name, shape in _leaf_paths(param_shapes(model_config)):
+        spec = next(s for pattern, s in rules if pattern.search(name))
+        per_device = 1
+        for dim, axes in zip(shape, tuple(spec) + (None,) * (len(shape) - len(spec))):
+            names = (axes,) if isinstance(axes, str) else tuple(axes or ())
+            split = math.prod(mesh[n] for n in names)
+            per_device *= dim // split if names and dim % split == 0 else dim
+        total += math.prod(shape)
+        local += per_device
+    return total, local
+
+
+def _activation_bytes(mc: ModelConfig, rows: int, length: int, heads: int, c: int, remat: bool) -> int:
+    """Saved activations + one layer's working set for `rows` sequences of `length` tokens."""
+    q, kv = mc.num_heads * mc.head_dim, mc.num_kv_heads * mc.head_dim
+    per_layer_tokens = rows * length * (4 * mc.hidden_size + 2 * q + 3 * kv + 4 * mc.intermediate_size) * c
+    attention = rows * heads * length * length * (4 + c)
+    working = rows * heads * length * length * 4 + rows * length * length  # f32 score gradient + bool mask
+    if remat:
+        return mc.num_layers * rows * length * mc.hidden_size * c + per_layer_tokens + attention + working
+    return mc.num_layers * (per_layer_tokens + attention) + working
+
+
+def _logprob_residual_bytes(mc: ModelConfig, rows: int, response_tokens: int) -> int:
+    vocab_padded = round_up(mc.vocab_size, LOGPROB_CHUNK)
+    return rows * response_tokens * vocab_padded * 8
+
+
+def _subset_elements(mc: ModelConfig, subset: str) -> int:
+    shapes = dict(_leaf_paths(param_shapes(mc)))
+    total = 0
+    for name in filter(None, (n.strip().replace(".", "/") for n in subset.split(","))):
+        if name not in shapes:
+            raise ValueError(f"sampling.gvm_param_subset names {name!r}, not a parameter ({', '.join(shapes)})")
+        total += math.prod(shapes[name])
+    return total
+
+
+def estimate_memory(config: RunConfig, model_config: ModelConfig, mesh: dict[str, int] | str = "", *,
+                    devices: int | None = None, remat: bool | None = None, response_fill: float = 1.0) -> dict[str, Any]:
+    """Bytes per device of `config` on a mesh (a {"data", "fsdp", "tensor"} dict, or a `train.mesh`
+    string resolved for `devices`); see the module docstring for each term.
+
+    `remat` overrides model.remat; `response_fill` scales the response length (1.0: every response
+    reaches sampling.max_new_tokens). Returns a dict of byte counts (params, optimizer, reference, gradients,
+    activations, logprob_residuals, train_step, kv_cache, sampling, gvm_norms, peak) plus param_count,
+    row_length (packed training row) and sample_rows (rows drawn in one sampler call).
+    """
+    if isinstance(mesh, str):
+        if devices is None:
+            raise ValueError("estimate_memory: a mesh string needs `devices`")
+        mesh = parse_mesh(mesh, devices)
+    if set(mesh) != set(MESH_AXES) or any(int(v) < 1 for v in mesh.values()):
+        raise ValueError(f"mesh must give a size >= 1 for each of {MESH_AXES}, got {mesh}")
+    if not 0 < response_fill <= 1:
+        raise ValueError(f"response_fill must be in (0, 1], got {response_fill}")
+    mc, cfg = model_config, config
+    p, c = _BYTES[cfg.model.param_dtype], _BYTES[cfg.model.compute_dtype]
+    remat = cfg.model.remat if remat is None else remat
+    batch_split = mesh["data"] * mesh["fsdp"]
+    heads = mc.num_heads // mesh["tensor"] if mc.num_heads % mesh["tensor"] == 0 else mc.num_heads
+
+    count, local = sharded_param_elements(mc, mesh)
+    params = local * p
+    optimizer = 2 * local * p
+    reference = params if needs_reference(cfg.algorithm) else 0
+
+    gvm = cfg.sampling.allocation == "gvm"
+    responses_per_row = (cfg.sampling.gvm_max_samples or cfg.sampling.gvm_samples_per_prompt) if gvm \
+        else cfg.sampling.samples_per_prompt
+    response_len = max(1, int(math.ceil(cfg.sampling.max_new_tokens * response_fill)))
+    row_length = round_up(cfg.data.max_prompt_tokens + responses_per_row * response_len, ROW_SEQ_MULTIPLE)
+    rows = -(-cfg.optim.micro_batch_size // batch_split)
+    gradients = local * 4 + local * p
+    activations = _activation_bytes(mc, rows, row_length, heads, c, remat)
+    logprob = _logprob_residual_bytes(mc, rows, responses_per_row * response_len)
+    train_step = gradients + activations + logprob
+
+    samples = max(cfg.sampling.gvm_stage1_samples, cfg.sampling.gvm_samples_per_prompt) if gvm \
+        else cfg.sampling.samples_per_prompt
+    sample_rows = round_up(bucket_size(cfg.sampling.prompts_per_step * samples), batch_split)
+    local_rows = sample_rows // batch_split
+    cache_len = bucket_size(cfg.data.max_prompt_tokens, minimum=16) + bucket_size(cfg.sampling.max_new_tokens,
+                                                                                 minimum=16)
+    kv_cache = mc.num_layers * local_rows * cache_len * mc.num_kv_heads * mc.head_dim * 2 * c
+    sampling = kv_cache + 2 * local_rows * mc.vocab_size * 4
+
+    gvm_norms = 0
+    if gvm:
+        chunk_rows = cfg.optim.micro_batch_size
+        unpacked = round_up(cfg.data.max_prompt_tokens + response_len, ROW_SEQ_MULTIPLE)
+        gvm_norms = (chunk_rows * _subset_elements(mc, cfg.sampling.gvm_param_subset) * p
+                     + _activation_bytes(mc, chunk_rows, unpacked, heads, c, remat)
+                     + _logprob_residual_bytes(mc, chunk_rows, response_len))
+
+    resident = params + optimizer + reference
+    return {
+        "mesh": dict(mesh), "micro_batch_size": cfg.optim.micro_batch_size,
+        "param_count": count, "row_length": row_length, "sample_rows": sample_rows,
+        "params": params, "optimizer": optimizer, "reference": reference,
+        "gradients": gradients, "activations": activations, "logprob_residuals": logprob, "train_step": train_step,
+        "kv_cache": kv_cache, "sampling": sampling, "gvm_norms": gvm_norms,
+        "peak": resident + max(train_step, sampling, gvm_norms),
+    }
+
+
+def suggest_layout(config: RunConfig, model_config: ModelConfig, devices: int) -> tuple[dict[str, Any], dict[str, int]]:
+    """The `fsdp x tensor` layout (tensor a power of two dividing the devices, at most 8, and dividing the
+    heads) with one packed row per device and micro-batch (micro_batch_size = fsdp) of least estimated peak.
+    Returns (estimate, {"train.mesh": ..., "optim.micro_batch_size": ...} overrides)."""
+    best = None
+    tensor = 1
+    while tensor <= min(8, devices):
+        if devices % tensor == 0 and model_config.num_heads % tensor == 0:
+            fsdp = devices // tensor
+            cfg = dataclasses.replace(config, optim=dataclasses.replace(config.optim, micro_batch_size=fsdp))
+            est = estimate_memory(cfg, model_config, {"data": 1, "fsdp": fsdp, "tensor": tensor})
+            if best is None or est["peak"] < best[0]["peak"]:
+                mesh = f"fsdp={fsdp}" + (f",tensor={tensor}" if tensor > 1 else "")
+                best = (est, {"train.mesh": mesh, "optim.micro_batch_size": fsdp})
+        tensor *= 2
+    return best

@@ -1,0 +1,88 @@
+"""Per-device memory of the paper-scale presets on a v4-32, a v5e-64 and 8 x H100, from the configs alone.
+
+    python scripts/memory_estimate.py                                  # every configs/paper preset, all targets
+    python scripts/memory_estimate.py configs/paper/qwen2.5-math-7b_grpo.yaml --target v5e-64 optim.lr=2e-6
+    python scripts/memory_estimate.py --write docs/launch.md           # refresh the table in the guide
+
+For each preset and target the script picks the fsdp x tensor layout of least peak (one packed row per
+device per micro-batch) and prints the overrides that select it. The terms are those of
+`jaxrl_llm.train.memory.estimate_memory` (see its module docstring); sizes are GiB per device.
+"""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+import sys
+
+from jaxrl_llm.train import load_config
+from jaxrl_llm.train.memory import GIB, TARGETS, model_config_for, suggest_layout
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+START, END = "<!-- memory-table:start -->", "<!-- memory-table:end -->"
+_TRANSIENT = {"train_step": "train step", "sampling": "sampling", "gvm_norms": "GVM norms"}
+
+
+def _gib(n: int) -> str:
+    return f"{n / GIB:.1f}"
+
+
+def _largest_term(est: dict) -> str:
+    phase = max(_TRANSIENT, key=lambda k: est[k])
+    if phase == "train_step":
+        parts = {"attention/activations": est["activations"], "log-prob residuals": est["logprob_residuals"],
+                 "gradients": est["gradients"]}
+        return f"train step: {max(parts, key=parts.get)}"
+    if phase == "sampling":
+        return f"sampling: KV cache of {est['sample_rows']} rows"
+    return "GVM per-sample gradients"
+
+
+def table(presets: list[pathlib.Path], targets: list[str], overrides: list[str]) -> str:
+    lines = ["| preset | target | layout overrides | params + AdamW + ref | train step | sampling | GVM norms "
+             "| peak | HBM | fits | largest term |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for path in presets:
+        config = load_config(path, overrides)
+        model_config = model_config_for(config.model.source)
+        for name in targets:
+            target = TARGETS[name]
+            est, layout = suggest_layout(config, model_config, target.devices)
+            resident = est["params"] + est["optimizer"] + est["reference"]
+            fits = "yes" if est["peak"] <= 0.9 * target.hbm_bytes else "no"
+            lines.append(
+                f"| {path.stem} | {name} | `train.mesh={layout['train.mesh']} "
+                f"optim.micro_batch_size={layout['optim.micro_batch_size']}` | {_gib(resident)} "
+                f"| {_gib(est['train_step'])} | {_gib(est['sampling'])} | {_gib(est['gvm_norms'])} "
+                f"| {_gib(est['peak'])} | {_gib(target.hbm_bytes)} | {fits} | {_largest_term(est)} |")
+    return "\n".join(lines)
+
+
+def write_into(doc: pathlib.Path, text: str) -> None:
+    """Replace the text between the memory-table markers of `doc`."""
+    body = doc.read_text()
+    if START not in body or END not in body:
+        raise ValueError(f"{doc} has no {START} ... {END} markers")
+    head, _, rest = body.partition(START)
+    _, _, tail = rest.partition(END)
+    doc.write_text(f"{head}{START}\n{text}\n{END}{tail}")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("args", nargs="*", metavar="PRESET.yaml | section.key=value",
+                        help="presets (default: configs/paper/*.yaml) and overrides applied to each")
+    parser.add_argument("--target", action="append", choices=sorted(TARGETS), help="default: every target")
+    parser.add_argument("--write", metavar="DOC", help="also replace the table between the markers of DOC")
+    args = parser.parse_args(argv)
+    overrides = [a for a in args.args if "=" in a]
+    presets = [pathlib.Path(a) for a in args.args if "=" not in a] or sorted((ROOT / "configs/paper").glob("*.yaml"))
+    text = table(presets, args.target or list(TARGETS), overrides)
+    print(text)
+    if args.write:
+        write_into(pathlib.Path(args.write), text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,171 @@
+"""Memory estimate (jaxrl_llm.train.memory, scripts/memory_estimate.py): parameter counts against init_params
+and the published model sizes, per-device shards against a real sharded placement on 8 simulated devices,
+every term by hand on a tiny run, and the table in docs/launch.md against the script's output."""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import textwrap
+
+import jax
+import pytest
+
+from jaxrl_llm.models import ModelConfig, init_params
+from jaxrl_llm.train import load_config
+from jaxrl_llm.train.memory import (KNOWN_MODELS, estimate_memory, model_config_for, parse_mesh,
+                                    sharded_param_elements, suggest_layout)
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+import memory_estimate  # noqa: E402
+
+TINY = ModelConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_layers=2, num_heads=4,
+                   num_kv_heads=2, head_dim=4, tie_word_embeddings=True)
+# The tiny run of the hand computation: 2 prompts x 2 samples, prompts <= 8 tokens, 8 new tokens, f32.
+TINY_RUN = ["data.max_prompt_tokens=8", "sampling.max_new_tokens=8", "sampling.samples_per_prompt=2",
+            "sampling.prompts_per_step=2", "optim.micro_batch_size=2", "algorithm.kl_coef=0"]
+
+
+@pytest.mark.parametrize("config", [
+    TINY,
+    ModelConfig(vocab_size=61, hidden_size=24, intermediate_size=40, num_layers=3, num_heads=6, num_kv_heads=2,
+                head_dim=4, model_type="qwen2", attention_bias=True, tie_word_embeddings=False),
+    ModelConfig(vocab_size=50, hidden_size=16, intermediate_size=24, num_layers=1, num_heads=2, num_kv_heads=1,
+                head_dim=8, model_type="qwen3", qk_norm=True, attention_bias=True, attention_out_bias=True),
+], ids=["llama-tied", "qwen2-untied", "qwen3"])
+def test_param_count_equals_init_params(config):
+    params = init_params(config, jax.random.PRNGKey(0))
+    actual = sum(leaf.size for leaf in jax.tree_util.tree_leaves(params))
+    count, local = sharded_param_elements(config, {"data": 1, "fsdp": 1, "tensor": 1})
+    assert count == actual and local == actual
+
+
+def test_published_model_sizes():
+    # Hand count for Qwen2.5-1.5B: embed 151936 x 1536 (tied head) + 28 x (q/o 2 x 1536^2, k/v 2 x 1536 x 256,
+    # q/k/v biases 2048, gate/up/down 3 x 1536 x 8960, two norms 3072) + final norm 1536.
+    count_15, _ = sharded_param_elements(KNOWN_MODELS["qwen2.5-math-1.5b"], {"data": 1, "fsdp": 1, "tensor": 1})
+    assert count_15 == 151936 * 1536 + 28 * (2 * 1536 ** 2 + 2 * 1536 * 256 + 2048 + 3 * 1536 * 8960 + 3072) + 1536
+    assert count_15 == 1_543_714_304 and abs(count_15 / 1.54e9 - 1) < 0.01  # "1.54B" on the model card
+    count_7, _ = sharded_param_elements(KNOWN_MODELS["qwen2.5-math-7b"], {"data": 1, "fsdp": 1, "tensor": 1})
+    assert count_7 == 7_615_616_512  # "7.61B" on the Qwen2.5-7B model card (untied head)
+
+
+def test_shards_match_a_real_placement_on_8_devices():
+    """Per-device elements of shard_params on a simulated data=2, fsdp=2, tensor=2 mesh equal the estimate's
+    (vocab 61 is not divisible by tensor=2: that dimension replicates, in both)."""
+    code = """
+        import json, jax
+        from jaxrl_llm.models import ModelConfig, init_params
+        from jaxrl_llm.models.sharding import make_mesh, shard_params
+        from jaxrl_llm.train.memory import sharded_param_elements
+        config = ModelConfig(vocab_size=61, hidden_size=24, intermediate_size=40, num_layers=3, num_heads=6,
+                             num_kv_heads=3, head_dim=4, model_type="qwen2", attention_bias=True)
+        params = shard_params(init_params(config, jax.random.PRNGKey(0)), make_mesh("data=2,fsdp=2,tensor=2"))
+        local = [sum(l.addressable_shards[i].data.size for l in jax.tree_util.tree_leaves(params)) for i in range(8)]
+        print(json.dumps({"local": local, "estimate": sharded_param_elements(config, {"data": 2, "fsdp": 2, "tensor": 2})}))
+    """
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    out = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert set(result["local"]) == {result["estimate"][1]}
+    assert result["estimate"][1] < result["estimate"][0]
+
+
+def test_tiny_run_by_hand():
+    cfg = load_config(None, TINY_RUN + ["model.remat=false"])
+    est = estimate_memory(cfg, TINY, {"data": 1, "fsdp": 2, "tensor": 1})
+    # Per-device parameter elements with fsdp=2: embed [64, 16] split on dim 1 -> 512; q/o [2, 16, 16] -> 256
+    # each; k/v [2, 16, 8] -> 128 each; gate/up [2, 16, 32] and down [2, 32, 16] -> 512 each; the two norms
+    # [2, 16] and final_norm [16] replicate -> 80. Sum 2896 of 5712.
+    assert est["param_count"] == 5712
+    assert est["params"] == 2896 * 4 and est["optimizer"] == 2 * 2896 * 4 and est["reference"] == 0
+    assert est["gradients"] == 2896 * 4 + 2896 * 4
+    # Packed row: 8 prompt + 2 x 8 response tokens -> 32; one row per device (micro 2 over fsdp 2).
+    assert est["row_length"] == 32
+    per_layer_tokens = 32 * (4 * 16 + 2 * 16 + 3 * 8 + 4 * 32) * 4  # 31744
+    attention = 4 * 32 * 32 * (4 + 4)  # 32768
+    working = 4 * 32 * 32 * 4 + 32 * 32  # 17408
+    assert est["activations"] == 2 * (per_layer_tokens + attention) + working == 146432
+    assert est["logprob_residuals"] == 16 * 8192 * 8  # 16 response tokens x vocab padded to one chunk x 8 B
+    assert est["train_step"] == 23168 + 146432 + 1048576
+    # Sampler: 4 rows (2 per device), cache 16 + 16 slots, 2 layers, 2 kv heads x 4, k and v, f32.
+    assert est["sample_rows"] == 4
+    assert est["kv_cache"] == 2 * 2 * 32 * 2 * 4 * 2 * 4 == 8192
+    assert est["sampling"] == 8192 + 2 * 2 * 64 * 4
+    assert est["gvm_norms"] == 0
+    assert est["peak"] == 11584 + 23168 + est["train_step"] == 1_252_928
+
+    remat = estimate_memory(cfg, TINY, {"data": 1, "fsdp": 2, "tensor": 1}, remat=True)
+    assert remat["activations"] == 2 * 32 * 16 * 4 + per_layer_tokens + attention + working == 86016
+
+    with_kl = estimate_memory(load_config(None, TINY_RUN + ["algorithm.kl_coef=0.001"]), TINY,
+                              {"data": 1, "fsdp": 2, "tensor": 1})
+    assert with_kl["reference"] == 2896 * 4 and with_kl["peak"] == est["peak"] + 2896 * 4
+
+    bf16 = estimate_memory(load_config(None, TINY_RUN + ["model.compute_dtype=bfloat16"]), TINY,
+                           {"data": 1, "fsdp": 2, "tensor": 1})
+    assert bf16["kv_cache"] == 8192 // 2 and bf16["params"] == est["params"]
+
+
+def test_gvm_norms_and_tensor_split():
+    cfg = load_config(None, TINY_RUN + ["sampling.allocation=gvm", "sampling.gvm_stage1_samples=4",
+                                        "sampling.gvm_samples_per_prompt=2", "model.remat=true"])
+    est = estimate_memory(cfg, TINY, {"data": 1, "fsdp": 1, "tensor": 2})
+    # Stage 1 draws 2 prompts x N'=4 = 8 rows; GVM norms: 2 unpacked rows of 8 + 8 -> 32 tokens, embedding
+    # gradients 2 x 64 x 16 f32, heads split 2 ways by tensor=2.
+    assert est["sample_rows"] == 8
+    per_layer_tokens = 2 * 32 * 248 * 4
+    activations = 2 * 2 * 32 * 16 * 4 + per_layer_tokens + 2 * 2 * 32 * 32 * 8 + 2 * 2 * 32 * 32 * 4 + 2 * 32 * 32
+    assert est["gvm_norms"] == 2 * 64 * 16 * 4 + activations + 2 * 8 * 8192 * 8
+
+
+def test_parse_mesh_and_errors():
+    assert parse_mesh("", 8) == {"data": 1, "fsdp": 8, "tensor": 1}
+    assert parse_mesh("data=2,fsdp=-1,tensor=2", 16) == {"data": 2, "fsdp": 4, "tensor": 2}
+    with pytest.raises(ValueError, match="multiply to 8"):
+        parse_mesh("fsdp=3", 8)
+    with pytest.raises(ValueError, match="axis=size"):
+        parse_mesh("model=8", 8)
+    with pytest.raises(ValueError, match="needs `devices`"):
+        estimate_memory(load_config(None, TINY_RUN), TINY, "fsdp=2")
+    with pytest.raises(ValueError, match="response_fill"):
+        estimate_memory(load_config(None, TINY_RUN), TINY, {"data": 1, "fsdp": 1, "tensor": 1}, response_fill=0)
+    with pytest.raises(ValueError, match="gvm_param_subset"):
+        estimate_memory(load_config(None, TINY_RUN + ["sampling.allocation=gvm", "sampling.gvm_param_subset=nope"]),
+                        TINY, {"data": 1, "fsdp": 1, "tensor": 1})
+
+
+def test_model_config_for(tmp_path):
+    assert model_config_for("/path/to/Qwen2.5-Math-7B") == KNOWN_MODELS["qwen2.5-math-7b"]
+    folder = tmp_path / "mine"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(TINY.to_hf_dict()))
+    assert model_config_for(str(folder)).hidden_size == 16
+    with pytest.raises(ValueError, match="not a known model"):
+        model_config_for("/nowhere/SomeModel")
+
+
+def test_suggest_layout_is_the_least_peak():
+    cfg = load_config(None, TINY_RUN)
+    est, overrides = suggest_layout(cfg, TINY, 8)
+    peaks = {}
+    for tensor in (1, 2, 4):  # heads = 4: tensor 8 does not divide them
+        c = load_config(None, TINY_RUN + [f"optim.micro_batch_size={8 // tensor}"])
+        peaks[tensor] = estimate_memory(c, TINY, {"data": 1, "fsdp": 8 // tensor, "tensor": tensor})["peak"]
+    assert est["peak"] == min(peaks.values())
+    best = min(peaks, key=peaks.get)
+    assert overrides["optim.micro_batch_size"] == 8 // best
+    assert overrides["train.mesh"] == f"fsdp={8 // best}" + (f",tensor={best}" if best > 1 else "")
+
+
+def test_docs_table_is_the_scripts_output():
+    doc = (ROOT / "docs/launch.md").read_text()
+    presets = sorted((ROOT / "configs/paper").glob("*.yaml"))
+    assert len(presets) == 8
+    expected = memory_estimate.table(presets, list(memory_estimate.TARGETS), [])
+    inside = doc.split(memory_estimate.START)[1].split(memory_estimate.END)[0].strip()
+    assert inside == expected, "docs/launch.md is stale: run python scripts/memory_estimate.py --write docs/launch.md"
