@@ -12,6 +12,9 @@ from typing import Any
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
 _DTYPES = ("float32", "bfloat16")
+# What a rematerialised layer keeps for the backward pass: "full" keeps only its input (recomputes
+# everything), "dots" also keeps the outputs of matmuls without batch dimensions (the projections).
+REMAT_POLICIES = ("full", "dots")
 _ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
@@ -37,7 +40,8 @@ class ModelConfig:
      ("original_max_position_embeddings", 8192), ("rope_type", "llama3")).
     `attention_bias` adds q/k/v biases (always on for Qwen2); `attention_out_bias` adds an o_proj
     bias (Llama / Qwen3 with `attention_bias: true` in config.json); `qk_norm` is Qwen3's RMSNorm
-    over head_dim applied to q and k before RoPE.
+    over head_dim applied to q and k before RoPE. `remat` recomputes each layer in the backward pass
+    (`jax.checkpoint`); `remat_policy` (one of REMAT_POLICIES) says what the layer saves.
     """
 
     vocab_size: int
@@ -61,6 +65,7 @@ class ModelConfig:
     param_dtype: str = "float32"
     compute_dtype: str = "float32"
     remat: bool = False
+    remat_policy: str = "full"
 
     def __post_init__(self):
         if self.model_type not in SUPPORTED_MODEL_TYPES:
@@ -70,6 +75,8 @@ class ModelConfig:
         for name in ("param_dtype", "compute_dtype"):
             if getattr(self, name) not in _DTYPES:
                 raise ValueError(f"{name} must be one of {_DTYPES}, got {getattr(self, name)!r}")
+        if self.remat_policy not in REMAT_POLICIES:
+            raise ValueError(f"remat_policy must be one of {REMAT_POLICIES}, got {self.remat_policy!r}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"

@@ -2,8 +2,9 @@
 
 Parameters are a plain nested dict (see `init_params` for the key names). Transformer layers are
 stacked on a leading `num_layers` axis and run by `jax.lax.scan`, so one layer is compiled whatever
-the depth; `config.remat` wraps the layer in `jax.checkpoint`. Every function takes the config as a
-plain argument: jit with `static_argnums=1` (ModelConfig is hashable).
+the depth; `config.remat` wraps the layer in `jax.checkpoint` (saving what `config.remat_policy`
+names). Every function takes the config as a plain argument: jit with `static_argnums=1`
+(ModelConfig is hashable).
 """
 
 from __future__ import annotations
@@ -120,8 +121,16 @@ def _finish_layer(lp: Params, config: ModelConfig, x: jax.Array, attn: jax.Array
     return x + swiglu_mlp(h, lp["gate_proj"], lp["up_proj"], lp["down_proj"])
 
 
+_REMAT_SAVED = {
+    "full": None,  # jax.checkpoint's default: save nothing inside the layer
+    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,  # keep projections, redo attention
+}
+
+
 def _maybe_remat(fn, config: ModelConfig):
-    return jax.checkpoint(fn, prevent_cse=False) if config.remat else fn
+    if not config.remat:
+        return fn
+    return jax.checkpoint(fn, prevent_cse=False, policy=_REMAT_SAVED[config.remat_policy])
 
 
 def _embed(params: Params, config: ModelConfig, tokens: jax.Array) -> jax.Array:

@@ -1,0 +1,282 @@
+"""Training-step throughput on the bundled SmolLM2-135M: the trainer's jitted step (log-probs, PPO-clip
+loss, backward, clipped AdamW) beside a transformers PyTorch forward + backward + AdamW step on the
+same weights and the same batch, and the model FLOP utilisation against the matmul peak measured with
+JAX in the same run.
+
+    .venv/bin/python benchmarks/train_step.py [--rows 8] [--seq-len 256] [--prompt-len 64]
+        [--dtype f32|bf16] [--remat off|full|dots] [--micro-batch 8] [--repeats 3] [--layers N]
+        [--skip-torch] [--pieces]
+
+Batch: `rows` packed rows, each one random prompt of `prompt_len` tokens followed by one response of
+`seq_len - prompt_len` tokens (a `TrainBatch` with one response slot per row, no padding), random
++-1 advantages, old log-probs from the trainer's own log-prob function (ratio 1). Both sides score the
+response tokens only: the log-prob of every response token under a full-vocabulary softmax, the
+clipped surrogate averaged over response tokens (token-mean) and the entropy as a metric, then the
+gradient, a global-norm clip at 1.0 and AdamW (lr 1e-5, weight decay 0.01, none on norms).
+
+Model FLOPs of one step (matmuls only; forward x 1 + backward x 2 = 6 per multiply-add pair / 2):
+    6 * P_layers * tokens + 6 * V * D * scored + 12 * L * H * hd * pairs
+P_layers: the decoder layers' matrix parameters; tokens: all positions of the batch; scored: the
+positions whose logits are computed (response tokens); pairs: the (query, key) pairs attention
+lets through (causal: T (T + 1) / 2 per row). With every position scored and attention ignored this
+is the usual 6 x parameters x tokens. MFU = model FLOPs / step time / measured matmul peak, the peak
+being the best of square f32 (or bf16) matmuls of a few sizes, jitted with JAX, in the same process.
+`--layers N` keeps only the first N layers (a small config with the real shapes, for quick runs).
+`--pieces` also times the forward alone and forward + backward (no optimizer) of our step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+
+import numpy as np
+
+DTYPES = {"f32": "float32", "bf16": "bfloat16"}
+
+
+def layer_matrix_params(config) -> int:
+    """Matrix parameters of all decoder layers (q, k, v, o, gate, up, down), biases and norms excluded."""
+    d, f, hd = config.hidden_size, config.intermediate_size, config.head_dim
+    q, kv = config.num_heads * hd, config.num_kv_heads * hd
+    return config.num_layers * (d * q + 2 * d * kv + q * d + 3 * d * f)
+
+
+def attended_pairs(positions: np.ndarray, segments: np.ndarray | None = None) -> int:
+    """Number of (query, key) pairs the decoder's mask lets through (see `models.hidden_states`):
+    key j is visible to query i of the same row iff positions[j] <= positions[i] and, with segments,
+    segment[j] is segment[i] or 0. positions, segments: [B, T]."""
+    positions = np.asarray(positions)
+    keep = positions[:, None, :] <= positions[:, :, None]
+    if segments is not None:
+        segments = np.asarray(segments)
+        keep &= (segments[:, None, :] == segments[:, :, None]) | (segments[:, None, :] == 0)
+    return int(keep.sum())
+
+
+def train_step_flops(config, tokens: int, scored: int, pairs: int) -> int:
+    """Model FLOPs of one forward + backward pass (matmuls; multiply-add = 2 FLOPs, backward = 2 x forward):
+    6 * P_layers * tokens + 6 * V * D * scored + 12 * L * H * hd * pairs, where attention's
+    q k^T and p v cost 2 * hd FLOPs each per (query, key) pair and head in the forward pass."""
+    head = 6 * config.vocab_size * config.hidden_size * scored
+    attention = 12 * config.num_layers * config.num_heads * config.head_dim * pairs
+    return 6 * layer_matrix_params(config) * tokens + head + attention
+
+
+def median_time(fn, repeats: int, warm_up: bool = True) -> float:
+    if warm_up:
+        fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def measure_matmul_peak(dtype: str, sizes=(1024, 2048, 3072), repeats: int = 5) -> dict:
+    """Best FLOP/s of jitted square matmuls a @ b (2 n^3 FLOPs) over `sizes`, in `dtype`; {n: FLOP/s, "peak": best}."""
+    import jax
+    import jax.numpy as jnp
+
+    matmul = jax.jit(lambda a, b: a @ b)
+    rates = {}
+    for n in sizes:
+        a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32).astype(dtype)
+        b = jax.random.normal(jax.random.key(1), (n, n), jnp.float32).astype(dtype)
+        rates[n] = 2 * n ** 3 / median_time(lambda: matmul(a, b).block_until_ready(), repeats)
+    rates["peak"] = max(rates.values())
+    return rates
+
+
+def load_model(layers: int | None):
+    """(config, f32 params) of the bundled SmolLM2-135M, optionally cut to its first `layers` layers."""
+    import jax
+
+    from jaxrl_llm.models import load_bundled
+
+    config, params, _ = load_bundled("float32")
+    if layers:
+        config = config.replace(num_layers=layers)
+        params = dict(params, layers=jax.tree_util.tree_map(lambda x: x[:layers], params["layers"]))
+    return config, params
+
+
+def make_batch(config, params, rows: int, seq_len: int, prompt_len: int, seed: int = 0):
+    """A packed TrainBatch (numpy) of `rows` prompt + response rows, old log-probs from the trainer's
+    log-prob function; plus the token matrix [rows, seq_len] and advantages [rows] for the torch side."""
+    import jax
+
+    from jaxrl_llm.train.packing import pack_groups
+    from jaxrl_llm.train.step import make_logprob_fn
+
+    if not 0 < prompt_len < seq_len:
+        raise ValueError(f"--prompt-len must be in (0, --seq-len={seq_len}), got {prompt_len}")
+    rng = np.random.default_rng(seed)
+    resp_len = seq_len - prompt_len
+    tokens = rng.integers(1, config.vocab_size, size=(rows, seq_len)).astype(np.int32)
+    prompts = [row[:prompt_len].tolist() for row in tokens]
+    responses = tokens[:, prompt_len:]
+    lengths = np.full(rows, resp_len)
+    groups = [np.array([i]) for i in range(rows)]
+    adv = rng.choice([-1.0, 1.0], size=rows).astype(np.float32)
+    per_token = np.repeat(adv[:, None], resp_len, 1)
+    probe = pack_groups(prompts, groups, responses, lengths, seq_multiple=1)
+    old = np.asarray(make_logprob_fn(config)(params, jax.tree_util.tree_map(jax.numpy.asarray, probe)))[:, 0]
+    batch = pack_groups(prompts, groups, responses, lengths, advantages=per_token, old_logp=old, seq_multiple=1)
+    assert batch.tokens.shape == (rows, seq_len) and batch.pred_index.shape == (rows, 1, resp_len)
+    return batch, tokens, adv, old
+
+
+def run_ours(config, params, batch, *, micro_batch: int, repeats: int, pieces: bool) -> dict:
+    """Median seconds of the trainer's jitted step (and, with `pieces`, of its forward / forward + backward)."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxrl_llm.objectives import aggregate_denominator
+    from jaxrl_llm.train.config import AlgorithmSection, OptimSection
+    from jaxrl_llm.train.state import init_state, make_optimizer
+    from jaxrl_llm.train.step import loss_fn, make_train_step, split_micro
+
+    algo = AlgorithmSection()
+    optimizer = make_optimizer(OptimSection())
+    batch = jax.tree_util.tree_map(jnp.asarray, batch)
+    denom = aggregate_denominator(batch.mask, algo.agg)
+    step = make_train_step(config, algo, optimizer, micro_batch_size=micro_batch)
+    # The step donates its state: keep our own copy of the weights for the other measurements.
+    state = init_state(jax.tree_util.tree_map(jnp.copy, params), optimizer)
+    holder = {"state": state}
+
+    def one_step():
+        holder["state"], metrics = step(holder["state"], batch, denom)
+        jax.block_until_ready((holder["state"], metrics))
+        holder["metrics"] = metrics
+
+    start = time.perf_counter()
+    one_step()
+    out = {"compile_and_first": time.perf_counter() - start}
+    out.update({f"first_{k}": float(holder["metrics"][k]) for k in ("loss", "entropy", "grad_norm")})
+    out["step"] = median_time(one_step, repeats, warm_up=False)
+    if pieces:
+        mb = jax.tree_util.tree_map(lambda x: x[0], split_micro(batch, batch.tokens.shape[0]))
+        forward = jax.jit(lambda p, b: loss_fn(p, config, algo, b, denom)[0])
+        grad = jax.jit(jax.grad(lambda p, b: loss_fn(p, config, algo, b, denom)[0]))
+        out["forward"] = median_time(lambda: forward(params, mb).block_until_ready(), repeats)
+        out["forward_backward"] = median_time(lambda: jax.block_until_ready(grad(params, mb)), repeats)
+    return out
+
+
+def run_torch(config, params, tokens, adv, old_logp, prompt_len: int, *, dtype: str, repeats: int) -> dict:
+    """Median seconds of a transformers LlamaForCausalLM step on the same weights and batch: hidden
+    states, logits of the response positions only, log-softmax, PPO-clip token-mean loss, entropy
+    (no gradient, a metric as in ours), backward, clip_grad_norm_(1.0), AdamW."""
+    import torch
+    import transformers
+
+    from jaxrl_llm.models import save_hf
+
+    with tempfile.TemporaryDirectory() as directory:
+        save_hf(directory, config, params)
+        model = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+    model.train()
+    decay = [p for n, p in model.named_parameters() if "norm" not in n and "bias" not in n]
+    no_decay = [p for n, p in model.named_parameters() if "norm" in n or "bias" in n]
+    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.01}, {"params": no_decay, "weight_decay": 0.0}],
+                                  lr=1e-5, betas=(0.9, 0.999), eps=1e-8)
+    ids = torch.tensor(tokens, dtype=torch.long)
+    targets = ids[:, prompt_len:]
+    advantages = torch.tensor(adv)[:, None]
+    old = torch.tensor(old_logp)
+    seq_len = ids.shape[1]
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bf16")
+
+    def one_step():
+        with autocast:
+            hidden = model.model(input_ids=ids).last_hidden_state[:, prompt_len - 1:seq_len - 1]
+            logits = model.lm_head(hidden).float()
+        logp_all = torch.log_softmax(logits, dim=-1)
+        logp = logp_all.gather(-1, targets[..., None])[..., 0]
+        with torch.no_grad():
+            entropy = -(logp_all.exp() * logp_all).sum(-1).mean()
+        ratio = torch.exp(torch.clamp(logp - old, -20.0, 20.0))
+        loss = torch.maximum(-advantages * ratio, -advantages * torch.clamp(ratio, 0.8, 1.2)).mean()
+        loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        first.setdefault("loss", float(loss))
+        first.setdefault("entropy", float(entropy))
+        first.setdefault("grad_norm", float(grad_norm))
+
+    first = {}
+    step = median_time(one_step, repeats, warm_up=True)
+    return {"step": step, "threads": torch.get_num_threads(), **{f"first_{k}": v for k, v in first.items()}}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, default=8)
+    parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--prompt-len", type=int, default=64)
+    parser.add_argument("--dtype", choices=tuple(DTYPES), default="f32")
+    parser.add_argument("--remat", choices=("off", "full", "dots"), default="off")
+    parser.add_argument("--micro-batch", type=int, default=None, help="rows per micro-batch (default: all rows)")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--layers", type=int, default=None, help="keep only the first N layers (quick runs)")
+    parser.add_argument("--skip-torch", action="store_true")
+    parser.add_argument("--pieces", action="store_true", help="also time forward and forward + backward alone")
+    args = parser.parse_args()
+
+    import jax
+
+    config, params = load_model(args.layers)
+    remat = {"off": {}, "full": dict(remat=True, remat_policy="full"), "dots": dict(remat=True, remat_policy="dots")}
+    config = config.replace(compute_dtype=DTYPES[args.dtype], **remat[args.remat])
+    micro_batch = args.micro_batch or args.rows
+    num_params = sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(params))
+
+    peaks = {name: measure_matmul_peak(dtype) for name, dtype in DTYPES.items()}
+    for name, rates in peaks.items():
+        sizes = ", ".join(f"{n}: {r / 1e9:.1f}" for n, r in rates.items() if n != "peak")
+        print(f"measured {name} matmul GFLOP/s (n: rate) {sizes}; peak {rates['peak'] / 1e9:.1f}", flush=True)
+
+    batch, tokens, adv, old = make_batch(config, params, args.rows, args.seq_len, args.prompt_len)
+    n_tokens = int(batch.tokens.size)
+    scored = int(batch.mask.sum())
+    pairs = attended_pairs(batch.positions, batch.segments)
+    flops = train_step_flops(config, n_tokens, scored, pairs)
+    simple = 6 * num_params * n_tokens
+    print(f"SmolLM2-135M, {config.num_layers} layers, {num_params / 1e6:.1f}M params, {args.dtype}, remat "
+          f"{args.remat}, micro-batch {micro_batch}: {args.rows} x {args.seq_len} tokens ({scored} scored); "
+          f"model FLOPs/step {flops / 1e9:.1f} G (6 x params x tokens: {simple / 1e9:.1f} G)", flush=True)
+
+    results = {"jaxrl_llm": run_ours(config, params, batch, micro_batch=micro_batch, repeats=args.repeats,
+                                     pieces=args.pieces)}
+    ours = results["jaxrl_llm"]
+    first = lambda r: ", ".join(f"{k} {r['first_' + k]:.6f}" for k in ("loss", "entropy", "grad_norm"))  # noqa: E731
+    print(f"jaxrl_llm: compile + first step {ours['compile_and_first']:.1f} s, step {ours['step']:.3f} s; "
+          f"first step {first(ours)}" + (f"; forward {ours['forward']:.3f} s, forward + backward "
+                                         f"{ours['forward_backward']:.3f} s" if args.pieces else ""), flush=True)
+    if not args.skip_torch:
+        results["transformers"] = run_torch(config, params, tokens, adv, old, args.prompt_len, dtype=args.dtype,
+                                            repeats=args.repeats)
+        theirs = results["transformers"]
+        # Same weights and batch: the first step's entropy and gradient norm must agree.
+        print(f"transformers (torch, {theirs['threads']} threads): step {theirs['step']:.3f} s; first step "
+              f"{first(theirs)}", flush=True)
+
+    peak = peaks[args.dtype]["peak"]
+    print()
+    print(f"| step | tokens/s | step s | model TFLOP/s | MFU vs {args.dtype} peak ({peak / 1e9:.0f} GFLOP/s) "
+          f"| ours / this |")
+    print("|---|---|---|---|---|---|")
+    for name, r in results.items():
+        achieved = flops / r["step"]
+        print(f"| {name} | {n_tokens / r['step']:.0f} | {r['step']:.3f} | {achieved / 1e12:.4f} | "
+              f"{achieved / peak:.1%} | {r['step'] / ours['step'] if name != 'jaxrl_llm' else 1.0:.2f}x |")
+
+
+if __name__ == "__main__":
+    main()
