@@ -38,10 +38,19 @@ def _largest_term(est: dict) -> str:
     return "GVM per-sample gradients"
 
 
+def rows_that_fit(est: dict, hbm_bytes: int) -> int:
+    """Rows one sampler call could hold within 90% of HBM beside the resident state (a multiple of the rows'
+    device split): the sampling budget per call that would fit."""
+    split = est["mesh"]["data"] * est["mesh"]["fsdp"]
+    per_row = est["sampling"] // (est["sample_rows"] // split)
+    free = int(0.9 * hbm_bytes) - est["params"] - est["optimizer"] - est["reference"]
+    return max(0, free // per_row) * split
+
+
 def table(presets: list[pathlib.Path], targets: list[str], overrides: list[str]) -> str:
     lines = ["| preset | target | layout overrides | params + AdamW + ref | train step | sampling | GVM norms "
-             "| peak | HBM | fits | largest term |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| peak | HBM | fits | largest term | sampled rows that fit |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for path in presets:
         config = load_config(path, overrides)
         model_config = model_config_for(config.model.source)
@@ -54,7 +63,8 @@ def table(presets: list[pathlib.Path], targets: list[str], overrides: list[str])
                 f"| {path.stem} | {name} | `train.mesh={layout['train.mesh']} "
                 f"optim.micro_batch_size={layout['optim.micro_batch_size']}` | {_gib(resident)} "
                 f"| {_gib(est['train_step'])} | {_gib(est['sampling'])} | {_gib(est['gvm_norms'])} "
-                f"| {_gib(est['peak'])} | {_gib(target.hbm_bytes)} | {fits} | {_largest_term(est)} |")
+                f"| {_gib(est['peak'])} | {_gib(target.hbm_bytes)} | {fits} | {_largest_term(est)} "
+                f"| {rows_that_fit(est, target.hbm_bytes)} |")
     return "\n".join(lines)
 
 
@@ -74,7 +84,7 @@ def main(argv=None) -> int:
                         help="presets (default: configs/paper/*.yaml) and overrides applied to each")
     parser.add_argument("--target", action="append", choices=sorted(TARGETS), help="default: every target")
     parser.add_argument("--write", metavar="DOC", help="also replace the table between the markers of DOC")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)
     overrides = [a for a in args.args if "=" in a]
     presets = [pathlib.Path(a) for a in args.args if "=" not in a] or sorted((ROOT / "configs/paper").glob("*.yaml"))
     text = table(presets, args.target or list(TARGETS), overrides)

@@ -53,7 +53,7 @@ def test_commands_are_strict_and_print_usage(script):
 # A stand-in for gcloud: records every call, keeps the slice state in $FAKE/state, and plays a training
 # run that is preempted on its first launch and finishes on the second.
 FAKE_GCLOUD = r"""#!/usr/bin/env bash
-echo "$*" >> "$FAKE/calls"
+args="$*"; echo "${args//$'\n'/ ; }" >> "$FAKE/calls"  # one line per call
 case "$*" in
   "config get-value project"*) echo test-project ;;
   *"tpu-vm describe"*"value(state)"*)

@@ -2,12 +2,14 @@
 and the published model sizes, per-device shards against a real sharded placement on 8 simulated devices,
 every term by hand on a tiny run, and the table in docs/launch.md against the script's output."""
 
+import dataclasses
 import json
 import os
 import pathlib
 import subprocess
 import sys
 import textwrap
+import types
 
 import jax
 import pytest
@@ -64,7 +66,8 @@ def test_shards_match_a_real_placement_on_8_devices():
                              num_kv_heads=3, head_dim=4, model_type="qwen2", attention_bias=True)
         params = shard_params(init_params(config, jax.random.PRNGKey(0)), make_mesh("data=2,fsdp=2,tensor=2"))
         local = [sum(l.addressable_shards[i].data.size for l in jax.tree_util.tree_leaves(params)) for i in range(8)]
-        print(json.dumps({"local": local, "estimate": sharded_param_elements(config, {"data": 2, "fsdp": 2, "tensor": 2})}))
+        estimate = sharded_param_elements(config, {"data": 2, "fsdp": 2, "tensor": 2})
+        print(json.dumps({"local": local, "estimate": estimate}))
     """
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
     out = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True, text=True,
@@ -101,6 +104,13 @@ def test_tiny_run_by_hand():
 
     remat = estimate_memory(cfg, TINY, {"data": 1, "fsdp": 2, "tensor": 1}, remat=True)
     assert remat["activations"] == 2 * 32 * 16 * 4 + per_layer_tokens + attention + working == 86016
+
+    # Remat policy "dots" (a model.remat_policy key where the run config has one) also keeps, per layer and
+    # token, the projection outputs q 16 + k, v 2 x 8 + o 16 + gate, up 2 x 32 + down 16 = 128 elements.
+    dots_model = types.SimpleNamespace(**{**dataclasses.asdict(cfg.model), "remat_policy": "dots"})
+    dots = estimate_memory(dataclasses.replace(cfg, model=dots_model), TINY, {"data": 1, "fsdp": 2, "tensor": 1},
+                           remat=True)
+    assert dots["activations"] == remat["activations"] + 2 * 32 * 128 * 4
 
     with_kl = estimate_memory(load_config(None, TINY_RUN + ["algorithm.kl_coef=0.001"]), TINY,
                               {"data": 1, "fsdp": 2, "tensor": 1})
@@ -160,6 +170,15 @@ def test_suggest_layout_is_the_least_peak():
     best = min(peaks, key=peaks.get)
     assert overrides["optim.micro_batch_size"] == 8 // best
     assert overrides["train.mesh"] == f"fsdp={8 // best}" + (f",tensor={best}" if best > 1 else "")
+
+
+def test_rows_that_fit():
+    cfg = load_config(None, TINY_RUN + ["model.remat=false"])
+    est = estimate_memory(cfg, TINY, {"data": 1, "fsdp": 2, "tensor": 1})
+    # 2 local rows cost 9216 B, so 4608 B a row; 90% of 100,000 B minus params and AdamW (34,752 B) leaves
+    # 55,248 B: 11 rows per device, 22 over the fsdp=2 split.
+    assert memory_estimate.rows_that_fit(est, 100_000) == 22
+    assert memory_estimate.rows_that_fit(est, 30_000) == 0
 
 
 def test_docs_table_is_the_scripts_output():

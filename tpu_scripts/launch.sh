@@ -25,7 +25,7 @@ for arg in "$@"; do
     -h|--help) usage; exit 0 ;;
     --resume) resume=(--resume) ;;
     *=*) overrides+=("$arg") ;;
-    *) usage >&2; die "unexpected argument '$arg' (overrides are section.key=value)" ;;
+    *) usage >&2; echo "error: unexpected argument '$arg' (overrides are section.key=value)" >&2; exit 2 ;;
   esac
 done
 

@@ -15,6 +15,7 @@ Every term counts what jaxrl_llm itself allocates, per device of a `data x fsdp 
                                      materialised, there is no flash attention)
                 without remat every layer keeps both; with remat (jax.checkpoint per layer) only the layer
                 input rows x L x D x c is kept per layer and one layer is recomputed at a time;
+                (remat policy "dots" also keeps the projection outputs: (q + 2 kv + 2 D + 2 F) x c per token)
                 plus one layer's f32 score gradient rows x H_t x L^2 x 4 and the bool mask rows x L^2;
               log-prob residuals: the vocabulary-chunk scan of `train.logprobs.chunked_logprobs` keeps the
                 f32 logits and exp(logits) of every chunk for the backward pass:
@@ -146,14 +147,19 @@ def sharded_param_elements(model_config: ModelConfig, mesh: dict[str, int]) -> t
     return total, local
 
 
-def _activation_bytes(mc: ModelConfig, rows: int, length: int, heads: int, c: int, remat: bool) -> int:
-    """Saved activations + one layer's working set for `rows` sequences of `length` tokens."""
+def _activation_bytes(mc: ModelConfig, rows: int, length: int, heads: int, c: int, remat: bool,
+                      policy: str = "full") -> int:
+    """Saved activations + one layer's working set for `rows` sequences of `length` tokens. Remat policy
+    "dots" also keeps each layer's projection outputs (q, k, v, o, gate, up, down) per token."""
     q, kv = mc.num_heads * mc.head_dim, mc.num_kv_heads * mc.head_dim
     per_layer_tokens = rows * length * (4 * mc.hidden_size + 2 * q + 3 * kv + 4 * mc.intermediate_size) * c
     attention = rows * heads * length * length * (4 + c)
     working = rows * heads * length * length * 4 + rows * length * length  # f32 score gradient + bool mask
     if remat:
-        return mc.num_layers * rows * length * mc.hidden_size * c + per_layer_tokens + attention + working
+        kept = mc.hidden_size
+        if policy == "dots":
+            kept += q + 2 * kv + 2 * mc.hidden_size + 2 * mc.intermediate_size
+        return mc.num_layers * rows * length * kept * c + per_layer_tokens + attention + working
     return mc.num_layers * (per_layer_tokens + attention) + working
 
 
@@ -173,7 +179,8 @@ def _subset_elements(mc: ModelConfig, subset: str) -> int:
 
 
 def estimate_memory(config: RunConfig, model_config: ModelConfig, mesh: dict[str, int] | str = "", *,
-                    devices: int | None = None, remat: bool | None = None, response_fill: float = 1.0) -> dict[str, Any]:
+                    devices: int | None = None, remat: bool | None = None,
+                    response_fill: float = 1.0) -> dict[str, Any]:
     """Bytes per device of `config` on a mesh (a {"data", "fsdp", "tensor"} dict, or a `train.mesh`
     string resolved for `devices`); see the module docstring for each term.
 
@@ -193,6 +200,7 @@ def estimate_memory(config: RunConfig, model_config: ModelConfig, mesh: dict[str
     mc, cfg = model_config, config
     p, c = _BYTES[cfg.model.param_dtype], _BYTES[cfg.model.compute_dtype]
     remat = cfg.model.remat if remat is None else remat
+    policy = getattr(cfg.model, "remat_policy", "full")  # a run-config key only in versions that have it
     batch_split = mesh["data"] * mesh["fsdp"]
     heads = mc.num_heads // mesh["tensor"] if mc.num_heads % mesh["tensor"] == 0 else mc.num_heads
 
@@ -208,7 +216,7 @@ def estimate_memory(config: RunConfig, model_config: ModelConfig, mesh: dict[str
     row_length = round_up(cfg.data.max_prompt_tokens + responses_per_row * response_len, ROW_SEQ_MULTIPLE)
     rows = -(-cfg.optim.micro_batch_size // batch_split)
     gradients = local * 4 + local * p
-    activations = _activation_bytes(mc, rows, row_length, heads, c, remat)
+    activations = _activation_bytes(mc, rows, row_length, heads, c, remat, policy)
     logprob = _logprob_residual_bytes(mc, rows, responses_per_row * response_len)
     train_step = gradients + activations + logprob
 
@@ -226,7 +234,7 @@ def estimate_memory(config: RunConfig, model_config: ModelConfig, mesh: dict[str
         chunk_rows = cfg.optim.micro_batch_size
         unpacked = round_up(cfg.data.max_prompt_tokens + response_len, ROW_SEQ_MULTIPLE)
         gvm_norms = (chunk_rows * _subset_elements(mc, cfg.sampling.gvm_param_subset) * p
-                     + _activation_bytes(mc, chunk_rows, unpacked, heads, c, remat)
+                     + _activation_bytes(mc, chunk_rows, unpacked, heads, c, remat, policy)
                      + _logprob_residual_bytes(mc, chunk_rows, response_len))
 
     resident = params + optimizer + reference
