@@ -44,11 +44,17 @@ def train(config: RunConfig, *, resume: bool = False, policy=None, log=print) ->
     if not resume and checkpoints.is_dir() and any(p.name.isdigit() for p in checkpoints.iterdir()):
         raise FileExistsError(f"{config.train.out_dir} already holds checkpoints of a run: pass --resume to continue "
                               f"it, or set train.out_dir to a new directory")
+    if jax.process_index() != 0:  # every process runs the loop; one speaks for the run
+        log = _quiet
     run = setup_run(config, policy=policy)
     try:
         return _train(run, resume, log)
     finally:
         run.close()
+
+
+def _quiet(*args, **kwargs) -> None:
+    pass
 
 
 def _train(run: Run, resume: bool, log) -> dict[str, Any]:
@@ -60,7 +66,7 @@ def _train(run: Run, resume: bool, log) -> dict[str, Any]:
         books["summary"]["eval_before"] = evaluate_policy(run, "before training", log)
         run.metrics.write(0, {"eval_accuracy": books["summary"]["eval_before"]["accuracy"]})
     bad_streak = 0
-    with preemption_guard() as preempted, tqdm(total=cfg.train.steps, initial=start, desc="RL steps",
+    with preemption_guard() as signalled, tqdm(total=cfg.train.steps, initial=start, desc="RL steps",
                                                 dynamic_ncols=True, disable=jax.process_index() != 0) as bar:
         for step in range(start, cfg.train.steps):
             t0 = time.perf_counter()
@@ -77,6 +83,7 @@ def _train(run: Run, resume: bool, log) -> dict[str, Any]:
                                    sample_s=round_info["sample_s"], score_s=round_info["score_s"],
                                    wall_s=t2 - t0, train_s=t2 - t1)
             done = step + 1
+            preempted = any_process(signalled())  # all processes take part in a save, or none
             eval_acc = None
             if cfg.train.eval_every and done % cfg.train.eval_every == 0 and done < cfg.train.steps:
                 eval_acc = evaluate_policy(run, f"step {done}", log)["accuracy"]
@@ -91,9 +98,9 @@ def _train(run: Run, resume: bool, log) -> dict[str, Any]:
                     save(run, done, books, eval_acc)
                     raise NonFiniteError(f"{bad_streak} consecutive non-finite updates (train.max_bad_steps="
                                          f"{cfg.train.max_bad_steps}); last good state saved at step {done}")
-            if preempted() or (cfg.train.save_every and done % cfg.train.save_every == 0) or eval_acc is not None:
+            if preempted or (cfg.train.save_every and done % cfg.train.save_every == 0) or eval_acc is not None:
                 save(run, done, books, eval_acc)
-            if preempted():
+            if preempted:
                 log(f"SIGTERM: saved step {done} to {run.checkpointer.directory}; resume with --resume")
                 books["summary"]["status"] = "preempted"
                 return books["summary"]
@@ -103,7 +110,9 @@ def _train(run: Run, resume: bool, log) -> dict[str, Any]:
         run.metrics.write(cfg.train.steps, {"eval_accuracy": summary["eval_after"]["accuracy"]})
     save(run, cfg.train.steps, books, summary.get("eval_after", {}).get("accuracy"))
     export_dir = run.out_dir / "final"
-    models.save_hf(export_dir, run.model_config, run.state.params, tokenizer=run.tokenizer)
+    params = host_values(run.state.params)  # a collective: every process takes part
+    if jax.process_index() == 0:
+        models.save_hf(export_dir, run.model_config, params, tokenizer=run.tokenizer)
     summary.update(status="done", export_dir=str(export_dir), **books["counters"])
     report(summary, log)
     return summary
@@ -191,7 +200,7 @@ def update_policy(run: Run, scored: ScoredRollouts, step: int) -> dict[str, Any]
         for batch, denom, _rows in build_train_batches(
                 scored, advantages, old_logp, ref_logp, algo, mini_batches=cfg.optim.mini_batches,
                 micro_batch_size=cfg.optim.micro_batch_size, pad_id=run.tokenizer.pad_token_id, rng=rng):
-            run.state, metrics = run.train_step(run.state, batch, np.float32(denom))
+            run.state, metrics = run.train_step(run.state, run.place_batch(batch), np.float32(denom))
             metrics = jax.device_get(metrics)
             finite = finite and bool(metrics["finite"])
             for k, v in metrics.items():
@@ -205,7 +214,8 @@ def update_policy(run: Run, scored: ScoredRollouts, step: int) -> dict[str, Any]
 def token_logprobs(run: Run, params, scored: ScoredRollouts) -> np.ndarray:
     """Teacher-forced log-probs [R, N] of every sampled response under `params`."""
     batch, groups = packed_rollouts(scored, run.config.optim.micro_batch_size, run.tokenizer.pad_token_id)
-    return unpack(np.asarray(run.logprob_fn(params, batch)), groups, scored.num_samples) * scored.mask
+    logp = np.asarray(run.logprob_fn(params, run.place_batch(batch)))
+    return unpack(logp, groups, scored.num_samples) * scored.mask
 
 
 def evaluate_policy(run: Run, label: str, log) -> dict[str, Any]:
@@ -277,6 +287,25 @@ def restore(run: Run) -> tuple[int, dict]:
     step, run.state, extra = run.checkpointer.restore(run.state)
     run.data.set_state(extra["data"])
     return step, {"counters": extra["counters"], "summary": extra["summary"]}
+
+
+def any_process(flag: bool) -> bool:
+    """True when `flag` is true on any process (a collective when there are several)."""
+    if jax.process_count() == 1:
+        return bool(flag)
+    from jax.experimental import multihost_utils
+
+    return bool(np.asarray(multihost_utils.process_allgather(np.int32(flag))).any())
+
+
+def host_values(tree):
+    """NumPy copies of a tree of (possibly multi-process) arrays; with several processes every process
+    must call this, since gathering another host's shards is a collective."""
+    if jax.process_count() == 1:
+        return jax.device_get(tree)
+    from jax.experimental import multihost_utils
+
+    return multihost_utils.process_allgather(tree, tiled=True)
 
 
 @contextlib.contextmanager

@@ -1,24 +1,50 @@
 """Build everything a run needs from its config: policy and tokenizer, reference policy, optimizer and
-jitted steps, data stream, evaluation set, verifier, checkpointer and metrics writer."""
+jitted steps, data stream, evaluation set, verifier, checkpointer and metrics writer.
+
+Meshes. With `train.mesh` (e.g. "data=2,fsdp=2,tensor=2") one `jax.sharding.Mesh` spans every device
+of every process. Parameters are placed by the partition rules beside the model
+(`models.sharding.param_shardings`), the optimizer state follows its parameters
+(`state.state_shardings`), the reference policy sits on the same mesh, and packed train batches split
+their rows over data x fsdp (`models.sharding.BATCH_SPEC`); the train step and the log-prob pass are
+compiled with these shardings, and the sampler and evaluation get the mesh.
+
+Several hosts run this same program after `jax.distributed.initialize()`. Every host keeps the same
+host-side view of the run, and only device work and verification are divided:
+- prompts: every host draws the same global batch of `sampling.prompts_per_step` prompts (the stream
+  is a pure function of seed and position; prompt sets are small enough for every host to hold), so
+  the run is the same on any number of hosts and its data position is one number;
+- sampling: one `generate` over the global mesh; rows are split over data x fsdp, so each host's
+  devices decode their own share of the samples, which are then gathered to every host;
+- rewards: each host verifies a contiguous 1/P share of the samples and the verdicts are all-gathered
+  (`ProcessShareScorer`);
+- update: every host packs the same train batch, and `place` makes it one global array with each
+  host filling only its own devices' shards (`jax.make_array_from_callback`);
+- checkpoints: every host takes part in orbax's save and restore (each writes its own shards, host 0
+  the JSON record); metrics, TensorBoard, log lines and the exported model come from host 0 only.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import pathlib
+import time
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
 
 from jaxrl_llm import data as data_lib
 from jaxrl_llm import models
-from jaxrl_llm.models.sharding import make_mesh, shard_params
+from jaxrl_llm.models.sharding import BATCH_SPEC, make_mesh, param_shardings
 from jaxrl_llm.train.algorithms import needs_reference
 from jaxrl_llm.train.checkpoint import Checkpointer
-from jaxrl_llm.train.config import RunConfig
+from jaxrl_llm.train.config import ConfigError, RunConfig
 from jaxrl_llm.train.metrics import MetricsWriter
+from jaxrl_llm.train.packing import TrainBatch
 from jaxrl_llm.train.rollouts import RewardScorer
-from jaxrl_llm.train.state import TrainState, init_state, make_optimizer
+from jaxrl_llm.train.state import TrainState, init_state, make_optimizer, state_shardings
 from jaxrl_llm.train.step import make_logprob_fn, make_train_step
 
 
@@ -39,6 +65,12 @@ class Run:
     metrics: MetricsWriter
     out_dir: pathlib.Path
     mesh: Any = None
+    state_sharding: Any = None  # TrainState of NamedShardings (None: one device)
+    batch_sharding: Any = None  # TrainBatch of NamedShardings
+
+    def place_batch(self, batch: TrainBatch) -> TrainBatch:
+        """A host-side packed batch (the same on every process) as arrays on the run's batch sharding."""
+        return place(batch, self.batch_sharding)
 
     def close(self) -> None:
         self.scorer.close()
@@ -75,23 +107,98 @@ def setup_run(config: RunConfig, *, policy=None) -> Run:
     model_config, params, tokenizer = policy or load_policy(
         cfg.model.source, param_dtype=cfg.model.param_dtype, compute_dtype=cfg.model.compute_dtype,
         remat=cfg.model.remat)
-    mesh = None
+    optimizer = make_optimizer(cfg.optim)
+    mesh = param_sharding = state_sharding = batch_sharding = None
     if cfg.train.mesh:
         mesh = make_mesh(cfg.train.mesh)
-        params = shard_params(params, mesh)
-    ref_params = jax.tree_util.tree_map(jnp.copy, params) if needs_reference(cfg.algorithm) else None
-    optimizer = make_optimizer(cfg.optim)
+        check_mesh_fits(mesh, cfg)
+        param_sharding, batch_sharding = param_shardings(params, mesh), batch_shardings(mesh)
+    params = place(params, param_sharding)
+    # An independent copy: the train step donates (and so frees) the state's parameter buffers.
+    ref_params = place(jax.tree_util.tree_map(jnp.copy, params), param_sharding) if needs_reference(
+        cfg.algorithm) else None
+    state = init_state(params, optimizer)
+    if mesh is not None:
+        state_sharding = state_shardings(state, optimizer, param_sharding)
+        state = place(state, state_sharding)
     out_dir = pathlib.Path(cfg.train.out_dir)
     train_records = load_prompts(cfg.data.train, tokenizer, cfg)
     eval_records = load_prompts(cfg.data.eval, tokenizer, cfg)[:cfg.train.eval_problems]
-    loader = data_lib.LoaderConfig(batch_size=cfg.sampling.prompts_per_step, seed=cfg.data.seed)
+    # Every process draws the same global prompt batch (see the module docstring), not a shard of its own.
+    loader = data_lib.LoaderConfig(batch_size=cfg.sampling.prompts_per_step, seed=cfg.data.seed, shard_index=0,
+                                   shard_count=1)
+    scorer = RewardScorer(cfg.algorithm, cfg.sampling, timeout=cfg.train.verifier_timeout,
+                          workers=cfg.train.verifier_workers)
     return Run(
-        config=cfg, model_config=model_config, tokenizer=tokenizer, state=init_state(params, optimizer),
-        ref_params=ref_params, optimizer=optimizer,
-        train_step=make_train_step(model_config, cfg.algorithm, optimizer, micro_batch_size=cfg.optim.micro_batch_size),
-        logprob_fn=make_logprob_fn(model_config), data=data_lib.RecordBatches(train_records, loader),
-        eval_records=eval_records,
-        scorer=RewardScorer(cfg.algorithm, cfg.sampling, timeout=cfg.train.verifier_timeout,
-                            workers=cfg.train.verifier_workers),
+        config=cfg, model_config=model_config, tokenizer=tokenizer, state=state, ref_params=ref_params,
+        optimizer=optimizer,
+        train_step=make_train_step(model_config, cfg.algorithm, optimizer, micro_batch_size=cfg.optim.micro_batch_size,
+                                   state_sharding=state_sharding, batch_sharding=batch_sharding),
+        logprob_fn=make_logprob_fn(model_config, param_sharding=param_sharding, batch_sharding=batch_sharding),
+        data=data_lib.RecordBatches(train_records, loader), eval_records=eval_records,
+        scorer=ProcessShareScorer(scorer) if jax.process_count() > 1 else scorer,
         checkpointer=Checkpointer(out_dir / "checkpoints", keep=cfg.train.keep_checkpoints),
-        metrics=MetricsWriter(out_dir), out_dir=out_dir, mesh=mesh)
+        metrics=MetricsWriter(out_dir), out_dir=out_dir, mesh=mesh, state_sharding=state_sharding,
+        batch_sharding=batch_sharding)
+
+
+def check_mesh_fits(mesh, cfg: RunConfig) -> None:
+    """Each micro-batch's packed rows are split over the data x fsdp devices, so its size must divide."""
+    row_devices = mesh.shape["data"] * mesh.shape["fsdp"]
+    if cfg.optim.micro_batch_size % row_devices:
+        raise ConfigError(f"optim.micro_batch_size={cfg.optim.micro_batch_size} must be a multiple of data x fsdp = "
+                          f"{row_devices} of train.mesh={cfg.train.mesh!r}: each micro-batch's rows are split over "
+                          f"those devices")
+
+
+def batch_shardings(mesh) -> TrainBatch:
+    """NamedShardings of a packed TrainBatch on `mesh`: every field's rows split over data x fsdp
+    (`BATCH_SPEC`), replicated over tensor."""
+    return TrainBatch(*[NamedSharding(mesh, BATCH_SPEC)] * len(TrainBatch._fields))
+
+
+def place(tree, shardings):
+    """`tree` (host or device arrays holding the same values on every process) placed on `shardings`, a
+    matching tree of NamedShardings; None returns `tree` as it is. With several processes each fills
+    only its own devices' shards from its copy (`jax.make_array_from_callback`): no cross-host traffic."""
+    if shardings is None:
+        return tree
+    if jax.process_count() == 1:
+        return jax.device_put(tree, shardings)
+
+    def put(value, sharding):
+        if isinstance(value, jax.Array) and not value.is_fully_addressable:  # already a global array
+            return jax.device_put(value, sharding)
+        host = np.asarray(value)
+        return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+    return jax.tree_util.tree_map(put, tree, shardings)
+
+
+class ProcessShareScorer:
+    """A RewardScorer split over processes: process p verifies samples [p * s, (p + 1) * s) with
+    s = ceil(N / P), and the verdicts and rewards are all-gathered, so every process returns all N.
+    The result equals the wrapped scorer on all N (each verdict depends on its own sample only)."""
+
+    def __init__(self, scorer: RewardScorer):
+        self.scorer = scorer
+        self.last_seconds = 0.0
+
+    def __call__(self, texts: list[str], golds: list[str], lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        from jax.experimental import multihost_utils
+
+        if not texts:
+            return self.scorer(texts, golds, lengths)
+        started = time.perf_counter()
+        n, count, index = len(texts), jax.process_count(), jax.process_index()
+        share = -(-n // count)
+        lo, hi = min(index * share, n), min((index + 1) * share, n)
+        correct, rewards = np.zeros(share, np.bool_), np.zeros(share, np.float32)
+        if hi > lo:
+            correct[:hi - lo], rewards[:hi - lo] = self.scorer(texts[lo:hi], golds[lo:hi], np.asarray(lengths)[lo:hi])
+        correct, rewards = multihost_utils.process_allgather((correct, rewards), tiled=True)
+        self.last_seconds = time.perf_counter() - started
+        return np.asarray(correct)[:n], np.asarray(rewards, np.float32)[:n]
+
+    def close(self) -> None:
+        self.scorer.close()

@@ -7,6 +7,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import optax
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxrl_llm.train.config import OptimSection
 
@@ -53,3 +54,18 @@ def learning_rate(cfg: OptimSection, step: int) -> float:
 
 def init_state(params, optimizer: optax.GradientTransformation) -> TrainState:
     return TrainState(params=params, opt_state=optimizer.init(params), step=jnp.zeros((), jnp.int32))
+
+
+def state_shardings(state: TrainState, optimizer: optax.GradientTransformation, param_sharding) -> TrainState:
+    """NamedShardings of `state` (arrays or their shapes) with params placed by `param_sharding` (a
+    NamedSharding tree like the params): every copy of the parameter tree inside the optimizer state
+    (Adam's first and second moments) is sharded like the parameters, found from the state's structure
+    with `optax.tree_utils.tree_map_params`; all other leaves (update counters, the step) are replicated."""
+    leaves = jax.tree_util.tree_leaves(param_sharding, is_leaf=lambda x: isinstance(x, NamedSharding))
+    if not leaves or not all(isinstance(s, NamedSharding) for s in leaves):
+        raise ValueError("param_sharding must be a tree of NamedSharding like the params")
+    replicated = NamedSharding(leaves[0].mesh, P())
+    opt_sharding = optax.tree_utils.tree_map_params(optimizer, lambda _, sharding: sharding, state.opt_state,
+                                                    param_sharding, transform_non_params=lambda _: replicated,
+                                                    is_leaf=lambda x: isinstance(x, NamedSharding))
+    return TrainState(params=param_sharding, opt_state=opt_sharding, step=replicated)

@@ -10,11 +10,12 @@ host from the real rows), so summing micro-batch gradients gives exactly the min
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import optax
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxrl_llm import objectives
 from jaxrl_llm.train.config import AlgorithmSection
@@ -24,12 +25,17 @@ from jaxrl_llm.train.state import TrainState
 
 
 def split_micro(batch: TrainBatch, micro_batch_size: int) -> TrainBatch:
-    """[G, ...] -> [G / micro, micro, ...] for a scan over micro-batches of packed rows."""
+    """[G, ...] -> [G / micro, micro, ...] for a scan over micro-batches of packed rows.
+
+    Row r goes to micro-batch r % (G / micro): when the rows are split over devices in contiguous
+    blocks (the batch sharding), every device keeps its own rows in each micro-batch, so the split
+    moves no data. The gradient sum does not depend on which rows share a micro-batch.
+    """
     rows = batch.tokens.shape[0]
     if rows % micro_batch_size:
         raise ValueError(f"batch of {rows} rows is not a multiple of micro_batch_size={micro_batch_size}")
-    return jax.tree_util.tree_map(lambda x: x.reshape(rows // micro_batch_size, micro_batch_size, *x.shape[1:]),
-                                  batch)
+    return jax.tree_util.tree_map(
+        lambda x: jnp.swapaxes(x.reshape(micro_batch_size, rows // micro_batch_size, *x.shape[1:]), 0, 1), batch)
 
 
 def loss_fn(params, model_config, algo: AlgorithmSection, micro: TrainBatch, denom: jax.Array):
@@ -64,10 +70,24 @@ def make_train_step(model_config, algo: AlgorithmSection, optimizer: optax.Gradi
     micro-batch already carries the 1/denom of the mini-batch). When the loss or the gradient norm is
     not finite, the parameters and optimizer state are returned unchanged and metrics["finite"] = 0.
     The state argument is donated.
+
+    With `state_sharding` (a TrainState of NamedShardings, see `state.state_shardings`) and
+    `batch_sharding` (a TrainBatch of NamedShardings splitting rows, see `setup.batch_shardings`) the
+    step is compiled for that mesh: the state keeps its sharding across updates (so donation reuses
+    its buffers), each micro-batch keeps the batch's row split, the gradient accumulator is sharded
+    like the parameters, and metrics come back replicated.
     """
+    replicated = _replicated(state_sharding, batch_sharding)
+    micro_sharding = None
+    if batch_sharding is not None:  # the scan axis stays whole; the rows of a micro-batch keep the split
+        micro_sharding = jax.tree_util.tree_map(
+            lambda s: NamedSharding(s.mesh, P(None, *s.spec)), batch_sharding,
+            is_leaf=lambda x: isinstance(x, NamedSharding))
 
     def step(state: TrainState, batch: TrainBatch, denom: jax.Array):
         micro = split_micro(batch, micro_batch_size)
+        if micro_sharding is not None:
+            micro = jax.lax.with_sharding_constraint(micro, micro_sharding)
         grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
         def accumulate(carry, mb):
@@ -78,6 +98,8 @@ def make_train_step(model_config, algo: AlgorithmSection, optimizer: optax.Gradi
             return (grads, loss_sum + loss, metric_sum), None
 
         zeros = jax.tree_util.tree_map(lambda p: jnp.zeros(p.shape, jnp.float32), state.params)
+        if state_sharding is not None:  # an f32 gradient buffer per device, split like the parameters
+            zeros = jax.lax.with_sharding_constraint(zeros, state_sharding.params)
         metric_zeros = {k: jnp.zeros((), jnp.float32)
                         for k in ("policy_loss", "kl", "entropy", "clip_fraction", "tokens")}
         (grads, loss, msum), _ = jax.lax.scan(accumulate, (zeros, jnp.zeros((), jnp.float32), metric_zeros), micro)
@@ -95,18 +117,31 @@ def make_train_step(model_config, algo: AlgorithmSection, optimizer: optax.Gradi
                    "finite": finite.astype(jnp.float32)}
         return new_state, metrics
 
-    kwargs = {}
-    if state_sharding is not None:
-        kwargs = dict(in_shardings=(state_sharding, batch_sharding, None), out_shardings=(state_sharding, None))
-    return jax.jit(step, donate_argnums=(0,), **kwargs)
+    if replicated is None:
+        return jax.jit(step, donate_argnums=(0,))
+    return jax.jit(step, donate_argnums=(0,), in_shardings=(state_sharding, batch_sharding, replicated),
+                   out_shardings=(state_sharding, replicated))
 
 
 def make_logprob_fn(model_config, *, param_sharding: Any = None, batch_sharding: Any = None):
-    """Jitted `(params, batch) -> logp [G, S, R]` of a packed batch (old and reference log-probs)."""
+    """Jitted `(params, batch) -> logp [G, S, R]` of a packed batch (old and reference log-probs).
+
+    With shardings, params and batch are taken as placed and the log-probs come back replicated (every
+    process can read them: they are small, and the host unpacks them)."""
 
     def logprob(params, batch):
         return response_logprobs(params, model_config, batch)
 
-    if param_sharding is None:
+    replicated = _replicated(param_sharding, batch_sharding)
+    if replicated is None:
         return jax.jit(logprob)
-    return jax.jit(logprob, in_shardings=(param_sharding, batch_sharding))
+    return jax.jit(logprob, in_shardings=(param_sharding, batch_sharding), out_shardings=replicated)
+
+
+def _replicated(*shardings) -> NamedSharding | None:
+    """A fully replicated NamedSharding on the mesh of the first NamedSharding found (None if none)."""
+    for tree in shardings:
+        for leaf in jax.tree_util.tree_leaves(tree, is_leaf=lambda x: isinstance(x, NamedSharding)):
+            if isinstance(leaf, NamedSharding):
+                return NamedSharding(leaf.mesh, P())
+    return None

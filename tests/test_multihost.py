@@ -1,0 +1,111 @@
+"""Two local processes x 4 simulated CPU devices, joined by `jax.distributed.initialize` on localhost
+(cross-process CPU collectives over gloo), train a tiny policy on one data=2,fsdp=2,tensor=2 mesh and
+match one process holding all 8 devices: same rewards, losses and final parameters. Only process 0
+writes metrics, TensorBoard events, log lines and the exported model; checkpoints are written through
+orbax by both. This file is also the worker script (`python tests/test_multihost.py ID COUNT PORT DIR`)."""
+
+import json
+import os
+import pathlib
+import socket
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+MESH = "data=2,fsdp=2,tensor=2"
+STEPS = 2
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("localhost", 0))
+        return sock.getsockname()[1]
+
+
+def _launch(process_id: int, num_processes: int, port: int, out_dir: pathlib.Path, devices: int):
+    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu")
+    return subprocess.Popen([sys.executable, __file__, str(process_id), str(num_processes), str(port), str(out_dir)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+
+
+def _finish(procs) -> list[tuple[str, str]]:
+    outputs = []
+    try:
+        for proc in procs:
+            outputs.append(proc.communicate(timeout=400))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+    for proc, (out, err) in zip(procs, outputs):
+        assert proc.returncode == 0, out[-3000:] + err[-5000:]
+    return outputs
+
+
+def _summary(stdout: str) -> dict:
+    return json.loads(next(l for l in stdout.splitlines() if l.startswith("SUMMARY "))[len("SUMMARY "):])
+
+
+def _rows(run_dir: pathlib.Path) -> list[dict]:
+    return [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines() if l.strip()]
+
+
+@pytest.mark.slow
+def test_two_processes_match_one_process(tmp_path):
+    from safetensors.numpy import load_file
+
+    one, two = tmp_path / "one", tmp_path / "two"
+    port = _free_port()
+    procs = [_launch(0, 1, 0, one, 8)] + [_launch(i, 2, port, two, 4) for i in range(2)]
+    (ref_out, _), (out0, _), (out1, _) = _finish(procs)
+
+    for out, index in ((out0, 0), (out1, 1)):
+        s = _summary(out)
+        assert (s["process"], s["processes"], s["devices"], s["local_devices"]) == (index, 2, 8, 4), s
+        assert s["status"] == "done", s
+    # Only process 0 logs, writes metrics (one line per step and evaluation, not two) and TensorBoard.
+    assert "eval before training" in out0 and "eval before training" not in out1
+    ref_rows, rows = _rows(one), _rows(two)
+    assert len(rows) == len(ref_rows) == STEPS + 2  # eval before, the steps, eval after
+    assert len(list((two / "tensorboard").glob("events.*"))) == 1
+    for a, b in zip(ref_rows, rows):
+        assert a["step"] == b["step"]
+        for key in ("reward", "accuracy", "response_length", "eval_accuracy"):
+            assert a.get(key) == b.get(key), (key, a, b)
+        for key in ("loss", "policy_loss", "kl", "entropy", "grad_norm"):
+            if key in a:
+                assert abs(a[key] - b[key]) <= 1e-5 * max(1.0, abs(a[key])), (key, a, b)
+    # Both processes took part in every orbax save (a save is a collective: a missing process hangs it).
+    assert sorted(int(p.name) for p in (two / "checkpoints").iterdir() if p.name.isdigit()) == [1, 2]
+    ref_params = load_file(str(one / "final" / "model.safetensors"))
+    params = load_file(str(two / "final" / "model.safetensors"))
+    assert ref_params.keys() == params.keys()
+    for name, value in ref_params.items():
+        np.testing.assert_allclose(params[name], value, atol=1e-6, err_msg=name)
+
+
+def _worker(process_id: int, num_processes: int, port: int, out_dir: str) -> None:
+    import jax
+
+    if num_processes > 1:
+        jax.distributed.initialize(coordinator_address=f"localhost:{port}", num_processes=num_processes,
+                                   process_id=process_id)
+    sys.path.insert(0, str(ROOT / "tests"))
+    from loop_runner import TINY_RUN, tiny_policy
+
+    from jaxrl_llm.train import load_config
+    from jaxrl_llm.train.loop import train
+
+    overrides = TINY_RUN + [f"train.out_dir={out_dir}", f"train.mesh={MESH}", f"train.steps={STEPS}",
+                            "algorithm.kl_coef=0.01"]
+    summary = train(load_config(None, overrides), policy=tiny_policy())
+    print("SUMMARY", json.dumps({"process": jax.process_index(), "processes": jax.process_count(),
+                                 "devices": jax.device_count(), "local_devices": jax.local_device_count(),
+                                 "status": summary["status"]}), flush=True)
+
+
+if __name__ == "__main__":
+    _worker(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])

@@ -1,0 +1,200 @@
+"""The train step, the log-prob pass and the RL loop on a simulated 8-device CPU mesh (data=2, fsdp=2,
+tensor=2) give the single-device results. The checks run in a subprocess (this file run as a script)
+because the device count is fixed when JAX starts."""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import tempfile
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+MESH = "data=2,fsdp=2,tensor=2"
+
+
+def _child(mode: str) -> dict:
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, __file__, mode], capture_output=True, text=True, env=env, cwd=ROOT,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    line = next(l for l in proc.stdout.splitlines() if l.startswith("RESULT "))
+    return json.loads(line[len("RESULT "):])
+
+
+def test_sharded_step_equals_single_device():
+    r = _child("step")
+    # SGD: the parameter change is the summed gradient itself, so this pins the gradients.
+    assert r["sgd_param_diff"] < 1e-6, r
+    assert r["adam_moment_rel_diff"] < 1e-4, r
+    for name in ("loss", "policy_loss", "kl", "entropy", "clip_fraction", "grad_norm"):
+        assert r["metric_rel_diff"][name] < 1e-5, (name, r)
+    assert r["metrics"]["clip_fraction"] > 0 and r["metrics"]["kl"] > 0, r  # every loss term is live
+    assert r["logprob_diff"] < 1e-5 and r["logprob_replicated"], r
+    # Parameters and Adam moments sharded by the model's rules; counters and the step replicated.
+    assert r["specs"]["params/layers/q_proj"] == "P(None, 'fsdp', 'tensor')", r
+    assert r["specs"]["params/embed"] == "P('tensor', 'fsdp')", r
+    assert r["specs"]["mu/layers/q_proj"] == r["specs"]["params/layers/q_proj"], r
+    assert r["specs"]["nu/lm_head"] == "P('fsdp', 'tensor')", r
+    assert r["specs"]["count"] == "P()" and r["specs"]["step"] == "P()", r
+    assert r["donated"] and r["compiles"] == 1, r
+    assert r["bad_micro_error"] and "micro_batch_size" in r["bad_micro_error"], r
+
+
+def test_train_loop_on_mesh_equals_single_device():
+    r = _child("loop")
+    single, sharded = r["single"], r["mesh"]
+    assert len(single["rows"]) == len(sharded["rows"]) == 4
+    for a, b in zip(single["rows"], sharded["rows"]):
+        # Same samples (the sampler is exact on the mesh), so rewards and lengths agree exactly.
+        for key in ("reward", "accuracy", "response_length", "groups_kept"):
+            assert a[key] == b[key], (key, a, b)
+        for key in ("loss", "policy_loss", "entropy", "grad_norm"):
+            assert abs(a[key] - b[key]) <= 1e-4 * max(1.0, abs(a[key])), (key, a, b)
+    assert r["final_param_diff"] < 1e-4, r
+    assert r["ref_on_mesh"] and r["state_on_mesh"], r
+
+
+# ---- the subprocess side ----------------------------------------------------------------------------------
+
+def _spec_name(sharding) -> str:
+    return str(sharding.spec)
+
+
+def _step_checks() -> dict:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+
+    from jaxrl_llm import models
+    from jaxrl_llm.models.sharding import make_mesh, param_shardings
+    from jaxrl_llm.objectives import aggregate_denominator
+    from jaxrl_llm.train.config import AlgorithmSection, ConfigError, OptimSection, load_config
+    from jaxrl_llm.train.packing import pack_groups, unpack
+    from jaxrl_llm.train.setup import batch_shardings, check_mesh_fits, place
+    from jaxrl_llm.train.state import init_state, make_optimizer, state_shardings
+    from jaxrl_llm.train.step import make_logprob_fn, make_train_step
+
+    assert jax.device_count() == 8, jax.devices()
+    config = models.ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+                                num_kv_heads=2, head_dim=8, tie_word_embeddings=False)
+    params = models.init_params(config, jax.random.PRNGKey(0))
+    mesh = make_mesh(MESH)
+    p_sharding, b_sharding = param_shardings(params, mesh), batch_shardings(mesh)
+
+    # 8 prompts with 3 responses each -> 8 packed rows = 2 micro-batches of 4 (one row per device pair).
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(1, 64, size=rng.integers(2, 7)).tolist() for _ in range(8)]
+    responses = rng.integers(1, 64, size=(24, 6)).astype(np.int32)
+    lengths = rng.integers(1, 7, size=24)
+    members = [np.arange(3 * g, 3 * g + 3) for g in range(8)]
+    mask = (np.arange(6)[None] < lengths[:, None]).astype(np.float32)
+    probe = pack_groups(prompts, members, responses, lengths, row_multiple=4)
+    logp_single = np.asarray(make_logprob_fn(config)(params, probe))
+    sharded_logprob = make_logprob_fn(config, param_sharding=p_sharding, batch_sharding=b_sharding)
+    logp_mesh = sharded_logprob(place(params, p_sharding), place(probe, b_sharding))
+    logp = unpack(logp_single, members, 24) * mask
+    adv = rng.choice([-1.0, 0.5, 1.0], size=(24, 1)).astype(np.float32) * mask
+    old = (logp + rng.normal(0, 0.3, logp.shape).astype(np.float32)) * mask  # ratios != 1: clipping is live
+    ref = (logp + rng.normal(0, 0.3, logp.shape).astype(np.float32)) * mask
+    batch = pack_groups(prompts, members, responses, lengths, advantages=adv, old_logp=old, ref_logp=ref,
+                        row_multiple=4)
+    algo = AlgorithmSection(loss="clip", kl_coef=0.1, entropy_coef=0.01)
+    denom = np.float32(aggregate_denominator(mask, algo.agg))
+
+    def run(optimizer, sharded: bool, steps: int = 2):
+        state = init_state(jax.tree_util.tree_map(jnp.array, params), optimizer)  # fresh buffers: donated
+        s_sharding = state_shardings(state, optimizer, p_sharding) if sharded else None
+        step = make_train_step(config, algo, optimizer, micro_batch_size=4, state_sharding=s_sharding,
+                               batch_sharding=b_sharding if sharded else None)
+        state = place(state, s_sharding)
+        placed = place(batch, b_sharding if sharded else None)
+        history = []
+        for _ in range(steps):
+            previous = state
+            state, metrics = step(state, placed, denom)
+            history.append({k: float(v) for k, v in metrics.items()})
+        donated = all(x.is_deleted() for x in jax.tree_util.tree_leaves(previous))
+        return state, history, donated, step._cache_size()
+
+    sgd = optax.sgd(0.5)
+    s_single, _, _, _ = run(sgd, False)
+    s_mesh, _, _, _ = run(sgd, True)
+    sgd_diff = max(float(np.abs(np.asarray(a) - np.asarray(b)).max())
+                   for a, b in zip(jax.tree_util.tree_leaves(s_single.params), jax.tree_util.tree_leaves(s_mesh.params)))
+
+    adamw = make_optimizer(OptimSection(lr=1e-2, weight_decay=0.01))
+    a_single, m_single, _, _ = run(adamw, False)
+    a_mesh, m_mesh, donated, compiles = run(adamw, True)
+    adam_single, adam_mesh = a_single.opt_state[1][0], a_mesh.opt_state[1][0]  # ScaleByAdamState
+    moment_diff = 0.0
+    for a, b in zip(jax.tree_util.tree_leaves((adam_single.mu, adam_single.nu)),
+                    jax.tree_util.tree_leaves((adam_mesh.mu, adam_mesh.nu))):
+        a, b = np.asarray(a), np.asarray(b)
+        moment_diff = max(moment_diff, float(np.abs(a - b).max() / max(np.abs(a).max(), 1e-30)))
+    metric_diff = {k: max(abs(x[k] - y[k]) / max(abs(x[k]), 1e-8) for x, y in zip(m_single, m_mesh))
+                   for k in m_single[0]}
+    specs = {
+        "params/layers/q_proj": _spec_name(a_mesh.params["layers"]["q_proj"].sharding),
+        "params/embed": _spec_name(a_mesh.params["embed"].sharding),
+        "mu/layers/q_proj": _spec_name(adam_mesh.mu["layers"]["q_proj"].sharding),
+        "nu/lm_head": _spec_name(adam_mesh.nu["lm_head"].sharding),
+        "count": _spec_name(adam_mesh.count.sharding),
+        "step": _spec_name(a_mesh.step.sharding),
+    }
+    bad_micro = None
+    try:
+        check_mesh_fits(mesh, load_config(None, [f"train.mesh={MESH}", "optim.micro_batch_size=2"]))
+    except ConfigError as err:
+        bad_micro = str(err)
+    return {"sgd_param_diff": sgd_diff, "adam_moment_rel_diff": moment_diff, "metric_rel_diff": metric_diff,
+            "metrics": m_single[0], "logprob_diff": float(np.abs(np.asarray(logp_mesh) - logp_single).max()),
+            "logprob_replicated": bool(logp_mesh.sharding.is_fully_replicated), "specs": specs,
+            "donated": donated, "compiles": compiles, "bad_micro_error": bad_micro}
+
+
+def _loop_checks() -> dict:
+    import jax
+    import numpy as np
+    from safetensors.numpy import load_file
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    from loop_runner import TINY_RUN, tiny_policy
+
+    from jaxrl_llm.train import load_config
+    from jaxrl_llm.train import setup as setup_lib
+    from jaxrl_llm.train.loop import train
+
+    out = {}
+    seen = {}
+    original_setup = setup_lib.setup_run
+
+    def recording_setup(config, *, policy=None):  # note where the run put its arrays
+        run = original_setup(config, policy=policy)
+        seen["ref"] = run.ref_params is not None and all(
+            len(x.sharding.device_set) == 8 for x in jax.tree_util.tree_leaves(run.ref_params))
+        seen["state"] = all(len(x.sharding.device_set) == 8 for x in jax.tree_util.tree_leaves(run.state))
+        return run
+
+    import jaxrl_llm.train.loop as loop_lib
+
+    loop_lib.setup_run = recording_setup
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, extra in (("single", []), ("mesh", [f"train.mesh={MESH}"])):
+            run_dir = pathlib.Path(tmp) / name
+            # kl_coef > 0 keeps a reference policy, so its placement is checked too
+            overrides = TINY_RUN + [f"train.out_dir={run_dir}", "algorithm.kl_coef=0.01", *extra]
+            train(load_config(None, overrides), policy=tiny_policy(), log=lambda *a: None)
+            rows = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines() if l.strip()]
+            out[name] = {"rows": [r for r in rows if "accuracy" in r],
+                         "params": load_file(str(run_dir / "final" / "model.safetensors"))}
+    diff = max(float(np.abs(out["single"]["params"][k].astype(np.float64) - v).max())
+               for k, v in out["mesh"]["params"].items())
+    return {"single": {"rows": out["single"]["rows"]}, "mesh": {"rows": out["mesh"]["rows"]},
+            "final_param_diff": diff, "ref_on_mesh": seen["ref"], "state_on_mesh": seen["state"]}
+
+
+if __name__ == "__main__":
+    result = _step_checks() if sys.argv[1] == "step" else _loop_checks()
+    print("RESULT", json.dumps(result), flush=True)
