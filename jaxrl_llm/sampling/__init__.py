@@ -1,7 +1,8 @@
 """JAX sampling loop: prefill each prompt once, then a `lax.while_loop` decode over a static KV cache.
 
 `generate(params, config, prompts, *, num_samples, max_new_tokens, ...) -> Rollout` is the entry
-point; `prefill`, `decode` and `collect` are its stages (used by the benchmark to time them apart).
+point; `prefill`, `decode` and `collect` are its stages (used by the benchmark to time them apart);
+`sample_tokens` is the same sampler as one traceable function of fixed shapes, for use inside `jit`.
 """
 
 from jaxrl_llm.sampling.buckets import SamplingPlan, bucket_size, make_plan
@@ -17,9 +18,10 @@ from jaxrl_llm.sampling.generate import (
     prefill,
 )
 from jaxrl_llm.sampling.token_selection import inverse_cdf_sample, nucleus_mask, select_tokens
+from jaxrl_llm.sampling.traceable import SampledTokens, sample_tokens
 
 __all__ = [
     "generate", "Rollout", "FINISH_STOP", "FINISH_LENGTH", "FINISH_REASON_NAMES",
     "prefill", "decode", "collect", "SamplingState", "SamplingPlan", "make_plan", "bucket_size",
-    "select_tokens", "inverse_cdf_sample", "nucleus_mask",
+    "select_tokens", "inverse_cdf_sample", "nucleus_mask", "sample_tokens", "SampledTokens",
 ]
