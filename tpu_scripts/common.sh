@@ -1,5 +1,4 @@
 # shellcheck shell=bash
-# shellcheck disable=SC2034  # settings read by the scripts that source this file
 # Settings and helpers shared by the tpu_scripts/*.sh commands (sourced, not run).
 #
 # Every setting is an environment variable with a default:

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# shellcheck source-path=SCRIPTDIR
 # Creates a TPU VM or pod slice and waits until every worker is READY.
 set -euo pipefail
 

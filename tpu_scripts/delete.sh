@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# shellcheck source-path=SCRIPTDIR
 # Deletes the slice (and its queued resource when QUEUED=1). Checkpoints on the workers' disks go with it:
 # keep train.out_dir in the mounted bucket (install.sh BUCKET=...).
 set -euo pipefail

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# shellcheck source-path=SCRIPTDIR
 # Installs jaxrl_llm on every worker of the slice: the code (git clone, or this checkout's HEAD),
 # Python 3.11, `bash scripts/setup.sh`, JAX's TPU runtime, and optionally a Cloud Storage bucket mounted
 # at the same path on every worker for models, data and checkpoints.
@@ -12,6 +13,8 @@ Code: with REPO_URL every worker clones it and checks out GIT_REF (default: main
 checkout's committed HEAD is packed with `git archive` and copied to every worker (uncommitted changes
 are not sent). Then on every worker: python3.11 from apt when missing, `bash scripts/setup.sh` (a .venv with
 jaxrl_llm and the bundled model) and `jax[tpu]` at the version setup.sh installed.
+PYTHON_BIN (default python3.11) must be a final release >= 3.11; when apt has none, install one (deadsnakes,
+uv) and point PYTHON_BIN at it.
 BUCKET: mounts gs://BUCKET with gcsfuse at MOUNT_POINT on every worker. A preempted slice loses its disks,
 so put train.out_dir (checkpoints, metrics), model.source and the data files under MOUNT_POINT.
 Settings: tpu_scripts/common.sh.

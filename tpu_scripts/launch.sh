@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# shellcheck source-path=SCRIPTDIR
 # Runs the same `jaxrl-llm train --distributed` on every worker of the slice (one JAX process per host)
 # and waits for it; the output of all workers is streamed here and appended to a local log.
 set -euo pipefail

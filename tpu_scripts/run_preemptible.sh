@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# shellcheck source-path=SCRIPTDIR
 # Keeps a training run going on a preemptible (Spot) slice: launch, and whenever the slice is preempted,
 # recreate it, reinstall and relaunch with --resume from the latest checkpoint, until the run finishes.
 set -euo pipefail
