@@ -107,7 +107,8 @@ def init_distributed() -> tuple[int, int]:
     """
     import jax
 
-    if not jax.distributed.is_initialized():
+    already = getattr(jax.distributed, "is_initialized", lambda: False)  # not in every supported JAX version
+    if not already():
         kwargs = {}
         for env, key in (("JAX_NUM_PROCESSES", "num_processes"), ("JAX_PROCESS_ID", "process_id")):
             value = os.environ.get(env, "").strip()
