@@ -1,6 +1,7 @@
 """The fully jitted RL iteration (jaxrl_llm.train.fused) and its on-device reward, against the host path:
-the reward equals the host verifier, `sample_tokens` equals `generate`, one fused iteration's update
-equals `make_train_step` on the same rollouts, and a scan of K iterations equals K calls."""
+the reward equals the host verifier, the sampler inside the fused program (`sample_tokens`) equals
+`generate`, one fused iteration's update equals `make_train_step` on the same rollouts, and a scan of K
+iterations equals K calls."""
 
 import random
 
@@ -12,7 +13,7 @@ import pytest
 
 from jaxrl_llm import models, rewards
 from jaxrl_llm.rewards.extract import last_boxed
-from jaxrl_llm.sampling import generate, sample_tokens
+from jaxrl_llm.sampling import generate
 from jaxrl_llm.train import load_config
 from jaxrl_llm.train.algorithms import sequence_advantages, token_advantages
 from jaxrl_llm.train.config import AlgorithmSection, SamplingSection
@@ -117,7 +118,10 @@ HOST_ONLY = [("\\boxed{\\frac{10}{2}}", "5"), ("The answer is 5", "5"), ("#### 5
              ("\\boxed{2+3}", "5"), ("\\boxed{--5}", "5")]
 
 
-def device_and_host(tokenizer, cases):
+@pytest.fixture(scope="module")
+def verdicts(smol_tokenizer):
+    """(device, host) rewards of AGREEING + HOST_ONLY, tokenized by the bundled SmolLM2 tokenizer."""
+    tokenizer, cases = smol_tokenizer, AGREEING + HOST_ONLY
     stop = tokenizer.stop_ids[0]
     ids = [tokenizer.encode(text) for text, _ in cases]
     width = max(len(i) for i in ids) + 1
@@ -127,25 +131,25 @@ def device_and_host(tokenizer, cases):
         row = row + [stop] if r % 2 else row  # half the rows end with the stop token, as sampled ones do
         tokens[r, :len(row)] = row
         lengths[r] = len(row)
-    table = token_bytes(tokenizer, tokenizer.vocab_size)
     golds = [gold for _, gold in cases]
     device = np.asarray(jax.jit(boxed_integer_reward)(jnp.asarray(tokens), jnp.asarray(lengths),
-                                                      jnp.asarray(gold_integers(golds)), table))
+                                                      jnp.asarray(gold_integers(golds)),
+                                                      token_bytes(tokenizer, tokenizer.vocab_size)))
     # the host path of train.rollouts.sample_and_score: decode without special tokens, then verify
     texts = [tokenizer.decode(list(row[:n]), skip_special_tokens=True) for row, n in zip(tokens, lengths)]
     host = np.asarray(rewards.correctness_reward(texts, golds), np.float32)
     return device, host
 
 
-def test_device_reward_equals_host_verifier_on_model_style_responses(smol_tokenizer):
-    device, host = device_and_host(smol_tokenizer, AGREEING)
+def test_device_reward_equals_host_verifier_on_model_style_responses(verdicts):
+    device, host = (v[:len(AGREEING)] for v in verdicts)
     for (text, gold), d, h in zip(AGREEING, device, host):
         assert d == h, (text, gold, d, h)
     assert 8 <= host.sum() <= len(AGREEING) - 8  # both verdicts are well represented
 
 
-def test_device_reward_is_zero_where_only_the_host_verifier_is_lenient(smol_tokenizer):
-    device, host = device_and_host(smol_tokenizer, HOST_ONLY)
+def test_device_reward_is_zero_where_only_the_host_verifier_is_lenient(verdicts):
+    device, host = (v[len(AGREEING):] for v in verdicts)
     assert host.tolist() == [1.0] * len(HOST_ONLY)
     assert device.tolist() == [0.0] * len(HOST_ONLY)
 
@@ -168,46 +172,52 @@ def test_gold_integers_and_bad_answers():
 
 # ---- sampler, update, scan ----------------------------------------------------------------------------------
 
-def test_sample_tokens_equals_generate(tiny):
-    config, params = tiny
-    prompts = toy_prompts(2, seed=1)
-    rng = jax.random.key(7)
-    got = jax.jit(lambda p, t, n, r: sample_tokens(p, config, t, n, r, samples_per_prompt=4, max_new_tokens=6,
-                                                   stop_ids=(STOP, 5), pad_id=0))(
-        params, prompts.tokens, prompts.lengths, rng)
-    want = generate(params, config, [list(t[:n]) for t, n in zip(prompts.tokens, prompts.lengths)], num_samples=4,
-                    max_new_tokens=6, stop_ids=(STOP, 5), rng=rng, pad_id=0)
-    np.testing.assert_array_equal(np.asarray(got.tokens), want.tokens)
-    np.testing.assert_array_equal(np.asarray(got.lengths), want.lengths)
-    np.testing.assert_allclose(np.asarray(got.logprobs), want.logprobs, atol=1e-6)
-    assert 0 < want.lengths.min() and want.lengths.min() < 6  # some rows stopped early
-
-
 ALGO = AlgorithmSection()  # GRPO, clip 0.2, token-mean, no KL: the demo's algorithm
 SAMPLING = SamplingSection(prompts_per_step=4, samples_per_prompt=4, max_new_tokens=8)
+# Adam with a large eps: the update g / (|g| + eps) is smooth in the gradient, so float reassociation
+# between differently compiled programs cannot flip the sign of a near-zero component's update
+OPTIMIZER = optax.adam(1e-2, eps=1e-3)
 
 
-def fused(config, optimizer, keep_rollouts=True):
-    return make_fused_iteration(config, ALGO, optimizer, sampling=SAMPLING, token_table=toy_table(),
-                                micro_batch_size=2, stop_ids=(STOP,), pad_id=0, keep_rollouts=keep_rollouts)
+def fresh_state(params):
+    return init_state(jax.tree_util.tree_map(jnp.array, params), OPTIMIZER)  # iterations donate their state
 
 
-def test_fused_update_equals_train_step_on_the_same_rollouts(tiny):
-    """SGD with lr 1 makes the parameter change the gradient itself, so the two updates are compared
-    component by component: fused (fixed-slot packing on device) vs host packing + make_train_step."""
+@pytest.fixture(scope="module")
+def iteration(tiny):
+    return make_fused_iteration(tiny[0], ALGO, OPTIMIZER, sampling=SAMPLING, token_table=toy_table(),
+                                micro_batch_size=2, stop_ids=(STOP,), pad_id=0, keep_rollouts=True)
+
+
+@pytest.fixture(scope="module")
+def first_iteration(tiny, iteration):
+    """One fused iteration from the initial policy: (prompts, rng, new state, metrics as numpy)."""
+    prompts, rng = toy_prompts(4), jax.random.key(3)
+    state, metrics = iteration(fresh_state(tiny[1]), rng, jax.tree_util.tree_map(jnp.asarray, prompts))
+    return prompts, rng, state, jax.tree_util.tree_map(np.asarray, metrics)
+
+
+def test_fused_rollouts_equal_generate(tiny, first_iteration):
+    """`sample_tokens` inside the fused program draws what `generate` draws for the same prompts and rng."""
     config, params = tiny
-    optimizer = optax.sgd(1.0)
-    prompts = toy_prompts(4)
-    start = jax.tree_util.tree_map(np.asarray, params)
-    fresh = init_state(jax.tree_util.tree_map(jnp.array, params), optimizer)  # the iteration donates its state
-    state, metrics = fused(config, optimizer)(fresh, jax.random.key(3),
-                                              jax.tree_util.tree_map(jnp.asarray, prompts))
-    out = jax.tree_util.tree_map(np.asarray, metrics)
+    prompts, rng, _, out = first_iteration
+    want = generate(params, config, [list(t[:n]) for t, n in zip(prompts.tokens, prompts.lengths)], num_samples=4,
+                    max_new_tokens=8, stop_ids=(STOP,), rng=rng, pad_id=0)
+    np.testing.assert_array_equal(out["tokens"], want.tokens)
+    np.testing.assert_array_equal(out["lengths"], want.lengths)
+    np.testing.assert_allclose(out["logprobs"], want.logprobs, atol=1e-6)
+    assert want.lengths.min() < 8 < want.lengths.max() + 1  # some rows stopped early, some ran to the end
+
+
+def test_fused_update_equals_train_step_on_the_same_rollouts(tiny, first_iteration):
+    """The fused update (fixed-slot packing on device) against host packing + make_train_step on the
+    same rollouts, rewards and advantages, from the same initial state."""
+    config, params = tiny
+    prompts, _, state, out = first_iteration
     group = np.repeat(np.arange(4), 4)
-    # the rollouts' rewards, by the host verifier on their text
+    # the device verdicts equal the host verifier on the rollouts' text
     texts = [toy_decode(t, n) for t, n in zip(out["tokens"], out["lengths"])]
-    host_correct = np.asarray(rewards.correctness_reward(texts, ["1"] * len(texts)), np.float32)
-    np.testing.assert_array_equal(out["correct"], host_correct)
+    np.testing.assert_array_equal(out["correct"], rewards.correctness_reward(texts, ["1"] * len(texts)))
     mixed = [len(set(out["rewards"][group == g])) > 1 for g in range(4)]
     assert sum(mixed) >= 2, out["rewards"]  # non-zero advantages: the update is not trivially zero
 
@@ -221,34 +231,28 @@ def test_fused_update_equals_train_step_on_the_same_rollouts(tiny):
     [(batch, denom, _)] = build_train_batches(scored, advantages, scored.logprobs, np.zeros_like(mask), ALGO,
                                               mini_batches=1, micro_batch_size=2, pad_id=0,
                                               rng=np.random.default_rng(0))
-    host_state, host_metrics = make_train_step(config, ALGO, optimizer, micro_batch_size=2)(
-        init_state(jax.tree_util.tree_map(jnp.asarray, start), optimizer), batch, np.float32(denom))
+    host_state, host_metrics = make_train_step(config, ALGO, OPTIMIZER, micro_batch_size=2)(
+        fresh_state(params), batch, np.float32(denom))
     for name in ("loss", "grad_norm"):
         np.testing.assert_allclose(out[name], np.asarray(host_metrics[name]), rtol=1e-4, atol=1e-7)
     assert out["grad_norm"] > 1e-3
-    flat_fused = jax.tree_util.tree_leaves(state.params)
-    flat_host = jax.tree_util.tree_leaves(host_state.params)
-    for a, b, p in zip(flat_fused, flat_host, jax.tree_util.tree_leaves(start)):
-        np.testing.assert_allclose(np.asarray(a) - p, np.asarray(b) - p, atol=2e-6)
+    moved = 0.0
+    for a, b, p in zip(*(jax.tree_util.tree_leaves(x) for x in (state.params, host_state.params, params))):
+        np.testing.assert_allclose(np.asarray(a) - p, np.asarray(b) - p, atol=1e-5)
+        moved = max(moved, float(np.abs(np.asarray(a) - p).max()))
+    assert moved > 1e-3
 
 
-def test_scan_of_k_iterations_equals_k_calls(tiny):
-    config, params = tiny
-    # Adam with a large eps: near-zero gradient components move smoothly, so float reassociation between
-    # the scanned and the separately compiled programs cannot flip an update's sign
-    optimizer = optax.adam(1e-2, eps=1e-3)
-    iteration = fused(config, optimizer, keep_rollouts=False)
+def test_scan_of_k_iterations_equals_k_calls(tiny, iteration):
     batches = [toy_prompts(4, seed=k) for k in range(3)]
     stacked = PromptBatch(*(jnp.asarray(np.stack(x)) for x in zip(*batches)))
     rng = jax.random.key(11)
-    copy = lambda: init_state(jax.tree_util.tree_map(jnp.array, params), optimizer)  # noqa: E731
-    scanned, scan_metrics = make_fused_loop(iteration)(copy(), rng, stacked)
-    state = copy()
-    rewards_seen = []
+    scanned, scan_metrics = make_fused_loop(iteration)(fresh_state(tiny[1]), rng, stacked)
+    state = fresh_state(tiny[1])
     for k, batch in enumerate(batches):
         state, metrics = iteration(state, jax.random.fold_in(rng, k), jax.tree_util.tree_map(jnp.asarray, batch))
-        rewards_seen.append(float(metrics["reward"]))
-    np.testing.assert_allclose(np.asarray(scan_metrics["reward"]), rewards_seen, atol=1e-6)
+        np.testing.assert_array_equal(np.asarray(scan_metrics["tokens"][k]), np.asarray(metrics["tokens"]))
+        np.testing.assert_allclose(float(scan_metrics["reward"][k]), float(metrics["reward"]), atol=1e-6)
     assert int(scanned.step) == int(state.step) == 3
     for a, b in zip(jax.tree_util.tree_leaves(scanned.params), jax.tree_util.tree_leaves(state.params)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
