@@ -62,7 +62,7 @@ class SamplingSection:
     top_k: int = 0  # keep only the k most likely tokens; 0 disables it
     allocation: str = "uniform"  # "uniform" or "gvm" (GVM dynamic allocation, jaxrl_llm/train/gvm.py)
     # GVM: stage 1 draws N' samples per prompt to estimate p_i and G_i; stage 2 spends prompts x N''.
-    gvm_stage1_samples: int = 8  # N'
+    gvm_stage1_samples: int = 8  # N': stage-1 samples per prompt
     gvm_samples_per_prompt: int = 8  # N'': stage-2 budget per prompt (samples_per_prompt is unused with gvm)
     gvm_alpha: float = 1e-3  # alpha in w_i = G_i / sqrt(p_i + alpha / p_i^(beta - 1))
     gvm_beta: float = 2.0  # beta in the same rule
