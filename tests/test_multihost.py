@@ -1,6 +1,7 @@
 """Two local processes x 4 simulated CPU devices, joined by `jax.distributed.initialize` on localhost
 (cross-process CPU collectives over gloo), train a tiny policy on one data=2,fsdp=2,tensor=2 mesh and
-match one process holding all 8 devices: same rewards, losses and final parameters. Only process 0
+match a single-process, single-device run: same rewards, and losses and final parameters to float
+tolerance. Only process 0
 writes metrics, TensorBoard events, log lines and the exported model; checkpoints are written through
 orbax by both. This file is also the worker script (`python tests/test_multihost.py ID COUNT PORT DIR`)."""
 
@@ -27,7 +28,9 @@ def _free_port() -> int:
 
 def _launch(process_id: int, num_processes: int, port: int, out_dir: pathlib.Path, devices: int):
     env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu")
-    return subprocess.Popen([sys.executable, __file__, str(process_id), str(num_processes), str(port), str(out_dir)],
+    mesh = MESH if num_processes > 1 else ""  # the reference: one process, one device
+    return subprocess.Popen([sys.executable, __file__, str(process_id), str(num_processes), str(port), str(out_dir),
+                             mesh],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
 
 
@@ -59,35 +62,39 @@ def test_two_processes_match_one_process(tmp_path):
 
     one, two = tmp_path / "one", tmp_path / "two"
     port = _free_port()
-    procs = [_launch(0, 1, 0, one, 8)] + [_launch(i, 2, port, two, 4) for i in range(2)]
+    procs = [_launch(0, 1, 0, one, 1)] + [_launch(i, 2, port, two, 4) for i in range(2)]
     (ref_out, _), (out0, _), (out1, _) = _finish(procs)
 
     for out, index in ((out0, 0), (out1, 1)):
         s = _summary(out)
         assert (s["process"], s["processes"], s["devices"], s["local_devices"]) == (index, 2, 8, 4), s
         assert s["status"] == "done", s
-    # Only process 0 logs, writes metrics (one line per step and evaluation, not two) and TensorBoard.
-    assert "eval before training" in out0 and "eval before training" not in out1
+        # Verification split over processes: 5 samples -> process 0 checks 3, process 1 checks 2, and
+        # both end with all 5 verdicts.
+        assert s["scored_here"] == [3, 2][index], s
+        assert s["verdicts"] == [True, False, True, True, False] and s["rewards"] == [1.0, 0.0, 1.0, 1.0, 0.0], s
+    # Only process 0 logs, writes metrics (one line per step, not two) and TensorBoard events.
+    assert "samples drawn:" in out0 and "samples drawn:" not in out1
     ref_rows, rows = _rows(one), _rows(two)
-    assert len(rows) == len(ref_rows) == STEPS + 2  # eval before, the steps, eval after
+    assert len(rows) == len(ref_rows) == STEPS
     assert len(list((two / "tensorboard").glob("events.*"))) == 1
     for a, b in zip(ref_rows, rows):
         assert a["step"] == b["step"]
-        for key in ("reward", "accuracy", "response_length", "eval_accuracy"):
+        for key in ("reward", "accuracy", "response_length", "groups_kept"):
             assert a.get(key) == b.get(key), (key, a, b)
         for key in ("loss", "policy_loss", "kl", "entropy", "grad_norm"):
             if key in a:
-                assert abs(a[key] - b[key]) <= 1e-5 * max(1.0, abs(a[key])), (key, a, b)
+                assert abs(a[key] - b[key]) <= 1e-4 * max(1.0, abs(a[key])), (key, a, b)
     # Both processes took part in every orbax save (a save is a collective: a missing process hangs it).
     assert sorted(int(p.name) for p in (two / "checkpoints").iterdir() if p.name.isdigit()) == [1, 2]
     ref_params = load_file(str(one / "final" / "model.safetensors"))
     params = load_file(str(two / "final" / "model.safetensors"))
     assert ref_params.keys() == params.keys()
     for name, value in ref_params.items():
-        np.testing.assert_allclose(params[name], value, atol=1e-6, err_msg=name)
+        np.testing.assert_allclose(params[name], value, atol=1e-4, err_msg=name)
 
 
-def _worker(process_id: int, num_processes: int, port: int, out_dir: str) -> None:
+def _worker(process_id: int, num_processes: int, port: int, out_dir: str, mesh: str) -> None:
     import jax
 
     if num_processes > 1:
@@ -97,15 +104,28 @@ def _worker(process_id: int, num_processes: int, port: int, out_dir: str) -> Non
     from loop_runner import TINY_RUN, tiny_policy
 
     from jaxrl_llm.train import load_config
+    from jaxrl_llm.train.config import AlgorithmSection, SamplingSection
     from jaxrl_llm.train.loop import train
+    from jaxrl_llm.train.rollouts import RewardScorer
+    from jaxrl_llm.train.setup import ProcessShareScorer
 
-    overrides = TINY_RUN + [f"train.out_dir={out_dir}", f"train.mesh={MESH}", f"train.steps={STEPS}",
-                            "algorithm.kl_coef=0.01"]
+    # No evaluation (it compiles the sampler for a second shape); kl_coef > 0 keeps a reference policy.
+    overrides = TINY_RUN + [f"train.out_dir={out_dir}", f"train.mesh={mesh}", f"train.steps={STEPS}",
+                            "train.eval_problems=0", "algorithm.kl_coef=0.01"]
     summary = train(load_config(None, overrides), policy=tiny_policy())
+
+    seen = []
+    inner = RewardScorer(AlgorithmSection(), SamplingSection(), timeout=5.0, workers=0)
+    counting = lambda texts, golds, lengths: seen.append(len(texts)) or inner(texts, golds, lengths)  # noqa: E731
+    scorer = ProcessShareScorer(counting)
+    texts = ["so \\boxed{3}", "\\boxed{4}", "\\boxed{1/2}", "\\boxed{0.5}", "no answer"]
+    verdicts, rewards = scorer(texts, ["3", "5", "0.5", "1/2", "7"], [5, 5, 5, 5, 5])
     print("SUMMARY", json.dumps({"process": jax.process_index(), "processes": jax.process_count(),
                                  "devices": jax.device_count(), "local_devices": jax.local_device_count(),
-                                 "status": summary["status"]}), flush=True)
+                                 "status": summary["status"], "scored_here": sum(seen),
+                                 "verdicts": [bool(v) for v in verdicts], "rewards": [float(r) for r in rewards]}),
+          flush=True)
 
 
 if __name__ == "__main__":
-    _worker(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
+    _worker(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5])

@@ -24,9 +24,10 @@ def _child(mode: str) -> dict:
 
 def test_sharded_step_equals_single_device():
     r = _child("step")
-    # SGD: the parameter change is the summed gradient itself, so this pins the gradients.
-    assert r["sgd_param_diff"] < 1e-6, r
+    # Adam's moments after two updates pin both gradients (mu = 0.1 g1 after the first); the parameters
+    # carry float noise amplified by Adam's g / sqrt(v) (a flipped sign would move one by 2 lr = 2e-2).
     assert r["adam_moment_rel_diff"] < 1e-4, r
+    assert r["adam_param_diff"] < 1e-4, r
     for name in ("loss", "policy_loss", "kl", "entropy", "clip_fraction", "grad_norm"):
         assert r["metric_rel_diff"][name] < 1e-5, (name, r)
     assert r["metrics"]["clip_fraction"] > 0 and r["metrics"]["kl"] > 0, r  # every loss term is live
@@ -44,7 +45,7 @@ def test_sharded_step_equals_single_device():
 def test_train_loop_on_mesh_equals_single_device():
     r = _child("loop")
     single, sharded = r["single"], r["mesh"]
-    assert len(single["rows"]) == len(sharded["rows"]) == 4
+    assert len(single["rows"]) == len(sharded["rows"]) == 3
     for a, b in zip(single["rows"], sharded["rows"]):
         # Same samples (the sampler is exact on the mesh), so rewards and lengths agree exactly.
         for key in ("reward", "accuracy", "response_length", "groups_kept"):
@@ -65,7 +66,6 @@ def _step_checks() -> dict:
     import jax
     import jax.numpy as jnp
     import numpy as np
-    import optax
 
     from jaxrl_llm import models
     from jaxrl_llm.models.sharding import make_mesh, param_shardings
@@ -118,12 +118,6 @@ def _step_checks() -> dict:
         donated = all(x.is_deleted() for x in jax.tree_util.tree_leaves(previous))
         return state, history, donated, step._cache_size()
 
-    sgd = optax.sgd(0.5)
-    s_single, _, _, _ = run(sgd, False)
-    s_mesh, _, _, _ = run(sgd, True)
-    sgd_diff = max(float(np.abs(np.asarray(a) - np.asarray(b)).max())
-                   for a, b in zip(jax.tree_util.tree_leaves(s_single.params), jax.tree_util.tree_leaves(s_mesh.params)))
-
     adamw = make_optimizer(OptimSection(lr=1e-2, weight_decay=0.01))
     a_single, m_single, _, _ = run(adamw, False)
     a_mesh, m_mesh, donated, compiles = run(adamw, True)
@@ -133,6 +127,8 @@ def _step_checks() -> dict:
                     jax.tree_util.tree_leaves((adam_mesh.mu, adam_mesh.nu))):
         a, b = np.asarray(a), np.asarray(b)
         moment_diff = max(moment_diff, float(np.abs(a - b).max() / max(np.abs(a).max(), 1e-30)))
+    adam_param_diff = max(float(np.abs(np.asarray(a) - np.asarray(b)).max()) for a, b in zip(
+        jax.tree_util.tree_leaves(a_single.params), jax.tree_util.tree_leaves(a_mesh.params)))
     metric_diff = {k: max(abs(x[k] - y[k]) / max(abs(x[k]), 1e-8) for x, y in zip(m_single, m_mesh))
                    for k in m_single[0]}
     specs = {
@@ -148,7 +144,7 @@ def _step_checks() -> dict:
         check_mesh_fits(mesh, load_config(None, [f"train.mesh={MESH}", "optim.micro_batch_size=2"]))
     except ConfigError as err:
         bad_micro = str(err)
-    return {"sgd_param_diff": sgd_diff, "adam_moment_rel_diff": moment_diff, "metric_rel_diff": metric_diff,
+    return {"adam_param_diff": adam_param_diff, "adam_moment_rel_diff": moment_diff, "metric_rel_diff": metric_diff,
             "metrics": m_single[0], "logprob_diff": float(np.abs(np.asarray(logp_mesh) - logp_single).max()),
             "logprob_replicated": bool(logp_mesh.sharding.is_fully_replicated), "specs": specs,
             "donated": donated, "compiles": compiles, "bad_micro_error": bad_micro}
@@ -184,7 +180,8 @@ def _loop_checks() -> dict:
         for name, extra in (("single", []), ("mesh", [f"train.mesh={MESH}"])):
             run_dir = pathlib.Path(tmp) / name
             # kl_coef > 0 keeps a reference policy, so its placement is checked too
-            overrides = TINY_RUN + [f"train.out_dir={run_dir}", "algorithm.kl_coef=0.01", *extra]
+            overrides = TINY_RUN + [f"train.out_dir={run_dir}", "algorithm.kl_coef=0.01", "train.steps=3",
+                                    "train.eval_problems=0", *extra]
             train(load_config(None, overrides), policy=tiny_policy(), log=lambda *a: None)
             rows = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines() if l.strip()]
             out[name] = {"rows": [r for r in rows if "accuracy" in r],
