@@ -2,6 +2,7 @@
 
 import json
 import pathlib
+import shutil
 import sys
 
 import pytest
@@ -10,13 +11,15 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 NOTEBOOK = ROOT / "examples" / "colab_gvm_raft.ipynb"
 KERNEL = "jaxrl-llm-test"
 
-# The smallest setting that still exercises both GVM stages, the update, evaluation and the plots.
+# The smallest setting that still exercises both GVM stages, the update, evaluation and the plots. 16 new tokens
+# fit the 3-shot prompt's answer ("2 - 7 = -5 \\boxed{-5}"), so stage 1 accepts samples and stage 2 runs. Evaluation
+# has the shape of a training step (2 prompts x 2 samples), so the sampler compiles once for both.
 TINY = """\
 STEPS = 1
 PROMPTS_PER_STEP = 2
 SAMPLES_PER_PROMPT = 2
 MAX_NEW_TOKENS = 16
-EVAL_PROBLEMS = 4
+EVAL_PROBLEMS = 2
 EVAL_SAMPLES = 2
 OUT_DIR = {out_dir!r}
 """
@@ -67,8 +70,15 @@ def test_notebook_runs_end_to_end_on_cpu(tmp_path, monkeypatch):
     nb.cells.insert(parameter_cell_index(nb) + 1, injected)
     client = nbclient.NotebookClient(nb, timeout=900, kernel_name=KERNEL,
                                      resources={"metadata": {"path": str(ROOT)}})
-    client.execute()  # raises CellExecutionError, naming the cell, when any cell fails
+    try:
+        client.execute()  # raises CellExecutionError, naming the cell, when any cell fails
+        check_outputs(nb, tmp_path / "runs")
+    finally:
+        shutil.rmtree(tmp_path / "runs", ignore_errors=True)  # two runs' checkpoints and exports: ~4 GB
 
+
+def check_outputs(nb, runs: pathlib.Path) -> None:
+    """What the executed notebook printed, plotted and logged."""
     text = "\n".join(out.get("text", "") for cell in nb.cells if cell.cell_type == "code"
                      for out in cell.get("outputs", []) if out.get("output_type") == "stream")
     assert "backend cpu" in text
@@ -81,8 +91,8 @@ def test_notebook_runs_end_to_end_on_cpu(tmp_path, monkeypatch):
     assert raftpp_line.split()[1:3] == ["2", "8"], raftpp_line
     images = [out for cell in nb.cells for out in cell.get("outputs", []) if "image/png" in out.get("data", {})]
     assert len(images) == 2, "the allocation plot and the learning curves"
-    assert (tmp_path / "runs" / "gvm_raftpp" / "metrics.jsonl").is_file()
-    rows = [json.loads(line) for line in (tmp_path / "runs" / "gvm_raftpp" / "metrics.jsonl").read_text().splitlines()]
+    assert (runs / "gvm_raftpp" / "metrics.jsonl").is_file()
+    rows = [json.loads(line) for line in (runs / "gvm_raftpp" / "metrics.jsonl").read_text().splitlines()]
     allocation = [row for row in rows if "gvm_n" in row]
     assert allocation and all(len(row["gvm_n"]) == 2 for row in allocation)
     assert "log-prob of the rewarded response" in text
