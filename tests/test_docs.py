@@ -146,3 +146,12 @@ def test_undocumented_field_is_an_error_naming_it():
 def test_yaml_value_reads_back(value, text):
     assert _generator().yaml_value(value) == text
     assert yaml.safe_load(text) == value
+
+
+def test_relative_links_resolve():
+    broken = []
+    for page in DOCS + [ROOT / "README.md"]:
+        for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", page.read_text(encoding="utf-8")):
+            if not re.match(r"[a-z]+:", target) and not (page.parent / target).exists():
+                broken.append(f"{page.relative_to(ROOT)} -> {target}")
+    assert not broken, f"links to missing files: {broken}"
