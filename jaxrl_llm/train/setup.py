@@ -117,10 +117,12 @@ def setup_run(config: RunConfig, *, policy=None) -> Run:
     # An independent copy: the train step donates (and so frees) the state's parameter buffers.
     ref_params = place(jax.tree_util.tree_map(jnp.copy, params), param_sharding) if needs_reference(
         cfg.algorithm) else None
-    state = init_state(params, optimizer)
-    if mesh is not None:
-        state_sharding = state_shardings(state, optimizer, param_sharding)
-        state = place(state, state_sharding)
+    if mesh is None:
+        state = init_state(params, optimizer)
+    else:  # the optimizer state is created in place, already sharded like its parameters (one program)
+        make_state = lambda p: init_state(p, optimizer)  # noqa: E731
+        state_sharding = state_shardings(jax.eval_shape(make_state, params), optimizer, param_sharding)
+        state = jax.jit(make_state, out_shardings=state_sharding)(params)
     out_dir = pathlib.Path(cfg.train.out_dir)
     train_records = load_prompts(cfg.data.train, tokenizer, cfg)
     eval_records = load_prompts(cfg.data.eval, tokenizer, cfg)[:cfg.train.eval_problems]
