@@ -54,6 +54,7 @@ def test_train_loop_on_mesh_equals_single_device():
             assert abs(a[key] - b[key]) <= 1e-4 * max(1.0, abs(a[key])), (key, a, b)
     assert r["final_param_diff"] < 1e-4, r
     assert r["ref_on_mesh"] and r["state_on_mesh"], r
+    assert r["restored_step"] == 3 and r["restored_shardings"] and r["restored_equals_export"], r
 
 
 # ---- the subprocess side ----------------------------------------------------------------------------------
@@ -186,10 +187,22 @@ def _loop_checks() -> dict:
             rows = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines() if l.strip()]
             out[name] = {"rows": [r for r in rows if "accuracy" in r],
                          "params": load_file(str(run_dir / "final" / "model.safetensors"))}
+            if name == "mesh":  # the last checkpoint restores onto the mesh, as the run left it
+                run = original_setup(load_config(None, overrides), policy=tiny_policy())
+                step, state, _ = run.checkpointer.restore(run.state)
+                out["restored_step"] = step
+                out["restored_shardings"] = all(
+                    a.sharding == b for a, b in zip(jax.tree_util.tree_leaves(state),
+                                                    jax.tree_util.tree_leaves(run.state_sharding)))
+                final = jax.device_get(state.params)
+                run.close()
     diff = max(float(np.abs(out["single"]["params"][k].astype(np.float64) - v).max())
                for k, v in out["mesh"]["params"].items())
+    exported = out["mesh"]["params"]["model.embed_tokens.weight"]
     return {"single": {"rows": out["single"]["rows"]}, "mesh": {"rows": out["mesh"]["rows"]},
-            "final_param_diff": diff, "ref_on_mesh": seen["ref"], "state_on_mesh": seen["state"]}
+            "final_param_diff": diff, "ref_on_mesh": seen["ref"], "state_on_mesh": seen["state"],
+            "restored_step": out["restored_step"], "restored_shardings": out["restored_shardings"],
+            "restored_equals_export": bool(np.array_equal(np.asarray(final["embed"]), exported))}
 
 
 if __name__ == "__main__":
