@@ -1,9 +1,9 @@
 """Two local processes x 4 simulated CPU devices, joined by `jax.distributed.initialize` on localhost
 (cross-process CPU collectives over gloo), train a tiny policy on one data=2,fsdp=2,tensor=2 mesh and
 match a single-process, single-device run: same rewards, and losses and final parameters to float
-tolerance. Only process 0
-writes metrics, TensorBoard events, log lines and the exported model; checkpoints are written through
-orbax by both. This file is also the worker script (`python tests/test_multihost.py ID COUNT PORT DIR`)."""
+tolerance. Only process 0 writes metrics, TensorBoard events, log lines and the exported model;
+checkpoints are written through orbax by both. This file is also the worker script
+(`python tests/test_multihost.py ID COUNT PORT DIR MESH`)."""
 
 import json
 import os
