@@ -143,7 +143,7 @@ def run_ours(config, params, batch, *, micro_batch: int, repeats: int, pieces: b
     algo = AlgorithmSection()
     optimizer = make_optimizer(OptimSection())
     batch = jax.tree_util.tree_map(jnp.asarray, batch)
-    denom = aggregate_denominator(batch.mask, algo.agg)
+    denom = aggregate_denominator(batch.mask.reshape(-1, batch.mask.shape[-1]), algo.agg)
     step = make_train_step(config, algo, optimizer, micro_batch_size=micro_batch)
     # The step donates its state: keep our own copy of the weights for the other measurements.
     state = init_state(jax.tree_util.tree_map(jnp.copy, params), optimizer)
