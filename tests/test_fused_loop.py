@@ -281,3 +281,26 @@ def test_check_fused_config_names_the_key(override, key):
     check_fused_config(load_config(None, []))  # the demo config runs fused
     with pytest.raises(ValueError, match=key.replace(".", r"\.")):
         check_fused_config(load_config(None, [override]))
+
+
+class CharTokenizer:
+    """One token per ASCII character; `spaced` decodes with a space between tokens (not concatenative)."""
+
+    vocab_size = 128
+
+    def __init__(self, spaced=False):
+        self.spaced = spaced
+
+    def encode(self, text):
+        return [ord(c) for c in text]
+
+    def decode(self, ids, skip_special_tokens=True):
+        return (" " if self.spaced else "").join(chr(i) for i in ids)
+
+
+def test_token_bytes_refuses_a_tokenizer_whose_decode_is_not_concatenation():
+    table = token_bytes(CharTokenizer(), 130)
+    assert table.bytes[ord("{"), :table.lengths[ord("{")]].tolist() == [123]
+    assert table.lengths.tolist() == [1] * 128 + [0, 0]
+    with pytest.raises(ValueError, match="not the concatenation"):
+        token_bytes(CharTokenizer(spaced=True), 128)

@@ -52,7 +52,10 @@ def token_bytes(tokenizer, vocab_size: int) -> TokenBytes:
     """The byte table of `tokenizer` for ids 0..vocab_size-1 (the model's embedding rows).
 
     Token i's entry is the UTF-8 of `tokenizer.decode([i], skip_special_tokens=True)`; ids the
-    tokenizer does not know (embedding padding rows) are empty.
+    tokenizer does not know (embedding padding rows) are empty. This is exact for byte-level BPE
+    vocabularies (SmolLM2, Qwen2, Llama 3), whose decoded text is the concatenation of the tokens'
+    bytes; a tokenizer whose decode rewrites spaces between tokens (SentencePiece's leading-space
+    marker) is refused, checked on a probe answer.
     """
     known = min(vocab_size, int(tokenizer.vocab_size))
     hf = getattr(tokenizer, "hf", None)
@@ -68,6 +71,11 @@ def token_bytes(tokenizer, vocab_size: int) -> TokenBytes:
     for i, raw in enumerate(encoded):
         table[i, :len(raw)] = np.frombuffer(raw, np.uint8)
         lengths[i] = len(raw)
+    probe = "7 - 9 = -2 \\boxed{-2}\n \\boxed {12}."
+    ids = [i for i in tokenizer.encode(probe) if i < vocab_size]
+    if b"".join(encoded[i] for i in ids) != tokenizer.decode(ids, skip_special_tokens=True).encode("utf-8"):
+        raise ValueError("token_bytes: this tokenizer's decoded text is not the concatenation of its tokens' "
+                         "decoded bytes, so the on-device reward cannot rebuild response text from token ids")
     return TokenBytes(table, lengths)
 
 
