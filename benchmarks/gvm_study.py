@@ -49,18 +49,32 @@ def load_policy(model: str):
     return config, models.init_params(config, jax.random.PRNGKey(0)), tokenizer
 
 
+def toy_overrides(toy: str | None) -> list[str]:
+    """Config overrides for the setting written by benchmarks/gvm_toy_setting.py into directory `toy`."""
+    if not toy:
+        return []
+    folder = pathlib.Path(toy)
+    missing = [name for name in ("train.jsonl", "eval.jsonl", "model") if not (folder / name).exists()]
+    if missing:
+        raise SystemExit(f"--toy {folder}: missing {missing}; run benchmarks/gvm_toy_setting.py --out {folder} first")
+    return [f"data.train={{kind: jsonl, path: {folder / 'train.jsonl'}}}",
+            f"data.eval={{kind: jsonl, path: {folder / 'eval.jsonl'}}}", "data.prompt=raw",
+            "sampling.max_new_tokens=10", "train.eval_problems=200"]
+
+
 def run_config(algorithm: str, gvm: bool, seed: int, args, out_dir: pathlib.Path):
     """The preset with the study's budget: steps and eval interval from the samples one step draws."""
     from jaxrl_llm.train import load_config
 
     preset = ROOT / "configs" / (f"gvm_{algorithm}.yaml" if gvm else f"{algorithm}.yaml")
-    base = load_config(preset, args.set)
+    overrides = [*toy_overrides(args.toy), *args.set]
+    base = load_config(preset, overrides)
     s = base.sampling
     per_step = s.prompts_per_step * ((s.gvm_stage1_samples + s.gvm_samples_per_prompt) if gvm
                                      else s.samples_per_prompt)
     steps = max(1, args.sample_budget // per_step)
     eval_every = max(1, round(args.eval_every_samples / per_step))
-    return load_config(preset, [*args.set, f"train.steps={steps}", f"train.eval_every={eval_every}",
+    return load_config(preset, [*overrides, f"train.steps={steps}", f"train.eval_every={eval_every}",
                                 f"train.seed={seed}", f"data.seed={seed}", f"train.out_dir={out_dir}",
                                 "train.save_every=0"])
 
@@ -148,13 +162,15 @@ def main() -> None:
     parser.add_argument("--eval-every-samples", type=int, default=512)
     parser.add_argument("--target", type=float, default=0.5, help="held-out accuracy to reach")
     parser.add_argument("--model", default="bundled", help="'bundled', an HF folder, a .gguf file, or 'tiny'")
+    parser.add_argument("--toy", default=None, metavar="DIR",
+                        help="the setting written by benchmarks/gvm_toy_setting.py (data, prompt and lengths)")
     parser.add_argument("--out", default="runs/gvm_study")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="config override applied to every run, e.g. optim.lr=2e-5 (repeatable)")
     args = parser.parse_args()
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    policy = load_policy(args.model)
+    policy = load_policy(str(pathlib.Path(args.toy) / "model") if args.toy and args.model == "bundled" else args.model)
     results = []
     for algorithm in args.algorithms.split(","):
         for seed in [int(s) for s in args.seeds.split(",")]:
