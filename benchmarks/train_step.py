@@ -206,9 +206,9 @@ def run_torch(config, params, tokens, adv, old_logp, prompt_len: int, *, dtype: 
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        first.setdefault("loss", float(loss))
-        first.setdefault("entropy", float(entropy))
-        first.setdefault("grad_norm", float(grad_norm))
+        first.setdefault("loss", loss.item())
+        first.setdefault("entropy", entropy.item())
+        first.setdefault("grad_norm", grad_norm.item())
 
     first = {}
     step = median_time(one_step, repeats, warm_up=True)
