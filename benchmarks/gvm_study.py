@@ -58,7 +58,7 @@ def toy_overrides(toy: str | None) -> list[str]:
     if missing:
         raise SystemExit(f"--toy {folder}: missing {missing}; run benchmarks/gvm_toy_setting.py --out {folder} first")
     return [f"data.train={{kind: jsonl, path: {folder / 'train.jsonl'}}}",
-            f"data.eval={{kind: jsonl, path: {folder / 'eval.jsonl'}}}", "data.prompt=raw",
+            f"data.eval={{kind: jsonl, path: {folder / 'eval.jsonl'}}}", "data.prompt=bare",
             "sampling.max_new_tokens=10", "train.eval_problems=200"]
 
 

@@ -7,8 +7,8 @@ Writes OUT/model (an HF folder: config.json, model.safetensors, a character-leve
 OUT/train.jsonl (the RL prompts) and OUT/eval.jsonl (held-out prompts), and prints the fine-tuned
 model's held-out greedy accuracy per difficulty. Difficulty = the operands' digit counts (1 to 3 each):
 the fine-tuned model solves most one-digit sums, some two-digit and few three-digit ones, so stage 1 of
-GVM sees every acceptance rate from 0 to 1. Prompts use the data preset "raw"
-("Question: 27+385\\nAnswer:") and the model answers " #### 412", which the verifier reads as GSM8K's
+GVM sees every acceptance rate from 0 to 1. Prompts use the data preset "bare"
+("27+385=") and the model answers " #### 412", which the verifier reads as GSM8K's
 final-answer marker.
 
 The study then runs on it (about an hour on 2 CPU cores):
@@ -58,7 +58,7 @@ def make_problems(rng: np.random.Generator, count: int) -> list[dict]:
 def prompt_text(question: str) -> str:
     from jaxrl_llm.data import prompt_template
 
-    return prompt_template("raw").render(question)
+    return prompt_template("bare").render(question)
 
 
 def sft(model_config, params, tokenizer, problems: list[dict], steps: int, batch: int, lr: float, seed: int, log):
@@ -125,7 +125,7 @@ def greedy_accuracy(model_config, params, tokenizer, problems: list[dict]) -> di
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="runs/gvm_toy")
-    parser.add_argument("--sft-steps", type=int, default=600)
+    parser.add_argument("--sft-steps", type=int, default=1500)
     parser.add_argument("--sft-batch", type=int, default=64)
     parser.add_argument("--sft-lr", type=float, default=3e-3)
     parser.add_argument("--seed", type=int, default=0)

@@ -192,3 +192,8 @@ def test_default_shard_is_the_jax_process():
     assert [_ids(next(implicit)) for _ in range(6)] == [_ids(next(explicit)) for _ in range(6)]
     with pytest.raises(ValueError, match="fewer than batch_size"):
         RecordBatches(RECORDS[:3], LoaderConfig(batch_size=4, shard_index=0, shard_count=1))
+
+
+def test_bare_prompt_is_question_and_equals_sign():
+    assert prompt_template("bare").render("27+385") == "27+385="
+    assert prompt_template("bare", fewshot=[("1+1", "2")]).render("3+4") == "1+1= 2\n\n3+4="

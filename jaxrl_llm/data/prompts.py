@@ -87,6 +87,8 @@ PROMPT_PRESETS = {
     "arithmetic-3shot": PromptTemplate(system=None, user_suffix="",
                                        fewshot=ARITHMETIC_EXEMPLARS + (("Calculate 2 - 7.", "2 - 7 = -5 \\boxed{-5}"),)),
     "raw": PromptTemplate(chat=False),
+    # The bare question and "=" (for small models trained from scratch on a procedural task).
+    "bare": PromptTemplate(chat=False, system=None, user_suffix="", raw_format="{question}="),
 }
 
 
