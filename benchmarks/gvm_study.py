@@ -94,14 +94,16 @@ def train_once(config, policy) -> dict:
     total_s = time.perf_counter() - started
     rows = read_metrics(config.train.out_dir)
     curve = [{"samples": 0, "step": 0, "train_s": 0.0, "accuracy": summary["eval_before"]["accuracy"]}]
-    train_s = 0.0
-    for row in rows:
-        train_s += row["time_wall_s"]
-        if "eval_accuracy" in row:
-            curve.append({"samples": row["samples_drawn"], "step": row["step"], "train_s": train_s,
+    train_s, samples = 0.0, 0
+    for row in rows:  # step rows carry time and samples; evaluation rows carry only the step and accuracy
+        train_s += row.get("time_wall_s", 0.0)
+        samples = row.get("samples_drawn", samples)
+        if "eval_accuracy" in row and row["step"] > 0:
+            curve.append({"samples": samples, "step": row["step"], "train_s": train_s,
                           "accuracy": row["eval_accuracy"]})
-    curve.append({"samples": summary["samples_drawn"], "step": config.train.steps, "train_s": train_s,
-                  "accuracy": summary["eval_after"]["accuracy"]})
+    if curve[-1]["step"] != config.train.steps:
+        curve.append({"samples": summary["samples_drawn"], "step": config.train.steps, "train_s": train_s,
+                      "accuracy": summary["eval_after"]["accuracy"]})
     gvm_rows = [r for r in rows if "gvm_n" in r]
     return {"curve": curve, "total_s": total_s, "samples_drawn": summary["samples_drawn"],
             "steps": config.train.steps, "final_accuracy": summary["eval_after"]["accuracy"],
