@@ -42,6 +42,10 @@ class ModelConfig:
     bias (Llama / Qwen3 with `attention_bias: true` in config.json); `qk_norm` is Qwen3's RMSNorm
     over head_dim applied to q and k before RoPE. `remat` recomputes each layer in the backward pass
     (`jax.checkpoint`); `remat_policy` (one of REMAT_POLICIES) says what the layer saves.
+    `attention_block_size` (None or a positive int) computes full-sequence attention in tiles of that
+    many queries x keys with an online softmax, so no [B, H, T, T] scores are held (long packed rows);
+    the KV-cache path is unaffected. Like `remat` it is a runtime setting: never read from or written
+    to config.json.
     """
 
     vocab_size: int
@@ -66,6 +70,7 @@ class ModelConfig:
     compute_dtype: str = "float32"
     remat: bool = False
     remat_policy: str = "full"
+    attention_block_size: int | None = None
 
     def __post_init__(self):
         if self.model_type not in SUPPORTED_MODEL_TYPES:
@@ -77,6 +82,9 @@ class ModelConfig:
                 raise ValueError(f"{name} must be one of {_DTYPES}, got {getattr(self, name)!r}")
         if self.remat_policy not in REMAT_POLICIES:
             raise ValueError(f"remat_policy must be one of {REMAT_POLICIES}, got {self.remat_policy!r}")
+        block = self.attention_block_size
+        if block is not None and (isinstance(block, bool) or not isinstance(block, int) or block < 1):
+            raise ValueError(f"attention_block_size must be a positive int or None, got {block!r}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"

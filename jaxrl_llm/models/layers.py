@@ -92,6 +92,97 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.
     return out.transpose(0, 3, 1, 2, 4).reshape(batch, length, num_heads * head_dim)
 
 
+def attention_keep_mask(q_positions: jax.Array, k_positions: jax.Array, *, q_segments: jax.Array | None = None,
+                        k_segments: jax.Array | None = None, key_mask: jax.Array | None = None) -> jax.Array:
+    """Which keys each query may attend to, [B, Tq, Tk] bool: key j is visible to query i iff
+    k_positions[j] <= q_positions[i] (causal by position), key_mask[j] != 0 (when given) and, with
+    segments, k_segments[j] is q_segments[i] or 0 (packed rows: segment 0 is a shared prefix)."""
+    keep = k_positions[:, None, :] <= q_positions[:, :, None]
+    if key_mask is not None:
+        keep = keep & (key_mask[:, None, :] != 0)
+    if q_segments is not None:
+        same = k_segments[:, None, :] == q_segments[:, :, None]
+        keep = keep & (same | (k_segments[:, None, :] == 0))
+    return keep
+
+
+def _blocks(x: jax.Array, num_blocks: int) -> jax.Array:
+    """[B, T, ...] -> [num_blocks, B, T / num_blocks, ...] (block axis first, for lax.scan)."""
+    return jnp.moveaxis(x.reshape(x.shape[0], num_blocks, x.shape[1] // num_blocks, *x.shape[2:]), 1, 0)
+
+
+def _pad_time(x: jax.Array, length: int) -> jax.Array:
+    return jnp.pad(x, [(0, 0), (0, length - x.shape[1])] + [(0, 0)] * (x.ndim - 2))
+
+
+def blocked_attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array, block_size: int, *,
+                      segment_ids: jax.Array | None = None, key_mask: jax.Array | None = None) -> jax.Array:
+    """Self-attention equal to `attention(q, k, v, attention_keep_mask(positions, positions, ...))`
+    without materialising the [B, H, T, T] scores: FlashAttention's online softmax (Dao et al. 2022;
+    Milakov & Gimelshein 2018) over tiles of `block_size` queries x `block_size` keys.
+
+    Per query block, for key blocks j = 1..n with tile scores s_j (masked entries = the same finite
+    floor as `attention`): m_j = max(m_{j-1}, max s_j), l_j = l_{j-1} e^(m_{j-1} - m_j) + sum e^(s_j - m_j),
+    acc_j = acc_{j-1} e^(m_{j-1} - m_j) + e^(s_j - m_j) v_j; out = acc_n / l_n. The result does not
+    depend on m, so m is held constant under differentiation. Both the query-block and the key-tile
+    computations are rematerialised (jax.checkpoint), so the backward pass keeps one query block's
+    running sums per key block and one tile of scores at a time.
+
+    q [B, T, H, d]; k, v [B, T, KV, d]; positions, segment_ids, key_mask [B, T]. T need not be a
+    multiple of the block: queries and keys are padded and padded keys get weight exactly 0.
+    Returns [B, T, H * d] in v's dtype.
+    """
+    batch, length, num_heads, head_dim = q.shape
+    num_kv = k.shape[2]
+    group = num_heads // num_kv
+    block = min(block_size, length)
+    num_blocks = -(-length // block)
+    padded = num_blocks * block
+    real_key = jnp.arange(padded) < length  # padded keys are excluded outright (-inf), not floored
+    q = (q * jnp.asarray(head_dim ** -0.5, q.dtype))
+    q, k, v, positions = (_pad_time(x, padded) for x in (q, k, v, positions))
+    segments = None if segment_ids is None else _pad_time(segment_ids, padded)
+    valid = None if key_mask is None else _pad_time(key_mask, padded)
+    # Tiles in the layout of `attention`: a KV head's query group and positions merged into one axis.
+    q_blocks = _blocks(q.reshape(batch, padded, num_kv, group, head_dim), num_blocks)  # [n, B, b, KV, G, d]
+    q_blocks = q_blocks.transpose(0, 1, 3, 4, 2, 5).reshape(num_blocks, batch, num_kv, group * block, head_dim)
+    k_blocks = _blocks(k, num_blocks).transpose(0, 1, 3, 2, 4)  # [n, B, KV, b, d]
+    v_blocks = _blocks(v, num_blocks).transpose(0, 1, 3, 2, 4)
+    key_inputs = (k_blocks, v_blocks, _blocks(positions, num_blocks), real_key.reshape(num_blocks, block),
+                  None if segments is None else _blocks(segments, num_blocks),
+                  None if valid is None else _blocks(valid, num_blocks))
+    floor = jnp.finfo(jnp.float32).min
+
+    def query_block(query_inputs):
+        qb, q_pos, q_seg = query_inputs
+
+        def key_tile(carry, key_in):
+            m_prev, l_prev, acc_prev = carry
+            kb, vb, k_pos, k_real, k_seg, k_valid = key_in
+            keep = attention_keep_mask(q_pos, k_pos, q_segments=q_seg, k_segments=k_seg, key_mask=k_valid)
+            scores = jnp.einsum("bkqd,bksd->bkqs", qb, kb, preferred_element_type=jnp.float32)
+            scores = scores.reshape(batch, num_kv, group, block, block)
+            scores = jnp.where(keep[:, None, None], scores, floor)
+            scores = jnp.where(k_real, scores, -jnp.inf).reshape(batch, num_kv, group * block, block)
+            m = jax.lax.stop_gradient(jnp.maximum(m_prev, scores.max(axis=-1)))
+            rescale = jnp.exp(m_prev - m)
+            probs = jnp.exp(scores - m[..., None])
+            l = l_prev * rescale + probs.sum(axis=-1)
+            acc = acc_prev * rescale[..., None] + jnp.einsum(
+                "bkqs,bksd->bkqd", probs.astype(vb.dtype), vb, preferred_element_type=jnp.float32)
+            return (m, l, acc), None
+
+        rows = (batch, num_kv, group * block)
+        init = (jnp.full(rows, floor), jnp.zeros(rows, jnp.float32), jnp.zeros((*rows, head_dim), jnp.float32))
+        (_, l, acc), _ = jax.lax.scan(jax.checkpoint(key_tile, prevent_cse=False), init, key_inputs)
+        return (acc / l[..., None]).astype(v.dtype)
+
+    q_side = (q_blocks, _blocks(positions, num_blocks), None if segments is None else _blocks(segments, num_blocks))
+    out = jax.lax.map(jax.checkpoint(query_block, prevent_cse=False), q_side)  # [n, B, KV, G*b, d]
+    out = out.reshape(num_blocks, batch, num_kv, group, block, head_dim).transpose(1, 0, 4, 2, 3, 5)
+    return out.reshape(batch, padded, num_heads * head_dim)[:, :length]
+
+
 def swiglu_mlp(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array) -> jax.Array:
     """SwiGLU feed-forward (Shazeer 2020): (silu(x W_gate) * (x W_up)) W_down."""
     dtype = x.dtype

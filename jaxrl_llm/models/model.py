@@ -17,7 +17,8 @@ import jax
 import jax.numpy as jnp
 
 from jaxrl_llm.models.config import ModelConfig
-from jaxrl_llm.models.layers import apply_rope, attention, rms_norm, rope_inv_freq, swiglu_mlp
+from jaxrl_llm.models.layers import (apply_rope, attention, attention_keep_mask, blocked_attention, rms_norm,
+                                    rope_inv_freq, swiglu_mlp)
 
 Params = dict
 
@@ -147,18 +148,25 @@ def hidden_states(params: Params, config: ModelConfig, tokens: jax.Array, positi
     0. Packing several responses after one shared prompt (segment 0), each response restarting its
     positions where the prompt ends, gives every response exactly the logits of its own unpacked row.
     tokens, positions, segment_ids: int32 [B, T].
+
+    With `config.attention_block_size` set, attention runs in query x key tiles of that size with an
+    online softmax (`layers.blocked_attention`): the same values without the [B, H, T, T] scores.
     """
-    keep = positions[:, None, :] <= positions[:, :, None]  # [B, T(query), T(key)]
-    if attention_mask is not None:
-        keep = keep & (attention_mask[:, None, :] != 0)
-    if segment_ids is not None:
+    block_size = config.attention_block_size
+    if block_size is None:
         # Packed rows: a token sees its own segment and segment 0 (a shared prefix such as the prompt).
-        keep = keep & ((segment_ids[:, None, :] == segment_ids[:, :, None]) | (segment_ids[:, None, :] == 0))
+        keep = attention_keep_mask(positions, positions, q_segments=segment_ids, k_segments=segment_ids,
+                                   key_mask=attention_mask)  # [B, T(query), T(key)]
 
     def layer(x, lp):
         h = rms_norm(x, lp["attn_norm"], config.rms_norm_eps)
         q, k, v = _project_qkv(lp, config, h, positions)
-        return _finish_layer(lp, config, x, attention(q, k, v, keep)), None
+        if block_size is None:
+            attn = attention(q, k, v, keep)
+        else:
+            attn = blocked_attention(q, k, v, positions, block_size, segment_ids=segment_ids,
+                                     key_mask=attention_mask)
+        return _finish_layer(lp, config, x, attn), None
 
     x, _ = jax.lax.scan(_maybe_remat(layer, config), _embed(params, config, tokens), params["layers"])
     return rms_norm(x, params["final_norm"], config.rms_norm_eps)
