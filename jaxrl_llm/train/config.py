@@ -35,6 +35,9 @@ class ModelSection:
     param_dtype: str = "float32"  # dtype of the stored parameters: float32 or bfloat16
     compute_dtype: str = "float32"  # dtype of activations and matmuls in the forward pass
     remat: bool = False  # rematerialise each layer's activations in the backward pass (less memory, more compute)
+    # Attention over training rows in tiles of this many query x key tokens with an online softmax, so no
+    # [rows, heads, L, L] scores are held (long packed rows); null: one full score matrix per layer.
+    attention_block_size: int | None = None
 
 
 @dataclass(frozen=True)
@@ -289,6 +292,7 @@ def validate(config: RunConfig) -> None:
         if d[sec][name] not in allowed:
             raise ConfigError(f"config key '{sec}.{name}' must be one of {sorted(allowed)}, got {d[sec][name]!r}")
     checks = [
+        ("model.attention_block_size", (config.model.attention_block_size or 1) >= 1, "must be >= 1 or null"),
         ("optim.lr", config.optim.lr > 0, "must be > 0"),
         ("optim.weight_decay", config.optim.weight_decay >= 0, "must be >= 0"),
         ("optim.grad_clip", config.optim.grad_clip > 0, "must be > 0"),

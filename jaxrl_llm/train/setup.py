@@ -78,7 +78,8 @@ class Run:
         self.checkpointer.close()
 
 
-def load_policy(source: str, *, param_dtype: str = "float32", compute_dtype: str = "float32", remat: bool = False):
+def load_policy(source: str, *, param_dtype: str = "float32", compute_dtype: str = "float32", remat: bool = False,
+                attention_block_size: int | None = None):
     """(ModelConfig, params, Tokenizer) from "bundled", a .gguf file or an HF folder (config.json + safetensors)."""
     path = pathlib.Path(source).expanduser()
     if source == "bundled":
@@ -90,7 +91,8 @@ def load_policy(source: str, *, param_dtype: str = "float32", compute_dtype: str
         tokenizer = models.Tokenizer.from_pretrained(path)
     else:
         raise FileNotFoundError(f"model.source {source!r} is neither 'bundled', a .gguf file nor an HF model folder")
-    model_config = model_config.replace(param_dtype=param_dtype, compute_dtype=compute_dtype, remat=remat)
+    model_config = model_config.replace(param_dtype=param_dtype, compute_dtype=compute_dtype, remat=remat,
+                                        attention_block_size=attention_block_size)
     return model_config, params, tokenizer
 
 
@@ -106,7 +108,7 @@ def setup_run(config: RunConfig, *, policy=None) -> Run:
     cfg = config
     model_config, params, tokenizer = policy or load_policy(
         cfg.model.source, param_dtype=cfg.model.param_dtype, compute_dtype=cfg.model.compute_dtype,
-        remat=cfg.model.remat)
+        remat=cfg.model.remat, attention_block_size=cfg.model.attention_block_size)
     optimizer = make_optimizer(cfg.optim)
     mesh = param_sharding = state_sharding = batch_sharding = None
     if cfg.train.mesh:
