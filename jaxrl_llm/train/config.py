@@ -292,7 +292,8 @@ def validate(config: RunConfig) -> None:
         if d[sec][name] not in allowed:
             raise ConfigError(f"config key '{sec}.{name}' must be one of {sorted(allowed)}, got {d[sec][name]!r}")
     checks = [
-        ("model.attention_block_size", (config.model.attention_block_size or 1) >= 1, "must be >= 1 or null"),
+        ("model.attention_block_size", config.model.attention_block_size is None
+         or config.model.attention_block_size >= 1, "must be >= 1 or null"),
         ("optim.lr", config.optim.lr > 0, "must be > 0"),
         ("optim.weight_decay", config.optim.weight_decay >= 0, "must be >= 0"),
         ("optim.grad_clip", config.optim.grad_clip > 0, "must be > 0"),
