@@ -8,7 +8,7 @@ OUT/train.jsonl (the RL prompts) and OUT/eval.jsonl (held-out prompts), and prin
 model's held-out greedy accuracy per difficulty. Difficulty = the operands' digit counts (1 to 3 each):
 the fine-tuned model solves most one-digit sums, some two-digit and few three-digit ones, so stage 1 of
 GVM sees every acceptance rate from 0 to 1. Prompts use the data preset "bare"
-("27+385=") and the model answers " #### 412", which the verifier reads as GSM8K's
+("27+385=") and the model answers the sum with its digits reversed, " #### 214", which the verifier reads as GSM8K's
 final-answer marker.
 
 The study then runs on it (about an hour on 2 CPU cores):
@@ -45,13 +45,16 @@ def char_tokenizer():
 
 
 def make_problems(rng: np.random.Generator, count: int) -> list[dict]:
-    """`count` sums a+b; digit counts of a and b drawn uniformly from 1..3 (difficulty = their sum - 1)."""
+    """`count` sums a+b with the answer's digits reversed ("27+385=" -> "214"); digit counts of a and b drawn
+    uniformly from 1..3 (difficulty = their sum - 1)."""
     rows = []
     for _ in range(count):
         da, db = rng.integers(1, 4, size=2)
         a = int(rng.integers(10 ** (da - 1) if da > 1 else 0, 10 ** da))
         b = int(rng.integers(10 ** (db - 1) if db > 1 else 0, 10 ** db))
-        rows.append({"question": f"{a}+{b}", "answer": str(a + b), "difficulty": int(da + db - 1)})
+        # The sum is written least-significant digit first: each answer digit then depends only on digits
+        # already seen, which a three-layer decoder learns in minutes (most-significant first it does not).
+        rows.append({"question": f"{a}+{b}", "answer": str(a + b)[::-1], "difficulty": int(da + db - 1)})
     return rows
 
 
@@ -105,29 +108,37 @@ def sft(model_config, params, tokenizer, problems: list[dict], steps: int, batch
     return params
 
 
-def greedy_accuracy(model_config, params, tokenizer, problems: list[dict]) -> dict[int, float]:
-    """Greedy held-out accuracy per difficulty, through the sampler and the verifier the trainer uses."""
+def success_rates(model_config, params, tokenizer, problems: list[dict], samples: int, temperature: float):
+    """Per-problem fraction of `samples` answers the verifier accepts, through the trainer's sampler."""
     import jax
 
     from jaxrl_llm.rewards import math_reward
     from jaxrl_llm.sampling import generate
 
     prompts = [tokenizer.encode(prompt_text(r["question"])) for r in problems]
-    out = generate(params, model_config, prompts, num_samples=1, max_new_tokens=10, temperature=0.0,
-                   stop_ids=tokenizer.stop_ids, rng=jax.random.PRNGKey(0))
-    by_level: dict[int, list[float]] = {}
-    for row, toks, length in zip(problems, np.asarray(out.tokens), np.asarray(out.lengths)):
-        text = tokenizer.decode([int(t) for t in toks[:length]])
-        by_level.setdefault(row["difficulty"], []).append(math_reward(text, row["answer"]))
-    return {level: float(np.mean(v)) for level, v in sorted(by_level.items())}
+    out = generate(params, model_config, prompts, num_samples=samples, max_new_tokens=10,
+                   temperature=temperature, stop_ids=tokenizer.stop_ids, rng=jax.random.PRNGKey(0))
+    tokens, lengths = np.asarray(out.tokens), np.asarray(out.lengths)
+    rates = np.zeros(len(problems))
+    for i, row in enumerate(problems):
+        for j in range(i * samples, (i + 1) * samples):  # rows are prompt-major
+            text = tokenizer.decode([int(t) for t in tokens[j, :lengths[j]]])
+            rates[i] += math_reward(text, row["answer"]) / samples
+    return rates
+
+
+def by_difficulty(problems: list[dict], values: np.ndarray) -> dict[int, float]:
+    levels = sorted({r["difficulty"] for r in problems})
+    return {lv: round(float(np.mean([v for r, v in zip(problems, values) if r["difficulty"] == lv])), 3)
+            for lv in levels}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="runs/gvm_toy")
-    parser.add_argument("--sft-steps", type=int, default=1500)
+    parser.add_argument("--sft-steps", type=int, default=1600)
     parser.add_argument("--sft-batch", type=int, default=64)
-    parser.add_argument("--sft-lr", type=float, default=3e-3)
+    parser.add_argument("--sft-lr", type=float, default=1e-3)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     import jax
@@ -149,7 +160,7 @@ def main() -> None:
                     rows.append(row)
         return rows
 
-    eval_rows, train_rows, sft_rows = fresh(200), fresh(2000), fresh(4000)
+    eval_rows, train_rows, sft_rows = fresh(200), fresh(2000), fresh(20000)
     for name, rows in (("eval", eval_rows), ("train", train_rows)):
         with open(out / f"{name}.jsonl", "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in rows)
@@ -165,8 +176,12 @@ def main() -> None:
     started = time.perf_counter()
     params = sft(config, params, tokenizer, sft_rows, args.sft_steps, args.sft_batch, args.sft_lr, args.seed, print)
     print(f"sft took {time.perf_counter() - started:.0f}s")
-    accuracy = greedy_accuracy(config, params, tokenizer, eval_rows)
-    print("held-out greedy accuracy by difficulty:", {k: round(v, 2) for k, v in accuracy.items()})
+    greedy = success_rates(config, params, tokenizer, eval_rows, 1, 0.0)
+    print("held-out greedy accuracy by difficulty:", by_difficulty(eval_rows, greedy))
+    rates = success_rates(config, params, tokenizer, eval_rows, 8, 1.0)
+    print("held-out success rate at temperature 1 (8 samples) by difficulty:", by_difficulty(eval_rows, rates))
+    print(f"prompts never solved {np.mean(rates == 0):.2f}, mixed {np.mean((rates > 0) & (rates < 1)):.2f}, "
+          f"always solved {np.mean(rates == 1):.2f}; mean {rates.mean():.3f}")
     models.save_hf(folder, config, params, tokenizer=hf_tokenizer)
     print(f"wrote {folder}, {out / 'train.jsonl'} ({len(train_rows)}), {out / 'eval.jsonl'} ({len(eval_rows)})")
 

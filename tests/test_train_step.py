@@ -8,7 +8,7 @@ from jaxrl_llm import models
 from jaxrl_llm.objectives import aggregate_denominator
 from jaxrl_llm.train.config import AlgorithmSection, OptimSection
 from jaxrl_llm.train.logprobs import response_logprobs, row_logprobs
-from jaxrl_llm.train.packing import bucket, pack_groups, unpack
+from jaxrl_llm.train.packing import bucket, length_bucket, pack_groups, unpack
 from jaxrl_llm.train.state import init_state, make_optimizer
 from jaxrl_llm.train.step import make_logprob_fn, make_train_step
 
@@ -54,6 +54,18 @@ def test_packed_logprobs_equal_one_row_per_sample():
     p = len(prompts[0])
     direct = [float(full[0, p - 1 + r, responses[0, r]]) for r in range(lengths[0])]
     np.testing.assert_allclose(got[0, :lengths[0]], direct, atol=2e-5)
+
+
+def test_length_bucket_grid_by_hand():
+    # four sizes per doubling of the chunk count: 1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16, 20, ...
+    assert [length_bucket(n, 32) for n in (1, 32, 33, 96, 97, 256, 257, 300, 513, 545)] == \
+        [32, 32, 64, 96, 128, 256, 320, 320, 640, 640]
+    assert length_bucket(0, 8) == 8
+    # a packed row's length is bucketed: prompt 3 tokens + responses 5 + 4 tokens = 12 -> 2 chunks of 8 = 16;
+    prompts, responses, lengths = [[1, 2, 3]], np.ones((2, 6), np.int32), np.array([5, 4])
+    assert pack_groups(prompts, [np.array([0, 1])], responses, lengths, seq_multiple=8).tokens.shape == (1, 16)
+    # 9 chunks of 2 (18 tokens) round up to 10 chunks (20 tokens)
+    assert pack_groups([[1] * 9], [np.array([0, 1])], responses, lengths, seq_multiple=2).tokens.shape == (1, 20)
 
 
 def _batch(params, seed=0):
