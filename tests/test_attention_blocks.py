@@ -161,6 +161,19 @@ def test_packed_response_logits_equal_its_unpacked_row():
     np.testing.assert_allclose(np.asarray(packed[0, 12:21]), np.asarray(alone[0, 5:]), rtol=1e-5, atol=1e-5)
 
 
+def test_bfloat16_tiles_err_like_full_bfloat16_attention():
+    # bf16 rounds differently in tiles, so compare both bf16 paths with the f32 logits: similar errors.
+    tokens, positions, segments = _packed_row_inputs()
+    config = TINY.replace(compute_dtype="bfloat16")
+    params = models.init_params(config, jax.random.PRNGKey(0))
+    logits = jax.jit(lambda p, c: models.output_logits(
+        p, c, models.hidden_states(p, c, tokens, positions, segment_ids=segments)), static_argnums=1)
+    exact = np.asarray(logits(params, TINY))
+    err_full = np.max(np.abs(np.asarray(logits(params, config)) - exact))
+    err_blocked = np.max(np.abs(np.asarray(logits(params, config.replace(attention_block_size=8))) - exact))
+    assert err_blocked <= 2 * err_full + 1e-3, (err_blocked, err_full)
+
+
 def test_block_size_validation_and_config_json(tmp_path):
     for bad in (0, -4, 2.5, True, "64"):
         with pytest.raises(ValueError, match="attention_block_size"):
