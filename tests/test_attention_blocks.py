@@ -214,7 +214,8 @@ def _grad_temp_bytes(config, length):
     positions = jnp.arange(length)[None]
     segments = (jnp.arange(length)[None] >= 64).astype(jnp.int32)
     params = jax.eval_shape(lambda: models.init_params(config, jax.random.PRNGKey(0)))
-    compiled = jax.jit(jax.grad(_loss, has_aux=True), static_argnums=1).lower(params, config, tokens, positions, segments).compile()
+    grad = jax.jit(jax.grad(_loss, has_aux=True), static_argnums=1)
+    compiled = grad.lower(params, config, tokens, positions, segments).compile()
     return compiled.memory_analysis().temp_size_in_bytes
 
 

@@ -139,7 +139,7 @@ def blocked_attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.A
     num_blocks = -(-length // block)
     padded = num_blocks * block
     real_key = jnp.arange(padded) < length  # padded keys are excluded outright (-inf), not floored
-    q = (q * jnp.asarray(head_dim ** -0.5, q.dtype))
+    q = q * jnp.asarray(head_dim ** -0.5, q.dtype)
     q, k, v, positions = (_pad_time(x, padded) for x in (q, k, v, positions))
     segments = None if segment_ids is None else _pad_time(segment_ids, padded)
     valid = None if key_mask is None else _pad_time(key_mask, padded)
@@ -157,7 +157,7 @@ def blocked_attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.A
         qb, q_pos, q_seg = query_inputs
 
         def key_tile(carry, key_in):
-            m_prev, l_prev, acc_prev = carry
+            m_prev, denom_prev, acc_prev = carry
             kb, vb, k_pos, k_real, k_seg, k_valid = key_in
             keep = attention_keep_mask(q_pos, k_pos, q_segments=q_seg, k_segments=k_seg, key_mask=k_valid)
             scores = jnp.einsum("bkqd,bksd->bkqs", qb, kb, preferred_element_type=jnp.float32)
@@ -167,15 +167,15 @@ def blocked_attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.A
             m = jax.lax.stop_gradient(jnp.maximum(m_prev, scores.max(axis=-1)))
             rescale = jnp.exp(m_prev - m)
             probs = jnp.exp(scores - m[..., None])
-            l = l_prev * rescale + probs.sum(axis=-1)
+            denom = denom_prev * rescale + probs.sum(axis=-1)
             acc = acc_prev * rescale[..., None] + jnp.einsum(
                 "bkqs,bksd->bkqd", probs.astype(vb.dtype), vb, preferred_element_type=jnp.float32)
-            return (m, l, acc), None
+            return (m, denom, acc), None
 
         rows = (batch, num_kv, group * block)
         init = (jnp.full(rows, floor), jnp.zeros(rows, jnp.float32), jnp.zeros((*rows, head_dim), jnp.float32))
-        (_, l, acc), _ = jax.lax.scan(jax.checkpoint(key_tile, prevent_cse=False), init, key_inputs)
-        return (acc / l[..., None]).astype(v.dtype)
+        (_, denom, acc), _ = jax.lax.scan(jax.checkpoint(key_tile, prevent_cse=False), init, key_inputs)
+        return (acc / denom[..., None]).astype(v.dtype)
 
     q_side = (q_blocks, _blocks(positions, num_blocks), None if segments is None else _blocks(segments, num_blocks))
     out = jax.lax.map(jax.checkpoint(query_block, prevent_cse=False), q_side)  # [n, B, KV, G*b, d]
