@@ -160,6 +160,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--algorithms", default="raftpp,grpo", help="presets A with configs/A.yaml and gvm_A.yaml")
     parser.add_argument("--seeds", default="0,1,2")
+    parser.add_argument("--allocations", default="uniform,gvm", help="which of uniform,gvm to run")
     parser.add_argument("--sample-budget", type=int, default=4096, help="samples drawn per run, both GVM stages")
     parser.add_argument("--eval-every-samples", type=int, default=512)
     parser.add_argument("--target", type=float, default=0.5, help="held-out accuracy to reach")
@@ -169,14 +170,21 @@ def main() -> None:
     parser.add_argument("--out", default="runs/gvm_study")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="config override applied to every run, e.g. optim.lr=2e-5 (repeatable)")
+    parser.add_argument("--from-results", default=None, metavar="A.json,B.json",
+                        help="no training: merge the runs of earlier results.json files (e.g. one process per "
+                             "algorithm), then summarise against --target and plot into --out")
     args = parser.parse_args()
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.from_results:
+        results = [run for path in args.from_results.split(",") for run in json.loads(pathlib.Path(path).read_text())["runs"]]
+        report(results, args, out)
+        return
     policy = load_policy(str(pathlib.Path(args.toy) / "model") if args.toy and args.model == "bundled" else args.model)
     results = []
     for algorithm in args.algorithms.split(","):
         for seed in [int(s) for s in args.seeds.split(",")]:
-            for allocation in ("uniform", "gvm"):
+            for allocation in args.allocations.split(","):
                 run_dir = out / f"{algorithm}-{allocation}-seed{seed}"
                 config = run_config(algorithm, allocation == "gvm", seed, args, run_dir)
                 result = train_once(config, policy)
@@ -184,6 +192,10 @@ def main() -> None:
                 print(f"{algorithm:8s} {allocation:7s} seed {seed}: {result['steps']} steps, "
                       f"{result['samples_drawn']} samples, final accuracy {result['final_accuracy']:.3f}, "
                       f"{result['total_s']:.0f}s", flush=True)
+                report(results, args, out)  # after every run: an interrupted study keeps what it measured
+
+
+def report(results: list[dict], args, out: pathlib.Path) -> None:
     table = summarise(results, args.target)
     (out / "results.json").write_text(json.dumps({"args": vars(args), "summary": table, "runs": results}, indent=1))
     plot(results, out / "accuracy_vs_samples.png", args.target)
