@@ -58,6 +58,23 @@ def make_problems(rng: np.random.Generator, count: int) -> list[dict]:
     return rows
 
 
+def corrupt(rng: np.random.Generator, rows: list[dict], noise_by_difficulty: list[float]) -> list[dict]:
+    """Copies of `rows` in which, with probability noise_by_difficulty[difficulty - 1], one digit of the answer is
+    replaced by a different digit. A model fine-tuned on them is uncertain where the labels were noisy: its
+    success rate at temperature 1 falls with difficulty, and the right answer stays its most likely one, which
+    is what reinforcement learning can then sharpen."""
+    out = []
+    for row in rows:
+        answer = row["answer"]
+        if rng.random() < noise_by_difficulty[min(row["difficulty"], len(noise_by_difficulty)) - 1]:
+            i = int(rng.integers(len(answer)))
+            digit = int(rng.integers(9))
+            digit += digit >= int(answer[i])  # any digit but the true one
+            answer = answer[:i] + str(digit) + answer[i + 1:]
+        out.append({**row, "answer": answer})
+    return out
+
+
 def prompt_text(question: str) -> str:
     from jaxrl_llm.data import prompt_template
 
@@ -139,6 +156,8 @@ def main() -> None:
     parser.add_argument("--sft-steps", type=int, default=1600)
     parser.add_argument("--sft-batch", type=int, default=64)
     parser.add_argument("--sft-lr", type=float, default=1e-3)
+    parser.add_argument("--label-noise", default="0.1,0.2,0.3,0.4,0.5",
+                        help="per difficulty 1..5: probability that a fine-tuning answer has one wrong digit")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     import jax
@@ -174,7 +193,8 @@ def main() -> None:
                                 eos_token_id=tokenizer.eos_token_id)
     params = models.init_params(config, jax.random.PRNGKey(args.seed))
     started = time.perf_counter()
-    params = sft(config, params, tokenizer, sft_rows, args.sft_steps, args.sft_batch, args.sft_lr, args.seed, print)
+    noise = [float(x) for x in args.label_noise.split(",")]
+    params = sft(config, params, tokenizer, corrupt(rng, sft_rows, noise), args.sft_steps, args.sft_batch, args.sft_lr, args.seed, print)
     print(f"sft took {time.perf_counter() - started:.0f}s")
     greedy = success_rates(config, params, tokenizer, eval_rows, 1, 0.0)
     print("held-out greedy accuracy by difficulty:", by_difficulty(eval_rows, greedy))
