@@ -1,19 +1,28 @@
 """The small setting of the GVM study: a character-level addition task of graded difficulty and a tiny
 decoder first fine-tuned with supervised steps until its per-prompt success is mixed.
 
-    .venv/bin/python benchmarks/gvm_toy_setting.py [--out runs/gvm_toy] [--sft-steps 600]
+    .venv/bin/python benchmarks/gvm_toy_setting.py [--out runs/gvm_toy] [--sft-steps 1600]
+        [--label-noise 0.1,0.2,0.3,0.4,0.5]
 
 Writes OUT/model (an HF folder: config.json, model.safetensors, a character-level tokenizer),
 OUT/train.jsonl (the RL prompts) and OUT/eval.jsonl (held-out prompts), and prints the fine-tuned
-model's held-out greedy accuracy per difficulty. Difficulty = the operands' digit counts (1 to 3 each):
-the fine-tuned model solves most one-digit sums, some two-digit and few three-digit ones, so stage 1 of
-GVM sees every acceptance rate from 0 to 1. Prompts use the data preset "bare"
-("27+385=") and the model answers the sum with its digits reversed, " #### 214", which the verifier reads as GSM8K's
-final-answer marker.
+model's held-out greedy accuracy and temperature-1 success rate per difficulty (about 3 min on 2 cores).
 
-The study then runs on it (about an hour on 2 CPU cores):
+Task: a+b with 1 to 3 digits per operand (difficulty = the digit counts' sum - 1, 1 to 5). Prompts use the
+data preset "bare" ("27+385=") and the model answers the sum with its digits reversed, " #### 214" (the
+verifier reads "####" as GSM8K's final-answer marker); least-significant digit first, each answer digit
+depends only on digits already seen, which a three-layer decoder learns in minutes.
 
-    .venv/bin/python benchmarks/gvm_study.py --model runs/gvm_toy/model --toy runs/gvm_toy
+Mixed success: the fine-tuning answers carry one wrong digit with a probability that grows with difficulty
+(`--label-noise`). The model learns the sums (greedy accuracy about 0.98 from difficulty 2 up) but keeps the
+label noise as uncertainty, so at temperature 1 its success falls with difficulty (0.68 at 2 to 0.51 at 5)
+and almost every prompt is solved sometimes: stage 1 of GVM sees acceptance rates across (0, 1), and RL has
+a real signal to sharpen. (Without the noise, the same model is either nearly deterministic, where Adam's
+first updates do more harm than RL's weak signal does good, or, earlier in fine-tuning, confidently wrong.)
+
+The study then runs on it (see benchmarks/README.md for the command and the measured result):
+
+    .venv/bin/python benchmarks/gvm_study.py --toy runs/gvm_toy --set optim.lr=2e-5 ...
 """
 
 from __future__ import annotations
