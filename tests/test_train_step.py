@@ -56,6 +56,24 @@ def test_packed_logprobs_equal_one_row_per_sample():
     np.testing.assert_allclose(got[0, :lengths[0]], direct, atol=2e-5)
 
 
+def test_large_groups_split_into_rows_give_the_same_logprobs():
+    from jaxrl_llm.train.rollouts import row_groups
+
+    params = models.init_params(TINY, jax.random.PRNGKey(1))
+    prompts, members, responses, lengths, _, mask = _samples(groups=3, per_group=5)
+    members = [np.arange(0, 11), np.arange(11, 12), np.arange(12, 15)]  # uneven groups, like GVM's n_i
+    split_prompts, split = row_groups(prompts, members, 4)
+    assert [len(m) for m in split] == [4, 4, 3, 1, 3]
+    assert split_prompts == [prompts[0]] * 3 + [prompts[1], prompts[2]]
+    assert row_groups(prompts, [np.arange(0), members[1]], 4)[1][0].size == 0  # an empty group stays one entry
+    whole = pack_groups(prompts, members, responses, lengths, row_multiple=4)
+    rows = pack_groups(split_prompts, split, responses, lengths, row_multiple=4)
+    assert rows.tokens.shape[1] < whole.tokens.shape[1]  # the longest row got shorter
+    got = unpack(np.asarray(response_logprobs(params, TINY, rows, chunk=16)), split, 15) * mask
+    want = unpack(np.asarray(response_logprobs(params, TINY, whole, chunk=16)), members, 15) * mask
+    np.testing.assert_allclose(got, want, atol=2e-5)
+
+
 def test_length_bucket_grid_by_hand():
     # four sizes per doubling of the chunk count: 1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16, 20, ...
     assert [length_bucket(n, 32) for n in (1, 32, 33, 96, 97, 256, 257, 300, 513, 545)] == \

@@ -113,11 +113,29 @@ def prompt_groups(scored: ScoredRollouts) -> list[np.ndarray]:
     return [np.flatnonzero(scored.prompt_index == g) for g in range(len(scored.records))]
 
 
+def row_groups(prompt_ids: list, groups: list[np.ndarray], max_per_row: int) -> tuple[list, list[np.ndarray]]:
+    """Split groups larger than `max_per_row` into rows of at most that many responses, each row repeating
+    its prompt. With GVM's uneven n_i (one prompt with 60 samples, others with 2) one row per prompt pads
+    every row to the longest; rows of similar size do not. Exact: every per-token quantity (advantages,
+    log-probs, the aggregation denominator) is computed per sample before packing."""
+    prompts, rows = [], []
+    for prompt, members in zip(prompt_ids, groups):
+        for start in range(0, max(len(members), 1), max_per_row):
+            prompts.append(prompt)
+            rows.append(members[start:start + max_per_row])
+    return prompts, rows
+
+
+def max_row_responses(scored: ScoredRollouts) -> int:
+    """Responses per packed row: the power of two at or above the mean group size (uniform groups stay whole)."""
+    return bucket(-(-scored.num_samples // max(1, len(scored.records))))
+
+
 def build_train_batches(scored: ScoredRollouts, advantages: np.ndarray, old_logp: np.ndarray, ref_logp: np.ndarray,
                         algo: AlgorithmSection, *, mini_batches: int, micro_batch_size: int, pad_id: int,
                         rng: np.random.Generator, seq_multiple: int = 32) -> list[tuple[TrainBatch, float, int]]:
     """Split the prompts into `mini_batches` shuffled mini-batches of packed rows (one row per prompt
-    holding its responses) -> [(TrainBatch, denom, samples)].
+    holding its responses, large groups split by `row_groups`) -> [(TrainBatch, denom, samples)].
 
     `denom` is the aggregation denominator of the whole mini-batch, computed before samples whose every
     advantage is 0 are dropped (they add nothing to the policy gradient when the KL and entropy terms
@@ -137,7 +155,9 @@ def build_train_batches(scored: ScoredRollouts, advantages: np.ndarray, old_logp
         kept = sum(len(m) for m in members)
         if kept == 0:
             continue
-        batch = pack_groups([scored.records[g]["prompt_ids"] for g in part], members, scored.tokens, scored.lengths,
+        prompts, members = row_groups([scored.records[g]["prompt_ids"] for g in part], members,
+                                      max_row_responses(scored))
+        batch = pack_groups(prompts, members, scored.tokens, scored.lengths,
                             advantages=advantages, old_logp=old_logp, ref_logp=ref_logp, pad_id=pad_id,
                             row_multiple=micro_batch_size, seq_multiple=seq_multiple)
         out.append((batch, denom, kept))
@@ -147,9 +167,9 @@ def build_train_batches(scored: ScoredRollouts, advantages: np.ndarray, old_logp
 def packed_rollouts(scored: ScoredRollouts, micro_batch_size: int, pad_id: int) -> tuple[TrainBatch, list[np.ndarray]]:
     """Every sample packed by prompt (advantages and log-probs zero): the input of old/reference log-prob
     passes. Returns the batch and the groups to `packing.unpack` its outputs with."""
-    groups = prompt_groups(scored)
-    batch = pack_groups([r["prompt_ids"] for r in scored.records], groups, scored.tokens, scored.lengths,
-                        pad_id=pad_id, row_multiple=micro_batch_size)
+    prompts, groups = row_groups([r["prompt_ids"] for r in scored.records], prompt_groups(scored),
+                                 max_row_responses(scored))
+    batch = pack_groups(prompts, groups, scored.tokens, scored.lengths, pad_id=pad_id, row_multiple=micro_batch_size)
     return batch, groups
 
 
