@@ -92,6 +92,9 @@ def train_once(config, policy) -> dict:
     started = time.perf_counter()
     summary = train(config, policy=(model_config, params, tokenizer), log=lambda *a: None)
     total_s = time.perf_counter() - started
+    if summary.get("status") == "preempted":  # SIGTERM: the run saved a checkpoint; a partial curve is no result
+        raise SystemExit(f"{config.train.out_dir}: interrupted by SIGTERM; the runs finished before it are in "
+                         "results.json")
     rows = read_metrics(config.train.out_dir)
     curve = [{"samples": 0, "step": 0, "train_s": 0.0, "accuracy": summary["eval_before"]["accuracy"]}]
     train_s, samples = 0.0, 0
