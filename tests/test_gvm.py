@@ -82,6 +82,16 @@ def test_per_sample_grad_norms_equal_single_row_grad(params, subset, tied):
     np.testing.assert_allclose(got, want, rtol=2e-4, atol=1e-6)
 
 
+def test_chunk_size_does_not_change_the_norms(params):
+    """Rows per chunk only bounds memory: 1, 2, 4 and 7 rows at a time give the same per-sample norms."""
+    tokens, prompt_lens, response, mask, _ = _rows()
+    norms = [per_sample_grad_norms(params, TINY, tokens, prompt_lens, response, mask, rows_per_chunk=k)
+             for k in (1, 2, 4, 7)]
+    assert norms[0][0] > 0
+    for other in norms[1:]:
+        np.testing.assert_allclose(other, norms[0], rtol=1e-5, atol=0)
+
+
 def test_param_subset_errors(params):
     tokens, prompt_lens, response, mask, _ = _rows()
     with pytest.raises(KeyError, match=r"'layers/qproj'.*available: \['attn_norm'"):
@@ -206,6 +216,27 @@ def test_reuse_option_draws_only_the_missing_rows(params):
     np.testing.assert_array_equal(np.bincount(scored.prompt_index), n[n > 0])
 
 
+def test_chunk_keys_reach_the_stages_and_change_nothing(params, monkeypatch):
+    """sampling.gvm_rows_per_chunk replaces the caller's rows_per_chunk (the loop passes micro_batch_size) and
+    sampling.max_rows_per_call splits both stages' sampler calls; neither changes samples or allocation."""
+    import jaxrl_llm.train.gvm as gvm_module
+
+    seen = []
+    real = gvm_module.prompt_grad_norms
+    monkeypatch.setattr(gvm_module, "prompt_grad_norms", lambda *a, **kw: seen.append(kw["rows_per_chunk"])
+                        or real(*a, **kw))
+    records = _records(["yes", "even", "no", "even"])
+    runs = [gvm_rollouts(params, TINY, StubTokenizer(), records, sampling, StubScorer(), jax.random.PRNGKey(4),
+                         rows_per_chunk=4)
+            for sampling in (_sampling(), _sampling(gvm_rows_per_chunk=1, max_rows_per_call=5))]
+    assert seen == [4, 1]
+    (a, info_a), (b, info_b) = runs
+    assert info_a["gvm"]["gvm_n"] == info_b["gvm"]["gvm_n"] and info_a["drawn"] == info_b["drawn"] == 16 + 12
+    np.testing.assert_array_equal(a.tokens, b.tokens)
+    np.testing.assert_array_equal(a.logprobs, b.logprobs)
+    np.testing.assert_allclose(info_a["gvm"]["gvm_grad_norm"], info_b["gvm"]["gvm_grad_norm"], rtol=1e-5)
+
+
 @pytest.mark.parametrize("golds, skipped", [(["no", "no", "no"], True), (["yes", "yes", "yes"], False)])
 def test_all_unsolved_or_all_solved_does_not_crash(params, golds, skipped):
     scored, info = gvm_rollouts(params, TINY, StubTokenizer(), _records(golds), _sampling(), StubScorer(),
@@ -229,6 +260,7 @@ def test_all_unsolved_or_all_solved_does_not_crash(params, golds, skipped):
     ("sampling.gvm_stage1_samples=0", r"'sampling.gvm_stage1_samples' must be >= 1"),
     ("sampling.gvm_param_subset=','", r"'sampling.gvm_param_subset' must name at least one"),
     ("sampling.gvm_refresh_every=0", r"'sampling.gvm_refresh_every' must be >= 1"),
+    ("sampling.gvm_rows_per_chunk=-1", r"'sampling.gvm_rows_per_chunk' must be >= 0"),
 ])
 def test_config_rejects_bad_gvm_values(override, message):
     with pytest.raises(ConfigError, match=message):

@@ -121,10 +121,11 @@ def prefill_rows(params, config: ModelConfig, mesh: Mesh | None, prompt_tokens: 
     return _constrain_state(state, mesh), _constrain(first_logits, mesh)
 
 
-def _row_uniforms(rng: jax.Array, rows: int, step: jax.Array) -> jax.Array:
-    """One U[0, 1) number per row: key = fold_in(fold_in(rng, row), step), so a row's draws depend
-    only on the seed, its output row index and the step (not on bucket padding or batch mix)."""
-    keys = jax.vmap(lambda r: jax.random.fold_in(jax.random.fold_in(rng, r), step))(jnp.arange(rows))
+def _row_uniforms(rng: jax.Array, rows: int, step: jax.Array, row_offset: jax.Array) -> jax.Array:
+    """One U[0, 1) number per row: key = fold_in(fold_in(rng, row_offset + row), step), so a row's draws
+    depend only on the seed, its output row index and the step (not on bucket padding, batch mix, or
+    which sampler call of a chunked step decodes it)."""
+    keys = jax.vmap(lambda r: jax.random.fold_in(jax.random.fold_in(rng, r), step))(row_offset + jnp.arange(rows))
     return jax.vmap(jax.random.uniform)(keys)
 
 
@@ -132,20 +133,21 @@ def _row_uniforms(rng: jax.Array, rows: int, step: jax.Array) -> jax.Array:
                    donate_argnames=("state",))
 def decode_rows(params, config: ModelConfig, mesh: Mesh | None, state: SamplingState,
                 first_logits: jax.Array, rng: jax.Array, temperature: jax.Array, top_p: jax.Array,
-                max_new_tokens: jax.Array, stop_ids: jax.Array, pad_id: jax.Array, *,
+                max_new_tokens: jax.Array, stop_ids: jax.Array, pad_id: jax.Array, row_offset: jax.Array = 0, *,
                 greedy: bool, top_k: int, use_top_p: bool) -> SamplingState:
     """Generate until every row is done: token 0 from `first_logits`, then a `lax.while_loop` that
     feeds each row's token t - 1 (position prompt_length + t - 1) and picks token t.
 
     A row is done after a token in `stop_ids` (-1 entries are padding) or after `max_new_tokens`
     tokens; the loop exits when all rows are done. Done rows keep flowing through the batch (static
-    shapes) but write pad_id, log-prob 0 and do not grow.
+    shapes) but write pad_id, log-prob 0 and do not grow. Row r draws its numbers as output row
+    row_offset + r (`_row_uniforms`): a step split into several calls samples what one call would.
     """
     rows = state.done.shape[0]
     layers = unstack_layers(params)  # sliced once, outside the loop
 
     def pick(logits, step):
-        uniform = jnp.zeros((rows,), jnp.float32) if greedy else _row_uniforms(rng, rows, step)
+        uniform = jnp.zeros((rows,), jnp.float32) if greedy else _row_uniforms(rng, rows, step, row_offset)
         return select_tokens(logits, uniform, temperature, top_p, greedy=greedy, top_k=top_k,
                              use_top_p=use_top_p)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import NamedTuple, Sequence
 
 import jax
@@ -10,7 +11,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from jaxrl_llm.models import ModelConfig
-from jaxrl_llm.sampling.buckets import SamplingPlan, bucket_size, make_plan
+from jaxrl_llm.sampling.buckets import SamplingPlan, bucket_size, make_plan, round_up
 from jaxrl_llm.sampling.engine import (
     SamplingState,
     decode_rows,
@@ -128,12 +129,13 @@ def prefill(params, config: ModelConfig, prompts: list[np.ndarray], plan: Sampli
 
 def decode(params, config: ModelConfig, state: SamplingState, first_logits: jax.Array, *, max_new_tokens: int,
            temperature: float, top_p: float, top_k: int, stop_ids: np.ndarray, rng: jax.Array, pad_id: int,
-           mesh: Mesh | None = None) -> SamplingState:
-    """Run the decode loop on a prefilled state (see `engine.decode_rows`)."""
+           mesh: Mesh | None = None, row_offset: int = 0) -> SamplingState:
+    """Run the decode loop on a prefilled state (see `engine.decode_rows`); its row r draws the random
+    numbers of output row row_offset + r."""
     greedy = temperature == 0.0
     return decode_rows(params, config, mesh, state, first_logits, rng,
                        jnp.float32(temperature if not greedy else 1.0), jnp.float32(top_p),
-                       jnp.int32(max_new_tokens), jnp.asarray(stop_ids), jnp.int32(pad_id),
+                       jnp.int32(max_new_tokens), jnp.asarray(stop_ids), jnp.int32(pad_id), jnp.int32(row_offset),
                        greedy=greedy, top_k=0 if greedy else int(top_k), use_top_p=not greedy and top_p < 1.0)
 
 
@@ -159,10 +161,34 @@ def collect(state: SamplingState, plan: SamplingPlan, max_new_tokens: int) -> Ro
     )
 
 
+def call_plans(plan: SamplingPlan, prompt_lengths: np.ndarray, max_new_tokens: int, max_rows_per_call: int, *,
+               row_multiple: int = 1, prefill_tokens_per_call: int = 4096) -> list[tuple[int, SamplingPlan]]:
+    """Split `plan`'s output rows into consecutive runs of at most `max_rows_per_call` rows (0: one run)
+    -> [(first output row, plan of that run)]. A prompt's samples may straddle two runs. Every run keeps
+    the whole plan's prompt bucket and prompts per prefill call, and all runs have one row bucket (at least
+    2: XLA's matrix-vector products round differently from its matrix products), so the runs share the
+    compiled prefill and decode programs and compute each row as the single call would, bit for bit."""
+    if max_rows_per_call == 0 or plan.num_rows <= max_rows_per_call:
+        return [(0, plan)]
+    row_bucket = round_up(bucket_size(max(max_rows_per_call, 2)), row_multiple)
+    runs = []
+    for start in range(0, plan.num_rows, max_rows_per_call):
+        counts = np.bincount(plan.row_prompt[start: start + max_rows_per_call], minlength=len(prompt_lengths))
+        run = make_plan(prompt_lengths, counts, max_new_tokens, row_multiple=row_multiple,
+                        prefill_tokens_per_call=prefill_tokens_per_call)
+        runs.append((start, dataclasses.replace(run, prompt_bucket=plan.prompt_bucket, row_bucket=row_bucket,
+                                                prompts_per_prefill=plan.prompts_per_prefill)))
+    return runs
+
+
+def _concat(rollouts: list[Rollout]) -> Rollout:
+    return Rollout(*(np.concatenate(parts) for parts in zip(*rollouts)))
+
+
 def generate(params, config: ModelConfig, prompts: Sequence[Sequence[int]], *, num_samples, max_new_tokens: int,
              temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, stop_ids: Sequence[int] = (),
              rng: jax.Array, pad_id: int = 0, mesh: Mesh | None = None,
-             prefill_tokens_per_call: int = 4096) -> Rollout:
+             prefill_tokens_per_call: int = 4096, max_rows_per_call: int = 0) -> Rollout:
     """Sample `num_samples[i]` continuations of each token prompt; returns a `Rollout`.
 
     prompts: list of non-empty token-id lists. num_samples: an int for every prompt, or one count per
@@ -185,6 +211,10 @@ def generate(params, config: ModelConfig, prompts: Sequence[Sequence[int]], *, n
 
     With `mesh`, rows are sharded over its ('data', 'fsdp') axes and params are placed by the model's
     partition rules (`jaxrl_llm.models.sharding.shard_params`; a no-op when already placed so).
+
+    `max_rows_per_call` > 0 decodes the output rows in consecutive runs of at most that many (`call_plans`),
+    so only one run's KV cache is live at a time; the result is the same as one call (0, the default),
+    token for token and log-prob for log-prob, since a row's random numbers follow its output index.
     """
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
@@ -194,6 +224,9 @@ def generate(params, config: ModelConfig, prompts: Sequence[Sequence[int]], *, n
         raise ValueError(f"top_p must be in (0, 1], got {top_p}")
     if top_k < 0:
         raise ValueError(f"top_k must be >= 0 (0 = no limit), got {top_k}")
+    if isinstance(max_rows_per_call, bool) or not isinstance(max_rows_per_call, (int, np.integer)) \
+            or max_rows_per_call < 0:
+        raise ValueError(f"max_rows_per_call must be an int >= 0 (0 = all rows in one call), got {max_rows_per_call!r}")
     prompt_arrays = _check_prompts(prompts, config, max_new_tokens)
     counts = _sample_counts(num_samples, len(prompt_arrays))
     if counts.sum() == 0:
@@ -204,11 +237,17 @@ def generate(params, config: ModelConfig, prompts: Sequence[Sequence[int]], *, n
 
         params = shard_params(params, mesh)
         row_multiple = int(np.prod([mesh.shape[a] for a in row_axes(mesh)]))
-    plan = make_plan(np.array([len(p) for p in prompt_arrays]), counts, max_new_tokens,
-                     row_multiple=row_multiple, prefill_tokens_per_call=prefill_tokens_per_call)
-    state, first_logits = prefill(params, config, prompt_arrays, plan, pad_id=pad_id, mesh=mesh)
-    state = decode(params, config, state, first_logits, max_new_tokens=max_new_tokens, temperature=temperature,
-                   top_p=top_p, top_k=top_k, stop_ids=_stop_array(stop_ids, config.vocab_size), rng=rng,
-                   pad_id=pad_id, mesh=mesh)
-    return collect(state, plan, max_new_tokens)
+    lengths = np.array([len(p) for p in prompt_arrays])
+    plan = make_plan(lengths, counts, max_new_tokens, row_multiple=row_multiple,
+                     prefill_tokens_per_call=prefill_tokens_per_call)
+    stop = _stop_array(stop_ids, config.vocab_size)
+    rollouts = []
+    for first_row, run in call_plans(plan, lengths, max_new_tokens, int(max_rows_per_call), row_multiple=row_multiple,
+                                     prefill_tokens_per_call=prefill_tokens_per_call):
+        state, first_logits = prefill(params, config, prompt_arrays, run, pad_id=pad_id, mesh=mesh)
+        state = decode(params, config, state, first_logits, max_new_tokens=max_new_tokens, temperature=temperature,
+                       top_p=top_p, top_k=top_k, stop_ids=stop, rng=rng, pad_id=pad_id, mesh=mesh,
+                       row_offset=first_row)
+        rollouts.append(collect(state, run, max_new_tokens))
+    return rollouts[0] if len(rollouts) == 1 else _concat(rollouts)
 

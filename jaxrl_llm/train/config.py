@@ -64,6 +64,9 @@ class SamplingSection:
     top_p: float = 1.0  # nucleus sampling mass; 1.0 disables it
     top_k: int = 0  # keep only the k most likely tokens; 0 disables it
     allocation: str = "uniform"  # "uniform" or "gvm" (GVM dynamic allocation, jaxrl_llm/train/gvm.py)
+    # Sampled rows (prompts x samples) decoded per sampler call; a step's rows go in several calls of at most
+    # this many, with the same tokens as one call (bounds the KV cache). 0: all of a step's rows in one call.
+    max_rows_per_call: int = 0
     # GVM: stage 1 draws N' samples per prompt to estimate p_i and G_i; stage 2 spends prompts x N''.
     gvm_stage1_samples: int = 8  # N': stage-1 samples per prompt
     gvm_samples_per_prompt: int = 8  # N'': stage-2 budget per prompt (samples_per_prompt is unused with gvm)
@@ -75,6 +78,7 @@ class SamplingSection:
     gvm_param_subset: str = "embed"  # comma-separated parameter paths ("embed", "layers/q_proj") for G_i
     gvm_refresh_every: int = 1  # stage 1 + allocation every k steps; other steps sample N'' uniformly
     gvm_reuse_stage1: bool = False  # stage-2 groups take their first min(n_i, N') rows from stage 1
+    gvm_rows_per_chunk: int = 0  # stage-1 rows whose per-sample gradients are taken at once; 0: optim.micro_batch_size
 
 
 @dataclass(frozen=True)
@@ -316,6 +320,8 @@ def validate(config: RunConfig) -> None:
         ("sampling.temperature", config.sampling.temperature >= 0, "must be >= 0 (0 is greedy)"),
         ("sampling.top_p", 0 < config.sampling.top_p <= 1, "must be in (0, 1]"),
         ("sampling.top_k", config.sampling.top_k >= 0, "must be >= 0 (0 disables)"),
+        ("sampling.max_rows_per_call", config.sampling.max_rows_per_call >= 0,
+         "must be >= 0 (0: all of a step's rows in one sampler call)"),
         ("sampling.gvm_stage1_samples", config.sampling.gvm_stage1_samples >= 1, "must be >= 1"),
         ("sampling.gvm_samples_per_prompt", config.sampling.gvm_samples_per_prompt >= 1, "must be >= 1"),
         ("sampling.gvm_alpha", config.sampling.gvm_alpha >= 0, "must be >= 0"),
@@ -326,6 +332,8 @@ def validate(config: RunConfig) -> None:
          "must be >= 0 (0 disables the filter)"),
         ("sampling.gvm_max_samples", config.sampling.gvm_max_samples >= 0, "must be >= 0 (0: no cap)"),
         ("sampling.gvm_refresh_every", config.sampling.gvm_refresh_every >= 1, "must be >= 1"),
+        ("sampling.gvm_rows_per_chunk", config.sampling.gvm_rows_per_chunk >= 0,
+         "must be >= 0 (0: optim.micro_batch_size rows at a time)"),
         ("sampling.gvm_param_subset", bool(config.sampling.gvm_param_subset.strip(", ")),
          "must name at least one parameter path, e.g. 'embed' or 'embed,layers/q_proj'"),
         ("algorithm.dynamic_sampling", not (config.sampling.allocation == "gvm" and config.algorithm.dynamic_sampling),

@@ -193,7 +193,8 @@ def gvm_rollouts(params, model_config, tokenizer, records: list[dict], sampling:
     is the stage-1 rollouts and info["skip_update"] is True. `scorer(texts, golds, lengths) ->
     (correct, rewards)` with a `last_seconds` attribute (train.rollouts.RewardScorer). info holds the
     samples drawn (both stages), sampling / scoring / gradient-norm seconds, and the allocation:
-    gvm_p, gvm_grad_norm, gvm_n (lists over prompts) and their summaries.
+    gvm_p, gvm_grad_norm, gvm_n (lists over prompts) and their summaries. The per-sample gradient norms
+    take `sampling.gvm_rows_per_chunk` rows at a time, or `rows_per_chunk` when that key is 0.
     """
     info = {"rounds": 2, "drawn": 0, "prompts": len(records), "filtered": 0, "sample_s": 0.0, "score_s": 0.0}
 
@@ -210,7 +211,8 @@ def gvm_rollouts(params, model_config, tokenizer, records: list[dict], sampling:
     accept_rate = accepted / sampling.gvm_stage1_samples
     t0 = time.perf_counter()
     grad_norm = prompt_grad_norms(params, model_config, stage1, param_subset=sampling.gvm_param_subset,
-                                  rows_per_chunk=rows_per_chunk, pad_id=tokenizer.pad_token_id)
+                                  rows_per_chunk=sampling.gvm_rows_per_chunk or rows_per_chunk,
+                                  pad_id=tokenizer.pad_token_id)
     grad_norm_s = time.perf_counter() - t0
     counts = allocate_samples(accept_rate, grad_norm, sampling)
     info["gvm"] = {**allocation_log(accept_rate, grad_norm, counts, sampling, stage1),
