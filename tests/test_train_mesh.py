@@ -1,5 +1,5 @@
 """The train step, the log-prob pass and the RL loop on a simulated 8-device CPU mesh (data=2, fsdp=2,
-tensor=2) give the single-device results. The checks run in a subprocess (this file run as a script)
+tensor=2) give the single-device results, GVM's per-sample gradient norms and allocation included. The checks run in a subprocess (this file run as a script)
 because the device count is fixed when JAX starts."""
 
 import json
@@ -8,6 +8,9 @@ import pathlib
 import subprocess
 import sys
 import tempfile
+
+import numpy as np
+import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 MESH = "data=2,fsdp=2,tensor=2"
@@ -55,6 +58,25 @@ def test_train_loop_on_mesh_equals_single_device():
     assert r["final_param_diff"] < 1e-4, r
     assert r["ref_on_mesh"] and r["state_on_mesh"], r
     assert r["restored_step"] == 3 and r["restored_shardings"] and r["restored_equals_export"], r
+
+
+@pytest.mark.slow
+def test_gvm_allocation_on_mesh_equals_single_device():
+    r = _child("gvm")
+    single, sharded = r["single"], r["mesh"]
+    # The stub verifier accepts all, none or the even-length samples of a prompt (by its gold answer), so
+    # the allocation is uneven: a prompt with p_i = 0 gets n_i = 0 and the others split the budget.
+    assert len(set(single["gvm_p"])) > 1 and 0.0 in single["gvm_p"], single
+    assert len(set(single["gvm_n"])) > 1 and sum(single["gvm_n"]) == single["gvm_budget"], single
+    assert single["gvm_p"] == sharded["gvm_p"] and single["gvm_n"] == sharded["gvm_n"], (single, sharded)
+    np.testing.assert_allclose(sharded["gvm_grad_norm"], single["gvm_grad_norm"], rtol=1e-5)
+    assert all(g > 0 for g, p in zip(single["gvm_grad_norm"], single["gvm_p"]) if p > 0), single
+    # Per-sample norms straight from per_sample_grad_norms on sharded parameters, against one device.
+    assert r["row_norm_rel_diff"] < 1e-5 and r["row_norms_differ"], r
+    for key in ("loss", "policy_loss", "entropy", "grad_norm"):
+        assert abs(single[key] - sharded[key]) <= 1e-4 * max(1.0, abs(single[key])), (key, single, sharded)
+    assert single["updates"] >= 1 and single["groups_kept"] == sum(n > 0 for n in single["gvm_n"]), single
+    assert r["final_param_diff"] < 1e-4 and r["param_moved"] > 1e-5, r
 
 
 # ---- the subprocess side ----------------------------------------------------------------------------------
@@ -205,6 +227,62 @@ def _loop_checks() -> dict:
             "restored_equals_export": bool(np.array_equal(np.asarray(final["embed"]), exported))}
 
 
+def _gvm_checks() -> dict:
+    """One GVM step (stage 1, per-sample gradient norms, allocation, stage 2, update) single-device and on
+    the mesh, with a stub verifier whose verdict depends on the prompt's gold answer."""
+    import jax
+    import numpy as np
+    from safetensors.numpy import load_file
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    from loop_runner import TINY_RUN, tiny_policy
+
+    from jaxrl_llm.models.sharding import make_mesh, param_shardings
+    from jaxrl_llm.train import load_config, rollouts
+    from jaxrl_llm.train.gvm import per_sample_grad_norms
+    from jaxrl_llm.train.loop import train
+    from jaxrl_llm.train.setup import place
+
+    def stub_verdicts(self, texts, golds, lengths):  # all / none / even-length samples, by the gold's digits
+        kind = [sum(map(ord, str(g))) % 3 for g in golds]
+        correct = np.array([k == 0 or (k == 2 and len(t) % 2 == 0) for k, t in zip(kind, texts)], bool)
+        self.last_seconds = 0.0
+        return correct, correct.astype(np.float32)
+
+    rollouts.RewardScorer.__call__ = stub_verdicts
+    out = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, extra in (("single", []), ("mesh", [f"train.mesh={MESH}"])):
+            run_dir = pathlib.Path(tmp) / name
+            overrides = TINY_RUN + [f"train.out_dir={run_dir}", "train.steps=1", "train.eval_problems=0",
+                                    "sampling.allocation=gvm", "sampling.prompts_per_step=6",
+                                    "sampling.gvm_stage1_samples=4", "sampling.gvm_samples_per_prompt=4", *extra]
+            train(load_config(None, overrides), policy=tiny_policy(), log=lambda *a: None)
+            row = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines() if l.strip()][0]
+            out[name] = row
+            out[name + "_params"] = load_file(str(run_dir / "final" / "model.safetensors"))
+    initial = tiny_policy()[1]["embed"]
+    exported = out["single_params"]["model.embed_tokens.weight"]
+    # per_sample_grad_norms itself, on parameters sharded by the model's rules, against one device.
+    config, params, _ = tiny_policy()
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(1, 200, size=(8, 12)).astype(np.int32)
+    prompt_lens = rng.integers(2, 6, size=8).astype(np.int32)
+    response = rng.integers(1, 200, size=(8, 6)).astype(np.int32)
+    mask = (np.arange(6)[None] < rng.integers(1, 7, size=8)[:, None]).astype(np.float32)
+    args = (tokens, prompt_lens, response, mask)
+    single = per_sample_grad_norms(params, config, *args, param_subset="embed,layers/q_proj", rows_per_chunk=4)
+    mesh = make_mesh(MESH)
+    sharded = per_sample_grad_norms(place(params, param_shardings(params, mesh)), config, *args,
+                                    param_subset="embed,layers/q_proj", rows_per_chunk=4)
+    return {"single": out["single"], "mesh": out["mesh"],
+            "final_param_diff": max(float(np.abs(out["single_params"][k].astype(np.float64) - v).max())
+                                    for k, v in out["mesh_params"].items()),
+            "param_moved": float(np.abs(exported - np.asarray(initial)).max()),
+            "row_norm_rel_diff": float(np.abs(sharded - single).max() / np.abs(single).max()),
+            "row_norms_differ": bool(np.ptp(single) > 0)}
+
+
 if __name__ == "__main__":
-    result = _step_checks() if sys.argv[1] == "step" else _loop_checks()
+    result = {"step": _step_checks, "loop": _loop_checks, "gvm": _gvm_checks}[sys.argv[1]]()
     print("RESULT", json.dumps(result), flush=True)
