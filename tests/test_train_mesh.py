@@ -1,6 +1,7 @@
-"""The train step, the log-prob pass and the RL loop on a simulated 8-device CPU mesh (data=2, fsdp=2,
-tensor=2) give the single-device results, GVM's per-sample gradient norms and allocation included. The checks run in a subprocess (this file run as a script)
-because the device count is fixed when JAX starts."""
+"""The train step, the log-prob pass, the RL loop and GVM's allocation (per-sample gradient norms, n_i,
+the update) on a simulated 8-device CPU mesh (data=2, fsdp=2, tensor=2) give the single-device results.
+The checks run in a subprocess (this file run as a script) because the device count is fixed when JAX
+starts."""
 
 import json
 import os
