@@ -6,7 +6,9 @@ process 1 only during step 2, so both processes (told through the all-gathered p
 step 2 through orbax and stop; `resume` continues the `stop` directory with resume=True. The resumed run
 must end with bitwise the same parameters, losses and counters as the straight one, and every process
 must draw the same prompt batches at the same steps (the data-iterator state is restored, no batch is
-repeated or skipped). This file is also the worker script
+repeated or skipped). Bitwise holds because the resumed pair runs the same compiled programs on the
+same device layout (sampler keys are fold_in(seed, step), collectives reduce in a fixed order) and
+orbax restores the float32 state exactly. This file is also the worker script
 (`python tests/test_multihost_resume.py ID COUNT PORT DIR MODE`)."""
 
 import json
@@ -18,6 +20,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 MESH = "data=2,fsdp=2,tensor=2"
@@ -31,8 +34,11 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _launch_pair(out_dir: pathlib.Path, mode: str) -> list[subprocess.Popen]:
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
+def _launch_pair(out_dir: pathlib.Path, mode: str, cache: pathlib.Path) -> list[subprocess.Popen]:
+    # The resumed pair reads the programs the first pairs compiled from a persistent compilation cache.
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu",
+               JAX_COMPILATION_CACHE_DIR=str(cache), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+               JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
     port = _free_port()
     return [subprocess.Popen([sys.executable, __file__, str(i), "2", str(port), str(out_dir), mode],
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
@@ -68,12 +74,13 @@ def _prompts(run_dir: pathlib.Path, process: int) -> list[list[str]]:
     return [json.loads(l) for l in path.read_text().splitlines() if l.strip()]
 
 
+@pytest.mark.slow  # three 2-process runs: about 2.5 min of wall time on 2 shared cores
 def test_sigterm_then_resume_on_two_processes_equals_uninterrupted(tmp_path):
     from safetensors.numpy import load_file
 
-    straight, broken = tmp_path / "straight", tmp_path / "broken"
+    straight, broken, cache = tmp_path / "straight", tmp_path / "broken", tmp_path / "xla_cache"
     # The uninterrupted run and the interrupted one run side by side (each pair has its own coordinator).
-    outputs = _finish(_launch_pair(straight, "straight") + _launch_pair(broken, "stop"))
+    outputs = _finish(_launch_pair(straight, "straight", cache) + _launch_pair(broken, "stop", cache))
     straight_out, stop_out = outputs[:2], outputs[2:]
     assert [_summary(o)["status"] for o in straight_out] == ["done", "done"]
     # Process 1 alone got SIGTERM; process 0 learnt of it from the all-gathered flag, and both saved step 2.
@@ -82,7 +89,7 @@ def test_sigterm_then_resume_on_two_processes_equals_uninterrupted(tmp_path):
     assert [r["step"] for r in _step_rows(broken)] == list(range(1, STOP_AFTER + 1))
     assert sorted(int(p.name) for p in (broken / "checkpoints").iterdir() if p.name.isdigit()) == [1, STOP_AFTER]
 
-    resume_out = _finish(_launch_pair(broken, "resume"))
+    resume_out = _finish(_launch_pair(broken, "resume", cache))
     assert [_summary(o)["status"] for o in resume_out] == ["done", "done"]
     assert f"resumed from step {STOP_AFTER}" in resume_out[0] and "resumed from" not in resume_out[1]
 
