@@ -5,7 +5,8 @@
     python scripts/memory_estimate.py --write docs/launch.md           # refresh the table in the guide
 
 For each preset and target the script picks the fsdp x tensor layout of least peak (one packed row per
-device per micro-batch) and prints the overrides that select it. The terms are those of
+device per micro-batch), lowers `sampling.max_rows_per_call` where the sampler's KV cache alone would not fit
+in 85% of HBM, and prints the overrides that select them. The terms are those of
 `jaxrl_llm.train.memory.estimate_memory` (see its module docstring); sizes are GiB per device.
 """
 
@@ -34,37 +35,40 @@ def _largest_term(est: dict) -> str:
                  "gradients": est["gradients"]}
         return f"train step: {max(parts, key=parts.get)}"
     if phase == "sampling":
-        return f"sampling: KV cache of {est['sample_rows']} rows"
+        return f"sampling: KV cache of {est['sample_rows']} rows per call"
     return "GVM per-sample gradients"
 
 
+HEADROOM = 0.85  # "fits": the estimated peak within 85% of HBM (XLA's temporaries are not all counted)
+
+
 def rows_that_fit(est: dict, hbm_bytes: int) -> int:
-    """Rows one sampler call could hold within 90% of HBM beside the resident state (a multiple of the rows'
-    device split): the sampling budget per call that would fit."""
+    """Rows one sampler call could hold within HEADROOM of HBM beside the resident state (a multiple of the
+    rows' device split): the largest `sampling.max_rows_per_call` whose KV cache would fit."""
     split = est["mesh"]["data"] * est["mesh"]["fsdp"]
     per_row = est["sampling"] // (est["sample_rows"] // split)
-    free = int(0.9 * hbm_bytes) - est["params"] - est["optimizer"] - est["reference"]
+    free = int(HEADROOM * hbm_bytes) - est["params"] - est["optimizer"] - est["reference"]
     return max(0, free // per_row) * split
 
 
 def table(presets: list[pathlib.Path], targets: list[str], overrides: list[str]) -> str:
-    lines = ["| preset | target | layout overrides | params + AdamW + ref | train step | sampling | GVM norms "
-             "| peak | HBM | fits | largest term | sampled rows that fit |",
+    lines = ["| preset | target | overrides | params + AdamW + ref | train step | sampling (rows per call) "
+             "| GVM norms | peak | HBM | fits | largest term | sampled rows per call that fit |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for path in presets:
         config = load_config(path, overrides)
         model_config = model_config_for(config.model.source)
         for name in targets:
             target = TARGETS[name]
-            est, layout = suggest_layout(config, model_config, target.devices)
+            est, layout = suggest_layout(config, model_config, target.devices, int(HEADROOM * target.hbm_bytes))
             resident = est["params"] + est["optimizer"] + est["reference"]
-            fits = "yes" if est["peak"] <= 0.9 * target.hbm_bytes else "no"
+            fits = "yes" if est["peak"] <= HEADROOM * target.hbm_bytes else "no"
+            chosen = " ".join(f"{key}={value}" for key, value in layout.items())
             lines.append(
-                f"| {path.stem} | {name} | `train.mesh={layout['train.mesh']} "
-                f"optim.micro_batch_size={layout['optim.micro_batch_size']}` | {_gib(resident)} "
-                f"| {_gib(est['train_step'])} | {_gib(est['sampling'])} | {_gib(est['gvm_norms'])} "
-                f"| {_gib(est['peak'])} | {_gib(target.hbm_bytes)} | {fits} | {_largest_term(est)} "
-                f"| {rows_that_fit(est, target.hbm_bytes)} |")
+                f"| {path.stem} | {name} | `{chosen}` | {_gib(resident)} "
+                f"| {_gib(est['train_step'])} | {_gib(est['sampling'])} ({est['sample_rows']}) "
+                f"| {_gib(est['gvm_norms'])} | {_gib(est['peak'])} | {_gib(target.hbm_bytes)} | {fits} "
+                f"| {_largest_term(est)} | {rows_that_fit(est, target.hbm_bytes)} |")
     return "\n".join(lines)
 
 

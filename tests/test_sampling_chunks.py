@@ -8,7 +8,7 @@ import pytest
 
 from jaxrl_llm.models import ModelConfig, init_params
 from jaxrl_llm.sampling import generate, make_plan
-from jaxrl_llm.sampling.generate import call_plans
+from jaxrl_llm.sampling.generate import call_plans, call_row_bucket
 from jaxrl_llm.train import load_config
 from jaxrl_llm.train.config import ConfigError
 
@@ -42,6 +42,14 @@ def test_call_plans_split_rows_by_hand():
     assert call_plans(plan, lengths, 6, 11) == [(0, plan)]
     sharded = call_plans(plan, lengths, 6, 3, row_multiple=2)  # 3 rows a call, padded to the 2-device split
     assert [run.num_rows for _, run in sharded] == [3, 3, 3, 2] and {run.row_bucket for _, run in sharded} == {4}
+
+
+def test_call_row_bucket_hand_values():
+    assert call_row_bucket(11, 0) == 16  # one call: make_plan's bucket of all rows
+    assert call_row_bucket(11, 11) == 16 and call_row_bucket(11, 12) == 16
+    assert call_row_bucket(11, 5) == 8 and call_row_bucket(11, 1) == 2  # never a 1-row state
+    assert call_row_bucket(8192, 1024, 8) == 1024 and call_row_bucket(8192, 100, 16) == 128
+    assert call_row_bucket(8192, 300, 1) == 512  # above 256 rows, buckets are multiples of 256
 
 
 @pytest.mark.parametrize("temperature, top_k, top_p", [(1.0, 0, 1.0), (0.7, 5, 0.9)])

@@ -161,6 +161,15 @@ def collect(state: SamplingState, plan: SamplingPlan, max_new_tokens: int) -> Ro
     )
 
 
+def call_row_bucket(num_rows: int, max_rows_per_call: int, row_multiple: int = 1) -> int:
+    """Rows of the sampler state of each call for `num_rows` output rows: `make_plan`'s bucket of all rows
+    when they fit in one call (max_rows_per_call 0 or >= num_rows), else the bucket of max(max_rows_per_call, 2),
+    a multiple of `row_multiple` either way."""
+    if max_rows_per_call == 0 or num_rows <= max_rows_per_call:
+        return round_up(bucket_size(num_rows), row_multiple)
+    return round_up(bucket_size(max(max_rows_per_call, 2)), row_multiple)
+
+
 def call_plans(plan: SamplingPlan, prompt_lengths: np.ndarray, max_new_tokens: int, max_rows_per_call: int, *,
                row_multiple: int = 1, prefill_tokens_per_call: int = 4096) -> list[tuple[int, SamplingPlan]]:
     """Split `plan`'s output rows into consecutive runs of at most `max_rows_per_call` rows (0: one run)
@@ -170,7 +179,7 @@ def call_plans(plan: SamplingPlan, prompt_lengths: np.ndarray, max_new_tokens: i
     compiled prefill and decode programs and compute each row as the single call would, bit for bit."""
     if max_rows_per_call == 0 or plan.num_rows <= max_rows_per_call:
         return [(0, plan)]
-    row_bucket = round_up(bucket_size(max(max_rows_per_call, 2)), row_multiple)
+    row_bucket = call_row_bucket(plan.num_rows, max_rows_per_call, row_multiple)
     runs = []
     for start in range(0, plan.num_rows, max_rows_per_call):
         counts = np.bincount(plan.row_prompt[start: start + max_rows_per_call], minlength=len(prompt_lengths))

@@ -11,21 +11,33 @@ Every term counts what jaxrl_llm itself allocates, per device of a `data x fsdp 
               activations of one micro-batch of packed rows (one prompt + n responses per row):
                 per layer and token  (4 D + 2 q + 3 kv + 4 F) x c   (norm inputs/outputs, q/k/v before and
                                      after RoPE, attention output, residuals, gate/up/silu/product)
-                per layer, attention rows x H_t x L^2 x (4 + c)     (f32 softmax, probs in c: the scores are
-                                     materialised, there is no flash attention)
-                without remat every layer keeps both; with remat (jax.checkpoint per layer) only the layer
-                input rows x L x D x c is kept per layer and one layer is recomputed at a time;
-                (remat policy "dots" also keeps the projection outputs: (q + 2 kv + 2 D + 2 F) x c per token)
-                plus one layer's f32 score gradient rows x H_t x L^2 x 4 and the bool mask rows x L^2;
-              log-prob residuals: the vocabulary-chunk scan of `train.logprobs.chunked_logprobs` keeps the
-                f32 logits and exp(logits) of every chunk for the backward pass:
-                rows x (n R) x V_pad x 8, V_pad = V rounded up to the chunk (8192)
-  sampling    KV cache of every sampled row (the sampler draws all of a step's rows in one call):
-              layers x rows x (P_bucket + R_bucket) x kv_heads x head_dim x 2 x c, rows split over
-              data x fsdp; plus two [rows, V] f32 logits buffers
-  gvm norms   (GVM only) per-sample gradients of the subset (default the embedding) for `micro_batch_size`
-              unpacked rows at a time, in p, with those rows' activations and log-prob residuals
-              (taken as not split over the batch axes)
+                full attention (model.attention_block_size null), per layer: rows x H_t x L^2 x (4 + c)
+                                     (f32 scores, probabilities in c), and in the backward pass one
+                                     layer's f32 score gradient rows x H_t x L^2 x 4 + the bool mask rows x L^2
+                blockwise attention (block b, L_b = L rounded up to b): no scores are kept per layer (the
+                                     tiles are rematerialised); the backward pass of one query block keeps
+                                     the running max, sum and output of every key block,
+                                     rows x H_t x L_b x (head_dim + 2) x 4, plus one tile's f32 scores,
+                                     probabilities and their gradient with the probabilities in c and the mask:
+                                     rows x H_t x b^2 x (12 + c) + rows x b^2
+                without remat every layer keeps its per-token terms (and full attention's scores); with remat
+                (jax.checkpoint per layer) only the layer input rows x L x D x c is kept per layer and one
+                layer is recomputed at a time; (remat policy "dots" also keeps the projection outputs:
+                (q + 2 kv + 2 D + 2 F) x c per token)
+              log-prob residuals: the custom VJP of `train.logprobs.chunked_logprobs` keeps, for the backward
+                pass, every vocabulary chunk's f32 logits, the gathered hidden states in c, the int32
+                targets and two f32 statistics per token (log Z, E_p[logit]):
+                rows x (n R) x (V_pad x 4 + D x c + 12), V_pad = V rounded up to the chunk (8192);
+                plus the output matrix cast to c when c != p (V x D, sharded as its parameter), and the
+                backward pass's working set of one chunk (f32 logits, probabilities, logit gradient):
+                rows x (n R) x 8192 x 12
+  sampling    KV cache of the rows of one sampler call: all of a step's rows, or `sampling.max_rows_per_call`
+              of them (the row bucket of `sampling.generate.call_plans`), rows split over data x fsdp:
+              layers x rows x (P_bucket + R_bucket) x kv_heads x head_dim x 2 x c; plus two [rows, V]
+              f32 logits buffers
+  gvm norms   (GVM only) per-sample gradients of the subset (default the embedding) for
+              `sampling.gvm_rows_per_chunk` (0: `optim.micro_batch_size`) unpacked rows at a time, in p,
+              with those rows' activations and log-prob residuals (taken as not split over the batch axes)
 
   peak = params + optimizer + reference + max(train step, sampling, gvm norms)
 
@@ -48,6 +60,7 @@ from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.model import param_shapes
 from jaxrl_llm.models.sharding import MESH_AXES, partition_rules
 from jaxrl_llm.sampling.buckets import bucket_size, round_up
+from jaxrl_llm.sampling.generate import call_row_bucket
 from jaxrl_llm.train.algorithms import needs_reference
 from jaxrl_llm.train.config import RunConfig
 
@@ -131,10 +144,10 @@ def _leaf_paths(tree, prefix=()):
             yield "/".join(prefix + (key,)), value
 
 
-def sharded_param_elements(model_config: ModelConfig, mesh: dict[str, int]) -> tuple[int, int]:
-    """(total parameter count, elements held by one device) under the model's partition rules."""
+def _local_elements(model_config: ModelConfig, mesh: dict[str, int]) -> dict[str, int]:
+    """{parameter path: elements one device holds} under the model's partition rules."""
     rules = [(re.compile(pattern), spec) for pattern, spec in partition_rules(model_config)]
-    total = local = 0
+    local = {}
     for name, shape in _leaf_paths(param_shapes(model_config)):
         spec = next(s for pattern, s in rules if pattern.search(name))
         per_device = 1
@@ -142,19 +155,31 @@ def sharded_param_elements(model_config: ModelConfig, mesh: dict[str, int]) -> t
             names = (axes,) if isinstance(axes, str) else tuple(axes or ())
             split = math.prod(mesh[n] for n in names)
             per_device *= dim // split if names and dim % split == 0 else dim
-        total += math.prod(shape)
-        local += per_device
-    return total, local
+        local[name] = per_device
+    return local
+
+
+def sharded_param_elements(model_config: ModelConfig, mesh: dict[str, int]) -> tuple[int, int]:
+    """(total parameter count, elements held by one device) under the model's partition rules."""
+    total = sum(math.prod(shape) for _, shape in _leaf_paths(param_shapes(model_config)))
+    return total, sum(_local_elements(model_config, mesh).values())
 
 
 def _activation_bytes(mc: ModelConfig, rows: int, length: int, heads: int, c: int, remat: bool,
-                      policy: str = "full") -> int:
+                      policy: str = "full", block: int | None = None) -> int:
     """Saved activations + one layer's working set for `rows` sequences of `length` tokens. Remat policy
-    "dots" also keeps each layer's projection outputs (q, k, v, o, gate, up, down) per token."""
+    "dots" also keeps each layer's projection outputs (q, k, v, o, gate, up, down) per token; `block` is
+    model.attention_block_size (None: full attention)."""
     q, kv = mc.num_heads * mc.head_dim, mc.num_kv_heads * mc.head_dim
     per_layer_tokens = rows * length * (4 * mc.hidden_size + 2 * q + 3 * kv + 4 * mc.intermediate_size) * c
-    attention = rows * heads * length * length * (4 + c)
-    working = rows * heads * length * length * 4 + rows * length * length  # f32 score gradient + bool mask
+    if block is None:
+        attention = rows * heads * length * length * (4 + c)
+        working = rows * heads * length * length * 4 + rows * length * length  # f32 score gradient + bool mask
+    else:
+        tile = min(block, length)
+        attention = 0
+        working = (rows * heads * round_up(length, tile) * (mc.head_dim + 2) * 4  # per key block: max, sum, output
+                   + rows * heads * tile * tile * (12 + c) + rows * tile * tile)  # one tile, its gradient, mask
     if remat:
         kept = mc.hidden_size
         if policy == "dots":
@@ -163,9 +188,20 @@ def _activation_bytes(mc: ModelConfig, rows: int, length: int, heads: int, c: in
     return mc.num_layers * (per_layer_tokens + attention) + working
 
 
-def _logprob_residual_bytes(mc: ModelConfig, rows: int, response_tokens: int) -> int:
+def _logprob_residual_bytes(mc: ModelConfig, rows: int, response_tokens: int, c: int) -> int:
+    """What the custom VJP of `chunked_logprobs` saves per token: the f32 logits of every vocabulary chunk,
+    the hidden state in c, the int32 target, and log Z and E_p[logit] in f32; plus one chunk's f32 logits,
+    probabilities and logit gradient while its backward step runs."""
     vocab_padded = round_up(mc.vocab_size, LOGPROB_CHUNK)
-    return rows * response_tokens * vocab_padded * 8
+    return rows * response_tokens * (vocab_padded * 4 + mc.hidden_size * c + 12 + LOGPROB_CHUNK * 12)
+
+
+def _output_matrix_copy_bytes(mc: ModelConfig, mesh: dict[str, int], c: int, p: int) -> int:
+    """The output matrix cast to the compute dtype (a new array only when c != p), sharded as its parameter."""
+    if c == p:
+        return 0
+    name = "embed" if mc.tie_word_embeddings else "lm_head"
+    return _local_elements(mc, mesh)[name] * c
 
 
 def _subset_elements(mc: ModelConfig, subset: str) -> int:
@@ -187,7 +223,7 @@ def estimate_memory(config: RunConfig, model_config: ModelConfig, mesh: dict[str
     `remat` overrides model.remat; `response_fill` scales the response length (1.0: every response
     reaches sampling.max_new_tokens). Returns a dict of byte counts (params, optimizer, reference, gradients,
     activations, logprob_residuals, train_step, kv_cache, sampling, gvm_norms, peak) plus param_count,
-    row_length (packed training row) and sample_rows (rows drawn in one sampler call).
+    row_length (packed training row), sample_rows (rows of one sampler call's state) and gvm_chunk_rows.
     """
     if isinstance(mesh, str):
         if devices is None:
@@ -210,19 +246,22 @@ def estimate_memory(config: RunConfig, model_config: ModelConfig, mesh: dict[str
     reference = params if needs_reference(cfg.algorithm) else 0
 
     gvm = cfg.sampling.allocation == "gvm"
+    block = cfg.model.attention_block_size
     responses_per_row = (cfg.sampling.gvm_max_samples or cfg.sampling.gvm_samples_per_prompt) if gvm \
         else cfg.sampling.samples_per_prompt
     response_len = max(1, int(math.ceil(cfg.sampling.max_new_tokens * response_fill)))
     row_length = round_up(cfg.data.max_prompt_tokens + responses_per_row * response_len, ROW_SEQ_MULTIPLE)
     rows = -(-cfg.optim.micro_batch_size // batch_split)
     gradients = local * 4 + local * p
-    activations = _activation_bytes(mc, rows, row_length, heads, c, remat, policy)
-    logprob = _logprob_residual_bytes(mc, rows, responses_per_row * response_len)
+    activations = _activation_bytes(mc, rows, row_length, heads, c, remat, policy, block)
+    output_copy = _output_matrix_copy_bytes(mc, mesh, c, p)
+    logprob = _logprob_residual_bytes(mc, rows, responses_per_row * response_len, c) + output_copy
     train_step = gradients + activations + logprob
 
     samples = max(cfg.sampling.gvm_stage1_samples, cfg.sampling.gvm_samples_per_prompt) if gvm \
         else cfg.sampling.samples_per_prompt
-    sample_rows = round_up(bucket_size(cfg.sampling.prompts_per_step * samples), batch_split)
+    sample_rows = call_row_bucket(cfg.sampling.prompts_per_step * samples, cfg.sampling.max_rows_per_call,
+                                  batch_split)
     local_rows = sample_rows // batch_split
     cache_len = bucket_size(cfg.data.max_prompt_tokens, minimum=16) + bucket_size(cfg.sampling.max_new_tokens,
                                                                                  minimum=16)
@@ -231,16 +270,17 @@ def estimate_memory(config: RunConfig, model_config: ModelConfig, mesh: dict[str
 
     gvm_norms = 0
     if gvm:
-        chunk_rows = cfg.optim.micro_batch_size
+        chunk_rows = cfg.sampling.gvm_rows_per_chunk or cfg.optim.micro_batch_size
         unpacked = round_up(cfg.data.max_prompt_tokens + response_len, ROW_SEQ_MULTIPLE)
         gvm_norms = (chunk_rows * _subset_elements(mc, cfg.sampling.gvm_param_subset) * p
-                     + _activation_bytes(mc, chunk_rows, unpacked, heads, c, remat, policy)
-                     + _logprob_residual_bytes(mc, chunk_rows, response_len))
+                     + _activation_bytes(mc, chunk_rows, unpacked, heads, c, remat, policy, block)
+                     + _logprob_residual_bytes(mc, chunk_rows, response_len, c) + output_copy)
 
     resident = params + optimizer + reference
     return {
         "mesh": dict(mesh), "micro_batch_size": cfg.optim.micro_batch_size,
         "param_count": count, "row_length": row_length, "sample_rows": sample_rows,
+        "gvm_chunk_rows": (cfg.sampling.gvm_rows_per_chunk or cfg.optim.micro_batch_size) if gvm else 0,
         "params": params, "optimizer": optimizer, "reference": reference,
         "gradients": gradients, "activations": activations, "logprob_residuals": logprob, "train_step": train_step,
         "kv_cache": kv_cache, "sampling": sampling, "gvm_norms": gvm_norms,
@@ -248,19 +288,48 @@ def estimate_memory(config: RunConfig, model_config: ModelConfig, mesh: dict[str
     }
 
 
-def suggest_layout(config: RunConfig, model_config: ModelConfig, devices: int) -> tuple[dict[str, Any], dict[str, int]]:
+def _with_rows_per_call(config: RunConfig, rows: int) -> RunConfig:
+    return dataclasses.replace(config, sampling=dataclasses.replace(config.sampling, max_rows_per_call=rows))
+
+
+def fit_rows_per_call(config: RunConfig, model_config: ModelConfig, mesh: dict[str, int],
+                      budget_bytes: int) -> tuple[dict[str, Any], int]:
+    """The estimate and `sampling.max_rows_per_call` when the sampler's KV cache is what pushes the peak over
+    `budget_bytes`: the configured value (0 = all rows) if it fits, else the largest power of two below it
+    that fits, or, if none does, the one of least peak (one row per device at the least)."""
+    est = estimate_memory(config, model_config, mesh)
+    rows = config.sampling.max_rows_per_call
+    split = mesh["data"] * mesh["fsdp"]
+    while est["peak"] > budget_bytes and est["sampling"] > max(est["train_step"], est["gvm_norms"]) \
+            and est["sample_rows"] > split:
+        rows = bucket_size(est["sample_rows"]) // 2  # halves the rows of one call
+        est = estimate_memory(_with_rows_per_call(config, rows), model_config, mesh)
+    return est, rows
+
+
+def suggest_layout(config: RunConfig, model_config: ModelConfig, devices: int,
+                   budget_bytes: int | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
     """The `fsdp x tensor` layout (tensor a power of two dividing the devices, at most 8, and dividing the
     heads) with one packed row per device and micro-batch (micro_batch_size = fsdp) of least estimated peak.
-    Returns (estimate, {"train.mesh": ..., "optim.micro_batch_size": ...} overrides)."""
+    With `budget_bytes`, each layout first gets the `sampling.max_rows_per_call` of `fit_rows_per_call`.
+    Returns (estimate, {"train.mesh": ..., "optim.micro_batch_size": ...[, "sampling.max_rows_per_call": ...]}
+    overrides; the last only where it differs from the config's)."""
     best = None
     tensor = 1
     while tensor <= min(8, devices):
         if devices % tensor == 0 and model_config.num_heads % tensor == 0:
             fsdp = devices // tensor
             cfg = dataclasses.replace(config, optim=dataclasses.replace(config.optim, micro_batch_size=fsdp))
-            est = estimate_memory(cfg, model_config, {"data": 1, "fsdp": fsdp, "tensor": tensor})
+            mesh = {"data": 1, "fsdp": fsdp, "tensor": tensor}
+            if budget_bytes is None:
+                est, rows = estimate_memory(cfg, model_config, mesh), config.sampling.max_rows_per_call
+            else:
+                est, rows = fit_rows_per_call(cfg, model_config, mesh, budget_bytes)
             if best is None or est["peak"] < best[0]["peak"]:
-                mesh = f"fsdp={fsdp}" + (f",tensor={tensor}" if tensor > 1 else "")
-                best = (est, {"train.mesh": mesh, "optim.micro_batch_size": fsdp})
+                overrides = {"train.mesh": f"fsdp={fsdp}" + (f",tensor={tensor}" if tensor > 1 else ""),
+                             "optim.micro_batch_size": fsdp}
+                if rows != config.sampling.max_rows_per_call:
+                    overrides["sampling.max_rows_per_call"] = rows
+                best = (est, overrides)
         tensor *= 2
     return best
