@@ -2,6 +2,13 @@
 one call (tokens, log-probs, lengths, finish reasons bit for bit), `call_plans` splits rows by hand-checked
 counts, and `sampling.max_rows_per_call` reaches the sampler from the run config (tiny model, CPU)."""
 
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import textwrap
+
 import jax
 import numpy as np
 import pytest
@@ -88,3 +95,35 @@ def test_bad_max_rows_per_call(tiny):
         load_config(None, ["sampling.gvm_rows_per_chunk=-1"])
     assert load_config(None, ["sampling.max_rows_per_call=64"]).sampling.max_rows_per_call == 64
     assert load_config(None, []).sampling.max_rows_per_call == 0
+
+
+MESH_SCRIPT = textwrap.dedent("""
+    import json
+    import jax
+    import numpy as np
+    from jaxrl_llm.models import ModelConfig, init_params
+    from jaxrl_llm.models.sharding import make_mesh
+    from jaxrl_llm.sampling import generate
+
+    config = ModelConfig(vocab_size=24, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4,
+                         num_kv_heads=2, head_dim=8, tie_word_embeddings=True, max_position_embeddings=512)
+    params = init_params(config, jax.random.key(0))
+    params["embed"] = params["embed"] * 3.0
+    mesh = make_mesh("data=2,fsdp=2")
+    kwargs = dict(num_samples=[3, 0, 5, 1, 2], max_new_tokens=6, stop_ids=(5,), rng=jax.random.key(3), mesh=mesh)
+    prompts = [[1, 2, 3], [4, 5], [6], [7, 8, 9, 10, 11], [12, 13]]
+    whole = generate(params, config, prompts, **kwargs)
+    chunked = generate(params, config, prompts, max_rows_per_call=3, **kwargs)  # 3-row calls on 4 row shards
+    print("RESULT", json.dumps({name: bool(np.array_equal(a, b)) for name, a, b in zip(whole._fields, whole, chunked)}))
+""")
+
+
+def test_chunked_calls_on_a_mesh_equal_one_call():
+    """Rows sharded over data=2 x fsdp=2 simulated devices: calls of 3 rows (state padded to 4, one row per
+    device) give the rows of one call. A subprocess, since the device count is fixed when JAX starts."""
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, "-c", MESH_SCRIPT], capture_output=True, text=True, env=env,
+                          cwd=pathlib.Path(__file__).resolve().parents[1], timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("RESULT "))[7:])
+    assert result == {name: True for name in result} and len(result) == 6, result
