@@ -224,7 +224,8 @@ def evaluate_policy(run: Run, label: str, log) -> dict[str, Any]:
     metrics = evaluate(run.state.params, run.model_config, run.tokenizer, run.eval_records,
                        k=cfg.train.eval_samples, max_new_tokens=cfg.sampling.max_new_tokens,
                        temperature=cfg.train.eval_temperature, top_p=cfg.sampling.top_p, top_k=cfg.sampling.top_k,
-                       template=cfg.data.prompt, seed=cfg.train.seed + 1000, return_samples=True, mesh=run.mesh)
+                       template=cfg.data.prompt, seed=cfg.train.seed + 1000, return_samples=True, mesh=run.mesh,
+                       samples_per_call=cfg.sampling.max_rows_per_call or 128)  # the KV cache bound sampling uses
     correct = [s["correct"] for s in metrics.pop("samples")]
     k = cfg.train.eval_samples
     result = {"accuracy": float(metrics[f"avg@{k}"]), "sampling_sd": sampling_sd(correct),
