@@ -5,7 +5,7 @@ JAX in the same run.
 
     .venv/bin/python benchmarks/train_step.py [--rows 8] [--seq-len 256] [--prompt-len 64]
         [--dtype f32|bf16] [--remat off|full|dots] [--micro-batch 8] [--repeats 3] [--layers N]
-        [--skip-torch] [--pieces]
+        [--skip-torch] [--torch-threads N] [--pieces]
 
 Batch: `rows` packed rows, each one random prompt of `prompt_len` tokens followed by one response of
 `seq_len - prompt_len` tokens (a `TrainBatch` with one response slot per row, no padding), random
@@ -22,12 +22,15 @@ lets through (causal: T (T + 1) / 2 per row). With every position scored and att
 is the usual 6 x parameters x tokens. MFU = model FLOPs / step time / measured matmul peak, the peak
 being the best of square f32 (or bf16) matmuls of a few sizes, jitted with JAX, in the same process.
 `--layers N` keeps only the first N layers (a small config with the real shapes, for quick runs).
+The steps are timed in turns (ours, transformers, ours, ...) after one untimed step each, and the
+median of `repeats` steps per side is reported with the load average of the machine.
 `--pieces` also times the forward alone and forward + backward (no optimizer) of our step.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import tempfile
 import time
@@ -130,8 +133,9 @@ def make_batch(config, params, rows: int, seq_len: int, prompt_len: int, seed: i
     return batch, tokens, adv, old
 
 
-def run_ours(config, params, batch, *, micro_batch: int, repeats: int, pieces: bool) -> dict:
-    """Median seconds of the trainer's jitted step (and, with `pieces`, of its forward / forward + backward)."""
+def build_ours(config, params, batch, *, micro_batch: int, repeats: int, pieces: bool) -> tuple[dict, object]:
+    """The trainer's jitted step, compiled and run once: ({"compile_and_first": s, "first_*": metrics of the
+    first step, and with `pieces` the median seconds of its forward / forward + backward}, one_step)."""
     import jax
     import jax.numpy as jnp
 
@@ -158,18 +162,18 @@ def run_ours(config, params, batch, *, micro_batch: int, repeats: int, pieces: b
     one_step()
     out = {"compile_and_first": time.perf_counter() - start}
     out.update({f"first_{k}": float(holder["metrics"][k]) for k in ("loss", "entropy", "grad_norm")})
-    out["step"] = median_time(one_step, repeats, warm_up=False)
     if pieces:
         mb = jax.tree_util.tree_map(lambda x: x[0], split_micro(batch, batch.tokens.shape[0]))
         forward = jax.jit(lambda p, b: loss_fn(p, config, algo, b, denom)[0])
         grad = jax.jit(jax.grad(lambda p, b: loss_fn(p, config, algo, b, denom)[0]))
         out["forward"] = median_time(lambda: forward(params, mb).block_until_ready(), repeats)
         out["forward_backward"] = median_time(lambda: jax.block_until_ready(grad(params, mb)), repeats)
-    return out
+    return out, one_step
 
 
-def run_torch(config, params, tokens, adv, old_logp, prompt_len: int, *, dtype: str, repeats: int) -> dict:
-    """Median seconds of a transformers LlamaForCausalLM step on the same weights and batch: hidden
+def build_torch(config, params, tokens, adv, old_logp, prompt_len: int, *, dtype: str) -> tuple[dict, object]:
+    """A transformers LlamaForCausalLM step on the same weights and batch, run once: ({"threads", "first_*"},
+    one_step). The step: hidden
     states, logits of the response positions only, log-softmax, PPO-clip token-mean loss, entropy
     (no gradient, a metric as in ours), backward, clip_grad_norm_(1.0), AdamW."""
     import torch
@@ -211,8 +215,20 @@ def run_torch(config, params, tokens, adv, old_logp, prompt_len: int, *, dtype: 
         first.setdefault("grad_norm", grad_norm.item())
 
     first = {}
-    step = median_time(one_step, repeats, warm_up=True)
-    return {"step": step, "threads": torch.get_num_threads(), **{f"first_{k}": v for k, v in first.items()}}
+    one_step()
+    return {"threads": torch.get_num_threads(), **{f"first_{k}": v for k, v in first.items()}}, one_step
+
+
+def interleaved_medians(steps: dict, repeats: int) -> dict:
+    """Median seconds of each named step, timed in turns (A B A B ...) so that a change in the machine's
+    load during the run falls on every side alike; {name: {"step": median, "times": [...]}}."""
+    times = {name: [] for name in steps}
+    for _ in range(repeats):
+        for name, fn in steps.items():
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    return {name: {"step": statistics.median(t), "times": t} for name, t in times.items()}
 
 
 def main():
@@ -226,6 +242,7 @@ def main():
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--layers", type=int, default=None, help="keep only the first N layers (quick runs)")
     parser.add_argument("--skip-torch", action="store_true")
+    parser.add_argument("--torch-threads", type=int, default=os.cpu_count(), help="torch intra-op threads")
     parser.add_argument("--pieces", action="store_true", help="also time forward and forward + backward alone")
     args = parser.parse_args()
 
@@ -252,20 +269,29 @@ def main():
           f"{args.remat}, micro-batch {micro_batch}: {args.rows} x {args.seq_len} tokens ({scored} scored); "
           f"model FLOPs/step {flops / 1e9:.1f} G (6 x params x tokens: {simple / 1e9:.1f} G)", flush=True)
 
-    results = {"jaxrl_llm": run_ours(config, params, batch, micro_batch=micro_batch, repeats=args.repeats,
-                                     pieces=args.pieces)}
-    ours = results["jaxrl_llm"]
+    ours, our_step = build_ours(config, params, batch, micro_batch=micro_batch, repeats=args.repeats,
+                                pieces=args.pieces)
+    steps = {"jaxrl_llm": our_step}
     first = lambda r: ", ".join(f"{k} {r['first_' + k]:.6f}" for k in ("loss", "entropy", "grad_norm"))  # noqa: E731
-    print(f"jaxrl_llm: compile + first step {ours['compile_and_first']:.1f} s, step {ours['step']:.3f} s; "
-          f"first step {first(ours)}" + (f"; forward {ours['forward']:.3f} s, forward + backward "
-                                         f"{ours['forward_backward']:.3f} s" if args.pieces else ""), flush=True)
+    print(f"jaxrl_llm: compile + first step {ours['compile_and_first']:.1f} s; first step {first(ours)}"
+          + (f"; forward {ours['forward']:.3f} s, forward + backward {ours['forward_backward']:.3f} s"
+             if args.pieces else ""), flush=True)
     if not args.skip_torch:
-        results["transformers"] = run_torch(config, params, tokens, adv, old, args.prompt_len, dtype=args.dtype,
-                                            repeats=args.repeats)
-        theirs = results["transformers"]
+        import torch
+
+        torch.set_num_threads(args.torch_threads)
+        theirs, steps["transformers"] = build_torch(config, params, tokens, adv, old, args.prompt_len,
+                                                     dtype=args.dtype)
         # Same weights and batch: the first step's entropy and gradient norm must agree.
-        print(f"transformers (torch, {theirs['threads']} threads): step {theirs['step']:.3f} s; first step "
-              f"{first(theirs)}", flush=True)
+        print(f"transformers (torch, {theirs['threads']} threads): first step {first(theirs)}", flush=True)
+    load_before = os.getloadavg()[0]
+    results = interleaved_medians(steps, args.repeats)
+    load_after = os.getloadavg()[0]
+    for name, r in results.items():
+        print(f"{name} step times (s): " + " ".join(f"{t:.3f}" for t in r["times"]), flush=True)
+    print(f"load average (1 min) {load_before:.1f} before, {load_after:.1f} after the timed steps "
+          f"({os.cpu_count()} cores)")
+    ours = results["jaxrl_llm"]
 
     peak = peaks[args.dtype]["peak"]
     print()

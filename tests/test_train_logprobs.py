@@ -52,3 +52,28 @@ def test_chunked_logprob_gradient_of_logp_alone_and_under_vmap():
     got = per_row(lambda h, t: chunked_logprobs(h, head, t, chunk=8))(hidden, targets)
     want = per_row(lambda h, t: _dense(h, head, t)[0])(hidden, targets)
     np.testing.assert_allclose(got, want, atol=1e-5)
+
+
+def test_entropy_without_gradient_is_a_metric_only():
+    """entropy_grad=False: the same values, and the gradient of logp + entropy is that of a dense
+    log-softmax with the entropy under stop_gradient; the vocabulary (37) ends in a shorter chunk."""
+    rng = np.random.default_rng(2)
+    hidden = jnp.asarray(rng.normal(size=(2, 4, 8)), jnp.float32)
+    head = jnp.asarray(rng.normal(size=(37, 8)), jnp.float32)
+    targets = jnp.asarray(rng.integers(0, 37, size=(2, 4)))
+
+    def total(fn):
+        return jax.jit(jax.value_and_grad(lambda h, e: sum(jnp.sum(x) for x in fn(h, e)), argnums=(0, 1)))
+
+    def dense_metric(h, e):
+        logp, entropy = _dense(h, e, targets)
+        return logp, jax.lax.stop_gradient(entropy)
+
+    want, want_grads = total(dense_metric)(hidden, head)
+    got, got_grads = total(lambda h, e: chunked_logprobs(h, e, targets, chunk=16, with_entropy=True,
+                                                         entropy_grad=False))(hidden, head)
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    for g, w in zip(got_grads, want_grads):
+        np.testing.assert_allclose(g, w, atol=1e-5)
+    with_entropy_grad = total(lambda h, e: chunked_logprobs(h, e, targets, chunk=16, with_entropy=True))
+    assert float(jnp.abs(with_entropy_grad(hidden, head)[1][1] - want_grads[1]).max()) > 1e-2

@@ -127,11 +127,12 @@ def test_micro_batches_equal_one_batch_and_loss_decreases(algo):
     assert float(again["loss"]) < float(m1["loss"])
 
 
-def test_non_finite_update_is_skipped_and_step_compiles_once():
+@pytest.mark.parametrize("micro_batch_size", [2, 4])  # a scan over micro-batches, and one micro-batch
+def test_non_finite_update_is_skipped_and_step_compiles_once(micro_batch_size):
     params = models.init_params(TINY, jax.random.PRNGKey(2))
     algo = AlgorithmSection()
     opt = make_optimizer(OptimSection(lr=1e-2))
-    step = make_train_step(TINY, algo, opt, micro_batch_size=2)
+    step = make_train_step(TINY, algo, opt, micro_batch_size=micro_batch_size)
     batch, mask = _batch(params)
     denom = aggregate_denominator(jnp.asarray(mask), algo.agg)
     state = init_state(params, opt)

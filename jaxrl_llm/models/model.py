@@ -2,7 +2,7 @@
 
 Parameters are a plain nested dict (see `init_params` for the key names). Transformer layers are
 stacked on a leading `num_layers` axis and run by `jax.lax.scan`, so one layer is compiled whatever
-the depth; `config.remat` wraps the layer in `jax.checkpoint` (saving what `config.remat_policy`
+the depth (`hidden_states` unrolls them on the CPU backend, where that trains faster); `config.remat` wraps the layer in `jax.checkpoint` (saving what `config.remat_policy`
 names). Every function takes the config as a plain argument: jit with `static_argnums=1`
 (ModelConfig is hashable).
 """
@@ -168,8 +168,20 @@ def hidden_states(params: Params, config: ModelConfig, tokens: jax.Array, positi
                                      key_mask=attention_mask)
         return _finish_layer(lp, config, x, attn), None
 
-    x, _ = jax.lax.scan(_maybe_remat(layer, config), _embed(params, config, tokens), params["layers"])
+    x = _run_layers(_maybe_remat(layer, config), _embed(params, config, tokens), params["layers"])
     return rms_norm(x, params["final_norm"], config.rms_norm_eps)
+
+
+def _run_layers(layer, x: jax.Array, layers: Params) -> jax.Array:
+    """x after every stacked layer in turn: a `lax.scan` (one compiled layer), except on the CPU backend,
+    where the layers are unrolled: XLA CPU zero-fills and copies the scan's stacked per-layer buffers
+    (activations kept for the backward pass, weight gradients) and loses fusions across the loop
+    boundary, which cost more than compiling each layer (measured on the train step)."""
+    if jax.default_backend() != "cpu":
+        return jax.lax.scan(layer, x, layers)[0]
+    for i in range(jax.tree_util.tree_leaves(layers)[0].shape[0]):
+        x, _ = layer(x, jax.tree_util.tree_map(lambda w: w[i], layers))
+    return x
 
 
 def output_logits(params: Params, config: ModelConfig, hidden: jax.Array) -> jax.Array:

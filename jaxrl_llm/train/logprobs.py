@@ -28,112 +28,117 @@ def gather_response_hidden(hidden: jax.Array, prompt_lens: jax.Array, response_l
 
 
 def chunked_logprobs(hidden: jax.Array, head: jax.Array, targets: jax.Array, *, chunk: int = 8192,
-                     with_entropy: bool = False):
+                     with_entropy: bool = False, entropy_grad: bool = True):
     """log softmax(hidden @ head.T)[targets] (and the softmax entropy), chunked over the vocabulary.
 
     hidden [B, R, D], head [V, D], targets [B, R] int. Online log-sum-exp: with m the running max,
     s = sum exp(l - m) and u = sum exp(l - m) * l, logZ = m + log s and H = logZ - u / s.
-    The backward pass recomputes each chunk's logits l and applies, with p = exp(l - logZ),
+    The backward pass takes each chunk's logits l from the forward pass and applies, with
+    p = exp(l - logZ),
       d logp / d l = onehot(target) - p,    d H / d l = -p (l - E_p[l]),
-    so neither pass holds more than one [B, R, chunk] block of logits (a custom VJP; plain autodiff
-    of the scan would keep every chunk's logits and exponentials for the backward pass).
+    so the only [B, R, V]-sized values kept are the logits themselves (a custom VJP; plain autodiff
+    would also keep exp(l) and every intermediate of the online log-sum-exp). The chunks are a static
+    Python loop: each chunk's logits are their own buffer (a scan would zero-fill and copy them into
+    one stacked array) and the last chunk may be shorter, so no padded vocabulary entries are scored.
+    With `entropy_grad=False` the entropy is a metric only: no gradient flows through it (as under
+    `jax.lax.stop_gradient`), and the backward pass skips its term.
     Returns logp [B, R] f32 (and entropy [B, R] f32 when with_entropy).
     """
-    logp, entropy = _logprobs_entropy(hidden, head, targets, chunk)
+    logp, entropy = _logprobs_entropy(hidden, head, targets, chunk, entropy_grad)
     return (logp, entropy) if with_entropy else logp
 
 
-def _vocab_blocks(head: jax.Array, chunk: int) -> jax.Array:
-    """head [V, D] zero-padded to whole chunks: [n_chunks, chunk, D]."""
-    n_chunks = -(-head.shape[0] // chunk)
-    pad = n_chunks * chunk - head.shape[0]
-    return jnp.pad(head, ((0, pad), (0, 0))).reshape(n_chunks, chunk, head.shape[1])
+def _chunk_starts(vocab: int, chunk: int) -> list[int]:
+    if chunk <= 0:
+        raise ValueError(f"log-prob vocabulary chunk must be positive, got {chunk}")
+    return list(range(0, vocab, chunk))
 
 
 def _forward_stats(hidden, head, targets, chunk):
-    """(logp, entropy, logZ, E_p[l]) [B, R] each, by one online log-sum-exp scan over vocabulary chunks,
-    and every chunk's logits [n_chunks, B, R, chunk] f32 (dropped by XLA where unused)."""
+    """(logp, entropy, logZ, E_p[l]) [B, R] each, by an online log-sum-exp over vocabulary chunks,
+    and the list of every chunk's logits [B, R, chunk] f32 (dropped by XLA where unused)."""
     vocab = head.shape[0]
-    blocks = _vocab_blocks(head, chunk)
     hidden = hidden.astype(head.dtype)
     shape = targets.shape
     # A finite floor instead of -inf: exp() of it is 0 and never makes a NaN.
-    init = (jnp.full(shape, _FLOOR, jnp.float32), jnp.zeros(shape, jnp.float32),
-            jnp.zeros(shape, jnp.float32), jnp.zeros(shape, jnp.float32))
-
-    def body(carry, inputs):
-        m, s, u, target_logit = carry
-        block, start = inputs
+    m = jnp.full(shape, _FLOOR, jnp.float32)
+    s = u = target_logit = jnp.zeros(shape, jnp.float32)
+    chunk_logits = []
+    for start in _chunk_starts(vocab, chunk):
+        block = head[start:start + chunk]
+        width = block.shape[0]
         logits = jnp.einsum("brd,vd->brv", hidden, block, preferred_element_type=jnp.float32)
-        valid = (start + jnp.arange(chunk)) < vocab
-        logits = jnp.where(valid, logits, _FLOOR)
         m_new = jnp.maximum(m, logits.max(-1))
         scale = jnp.exp(m - m_new)
         p = jnp.exp(logits - m_new[..., None])
         s = s * scale + p.sum(-1)
-        u = u * scale + jnp.where(valid, p * logits, 0.0).sum(-1)
+        u = u * scale + (p * logits).sum(-1)
+        m = m_new
         local = targets - start
-        in_chunk = (local >= 0) & (local < chunk)
-        picked = jnp.take_along_axis(logits, jnp.clip(local, 0, chunk - 1)[..., None], axis=-1)[..., 0]
+        in_chunk = (local >= 0) & (local < width)
+        picked = jnp.take_along_axis(logits, jnp.clip(local, 0, width - 1)[..., None], axis=-1)[..., 0]
         target_logit = jnp.where(in_chunk, picked, target_logit)
-        return (m_new, s, u, target_logit), logits
-
-    starts = jnp.arange(blocks.shape[0]) * chunk
-    (m, s, u, target_logit), chunk_logits = jax.lax.scan(body, init, (blocks, starts))
+        chunk_logits.append(logits)
     log_z = m + jnp.log(s)
     mean_logit = u / s
     return target_logit - log_z, log_z - mean_logit, log_z, mean_logit, chunk_logits
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _logprobs_entropy(hidden, head, targets, chunk):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _logprobs_entropy(hidden, head, targets, chunk, entropy_grad):
     return _forward_stats(hidden, head, targets, chunk)[:2]
 
 
-def _logprobs_entropy_fwd(hidden, head, targets, chunk):
+def _logprobs_entropy_fwd(hidden, head, targets, chunk, entropy_grad):
     logp, entropy, log_z, mean_logit, chunk_logits = _forward_stats(hidden, head, targets, chunk)
     return (logp, entropy), (hidden, head, targets, log_z, mean_logit, chunk_logits)
 
 
-def _logprobs_entropy_bwd(chunk, residuals, cotangents):
+def _logprobs_entropy_bwd(chunk, entropy_grad, residuals, cotangents):
     hidden, head, targets, log_z, mean_logit, chunk_logits = residuals
     g_logp, g_entropy = cotangents
-    vocab, dtype = head.shape[0], head.dtype
-    blocks = _vocab_blocks(head, chunk)
-    hidden_c = hidden.astype(dtype)
-
-    def body(d_hidden, inputs):
-        block, start, logits = inputs
-        valid = (start + jnp.arange(chunk)) < vocab
-        p = jnp.where(valid, jnp.exp(logits - log_z[..., None]), 0.0)
-        onehot = (targets - start)[..., None] == jnp.arange(chunk)
-        d_logits = (jnp.where(onehot, g_logp[..., None], 0.0)
-                    - p * (g_logp[..., None] + g_entropy[..., None] * (logits - mean_logit[..., None])))
-        d_logits = d_logits.astype(dtype)
-        d_hidden = d_hidden + jnp.einsum("brv,vd->brd", d_logits, block, preferred_element_type=jnp.float32)
-        d_block = jnp.einsum("brv,brd->vd", d_logits, hidden_c, preferred_element_type=jnp.float32)
-        return d_hidden, d_block.astype(dtype)
-
-    starts = jnp.arange(blocks.shape[0]) * chunk
-    d_hidden, d_blocks = jax.lax.scan(body, jnp.zeros(hidden.shape, jnp.float32), (blocks, starts, chunk_logits))
-    d_head = d_blocks.reshape(-1, head.shape[1])[:vocab]
-    return d_hidden.astype(hidden.dtype), d_head, np.zeros(targets.shape, jax.dtypes.float0)
+    dtype = head.dtype
+    # Tokens on one axis: [N, D] and [N, chunk] matrices, so both products below are plain matmuls.
+    hidden_c = hidden.astype(dtype).reshape(-1, hidden.shape[-1])
+    flat = lambda x: x.reshape(-1, 1)  # noqa: E731
+    d_targets = np.zeros(targets.shape, jax.dtypes.float0)
+    g_logp, g_entropy, log_z, mean_logit, targets = (flat(x) for x in (g_logp, g_entropy, log_z, mean_logit,
+                                                                       targets))
+    d_hidden = jnp.zeros(hidden_c.shape, jnp.float32)
+    d_head_t = []  # [D, chunk] pieces of d head^T
+    for start, logits in zip(_chunk_starts(head.shape[0], chunk), chunk_logits):
+        logits = logits.reshape(-1, logits.shape[-1])
+        block = head[start:start + logits.shape[-1]]
+        p = jnp.exp(logits - log_z)
+        onehot = (targets - start) == jnp.arange(logits.shape[-1])
+        weight = g_logp
+        if entropy_grad:
+            weight = g_logp + g_entropy * (logits - mean_logit)
+        d_logits = (jnp.where(onehot, g_logp, 0.0) - p * weight).astype(dtype)
+        d_hidden = d_hidden + jnp.dot(d_logits, block, preferred_element_type=jnp.float32)
+        # hidden^T d_logits reads d_logits in the layout it was written (d_logits^T hidden would copy it
+        # transposed, a [N, chunk] pass as slow as the product itself on CPU).
+        d_head_t.append(jnp.dot(hidden_c.T, d_logits, preferred_element_type=jnp.float32).astype(dtype))
+    d_head = jnp.concatenate(d_head_t, axis=1).T
+    return d_hidden.reshape(hidden.shape).astype(hidden.dtype), d_head, d_targets
 
 
 _logprobs_entropy.defvjp(_logprobs_entropy_fwd, _logprobs_entropy_bwd)
 
 
-def response_logprobs(params, config, batch, *, chunk: int = 8192, with_entropy: bool = False):
+def response_logprobs(params, config, batch, *, chunk: int = 8192, with_entropy: bool = False,
+                      entropy_grad: bool = True):
     """Per-token log pi(y_r | x, y_<r) [G, S, R] of the responses of a packed batch (`train.packing`).
 
     One decoder pass over the packed rows (segment-aware attention), then the hidden states that
-    predict each response token are gathered and scored against the vocabulary in chunks.
+    predict each response token are gathered and scored against the vocabulary in chunks
+    (`chunked_logprobs`; `entropy_grad=False` makes the entropy a metric without gradient).
     """
     hidden = models.hidden_states(params, config, batch.tokens, batch.positions, segment_ids=batch.segments)
     rows, slots, resp_len = batch.pred_index.shape
     hidden = jnp.take_along_axis(hidden, batch.pred_index.reshape(rows, slots * resp_len)[..., None], axis=1)
     out = chunked_logprobs(hidden, output_matrix(params, config), batch.response_tokens.reshape(rows, -1),
-                           chunk=chunk, with_entropy=with_entropy)
+                           chunk=chunk, with_entropy=with_entropy, entropy_grad=entropy_grad)
     if with_entropy:
         return tuple(x.reshape(rows, slots, resp_len) for x in out)
     return out.reshape(rows, slots, resp_len)

@@ -40,7 +40,9 @@ def split_micro(batch: TrainBatch, micro_batch_size: int) -> TrainBatch:
 
 def loss_fn(params, model_config, algo: AlgorithmSection, micro: TrainBatch, denom: jax.Array):
     """Loss of one micro-batch, normalised by the whole mini-batch's `denom`; returns (loss, metrics)."""
-    logp, entropy = response_logprobs(params, model_config, micro, with_entropy=True)
+    # Without an entropy bonus the entropy is a metric: its gradient term is skipped.
+    logp, entropy = response_logprobs(params, model_config, micro, with_entropy=True,
+                                      entropy_grad=algo.entropy_coef != 0)
     # Each response slot of a packed row is one sequence of the loss: [G, S, R] -> [G * S, R].
     flat = lambda x: x.reshape(-1, x.shape[-1])  # noqa: E731
     logp, entropy = flat(logp), flat(entropy)
@@ -90,27 +92,36 @@ def make_train_step(model_config, algo: AlgorithmSection, optimizer: optax.Gradi
             micro = jax.lax.with_sharding_constraint(micro, micro_sharding)
         grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
-        def accumulate(carry, mb):
-            grads, loss_sum, metric_sum = carry
-            (loss, metrics), g = grad_fn(state.params, model_config, algo, mb, denom)
-            grads = jax.tree_util.tree_map(jnp.add, grads, g)
-            metric_sum = jax.tree_util.tree_map(jnp.add, metric_sum, metrics)
-            return (grads, loss_sum + loss, metric_sum), None
+        if micro.tokens.shape[0] == 1:  # one micro-batch: no scan and no zero-filled gradient accumulator
+            (loss, msum), grads = grad_fn(state.params, model_config, algo,
+                                          jax.tree_util.tree_map(lambda x: x[0], micro), denom)
+        else:
+            def accumulate(carry, mb):
+                grads, loss_sum, metric_sum = carry
+                (loss, metrics), g = grad_fn(state.params, model_config, algo, mb, denom)
+                grads = jax.tree_util.tree_map(jnp.add, grads, g)
+                metric_sum = jax.tree_util.tree_map(jnp.add, metric_sum, metrics)
+                return (grads, loss_sum + loss, metric_sum), None
 
-        zeros = jax.tree_util.tree_map(lambda p: jnp.zeros(p.shape, jnp.float32), state.params)
-        if state_sharding is not None:  # an f32 gradient buffer per device, split like the parameters
-            zeros = jax.lax.with_sharding_constraint(zeros, state_sharding.params)
-        metric_zeros = {k: jnp.zeros((), jnp.float32)
-                        for k in ("policy_loss", "kl", "entropy", "clip_fraction", "tokens")}
-        (grads, loss, msum), _ = jax.lax.scan(accumulate, (zeros, jnp.zeros((), jnp.float32), metric_zeros), micro)
+            zeros = jax.tree_util.tree_map(lambda p: jnp.zeros(p.shape, jnp.float32), state.params)
+            if state_sharding is not None:  # an f32 gradient buffer per device, split like the parameters
+                zeros = jax.lax.with_sharding_constraint(zeros, state_sharding.params)
+            metric_zeros = {k: jnp.zeros((), jnp.float32)
+                            for k in ("policy_loss", "kl", "entropy", "clip_fraction", "tokens")}
+            (grads, loss, msum), _ = jax.lax.scan(accumulate, (zeros, jnp.zeros((), jnp.float32), metric_zeros),
+                                                  micro)
         grads = jax.tree_util.tree_map(lambda g, p: g.astype(p.dtype), grads, state.params)
         grad_norm = optax.global_norm(grads)
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-        updates, new_opt = optimizer.update(grads, state.opt_state, state.params)
-        new_params = optax.apply_updates(state.params, updates)
-        keep = lambda new, old: jax.tree_util.tree_map(lambda a, b: jnp.where(finite, a, b), new, old)  # noqa: E731
-        new_state = TrainState(params=keep(new_params, state.params), opt_state=keep(new_opt, state.opt_state),
-                               step=state.step + finite.astype(jnp.int32))
+
+        def update(state):
+            updates, new_opt = optimizer.update(grads, state.opt_state, state.params)
+            return TrainState(params=optax.apply_updates(state.params, updates), opt_state=new_opt,
+                              step=state.step + 1)
+
+        # A conditional rather than a select over every leaf: the skipped branch reads nothing, and the
+        # taken one updates the donated buffers in place (a select re-reads old and new state).
+        new_state = jax.lax.cond(finite, update, lambda state: state, state)
         tokens = jnp.maximum(msum["tokens"], 1.0)
         metrics = {"loss": loss, "policy_loss": msum["policy_loss"], "kl": msum["kl"], "entropy": msum["entropy"],
                    "clip_fraction": msum["clip_fraction"] / tokens, "grad_norm": grad_norm,
