@@ -2,8 +2,8 @@
 
 Parameters are a plain nested dict (see `init_params` for the key names). Transformer layers are
 stacked on a leading `num_layers` axis and run by `jax.lax.scan`, so one layer is compiled whatever
-the depth (`hidden_states` unrolls them on the CPU backend, where that trains faster); `config.remat` wraps the layer in `jax.checkpoint` (saving what `config.remat_policy`
-names). Every function takes the config as a plain argument: jit with `static_argnums=1`
+the depth (`hidden_states` unrolls them on the CPU backend, where that trains faster); `config.remat`
+wraps the layer in `jax.checkpoint` (saving what `config.remat_policy` names). Every function takes the config as a plain argument: jit with `static_argnums=1`
 (ModelConfig is hashable).
 """
 
