@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from numpy_reference import numpy_attention
 
 from jaxrl_llm import models
 from jaxrl_llm.models import ModelConfig
@@ -21,19 +22,6 @@ from jaxrl_llm.train.config import ConfigError, load_config
 
 TINY = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4, num_kv_heads=2,
                    head_dim=8)
-
-
-def _numpy_masked_attention(q, k, v, keep):
-    """softmax(q k^T / sqrt(d), masked to `keep`) v in float64, query head h reading KV head h // (H / KV)."""
-    heads, kv_heads = q.shape[2], k.shape[2]
-    out = np.zeros(q.shape, np.float64)
-    for h in range(heads):
-        kh = h // (heads // kv_heads)
-        scores = np.einsum("btd,bsd->bts", q[:, :, h], k[:, :, kh]) / np.sqrt(q.shape[-1])
-        scores = np.where(keep, scores, -np.inf)
-        probs = np.exp(scores - scores.max(-1, keepdims=True))
-        out[:, :, h] = np.einsum("bts,bsd->btd", probs / probs.sum(-1, keepdims=True), v[:, :, kh])
-    return out.reshape(q.shape[0], q.shape[1], -1)
 
 
 def _packed_row_inputs():
@@ -85,7 +73,7 @@ def test_blocked_attention_matches_numpy_softmax(block_size):
             & ((segments[:, None, :] == segments[:, :, None]) | (segments[:, None, :] == 0)))
     out = blocked_attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(positions), block_size,
                             segment_ids=jnp.asarray(segments), key_mask=jnp.asarray(key_mask))
-    np.testing.assert_allclose(np.asarray(out), _numpy_masked_attention(q, k, v, keep), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(out), numpy_attention(q, k, v, keep), rtol=1e-5, atol=1e-6)
 
 
 def test_fully_masked_queries_average_the_real_keys_like_full_attention():

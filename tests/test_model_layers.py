@@ -2,6 +2,7 @@
 
 import jax.numpy as jnp
 import numpy as np
+from numpy_reference import numpy_attention
 
 from jaxrl_llm.models import ModelConfig
 from jaxrl_llm.models.layers import apply_rope, attention, rms_norm, rope_inv_freq, swiglu_mlp
@@ -26,19 +27,6 @@ def test_rope_frequencies_and_rotation_by_hand():
     np.testing.assert_allclose(out, expected, rtol=1e-6, atol=1e-7)
 
 
-def _numpy_attention(q, k, v, mask):
-    heads, kv_heads = q.shape[2], k.shape[2]
-    out = np.zeros(q.shape, np.float64)
-    for h in range(heads):
-        kh = h // (heads // kv_heads)
-        scores = np.einsum("btd,bsd->bts", q[:, :, h], k[:, :, kh]) / np.sqrt(q.shape[-1])
-        scores = np.where(mask, scores, -np.inf)
-        probs = np.exp(scores - scores.max(-1, keepdims=True))
-        probs /= probs.sum(-1, keepdims=True)
-        out[:, :, h] = np.einsum("bts,bsd->btd", probs, v[:, :, kh])
-    return out.reshape(q.shape[0], q.shape[1], -1)
-
-
 def test_grouped_query_attention_matches_numpy():
     rng = np.random.RandomState(0)
     q = rng.normal(size=(2, 3, 6, 4)).astype(np.float32)
@@ -47,7 +35,7 @@ def test_grouped_query_attention_matches_numpy():
     mask = rng.rand(2, 3, 5) < 0.6
     mask[:, :, 0] = True  # every query sees at least one key
     out = attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(mask))
-    np.testing.assert_allclose(np.asarray(out), _numpy_attention(q, k, v, mask), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(out), numpy_attention(q, k, v, mask), rtol=1e-5, atol=1e-6)
 
 
 def test_fully_masked_query_stays_finite():

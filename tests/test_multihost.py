@@ -8,22 +8,16 @@ checkpoints are written through orbax by both. This file is also the worker scri
 import json
 import os
 import pathlib
-import socket
 import subprocess
 import sys
 
 import numpy as np
 import pytest
+from process_helpers import finish, free_port
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 MESH = "data=2,fsdp=2,tensor=2"
 STEPS = 2
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("localhost", 0))
-        return sock.getsockname()[1]
 
 
 def _launch(process_id: int, num_processes: int, port: int, out_dir: pathlib.Path, devices: int):
@@ -32,20 +26,6 @@ def _launch(process_id: int, num_processes: int, port: int, out_dir: pathlib.Pat
     return subprocess.Popen([sys.executable, __file__, str(process_id), str(num_processes), str(port), str(out_dir),
                              mesh],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
-
-
-def _finish(procs) -> list[tuple[str, str]]:
-    outputs = []
-    try:
-        for proc in procs:
-            outputs.append(proc.communicate(timeout=400))
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-    for proc, (out, err) in zip(procs, outputs):
-        assert proc.returncode == 0, out[-3000:] + err[-5000:]
-    return outputs
 
 
 def _summary(stdout: str) -> dict:
@@ -61,9 +41,9 @@ def test_two_processes_match_one_process(tmp_path):
     from safetensors.numpy import load_file
 
     one, two = tmp_path / "one", tmp_path / "two"
-    port = _free_port()
+    port = free_port()
     procs = [_launch(0, 1, 0, one, 1)] + [_launch(i, 2, port, two, 4) for i in range(2)]
-    (ref_out, _), (out0, _), (out1, _) = _finish(procs)
+    (ref_out, _), (out0, _), (out1, _) = finish(procs, timeout=400)
 
     for out, index in ((out0, 0), (out1, 1)):
         s = _summary(out)

@@ -17,12 +17,12 @@ import json
 import os
 import pathlib
 import signal
-import socket
 import subprocess
 import sys
 
 import numpy as np
 import pytest
+from process_helpers import finish, free_port
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 MESH = "data=2,fsdp=2,tensor=2"
@@ -30,34 +30,18 @@ STEPS = 4
 STOP_AFTER = 2  # the step during which process 1 receives SIGTERM
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("localhost", 0))
-        return sock.getsockname()[1]
-
-
 def _launch_pair(out_dir: pathlib.Path, mode: str) -> list[subprocess.Popen]:
     # No shared persistent compilation cache: with one, the resumed pair's step after a GVM step differed
     # from the straight run in the last bits of the gradient norm; compiled afresh, every run is bitwise.
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
-    port = _free_port()
+    port = free_port()
     return [subprocess.Popen([sys.executable, __file__, str(i), "2", str(port), str(out_dir), mode],
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
             for i in range(2)]
 
 
-def _finish(procs) -> list[str]:
-    outputs = []
-    try:
-        for proc in procs:
-            outputs.append(proc.communicate(timeout=500))
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-    for proc, (out, err) in zip(procs, outputs):
-        assert proc.returncode == 0, out[-3000:] + err[-5000:]
-    return [out for out, _ in outputs]
+def _stdouts(procs) -> list[str]:
+    return [out for out, _ in finish(procs, timeout=500)]
 
 
 def _summary(stdout: str) -> dict:
@@ -81,7 +65,7 @@ def test_sigterm_then_resume_on_two_processes_equals_uninterrupted(tmp_path):
 
     straight, broken = tmp_path / "straight", tmp_path / "broken"
     # The uninterrupted run and the interrupted one run side by side (each pair has its own coordinator).
-    outputs = _finish(_launch_pair(straight, "straight") + _launch_pair(broken, "stop"))
+    outputs = _stdouts(_launch_pair(straight, "straight") + _launch_pair(broken, "stop"))
     straight_out, stop_out = outputs[:2], outputs[2:]
     assert [_summary(o)["status"] for o in straight_out] == ["done", "done"]
     # Process 1 alone got SIGTERM; process 0 learnt of it from the all-gathered flag, and both saved step 2.
@@ -90,7 +74,7 @@ def test_sigterm_then_resume_on_two_processes_equals_uninterrupted(tmp_path):
     assert [r["step"] for r in _step_rows(broken)] == list(range(1, STOP_AFTER + 1))
     assert sorted(int(p.name) for p in (broken / "checkpoints").iterdir() if p.name.isdigit()) == [1, STOP_AFTER]
 
-    resume_out = _finish(_launch_pair(broken, "resume"))
+    resume_out = _stdouts(_launch_pair(broken, "resume"))
     assert [_summary(o)["status"] for o in resume_out] == ["done", "done"]
     assert f"resumed from step {STOP_AFTER}" in resume_out[0] and "resumed from" not in resume_out[1]
 
