@@ -92,20 +92,27 @@ def test_tiny_run_by_hand():
     per_layer_tokens = 32 * (4 * 16 + 2 * 16 + 3 * 8 + 4 * 32) * 4  # 31744
     attention = 4 * 32 * 32 * (4 + 4)  # 32768
     working = 4 * 32 * 32 * 4 + 32 * 32  # 17408
-    assert est["activations"] == 2 * (per_layer_tokens + attention) + working == 146432
-    # Log-prob residuals of 16 response tokens: f32 logits of the vocabulary padded to one chunk (8192 x 4),
-    # the hidden state (16 x 4), target + log Z + E_p[logit] (12), and one chunk's backward working set (8192 x 12).
-    assert est["logprob_residuals"] == 16 * (8192 * 4 + 16 * 4 + 12 + 8192 * 12) == 2_098_368
-    assert est["train_step"] == 23168 + 146432 + 2_098_368
+    # One layer's backward pass: gradients of input and output (2 x 16), q 16, k and v 2 x 8, gate and up 2 x 32.
+    layer_grads = 32 * (2 * 16 + 16 + 2 * 8 + 2 * 32) * 4  # 16384
+    assert est["activations"] == 2 * (per_layer_tokens + attention) + working + layer_grads == 162816
+    # Log-prob residuals of 16 response tokens: f32 logits of the whole vocabulary (64 x 4), the hidden state
+    # (16 x 4), target + log Z + E_p[logit] (12); plus the pieces of the embedding's gradient (512 local x 4).
+    assert est["logprob_residuals"] == 16 * (64 * 4 + 16 * 4 + 12) + 512 * 4 == 7360
+    assert est["train_step"] == 23168 + 162816 + 7360
     # Sampler: 4 rows (2 per device), cache 16 + 16 slots, 2 layers, 2 kv heads x 4, k and v, f32.
     assert est["sample_rows"] == 4
     assert est["kv_cache"] == 2 * 2 * 32 * 2 * 4 * 2 * 4 == 8192
     assert est["sampling"] == 8192 + 2 * 2 * 64 * 4
     assert est["gvm_norms"] == 0
-    assert est["peak"] == 11584 + 23168 + est["train_step"] == 2_302_720
+    assert est["peak"] == 11584 + 23168 + est["train_step"] == 228_096
 
     remat = estimate_memory(cfg, TINY, {"data": 1, "fsdp": 2, "tensor": 1}, remat=True)
-    assert remat["activations"] == 2 * 32 * 16 * 4 + per_layer_tokens + attention + working == 86016
+    assert remat["activations"] == 2 * 32 * 16 * 4 + per_layer_tokens + attention + working + layer_grads == 102400
+
+    # model.remat_logits: no kept logits and no gradient pieces, one chunk (here the whole 64) at a time.
+    recompute = estimate_memory(load_config(None, TINY_RUN + ["model.remat=false", "model.remat_logits=true"]), TINY,
+                                {"data": 1, "fsdp": 2, "tensor": 1})
+    assert recompute["logprob_residuals"] == 16 * (16 * 4 + 12 + 64 * 4) == 5312
 
     # Remat policy "dots" (a model.remat_policy key where the run config has one) also keeps, per layer and
     # token, the projection outputs q 16 + k, v 2 x 8 + o 16 + gate, up 2 x 32 + down 16 = 128 elements.
@@ -121,9 +128,9 @@ def test_tiny_run_by_hand():
     bf16 = estimate_memory(load_config(None, TINY_RUN + ["model.compute_dtype=bfloat16"]), TINY,
                            {"data": 1, "fsdp": 2, "tensor": 1})
     assert bf16["kv_cache"] == 8192 // 2 and bf16["params"] == est["params"]
-    # bf16 hidden states (16 x 2 B per token), and the embedding cast to bf16 for the output layer (512 local
-    # elements of [64, 16] with fsdp=2, 2 B each).
-    assert bf16["logprob_residuals"] == 16 * (8192 * 4 + 16 * 2 + 12 + 8192 * 12) + 512 * 2
+    # bf16 hidden states (16 x 2 B per token), the gradient pieces and the embedding cast to bf16 for the output
+    # layer (512 local elements of [64, 16] with fsdp=2, 2 B each).
+    assert bf16["logprob_residuals"] == 16 * (64 * 4 + 16 * 2 + 12) + 512 * 2 + 512 * 2
 
 
 def test_blockwise_attention_and_rows_per_call():
@@ -134,14 +141,15 @@ def test_blockwise_attention_and_rows_per_call():
     # max, sum and output (4 heads x 32 x (4 + 2) x 4 B) and one tile: 4 heads x 8 x 8 x (12 + 4) + mask 8 x 8.
     per_layer_tokens = 32 * (4 * 16 + 2 * 16 + 3 * 8 + 4 * 32) * 4
     working = 4 * 32 * 6 * 4 + 4 * 8 * 8 * 16 + 8 * 8
-    assert est["activations"] == 2 * per_layer_tokens + working == 70720
+    layer_grads = 32 * (2 * 16 + 16 + 2 * 8 + 2 * 32) * 4
+    assert est["activations"] == 2 * per_layer_tokens + working + layer_grads == 87104
     # A block longer than the row is one tile of the whole row; the row 32 is padded up to whole blocks of 12.
     whole = estimate_memory(load_config(None, TINY_RUN + ["model.remat=false", "model.attention_block_size=64"]),
                             TINY, mesh)
-    assert whole["activations"] == 2 * per_layer_tokens + 4 * 32 * 6 * 4 + 4 * 32 * 32 * 16 + 32 * 32
+    assert whole["activations"] == 2 * per_layer_tokens + 4 * 32 * 6 * 4 + 4 * 32 * 32 * 16 + 32 * 32 + layer_grads
     odd = estimate_memory(load_config(None, TINY_RUN + ["model.remat=false", "model.attention_block_size=12"]),
                           TINY, mesh)
-    assert odd["activations"] == 2 * per_layer_tokens + 4 * 36 * 6 * 4 + 4 * 12 * 12 * 16 + 12 * 12
+    assert odd["activations"] == 2 * per_layer_tokens + 4 * 36 * 6 * 4 + 4 * 12 * 12 * 16 + 12 * 12 + layer_grads
 
     # 4 sampled rows over fsdp=2. max_rows_per_call 2: calls of 2 rows, 1 per device; 1: still 2-row calls
     # (the sampler never decodes a single row); 4 or more: one call of all rows.
@@ -160,8 +168,11 @@ def test_gvm_norms_and_tensor_split():
     # gradients 2 x 64 x 16 f32, heads split 2 ways by tensor=2.
     assert est["sample_rows"] == 8
     per_layer_tokens = 2 * 32 * 248 * 4
-    activations = 2 * 2 * 32 * 16 * 4 + per_layer_tokens + 2 * 2 * 32 * 32 * 8 + 2 * 2 * 32 * 32 * 4 + 2 * 32 * 32
-    logprob = 2 * 8 * (8192 * 4 + 16 * 4 + 12 + 8192 * 12)
+    layer_grads = 2 * 32 * 128 * 4
+    activations = (2 * 2 * 32 * 16 * 4 + per_layer_tokens + 2 * 2 * 32 * 32 * 8 + 2 * 2 * 32 * 32 * 4 + 2 * 32 * 32
+                   + layer_grads)
+    # 8 response tokens a row; the embedding's gradient pieces: [64, 16] split over its vocabulary by tensor=2.
+    logprob = 2 * 8 * (64 * 4 + 16 * 4 + 12) + 512 * 4
     assert est["gvm_norms"] == 2 * 64 * 16 * 4 + activations + logprob and est["gvm_chunk_rows"] == 2
     # sampling.gvm_rows_per_chunk=1: one row's gradients, activations and residuals at a time.
     one = estimate_memory(load_config(None, TINY_RUN + ["sampling.allocation=gvm", "sampling.gvm_stage1_samples=4",
@@ -169,8 +180,10 @@ def test_gvm_norms_and_tensor_split():
                                                         "sampling.gvm_rows_per_chunk=1"]),
                           TINY, {"data": 1, "fsdp": 1, "tensor": 2})
     per_layer_one = 32 * 248 * 4
-    activations_one = 2 * 32 * 16 * 4 + per_layer_one + 2 * 32 * 32 * 8 + 2 * 32 * 32 * 4 + 32 * 32
-    assert one["gvm_norms"] == 64 * 16 * 4 + activations_one + logprob // 2 and one["gvm_chunk_rows"] == 1
+    activations_one = (2 * 32 * 16 * 4 + per_layer_one + 2 * 32 * 32 * 8 + 2 * 32 * 32 * 4 + 32 * 32
+                       + layer_grads // 2)
+    logprob_one = 8 * (64 * 4 + 16 * 4 + 12) + 512 * 4
+    assert one["gvm_norms"] == 64 * 16 * 4 + activations_one + logprob_one and one["gvm_chunk_rows"] == 1
 
 
 def test_parse_mesh_and_errors():
@@ -239,9 +252,10 @@ def test_fit_rows_per_call_lowers_the_sampler_rows_until_they_fit():
     est, rows = fit_rows_per_call(cfg, TINY, mesh, 3_000_000)
     assert rows == 1024 and est["sample_rows"] == 1024 and est["sampling"] == 512 * 4608
     assert est["peak"] == 34752 + 512 * 4608 <= 3_000_000
-    # An unreachable budget: halve only while the sampler is the largest term (the train step is 2,267,968 B).
+    # An unreachable budget: halve only while the sampler is the largest term (the train step is 193,344 B).
     est, rows = fit_rows_per_call(cfg, TINY, mesh, 1000)
-    assert rows == 512 and est["sampling"] == 256 * 4608 < est["train_step"]
+    assert est["train_step"] == 193_344
+    assert rows == 64 and est["sampling"] == 32 * 4608 < est["train_step"] < 64 * 4608
     assert fit_rows_per_call(cfg, TINY, mesh, 10 ** 9)[1] == 0  # fits as configured: unchanged
     _, overrides = suggest_layout(cfg, TINY, 2, 3_000_000)
     assert overrides == {"train.mesh": "fsdp=2", "optim.micro_batch_size": 2, "sampling.max_rows_per_call": 1024}
@@ -263,21 +277,23 @@ def _xla_temp_bytes(model_config, cfg, row_length, samples, response_len):
     return grad.lower(params, batch, spec((), "float32")).compile().memory_analysis().temp_size_in_bytes
 
 
-@pytest.mark.parametrize("block, vocab, prompt, samples, response_len", [
-    (None, 512, 1008, 1, 16),  # full attention: [4, 1024, 1024] scores dominate
-    (128, 512, 1008, 1, 16),  # the same row in 128 x 128 tiles
-    (128, 32768, 64, 4, 60),  # 4 vocabulary chunks: the log-prob residuals dominate
-], ids=["full-attention", "blockwise", "logprobs"])
-def test_estimate_matches_xla_memory_analysis(block, vocab, prompt, samples, response_len):
+@pytest.mark.parametrize("block, vocab, prompt, samples, response_len, remat_logits", [
+    (None, 512, 1008, 1, 16, False),  # full attention: [4, 1024, 1024] scores dominate
+    (128, 512, 1008, 1, 16, False),  # the same row in 128 x 128 tiles
+    (128, 32768, 64, 4, 60, False),  # 4 vocabulary chunks: the kept logits dominate
+    (128, 50000, 64, 4, 60, True),  # 6 chunks and a shorter one, recomputed in the backward pass
+], ids=["full-attention", "blockwise", "logprobs", "recomputed-logits"])
+def test_estimate_matches_xla_memory_analysis(block, vocab, prompt, samples, response_len, remat_logits):
     """Activations + log-prob residuals of the estimate against the temporary memory XLA (CPU) allocates for
-    the gradient of one remat'd packed row: measured ratios 1.02, 1.06 and 1.00; XLA's own temporaries
-    (fusion buffers, copies) are what the estimate leaves out."""
+    the gradient of one remat'd packed row with the layers in a scan (as on TPU/GPU): measured ratios 1.02,
+    1.04, 0.94 and 1.04; XLA's own temporaries (fusion buffers, copies) are what the estimate leaves out."""
     mc = ModelConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
                      num_kv_heads=2, head_dim=16, tie_word_embeddings=True, remat=True, attention_block_size=block,
-                     max_position_embeddings=2048)
+                     max_position_embeddings=2048, scan_layers=True, remat_logits=remat_logits)
     overrides = [f"data.max_prompt_tokens={prompt}", f"sampling.max_new_tokens={response_len}",
                  f"sampling.samples_per_prompt={samples}", "optim.micro_batch_size=1", "algorithm.kl_coef=0",
-                 "model.remat=true"] + ([f"model.attention_block_size={block}"] if block else [])
+                 "model.remat=true", f"model.remat_logits={str(remat_logits).lower()}"] \
+        + ([f"model.attention_block_size={block}"] if block else [])
     cfg = load_config(None, overrides)
     est = estimate_memory(cfg, mc, {"data": 1, "fsdp": 1, "tensor": 1})
     xla = _xla_temp_bytes(mc, cfg, est["row_length"], samples, response_len)

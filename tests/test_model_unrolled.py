@@ -40,3 +40,15 @@ def test_unrolled_layers_equal_scanned_layers(monkeypatch, remat):
     for a, b in zip(jax.tree_util.tree_leaves(unrolled), jax.tree_util.tree_leaves(scanned)):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
     assert float(jnp.abs(unrolled[1]["layers"]["q_proj"]).max()) > 1e-3  # compared gradients are not zero
+
+
+def test_scan_layers_overrides_the_backend_default():
+    params = models.init_params(TINY, jax.random.PRNGKey(0))
+    tokens = jnp.zeros((1, 5), jnp.int32)
+    positions = jnp.arange(5)[None]
+    for scan, expect in ((True, True), (False, False), (None, jax.default_backend() != "cpu")):
+        config = TINY.replace(scan_layers=scan)
+        jaxpr = jax.make_jaxpr(lambda p: models.hidden_states(p, config, tokens, positions))(params)
+        assert ("scan" in str(jaxpr)) == expect, scan
+    with pytest.raises(ValueError, match="scan_layers"):
+        TINY.replace(scan_layers=1)

@@ -15,8 +15,9 @@ def _dense(hidden, head, targets):
     return jnp.take_along_axis(logp_all, targets[..., None], -1)[..., 0], entropy
 
 
-@pytest.mark.parametrize("chunk", [10, 37, 64])  # padded last chunk, exact fit, one oversized chunk
-def test_chunked_logprob_gradients_equal_dense_autodiff(chunk):
+@pytest.mark.parametrize("keep_logits", [True, False], ids=["kept-logits", "recomputed-logits"])
+@pytest.mark.parametrize("chunk", [10, 37, 64])  # shorter last chunk, exact fit, one oversized chunk
+def test_chunked_logprob_gradients_equal_dense_autodiff(chunk, keep_logits):
     rng = np.random.default_rng(0)
     hidden = jnp.asarray(rng.normal(size=(2, 3, 8)), jnp.float32)
     head = jnp.asarray(rng.normal(size=(37, 8)), jnp.float32)
@@ -32,7 +33,8 @@ def test_chunked_logprob_gradients_equal_dense_autodiff(chunk):
 
     want, (want_h, want_e) = objective(lambda h, e: _dense(h, e, targets))(hidden, head)
     got, (got_h, got_e) = objective(
-        lambda h, e: chunked_logprobs(h, e, targets, chunk=chunk, with_entropy=True))(hidden, head)
+        lambda h, e: chunked_logprobs(h, e, targets, chunk=chunk, with_entropy=True,
+                                      keep_logits=keep_logits))(hidden, head)
     np.testing.assert_allclose(got, want, rtol=1e-5)
     np.testing.assert_allclose(got_h, want_h, atol=1e-5)
     np.testing.assert_allclose(got_e, want_e, atol=1e-5)
@@ -77,3 +79,19 @@ def test_entropy_without_gradient_is_a_metric_only():
         np.testing.assert_allclose(g, w, atol=1e-5)
     with_entropy_grad = total(lambda h, e: chunked_logprobs(h, e, targets, chunk=16, with_entropy=True))
     assert float(jnp.abs(with_entropy_grad(hidden, head)[1][1] - want_grads[1]).max()) > 1e-2
+
+
+def test_recomputed_logits_are_not_residuals():
+    """keep_logits=False: what the forward pass hands to the backward pass holds no [tokens, vocab] array
+    (the kept-logits VJP does: one [2, 3, 16] block per vocabulary chunk)."""
+    hidden = jnp.ones((2, 3, 8), jnp.float32)
+    head = jnp.ones((40, 8), jnp.float32)
+    targets = jnp.zeros((2, 3), jnp.int32)
+
+    def residual_shapes(keep):
+        _, vjp = jax.vjp(lambda h, e: chunked_logprobs(h, e, targets, chunk=16, keep_logits=keep), hidden, head)
+        return {tuple(x.shape) for x in jax.tree_util.tree_leaves(vjp)}
+
+    assert {(2, 3, 16), (2, 3, 8)} <= residual_shapes(True)
+    assert not any(len(s) == 3 and s[-1] in (16, 8) and s != (2, 3, 8) for s in residual_shapes(False))
+    assert (2, 3, 16) not in residual_shapes(False)

@@ -168,16 +168,19 @@ def hidden_states(params: Params, config: ModelConfig, tokens: jax.Array, positi
                                      key_mask=attention_mask)
         return _finish_layer(lp, config, x, attn), None
 
-    x = _run_layers(_maybe_remat(layer, config), _embed(params, config, tokens), params["layers"])
+    x = _run_layers(_maybe_remat(layer, config), _embed(params, config, tokens), params["layers"],
+                    config.scan_layers)
     return rms_norm(x, params["final_norm"], config.rms_norm_eps)
 
 
-def _run_layers(layer, x: jax.Array, layers: Params) -> jax.Array:
-    """x after every stacked layer in turn: a `lax.scan` (one compiled layer), except on the CPU backend,
-    where the layers are unrolled: XLA CPU zero-fills and copies the scan's stacked per-layer buffers
-    (activations kept for the backward pass, weight gradients) and loses fusions across the loop
-    boundary, which cost more than compiling each layer (measured on the train step)."""
-    if jax.default_backend() != "cpu":
+def _run_layers(layer, x: jax.Array, layers: Params, scan: bool | None = None) -> jax.Array:
+    """x after every stacked layer in turn: a `lax.scan` (one compiled layer) or unrolled. `scan` None picks
+    the scan except on the CPU backend, where XLA zero-fills and copies the scan's stacked per-layer buffers
+    (activations kept for the backward pass, weight gradients) and loses fusions across the loop boundary,
+    which cost more than compiling each layer (measured on the train step)."""
+    if scan is None:
+        scan = jax.default_backend() != "cpu"
+    if scan:
         return jax.lax.scan(layer, x, layers)[0]
     for i in range(jax.tree_util.tree_leaves(layers)[0].shape[0]):
         x, _ = layer(x, jax.tree_util.tree_map(lambda w: w[i], layers))

@@ -38,6 +38,9 @@ class ModelSection:
     # Attention over training rows in tiles of this many query x key tokens with an online softmax, so no
     # [rows, heads, L, L] scores are held (long packed rows); null: one full score matrix per layer.
     attention_block_size: int | None = None
+    # Recompute the output logits of each vocabulary chunk in the log-prob backward pass instead of keeping
+    # them: saves rows x response tokens x vocabulary x 4 bytes per micro-batch for one more output matmul.
+    remat_logits: bool = False
 
 
 @dataclass(frozen=True)

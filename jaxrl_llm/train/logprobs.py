@@ -28,7 +28,7 @@ def gather_response_hidden(hidden: jax.Array, prompt_lens: jax.Array, response_l
 
 
 def chunked_logprobs(hidden: jax.Array, head: jax.Array, targets: jax.Array, *, chunk: int = 8192,
-                     with_entropy: bool = False, entropy_grad: bool = True):
+                     with_entropy: bool = False, entropy_grad: bool = True, keep_logits: bool = True):
     """log softmax(hidden @ head.T)[targets] (and the softmax entropy), chunked over the vocabulary.
 
     hidden [B, R, D], head [V, D], targets [B, R] int. Online log-sum-exp: with m the running max,
@@ -37,14 +37,16 @@ def chunked_logprobs(hidden: jax.Array, head: jax.Array, targets: jax.Array, *, 
     p = exp(l - logZ),
       d logp / d l = onehot(target) - p,    d H / d l = -p (l - E_p[l]),
     so the only [B, R, V]-sized values kept are the logits themselves (a custom VJP; plain autodiff
-    would also keep exp(l) and every intermediate of the online log-sum-exp). The chunks are a static
+    would also keep exp(l) and every intermediate of the online log-sum-exp). With `keep_logits=False`
+    not even those are kept: the backward pass recomputes each chunk's logits from the hidden states
+    (one more [N, D] x [D, chunk] product per chunk), so the residuals are O(B R D), not O(B R V). The chunks are a static
     Python loop: each chunk's logits are their own buffer (a scan would zero-fill and copy them into
     one stacked array) and the last chunk may be shorter, so no padded vocabulary entries are scored.
     With `entropy_grad=False` the entropy is a metric only: no gradient flows through it (as under
     `jax.lax.stop_gradient`), and the backward pass skips its term.
     Returns logp [B, R] f32 (and entropy [B, R] f32 when with_entropy).
     """
-    logp, entropy = _logprobs_entropy(hidden, head, targets, chunk, entropy_grad)
+    logp, entropy = _logprobs_entropy(hidden, head, targets, chunk, entropy_grad, keep_logits)
     return (logp, entropy) if with_entropy else logp
 
 
@@ -54,47 +56,78 @@ def _chunk_starts(vocab: int, chunk: int) -> list[int]:
     return list(range(0, vocab, chunk))
 
 
-def _forward_stats(hidden, head, targets, chunk):
-    """(logp, entropy, logZ, E_p[l]) [B, R] each, by an online log-sum-exp over vocabulary chunks,
-    and the list of every chunk's logits [B, R, chunk] f32 (dropped by XLA where unused)."""
+def _split_chunks(vocab: int, chunk: int) -> tuple[int, int]:
+    """(number of whole chunks, width of the shorter last chunk or 0)."""
+    _chunk_starts(vocab, chunk)  # validates chunk
+    return vocab // chunk, vocab % chunk
+
+
+def _update_stats(stats, logits, start, targets):
+    """The online log-sum-exp state (m, s, u, target logit) after one chunk's logits [..., width]."""
+    m, s, u, target_logit = stats
+    width = logits.shape[-1]
+    m_new = jnp.maximum(m, logits.max(-1))
+    scale = jnp.exp(m - m_new)
+    p = jnp.exp(logits - m_new[..., None])
+    s = s * scale + p.sum(-1)
+    u = u * scale + (p * logits).sum(-1)
+    local = targets - start
+    in_chunk = (local >= 0) & (local < width)
+    picked = jnp.take_along_axis(logits, jnp.clip(local, 0, width - 1)[..., None], axis=-1)[..., 0]
+    return m_new, s, u, jnp.where(in_chunk, picked, target_logit)
+
+
+def _forward_stats(hidden, head, targets, chunk, keep_logits):
+    """(logp, entropy, logZ, E_p[l]) [B, R] each, by an online log-sum-exp over vocabulary chunks, and
+    every chunk's logits [B, R, width] f32 (`keep_logits`; else None).
+
+    Kept logits: a static loop, each chunk's logits their own buffer (a scan would zero-fill and copy
+    them into one stacked array). Otherwise a `lax.fori_loop` over the whole chunks (then the shorter
+    last one): the loop makes every backend compute one chunk's logits at a time (XLA's CPU scheduler runs
+    all of a static loop's independent products first)."""
     vocab = head.shape[0]
     hidden = hidden.astype(head.dtype)
     shape = targets.shape
     # A finite floor instead of -inf: exp() of it is 0 and never makes a NaN.
-    m = jnp.full(shape, _FLOOR, jnp.float32)
-    s = u = target_logit = jnp.zeros(shape, jnp.float32)
-    chunk_logits = []
-    for start in _chunk_starts(vocab, chunk):
-        block = head[start:start + chunk]
-        width = block.shape[0]
-        logits = jnp.einsum("brd,vd->brv", hidden, block, preferred_element_type=jnp.float32)
-        m_new = jnp.maximum(m, logits.max(-1))
-        scale = jnp.exp(m - m_new)
-        p = jnp.exp(logits - m_new[..., None])
-        s = s * scale + p.sum(-1)
-        u = u * scale + (p * logits).sum(-1)
-        m = m_new
-        local = targets - start
-        in_chunk = (local >= 0) & (local < width)
-        picked = jnp.take_along_axis(logits, jnp.clip(local, 0, width - 1)[..., None], axis=-1)[..., 0]
-        target_logit = jnp.where(in_chunk, picked, target_logit)
-        chunk_logits.append(logits)
+    stats = (jnp.full(shape, _FLOOR, jnp.float32), *(jnp.zeros(shape, jnp.float32) for _ in range(3)))
+
+    def logits_of(block):
+        return jnp.einsum("brd,vd->brv", hidden, block, preferred_element_type=jnp.float32)
+
+    chunk_logits = None
+    if keep_logits:
+        chunk_logits = []
+        for start in _chunk_starts(vocab, chunk):
+            chunk_logits.append(logits_of(head[start:start + chunk]))
+            stats = _update_stats(stats, chunk_logits[-1], start, targets)
+    else:
+        whole, tail = _split_chunks(vocab, chunk)
+
+        def body(i, carry):
+            start = i * chunk
+            return _update_stats(carry, logits_of(jax.lax.dynamic_slice_in_dim(head, start, chunk)), start, targets)
+
+        if whole:
+            stats = jax.lax.fori_loop(0, whole, body, stats)
+        if tail:
+            stats = _update_stats(stats, logits_of(head[whole * chunk:]), whole * chunk, targets)
+    m, s, u, target_logit = stats
     log_z = m + jnp.log(s)
     mean_logit = u / s
     return target_logit - log_z, log_z - mean_logit, log_z, mean_logit, chunk_logits
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _logprobs_entropy(hidden, head, targets, chunk, entropy_grad):
-    return _forward_stats(hidden, head, targets, chunk)[:2]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _logprobs_entropy(hidden, head, targets, chunk, entropy_grad, keep_logits):
+    return _forward_stats(hidden, head, targets, chunk, keep_logits)[:2]
 
 
-def _logprobs_entropy_fwd(hidden, head, targets, chunk, entropy_grad):
-    logp, entropy, log_z, mean_logit, chunk_logits = _forward_stats(hidden, head, targets, chunk)
+def _logprobs_entropy_fwd(hidden, head, targets, chunk, entropy_grad, keep_logits):
+    logp, entropy, log_z, mean_logit, chunk_logits = _forward_stats(hidden, head, targets, chunk, keep_logits)
     return (logp, entropy), (hidden, head, targets, log_z, mean_logit, chunk_logits)
 
 
-def _logprobs_entropy_bwd(chunk, entropy_grad, residuals, cotangents):
+def _logprobs_entropy_bwd(chunk, entropy_grad, keep_logits, residuals, cotangents):
     hidden, head, targets, log_z, mean_logit, chunk_logits = residuals
     g_logp, g_entropy = cotangents
     dtype = head.dtype
@@ -104,22 +137,50 @@ def _logprobs_entropy_bwd(chunk, entropy_grad, residuals, cotangents):
     d_targets = np.zeros(targets.shape, jax.dtypes.float0)
     g_logp, g_entropy, log_z, mean_logit, targets = (flat(x) for x in (g_logp, g_entropy, log_z, mean_logit,
                                                                        targets))
-    d_hidden = jnp.zeros(hidden_c.shape, jnp.float32)
-    d_head_t = []  # [D, chunk] pieces of d head^T
-    for start, logits in zip(_chunk_starts(head.shape[0], chunk), chunk_logits):
-        logits = logits.reshape(-1, logits.shape[-1])
-        block = head[start:start + logits.shape[-1]]
+
+    def chunk_grads(logits, block, start):
+        """(d hidden [N, D] f32, d block^T [D, width]) of one chunk."""
         p = jnp.exp(logits - log_z)
         onehot = (targets - start) == jnp.arange(logits.shape[-1])
         weight = g_logp
         if entropy_grad:
             weight = g_logp + g_entropy * (logits - mean_logit)
         d_logits = (jnp.where(onehot, g_logp, 0.0) - p * weight).astype(dtype)
-        d_hidden = d_hidden + jnp.dot(d_logits, block, preferred_element_type=jnp.float32)
         # hidden^T d_logits reads d_logits in the layout it was written (d_logits^T hidden would copy it
         # transposed, a [N, chunk] pass as slow as the product itself on CPU).
-        d_head_t.append(jnp.dot(hidden_c.T, d_logits, preferred_element_type=jnp.float32).astype(dtype))
-    d_head = jnp.concatenate(d_head_t, axis=1).T
+        return (jnp.dot(d_logits, block, preferred_element_type=jnp.float32),
+                jnp.dot(hidden_c.T, d_logits, preferred_element_type=jnp.float32).astype(dtype))
+
+    def logits_of(block):  # the forward pass's product, recomputed
+        return jnp.dot(hidden_c, block.T, preferred_element_type=jnp.float32)
+
+    if keep_logits:
+        d_hidden = jnp.zeros(hidden_c.shape, jnp.float32)
+        d_head_t = []  # [D, width] pieces of d head^T
+        for start, logits in zip(_chunk_starts(head.shape[0], chunk), chunk_logits):
+            d_h, d_block_t = chunk_grads(logits.reshape(-1, logits.shape[-1]),
+                                         head[start:start + logits.shape[-1]], start)
+            d_hidden = d_hidden + d_h
+            d_head_t.append(d_block_t)
+        d_head = jnp.concatenate(d_head_t, axis=1).T
+    else:
+        whole, tail = _split_chunks(head.shape[0], chunk)
+
+        def body(i, carry):  # each chunk's rows of d head written in place
+            d_hidden, d_head = carry
+            start = i * chunk
+            block = jax.lax.dynamic_slice_in_dim(head, start, chunk)
+            d_h, d_block_t = chunk_grads(logits_of(block), block, start)
+            return d_hidden + d_h, jax.lax.dynamic_update_slice_in_dim(d_head, d_block_t.T, start, 0)
+
+        d_hidden, d_head = jnp.zeros(hidden_c.shape, jnp.float32), jnp.zeros(head.shape, dtype)
+        if whole:
+            d_hidden, d_head = jax.lax.fori_loop(0, whole, body, (d_hidden, d_head))
+        if tail:
+            block = head[whole * chunk:]
+            d_h, d_block_t = chunk_grads(logits_of(block), block, whole * chunk)
+            d_hidden = d_hidden + d_h
+            d_head = d_head.at[whole * chunk:].set(d_block_t.T)
     return d_hidden.reshape(hidden.shape).astype(hidden.dtype), d_head, d_targets
 
 
@@ -132,13 +193,15 @@ def response_logprobs(params, config, batch, *, chunk: int = 8192, with_entropy:
 
     One decoder pass over the packed rows (segment-aware attention), then the hidden states that
     predict each response token are gathered and scored against the vocabulary in chunks
-    (`chunked_logprobs`; `entropy_grad=False` makes the entropy a metric without gradient).
+    (`chunked_logprobs`; `entropy_grad=False` makes the entropy a metric without gradient;
+    `config.remat_logits` recomputes the chunks' logits in the backward pass instead of keeping them).
     """
     hidden = models.hidden_states(params, config, batch.tokens, batch.positions, segment_ids=batch.segments)
     rows, slots, resp_len = batch.pred_index.shape
     hidden = jnp.take_along_axis(hidden, batch.pred_index.reshape(rows, slots * resp_len)[..., None], axis=1)
     out = chunked_logprobs(hidden, output_matrix(params, config), batch.response_tokens.reshape(rows, -1),
-                           chunk=chunk, with_entropy=with_entropy, entropy_grad=entropy_grad)
+                           chunk=chunk, with_entropy=with_entropy, entropy_grad=entropy_grad,
+                           keep_logits=not config.remat_logits)
     if with_entropy:
         return tuple(x.reshape(rows, slots, resp_len) for x in out)
     return out.reshape(rows, slots, resp_len)
@@ -150,7 +213,8 @@ def row_logprobs(params, config, tokens, prompt_lens, response_tokens, *, chunk:
     positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
     hidden = models.hidden_states(params, config, tokens, positions)
     hidden = gather_response_hidden(hidden, prompt_lens, response_tokens.shape[1])
-    return chunked_logprobs(hidden, output_matrix(params, config), response_tokens, chunk=chunk)
+    return chunked_logprobs(hidden, output_matrix(params, config), response_tokens, chunk=chunk,
+                            keep_logits=not config.remat_logits)
 
 
 def output_matrix(params, config) -> jax.Array:

@@ -24,13 +24,15 @@ Every term counts what jaxrl_llm itself allocates, per device of a `data x fsdp 
                 (jax.checkpoint per layer) only the layer input rows x L x D x c is kept per layer and one
                 layer is recomputed at a time; (remat policy "dots" also keeps the projection outputs:
                 (q + 2 kv + 2 D + 2 F) x c per token)
+              and, while one layer's backward pass runs, the gradients of its input, output, q, k, v, gate
+                and up: rows x L x (2 D + q + 2 kv + 2 F) x c
               log-prob residuals: the custom VJP of `train.logprobs.chunked_logprobs` keeps, for the backward
-                pass, every vocabulary chunk's f32 logits, the gathered hidden states in c, the int32
-                targets and two f32 statistics per token (log Z, E_p[logit]):
-                rows x (n R) x (V_pad x 4 + D x c + 12), V_pad = V rounded up to the chunk (8192);
-                plus the output matrix cast to c when c != p (V x D, sharded as its parameter), and the
-                backward pass's working set of one chunk (f32 logits, probabilities, logit gradient):
-                rows x (n R) x 8192 x 12
+                pass, the gathered hidden states in c, the int32 targets and two f32 statistics per token
+                (log Z, E_p[logit]), and every vocabulary chunk's f32 logits:
+                rows x (n R) x (V x 4 + D x c + 12), plus the pieces of the output matrix's gradient
+                (V x D x c, sharded as its parameter); with model.remat_logits the logits are recomputed
+                chunk by chunk in the backward pass instead: rows x (n R) x (min(V, 8192) x 4 + D x c + 12);
+                plus the output matrix cast to c when c != p (V x D, sharded as its parameter)
   sampling    KV cache of the rows of one sampler call: all of a step's rows, or `sampling.max_rows_per_call`
               of them (the row bucket of `sampling.generate.call_plans`), rows split over data x fsdp:
               layers x rows x (P_bucket + R_bucket) x kv_heads x head_dim x 2 x c; plus two [rows, V]
@@ -172,6 +174,8 @@ def _activation_bytes(mc: ModelConfig, rows: int, length: int, heads: int, c: in
     model.attention_block_size (None: full attention)."""
     q, kv = mc.num_heads * mc.head_dim, mc.num_kv_heads * mc.head_dim
     per_layer_tokens = rows * length * (4 * mc.hidden_size + 2 * q + 3 * kv + 4 * mc.intermediate_size) * c
+    # While one layer's backward pass runs: the gradients of its input, output, q, k, v, gate and up.
+    layer_grads = rows * length * (2 * mc.hidden_size + q + 2 * kv + 2 * mc.intermediate_size) * c
     if block is None:
         attention = rows * heads * length * length * (4 + c)
         working = rows * heads * length * length * 4 + rows * length * length  # f32 score gradient + bool mask
@@ -184,24 +188,30 @@ def _activation_bytes(mc: ModelConfig, rows: int, length: int, heads: int, c: in
         kept = mc.hidden_size
         if policy == "dots":
             kept += q + 2 * kv + 2 * mc.hidden_size + 2 * mc.intermediate_size
-        return mc.num_layers * rows * length * kept * c + per_layer_tokens + attention + working
-    return mc.num_layers * (per_layer_tokens + attention) + working
+        return mc.num_layers * rows * length * kept * c + per_layer_tokens + attention + working + layer_grads
+    return mc.num_layers * (per_layer_tokens + attention) + working + layer_grads
 
 
-def _logprob_residual_bytes(mc: ModelConfig, rows: int, response_tokens: int, c: int) -> int:
-    """What the custom VJP of `chunked_logprobs` saves per token: the f32 logits of every vocabulary chunk,
-    the hidden state in c, the int32 target, and log Z and E_p[logit] in f32; plus one chunk's f32 logits,
-    probabilities and logit gradient while its backward step runs."""
-    vocab_padded = round_up(mc.vocab_size, LOGPROB_CHUNK)
-    return rows * response_tokens * (vocab_padded * 4 + mc.hidden_size * c + 12 + LOGPROB_CHUNK * 12)
+def _logprob_residual_bytes(mc: ModelConfig, rows: int, response_tokens: int, c: int, keep_logits: bool,
+                            head_elements: int) -> int:
+    """What the custom VJP of `chunked_logprobs` needs per token: the hidden state in c, the int32 target,
+    log Z and E_p[logit] in f32, and either every vocabulary chunk's f32 logits (kept) or, recomputing them,
+    one chunk's f32 logits at a time. Kept logits: plus the backward pass's pieces of d head
+    (`head_elements` x c, concatenated at the end)."""
+    per_token = mc.hidden_size * c + 12
+    if keep_logits:
+        return rows * response_tokens * (per_token + mc.vocab_size * 4) + head_elements * c
+    return rows * response_tokens * (per_token + min(mc.vocab_size, LOGPROB_CHUNK) * 4)
+
+
+def _output_matrix_elements(mc: ModelConfig, mesh: dict[str, int]) -> int:
+    """Elements of the output matrix one device holds (sharded as its parameter)."""
+    return _local_elements(mc, mesh)["embed" if mc.tie_word_embeddings else "lm_head"]
 
 
 def _output_matrix_copy_bytes(mc: ModelConfig, mesh: dict[str, int], c: int, p: int) -> int:
     """The output matrix cast to the compute dtype (a new array only when c != p), sharded as its parameter."""
-    if c == p:
-        return 0
-    name = "embed" if mc.tie_word_embeddings else "lm_head"
-    return _local_elements(mc, mesh)[name] * c
+    return 0 if c == p else _output_matrix_elements(mc, mesh) * c
 
 
 def _subset_elements(mc: ModelConfig, subset: str) -> int:
@@ -255,7 +265,10 @@ def estimate_memory(config: RunConfig, model_config: ModelConfig, mesh: dict[str
     gradients = local * 4 + local * p
     activations = _activation_bytes(mc, rows, row_length, heads, c, remat, policy, block)
     output_copy = _output_matrix_copy_bytes(mc, mesh, c, p)
-    logprob = _logprob_residual_bytes(mc, rows, responses_per_row * response_len, c) + output_copy
+    keep_logits = not cfg.model.remat_logits
+    head_elements = _output_matrix_elements(mc, mesh)
+    logprob = _logprob_residual_bytes(mc, rows, responses_per_row * response_len, c, keep_logits,
+                                      head_elements) + output_copy
     train_step = gradients + activations + logprob
 
     samples = max(cfg.sampling.gvm_stage1_samples, cfg.sampling.gvm_samples_per_prompt) if gvm \
@@ -274,7 +287,8 @@ def estimate_memory(config: RunConfig, model_config: ModelConfig, mesh: dict[str
         unpacked = round_up(cfg.data.max_prompt_tokens + response_len, ROW_SEQ_MULTIPLE)
         gvm_norms = (chunk_rows * _subset_elements(mc, cfg.sampling.gvm_param_subset) * p
                      + _activation_bytes(mc, chunk_rows, unpacked, heads, c, remat, policy, block)
-                     + _logprob_residual_bytes(mc, chunk_rows, response_len, c) + output_copy)
+                     + _logprob_residual_bytes(mc, chunk_rows, response_len, c, keep_logits, head_elements)
+                     + output_copy)
 
     resident = params + optimizer + reference
     return {

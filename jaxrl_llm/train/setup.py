@@ -79,7 +79,7 @@ class Run:
 
 
 def load_policy(source: str, *, param_dtype: str = "float32", compute_dtype: str = "float32", remat: bool = False,
-                attention_block_size: int | None = None):
+                attention_block_size: int | None = None, remat_logits: bool = False):
     """(ModelConfig, params, Tokenizer) from "bundled", a .gguf file or an HF folder (config.json + safetensors)."""
     path = pathlib.Path(source).expanduser()
     if source == "bundled":
@@ -92,7 +92,7 @@ def load_policy(source: str, *, param_dtype: str = "float32", compute_dtype: str
     else:
         raise FileNotFoundError(f"model.source {source!r} is neither 'bundled', a .gguf file nor an HF model folder")
     model_config = model_config.replace(param_dtype=param_dtype, compute_dtype=compute_dtype, remat=remat,
-                                        attention_block_size=attention_block_size)
+                                        attention_block_size=attention_block_size, remat_logits=remat_logits)
     return model_config, params, tokenizer
 
 
@@ -108,7 +108,8 @@ def setup_run(config: RunConfig, *, policy=None) -> Run:
     cfg = config
     model_config, params, tokenizer = policy or load_policy(
         cfg.model.source, param_dtype=cfg.model.param_dtype, compute_dtype=cfg.model.compute_dtype,
-        remat=cfg.model.remat, attention_block_size=cfg.model.attention_block_size)
+        remat=cfg.model.remat, attention_block_size=cfg.model.attention_block_size,
+        remat_logits=cfg.model.remat_logits)
     optimizer = make_optimizer(cfg.optim)
     mesh = param_sharding = state_sharding = batch_sharding = None
     if cfg.train.mesh:
