@@ -276,6 +276,7 @@ def test_prompt_batches_pad_to_one_shape():
     ("algorithm.kl_coef=0.001", "algorithm.kl_coef"), ("sampling.allocation=gvm", "sampling.allocation"),
     ("algorithm.group_filter=mixed", "algorithm.group_filter"), ("optim.mini_batches=2", "optim.mini_batches"),
     ("optim.micro_batch_size=3", "optim.micro_batch_size"), ("algorithm.format_reward=0.1", "algorithm.format_reward"),
+    ("sampling.max_rows_per_call=16", "sampling.max_rows_per_call"),
 ])
 def test_check_fused_config_names_the_key(override, key):
     check_fused_config(load_config(None, []))  # the demo config runs fused

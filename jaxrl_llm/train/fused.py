@@ -85,6 +85,8 @@ def check_fused_config(config: RunConfig) -> None:
         ("optim.micro_batch_size", config.sampling.prompts_per_step % optim.micro_batch_size == 0,
          f"must divide sampling.prompts_per_step={config.sampling.prompts_per_step}"),
         ("train.mesh", not config.train.mesh, "must be empty (the fused loop runs on one device)"),
+        ("sampling.max_rows_per_call", config.sampling.max_rows_per_call == 0,
+         "must be 0 (the fused loop samples every row of an iteration in one call)"),
     ]
     for key, ok, reason in problems:
         if not ok:

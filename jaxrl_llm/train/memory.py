@@ -8,7 +8,9 @@ Every term counts what jaxrl_llm itself allocates, per device of a `data x fsdp 
   optimizer   AdamW first and second moments, kept by optax in the parameters' dtype: 2 x params
   reference   a frozen copy of params when the KL term or PRL shaping needs a reference policy
   train step  gradients: the f32 accumulator of the micro-batch scan + one micro-batch gradient in p;
-              activations of one micro-batch of packed rows (one prompt + n responses per row):
+              activations of one micro-batch of packed rows (one prompt + n responses per row, n = samples
+              per prompt, N'' under GVM, rounded up to a power of two; the row length L = prompt + n R on the
+              packer's grid `train.packing.length_bucket`, at most 25% above it):
                 per layer and token  (4 D + 2 q + 3 kv + 4 F) x c   (norm inputs/outputs, q/k/v before and
                                      after RoPE, attention output, residuals, gate/up/silu/product)
                 full attention (model.attention_block_size null), per layer: rows x H_t x L^2 x (4 + c)
@@ -65,6 +67,7 @@ from jaxrl_llm.sampling.buckets import bucket_size, round_up
 from jaxrl_llm.sampling.generate import call_row_bucket
 from jaxrl_llm.train.algorithms import needs_reference
 from jaxrl_llm.train.config import RunConfig
+from jaxrl_llm.train.packing import bucket, length_bucket
 
 GIB = 1024 ** 3
 _BYTES = {"float32": 4, "bfloat16": 2}
@@ -257,10 +260,11 @@ def estimate_memory(config: RunConfig, model_config: ModelConfig, mesh: dict[str
 
     gvm = cfg.sampling.allocation == "gvm"
     block = cfg.model.attention_block_size
-    responses_per_row = (cfg.sampling.gvm_max_samples or cfg.sampling.gvm_samples_per_prompt) if gvm \
-        else cfg.sampling.samples_per_prompt
+    # Response slots of a packed row (train.rollouts.max_row_responses): the mean group size, N'' under GVM
+    # (larger groups are split over rows), rounded up to a power of two; the row length on the packer's grid.
+    responses_per_row = bucket(cfg.sampling.gvm_samples_per_prompt if gvm else cfg.sampling.samples_per_prompt)
     response_len = max(1, int(math.ceil(cfg.sampling.max_new_tokens * response_fill)))
-    row_length = round_up(cfg.data.max_prompt_tokens + responses_per_row * response_len, ROW_SEQ_MULTIPLE)
+    row_length = length_bucket(cfg.data.max_prompt_tokens + responses_per_row * response_len, ROW_SEQ_MULTIPLE)
     rows = -(-cfg.optim.micro_batch_size // batch_split)
     gradients = local * 4 + local * p
     activations = _activation_bytes(mc, rows, row_length, heads, c, remat, policy, block)

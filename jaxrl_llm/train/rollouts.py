@@ -132,6 +132,18 @@ def max_row_responses(scored: ScoredRollouts) -> int:
     return bucket(-(-scored.num_samples // max(1, len(scored.records))))
 
 
+def _pack_prompts(scored: ScoredRollouts, prompt_indices, groups: list[np.ndarray], *, row_multiple: int, pad_id: int,
+                  seq_multiple: int = 32, **per_token) -> tuple[TrainBatch, list[np.ndarray]]:
+    """`groups` (sample indices of the prompts `prompt_indices`) packed into rows of at most
+    `max_row_responses` responses; `per_token` = advantages / old_logp / ref_logp arrays (else zeros).
+    Returns the batch and each row's sample indices."""
+    prompts, rows = row_groups([scored.records[g]["prompt_ids"] for g in prompt_indices], groups,
+                               max_row_responses(scored))
+    batch = pack_groups(prompts, rows, scored.tokens, scored.lengths, pad_id=pad_id, row_multiple=row_multiple,
+                        seq_multiple=seq_multiple, **per_token)
+    return batch, rows
+
+
 def build_train_batches(scored: ScoredRollouts, advantages: np.ndarray, old_logp: np.ndarray, ref_logp: np.ndarray,
                         algo: AlgorithmSection, *, mini_batches: int, micro_batch_size: int, pad_id: int,
                         rng: np.random.Generator, seq_multiple: int = 32) -> list[tuple[TrainBatch, float, int]]:
@@ -156,11 +168,9 @@ def build_train_batches(scored: ScoredRollouts, advantages: np.ndarray, old_logp
         kept = sum(len(m) for m in members)
         if kept == 0:
             continue
-        prompts, members = row_groups([scored.records[g]["prompt_ids"] for g in part], members,
-                                      max_row_responses(scored))
-        batch = pack_groups(prompts, members, scored.tokens, scored.lengths,
-                            advantages=advantages, old_logp=old_logp, ref_logp=ref_logp, pad_id=pad_id,
-                            row_multiple=micro_batch_size, seq_multiple=seq_multiple)
+        batch, _ = _pack_prompts(scored, part, members, row_multiple=micro_batch_size, pad_id=pad_id,
+                                 seq_multiple=seq_multiple, advantages=advantages, old_logp=old_logp,
+                                 ref_logp=ref_logp)
         out.append((batch, denom, kept))
     return out
 
@@ -168,10 +178,8 @@ def build_train_batches(scored: ScoredRollouts, advantages: np.ndarray, old_logp
 def packed_rollouts(scored: ScoredRollouts, micro_batch_size: int, pad_id: int) -> tuple[TrainBatch, list[np.ndarray]]:
     """Every sample packed by prompt (advantages and log-probs zero): the input of old/reference log-prob
     passes. Returns the batch and the groups to `packing.unpack` its outputs with."""
-    prompts, groups = row_groups([r["prompt_ids"] for r in scored.records], prompt_groups(scored),
-                                 max_row_responses(scored))
-    batch = pack_groups(prompts, groups, scored.tokens, scored.lengths, pad_id=pad_id, row_multiple=micro_batch_size)
-    return batch, groups
+    return _pack_prompts(scored, range(len(scored.records)), prompt_groups(scored), row_multiple=micro_batch_size,
+                         pad_id=pad_id)
 
 
 class RowBatch(NamedTuple):
