@@ -72,7 +72,8 @@ def test_gvm_allocation_on_mesh_equals_single_device():
     assert single["gvm_p"] == sharded["gvm_p"] and single["gvm_n"] == sharded["gvm_n"], (single, sharded)
     np.testing.assert_allclose(sharded["gvm_grad_norm"], single["gvm_grad_norm"], rtol=1e-5)
     assert all(g > 0 for g, p in zip(single["gvm_grad_norm"], single["gvm_p"]) if p > 0), single
-    # Per-sample norms straight from per_sample_grad_norms on sharded parameters, against one device.
+    # Per-sample norms straight from per_sample_grad_norms on sharded parameters (rows replicated, and rows
+    # split over the batch axes), against one device.
     assert r["row_norm_rel_diff"] < 1e-5 and r["row_norms_differ"], r
     for key in ("loss", "policy_loss", "entropy", "grad_norm"):
         assert abs(single[key] - sharded[key]) <= 1e-4 * max(1.0, abs(single[key])), (key, single, sharded)
@@ -280,13 +281,17 @@ def _gvm_checks() -> dict:
     args = (tokens, prompt_lens, response, mask)
     single = per_sample_grad_norms(params, config, *args, param_subset="embed,layers/q_proj", rows_per_chunk=4)
     mesh = make_mesh(MESH)
-    sharded = per_sample_grad_norms(place(params, param_shardings(params, mesh)), config, *args,
-                                    param_subset="embed,layers/q_proj", rows_per_chunk=4)
+    on_mesh = place(params, param_shardings(params, mesh))
+    sharded = per_sample_grad_norms(on_mesh, config, *args, param_subset="embed,layers/q_proj", rows_per_chunk=4)
+    # The same with each chunk's rows split over data x fsdp (3 rows a chunk: rounded up to 4, one per device).
+    split = per_sample_grad_norms(on_mesh, config, *args, param_subset="embed,layers/q_proj", rows_per_chunk=3,
+                                  mesh=mesh)
     return {"single": out["single"], "mesh": out["mesh"],
             "final_param_diff": max(float(np.abs(out["single_params"][k].astype(np.float64) - v).max())
                                     for k, v in out["mesh_params"].items()),
             "param_moved": float(np.abs(exported - np.asarray(params["embed"])).max()),
-            "row_norm_rel_diff": float(np.abs(sharded - single).max() / np.abs(single).max()),
+            "row_norm_rel_diff": float(max(np.abs(sharded - single).max(), np.abs(split - single).max())
+                                       / np.abs(single).max()),
             "row_norms_differ": bool(np.ptp(single) > 0)}
 
 

@@ -21,9 +21,13 @@ import time
 from typing import Any, Sequence
 
 import jax
+import jax.experimental.multihost_utils
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
+from jaxrl_llm.models.sharding import BATCH_SPEC
 from jaxrl_llm.objectives import gvm_allocate
 from jaxrl_llm.train.config import SamplingSection
 from jaxrl_llm.train.logprobs import row_logprobs
@@ -62,8 +66,9 @@ def _replace(params, path: tuple[str, ...], value):
     return out
 
 
-@functools.partial(jax.jit, static_argnames=("model_config", "paths", "rows_per_chunk"))
-def _grad_norms(params, model_config, paths, rows_per_chunk, tokens, prompt_lens, response_tokens, mask):
+@functools.partial(jax.jit, static_argnames=("model_config", "paths", "rows_per_chunk", "chunk_sharding"))
+def _grad_norms(params, model_config, paths, rows_per_chunk, tokens, prompt_lens, response_tokens, mask,
+                chunk_sharding=None):
     def row_nll(subset, token_row, prompt_len, response_row, mask_row):
         full = params
         for path, value in zip(paths, subset):
@@ -78,26 +83,41 @@ def _grad_norms(params, model_config, paths, rows_per_chunk, tokens, prompt_lens
         grads = row_grad(subset, *row)
         return jnp.sqrt(sum(jnp.sum(jnp.square(g.astype(jnp.float32))) for g in jax.tree_util.tree_leaves(grads)))
 
-    # lax.map with batch_size vmaps `rows_per_chunk` rows at a time: the per-row gradients of one chunk
-    # are the only ones alive at once.
-    return jax.lax.map(row_norm, (tokens, prompt_lens, response_tokens, mask), batch_size=rows_per_chunk)
+    rows = (tokens, prompt_lens, response_tokens, mask)
+    if chunk_sharding is None:
+        # lax.map with batch_size vmaps `rows_per_chunk` rows at a time: the per-row gradients of one chunk
+        # are the only ones alive at once.
+        return jax.lax.map(row_norm, rows, batch_size=rows_per_chunk)
+    # On a mesh: the same chunks, each one's rows split over the batch axes, so every device differentiates
+    # rows_per_chunk / (data x fsdp) rows of a chunk instead of all of them.
+    chunks = [jax.lax.with_sharding_constraint(x.reshape(-1, rows_per_chunk, *x.shape[1:]), chunk_sharding)
+              for x in rows]
+    norms = jax.lax.map(jax.vmap(row_norm), tuple(chunks))
+    return jax.lax.with_sharding_constraint(norms, chunk_sharding).reshape(-1)
 
 
 def per_sample_grad_norms(params, model_config, tokens, prompt_lens, response_tokens, mask, *,
-                          param_subset: str | Sequence[str] = "embed", rows_per_chunk: int = 8) -> np.ndarray:
+                          param_subset: str | Sequence[str] = "embed", rows_per_chunk: int = 8,
+                          mesh=None) -> np.ndarray:
     """|| d/dW ( -sum_t mask_t log pi(y_t | x, y_<t) ) ||_2 for each row, W = the parameters in `param_subset`
     (the norm over all of them together). Summed, not length-normalised, NLL, as in the GVM paper.
 
     tokens [B, T] (prompt then response, right-padded), prompt_lens [B], response_tokens [B, R], mask [B, R]
     as in `jaxrl_llm.train.step.TrainBatch`. A jitted `jax.vmap` of `jax.grad` of a one-row loss, run over
     chunks of `rows_per_chunk` rows (`jax.lax.map(..., batch_size=rows_per_chunk)`) to bound memory.
-    Returns float32 [B] (0 for rows whose mask is all 0).
+    With a `mesh`, each chunk's rows are split over its data x fsdp devices (`rows_per_chunk` is rounded up
+    to a multiple of data x fsdp). Returns float32 [B] (0 for rows whose mask is all 0).
     """
     paths = parse_param_subset(param_subset)
     for path in paths:
         _get(params, path)  # a clear error for a wrong name before tracing
     if rows_per_chunk < 1:
         raise ValueError(f"rows_per_chunk must be >= 1, got {rows_per_chunk}")
+    chunk_sharding = None
+    if mesh is not None:
+        split = mesh.shape["data"] * mesh.shape["fsdp"]
+        rows_per_chunk = -(-rows_per_chunk // split) * split
+        chunk_sharding = NamedSharding(mesh, P(None, ("data", "fsdp")))
     rows = np.shape(tokens)[0]
     pad = -rows % rows_per_chunk  # whole chunks only: lax.map would compile a second body for a remainder
 
@@ -105,16 +125,22 @@ def per_sample_grad_norms(params, model_config, tokens, prompt_lens, response_to
         x = np.asarray(x, dtype)
         return np.concatenate([x, np.full((pad, *x.shape[1:]), fill, dtype)]) if pad else x
 
-    norms = _grad_norms(params, model_config, paths, int(rows_per_chunk), padded(tokens, np.int32),
-                        padded(prompt_lens, np.int32, 1), padded(response_tokens, np.int32),
-                        padded(mask, np.float32))
+    inputs = (padded(tokens, np.int32), padded(prompt_lens, np.int32, 1), padded(response_tokens, np.int32),
+              padded(mask, np.float32))
+    if mesh is not None:
+        from jaxrl_llm.train.setup import place  # the trainer's host-to-mesh placement (multi-process aware)
+
+        inputs = place(inputs, tuple(NamedSharding(mesh, BATCH_SPEC) for _ in inputs))
+    norms = _grad_norms(params, model_config, paths, int(rows_per_chunk), *inputs, chunk_sharding=chunk_sharding)
+    if mesh is not None and not norms.is_fully_addressable:  # several processes: gather every row's norm
+        norms = jax.experimental.multihost_utils.process_allgather(norms, tiled=True)
     return np.asarray(norms, np.float32)[:rows]
 
 
 def prompt_grad_norms(params, model_config, scored: ScoredRollouts, *, param_subset: str | Sequence[str] = "embed",
-                      rows_per_chunk: int = 8, pad_id: int = 0) -> np.ndarray:
+                      rows_per_chunk: int = 8, pad_id: int = 0, mesh=None) -> np.ndarray:
     """G_i [P]: the mean per-sample gradient norm over prompt i's accepted samples (0 when none is accepted).
-    Only accepted rows are differentiated."""
+    Only accepted rows are differentiated (on `mesh`: split over its batch axes)."""
     num_prompts = len(scored.records)
     accepted = np.flatnonzero(scored.correct)
     if accepted.size == 0:
@@ -122,7 +148,7 @@ def prompt_grad_norms(params, model_config, scored: ScoredRollouts, *, param_sub
     rows = _take_rows(scored, accepted)
     batch = all_rows_batch(rows, rows_per_chunk, pad_id)
     norms = per_sample_grad_norms(params, model_config, batch.tokens, batch.prompt_lens, batch.response_tokens,
-                                  batch.mask, param_subset=param_subset, rows_per_chunk=rows_per_chunk)
+                                  batch.mask, param_subset=param_subset, rows_per_chunk=rows_per_chunk, mesh=mesh)
     norms = norms[:accepted.size]
     index = scored.prompt_index[accepted]
     total = np.bincount(index, weights=norms, minlength=num_prompts)
@@ -212,7 +238,7 @@ def gvm_rollouts(params, model_config, tokenizer, records: list[dict], sampling:
     t0 = time.perf_counter()
     grad_norm = prompt_grad_norms(params, model_config, stage1, param_subset=sampling.gvm_param_subset,
                                   rows_per_chunk=sampling.gvm_rows_per_chunk or rows_per_chunk,
-                                  pad_id=tokenizer.pad_token_id)
+                                  pad_id=tokenizer.pad_token_id, mesh=mesh)
     grad_norm_s = time.perf_counter() - t0
     counts = allocate_samples(accept_rate, grad_norm, sampling)
     info["gvm"] = {**allocation_log(accept_rate, grad_norm, counts, sampling, stage1),

@@ -41,7 +41,8 @@ Every term counts what jaxrl_llm itself allocates, per device of a `data x fsdp 
               f32 logits buffers
   gvm norms   (GVM only) per-sample gradients of the subset (default the embedding) for
               `sampling.gvm_rows_per_chunk` (0: `optim.micro_batch_size`) unpacked rows at a time, in p,
-              with those rows' activations and log-prob residuals (taken as not split over the batch axes)
+              with those rows' activations and log-prob residuals; a chunk's rows are split over data x fsdp
+              (ceil(chunk / (data x fsdp)) rows per device)
 
   peak = params + optimizer + reference + max(train step, sampling, gvm norms)
 
@@ -287,7 +288,8 @@ def estimate_memory(config: RunConfig, model_config: ModelConfig, mesh: dict[str
 
     gvm_norms = 0
     if gvm:
-        chunk_rows = cfg.sampling.gvm_rows_per_chunk or cfg.optim.micro_batch_size
+        # A chunk's rows are split over data x fsdp (train.gvm.per_sample_grad_norms rounds the chunk up to it).
+        chunk_rows = -(-(cfg.sampling.gvm_rows_per_chunk or cfg.optim.micro_batch_size) // batch_split)
         unpacked = round_up(cfg.data.max_prompt_tokens + response_len, ROW_SEQ_MULTIPLE)
         gvm_norms = (chunk_rows * _subset_elements(mc, cfg.sampling.gvm_param_subset) * p
                      + _activation_bytes(mc, chunk_rows, unpacked, heads, c, remat, policy, block)
