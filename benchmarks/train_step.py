@@ -5,7 +5,7 @@ JAX in the same run.
 
     .venv/bin/python benchmarks/train_step.py [--rows 8] [--seq-len 256] [--prompt-len 64]
         [--dtype f32|bf16] [--remat off|full|dots] [--micro-batch 8] [--repeats 3] [--layers N]
-        [--layers-as default|scan|unrolled] [--skip-torch] [--torch-threads N] [--pieces]
+        [--layers-as scan|unrolled] [--skip-torch] [--torch-threads N] [--pieces]
 
 Batch: `rows` packed rows, each one random prompt of `prompt_len` tokens followed by one response of
 `seq_len - prompt_len` tokens (a `TrainBatch` with one response slot per row, no padding), random
@@ -260,8 +260,8 @@ def main():
     parser.add_argument("--micro-batch", type=int, default=None, help="rows per micro-batch (default: all rows)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--layers", type=int, default=None, help="keep only the first N layers (quick runs)")
-    parser.add_argument("--layers-as", choices=("default", "scan", "unrolled"), default="default",
-                        help="ModelConfig.scan_layers: the backend's default (unrolled on CPU), a scan, or unrolled")
+    parser.add_argument("--layers-as", choices=("scan", "unrolled"), default="scan",
+                        help="ModelConfig.scan_layers: the decoder layers as one lax.scan (default) or unrolled")
     parser.add_argument("--skip-torch", action="store_true")
     parser.add_argument("--torch-threads", type=int, default=os.cpu_count(), help="torch intra-op threads")
     parser.add_argument("--pieces", action="store_true", help="also time forward and forward + backward alone")
@@ -271,8 +271,8 @@ def main():
 
     config, params = load_model(args.layers)
     remat = {"off": {}, "full": dict(remat=True, remat_policy="full"), "dots": dict(remat=True, remat_policy="dots")}
-    scan = {"default": None, "scan": True, "unrolled": False}[args.layers_as]
-    config = config.replace(compute_dtype=DTYPES[args.dtype], scan_layers=scan, **remat[args.remat])
+    config = config.replace(compute_dtype=DTYPES[args.dtype], scan_layers=args.layers_as == "scan",
+                            **remat[args.remat])
     micro_batch = args.micro_batch or args.rows
     num_params = sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(params))
 
@@ -322,8 +322,9 @@ def main():
     own_peak = {"jaxrl_llm": peak}
     if torch_peak is not None:
         own_peak["transformers"] = max(torch_peak, measure_torch_matmul_peak(DTYPES[args.dtype])["peak"])
-        print(f"matmul peaks ({args.dtype}): JAX/XLA {peak / 1e9:.1f} GFLOP/s, torch {own_peak['transformers'] / 1e9:.1f}"
-              f" GFLOP/s (JAX / torch = {peak / own_peak['transformers']:.2f}x)")
+        theirs_peak = own_peak["transformers"]
+        print(f"matmul peaks ({args.dtype}): JAX/XLA {peak / 1e9:.1f} GFLOP/s, torch {theirs_peak / 1e9:.1f} GFLOP/s "
+              f"(JAX / torch = {peak / theirs_peak:.2f}x)")
     print()
     print(f"| step | tokens/s | step s | model TFLOP/s | MFU vs the JAX {args.dtype} peak ({peak / 1e9:.0f} GFLOP/s) "
           f"| vs its own library's peak | ours / this |")

@@ -1,5 +1,5 @@
-"""On the CPU backend `hidden_states` unrolls the stacked layers; elsewhere it scans them. Both give
-the same hidden states and gradients (the scan path is forced by reporting another backend)."""
+"""`ModelConfig.scan_layers`: the training forward's stacked layers as one `lax.scan` (the default) or
+unrolled give the same hidden states and gradients."""
 
 import jax
 import jax.numpy as jnp
@@ -21,34 +21,19 @@ def _value_and_grad(params, config, tokens, positions):
 
 
 @pytest.mark.parametrize("remat", [False, True])
-def test_unrolled_layers_equal_scanned_layers(monkeypatch, remat):
-    config = TINY.replace(remat=remat)
-    params = models.init_params(config, jax.random.PRNGKey(0))
-    tokens = jax.random.randint(jax.random.PRNGKey(1), (2, 7), 0, config.vocab_size)
-    positions = jnp.broadcast_to(jnp.arange(7), (2, 7))
-    assert jax.default_backend() == "cpu"
-
-    def run():  # fresh closures: JAX's trace caches must not hand back the other path
-        jaxpr = jax.make_jaxpr(lambda p: models.hidden_states(p, config, tokens, positions))(params)
-        return "scan" in str(jaxpr), jax.jit(lambda p: _value_and_grad(p, config, tokens, positions))(params)
-
-    has_scan, unrolled = run()
-    assert not has_scan
-    monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
-    has_scan, scanned = run()
-    assert has_scan
-    for a, b in zip(jax.tree_util.tree_leaves(unrolled), jax.tree_util.tree_leaves(scanned)):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
-    assert float(jnp.abs(unrolled[1]["layers"]["q_proj"]).max()) > 1e-3  # compared gradients are not zero
-
-
-def test_scan_layers_overrides_the_backend_default():
+def test_unrolled_layers_equal_scanned_layers(remat):
     params = models.init_params(TINY, jax.random.PRNGKey(0))
-    tokens = jnp.zeros((1, 5), jnp.int32)
-    positions = jnp.arange(5)[None]
-    for scan, expect in ((True, True), (False, False), (None, jax.default_backend() != "cpu")):
-        config = TINY.replace(scan_layers=scan)
+    tokens = jax.random.randint(jax.random.PRNGKey(1), (2, 7), 0, TINY.vocab_size)
+    positions = jnp.broadcast_to(jnp.arange(7), (2, 7))
+    results = {}
+    for scan in (True, False):
+        config = TINY.replace(remat=remat, scan_layers=scan)
         jaxpr = jax.make_jaxpr(lambda p: models.hidden_states(p, config, tokens, positions))(params)
-        assert ("scan" in str(jaxpr)) == expect, scan
+        assert ("scan" in str(jaxpr)) == scan
+        results[scan] = jax.jit(lambda p: _value_and_grad(p, config, tokens, positions))(params)
+    assert TINY.scan_layers  # the default
+    for a, b in zip(jax.tree_util.tree_leaves(results[False]), jax.tree_util.tree_leaves(results[True])):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    assert float(jnp.abs(results[False][1]["layers"]["q_proj"]).max()) > 1e-3  # compared gradients are not zero
     with pytest.raises(ValueError, match="scan_layers"):
-        TINY.replace(scan_layers=1)
+        TINY.replace(scan_layers=None)

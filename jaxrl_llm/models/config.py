@@ -45,10 +45,9 @@ class ModelConfig:
     `attention_block_size` (None or a positive int) computes full-sequence attention in tiles of that
     many queries x keys with an online softmax, so no [B, H, T, T] scores are held (long packed rows);
     the KV-cache path is unaffected. `scan_layers` runs the training forward's layers as one `lax.scan`
-    (True) or unrolled (False); None picks the scan except on the CPU backend, where unrolled layers
-    train faster. `remat_logits` recomputes the output logits in the log-prob backward pass
-    (`train.logprobs.chunked_logprobs` with keep_logits=False) instead of keeping them. Like `remat`
-    these are runtime settings: never read from or written to config.json.
+    (True, the default) or unrolled (False). `remat_logits` recomputes the output logits in the log-prob
+    backward pass (`train.logprobs.chunked_logprobs` with keep_logits=False) instead of keeping them. Like
+    `remat` these are runtime settings: never read from or written to config.json.
     """
 
     vocab_size: int
@@ -74,7 +73,7 @@ class ModelConfig:
     remat: bool = False
     remat_policy: str = "full"
     attention_block_size: int | None = None
-    scan_layers: bool | None = None
+    scan_layers: bool = True
     remat_logits: bool = False
 
     def __post_init__(self):
@@ -90,8 +89,8 @@ class ModelConfig:
         block = self.attention_block_size
         if block is not None and (isinstance(block, bool) or not isinstance(block, int) or block < 1):
             raise ValueError(f"attention_block_size must be a positive int or None, got {block!r}")
-        if self.scan_layers is not None and not isinstance(self.scan_layers, bool):
-            raise ValueError(f"scan_layers must be true, false or None, got {self.scan_layers!r}")
+        if not isinstance(self.scan_layers, bool):
+            raise ValueError(f"scan_layers must be true or false, got {self.scan_layers!r}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"

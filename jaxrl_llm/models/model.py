@@ -2,7 +2,7 @@
 
 Parameters are a plain nested dict (see `init_params` for the key names). Transformer layers are
 stacked on a leading `num_layers` axis and run by `jax.lax.scan`, so one layer is compiled whatever
-the depth (`hidden_states` unrolls them on the CPU backend, where that trains faster); `config.remat`
+the depth (`config.scan_layers=False` unrolls them in the training forward); `config.remat`
 wraps the layer in `jax.checkpoint` (saving what `config.remat_policy` names). Every function takes the config as a plain argument: jit with `static_argnums=1`
 (ModelConfig is hashable).
 """
@@ -173,13 +173,10 @@ def hidden_states(params: Params, config: ModelConfig, tokens: jax.Array, positi
     return rms_norm(x, params["final_norm"], config.rms_norm_eps)
 
 
-def _run_layers(layer, x: jax.Array, layers: Params, scan: bool | None = None) -> jax.Array:
-    """x after every stacked layer in turn: a `lax.scan` (one compiled layer) or unrolled. `scan` None picks
-    the scan except on the CPU backend, where XLA zero-fills and copies the scan's stacked per-layer buffers
-    (activations kept for the backward pass, weight gradients) and loses fusions across the loop boundary,
-    which cost more than compiling each layer (measured on the train step)."""
-    if scan is None:
-        scan = jax.default_backend() != "cpu"
+def _run_layers(layer, x: jax.Array, layers: Params, scan: bool = True) -> jax.Array:
+    """x after every stacked layer in turn: a `lax.scan` (one compiled layer) or unrolled (each layer
+    compiled on its own: longer compiles; on CPU about as fast at 12 layers and 10% slower at SmolLM2's 30,
+    measured on the train step, benchmarks/README.md)."""
     if scan:
         return jax.lax.scan(layer, x, layers)[0]
     for i in range(jax.tree_util.tree_leaves(layers)[0].shape[0]):

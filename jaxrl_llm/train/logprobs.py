@@ -39,9 +39,10 @@ def chunked_logprobs(hidden: jax.Array, head: jax.Array, targets: jax.Array, *, 
     so the only [B, R, V]-sized values kept are the logits themselves (a custom VJP; plain autodiff
     would also keep exp(l) and every intermediate of the online log-sum-exp). With `keep_logits=False`
     not even those are kept: the backward pass recomputes each chunk's logits from the hidden states
-    (one more [N, D] x [D, chunk] product per chunk), so the residuals are O(B R D), not O(B R V). The chunks are a static
-    Python loop: each chunk's logits are their own buffer (a scan would zero-fill and copy them into
-    one stacked array) and the last chunk may be shorter, so no padded vocabulary entries are scored.
+    (one more [N, D] x [D, chunk] product per chunk), so the residuals are O(B R D), not O(B R V).
+    Kept chunks come from a static Python loop: each chunk's logits are their own buffer (a scan would
+    zero-fill and copy them into one stacked array). The last chunk may be shorter, so no padded
+    vocabulary entries are scored.
     With `entropy_grad=False` the entropy is a metric only: no gradient flows through it (as under
     `jax.lax.stop_gradient`), and the backward pass skips its term.
     Returns logp [B, R] f32 (and entropy [B, R] f32 when with_entropy).
