@@ -52,3 +52,30 @@ def test_parse_overrides_rejects_malformed():
     assert parse_overrides(["a.b=1", "c.d=x"]) == {"a.b": 1, "c.d": "x"}
     with pytest.raises(ConfigError, match="section.key=value"):
         parse_overrides(["optim.lr"])
+
+
+def test_runtime_model_keys_apply_to_a_policy_passed_in(tmp_path):
+    """setup_run(policy=...) computes the given policy the way the run config says (remat, tiles, logit
+    recomputation, compute dtype), as load_policy does for a policy it loads; the architecture is kept."""
+    import sys
+
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
+    from loop_runner import TINY_RUN, tiny_policy
+
+    from jaxrl_llm.train.setup import runtime_model_config, setup_run
+
+    runtime = ["model.remat=true", "model.attention_block_size=64", "model.remat_logits=true",
+               "model.compute_dtype=bfloat16"]
+    cfg = load_config(None, TINY_RUN + runtime + [f"train.out_dir={tmp_path}", "train.eval_problems=0"])
+    policy = tiny_policy()
+    expected = (True, 64, True, "bfloat16")
+    got = runtime_model_config(policy[0], cfg.model)
+    assert (got.remat, got.attention_block_size, got.remat_logits, got.compute_dtype) == expected
+    assert got.replace(remat=False, attention_block_size=None, remat_logits=False, compute_dtype="float32") \
+        == policy[0]
+    run = setup_run(cfg, policy=policy)
+    try:
+        mc = run.model_config
+        assert (mc.remat, mc.attention_block_size, mc.remat_logits, mc.compute_dtype) == expected
+    finally:
+        run.close()

@@ -131,7 +131,9 @@ _REMAT_SAVED = {
 def _maybe_remat(fn, config: ModelConfig):
     if not config.remat:
         return fn
-    return jax.checkpoint(fn, prevent_cse=False, policy=_REMAT_SAVED[config.remat_policy])
+    # Inside a scan XLA cannot merge the recomputation with the forward pass; unrolled layers need the
+    # barrier that prevent_cse adds, or the rematerialisation may be optimised away.
+    return jax.checkpoint(fn, prevent_cse=not config.scan_layers, policy=_REMAT_SAVED[config.remat_policy])
 
 
 def _embed(params: Params, config: ModelConfig, tokens: jax.Array) -> jax.Array:

@@ -103,13 +103,25 @@ def load_prompts(spec: Any, tokenizer, config: RunConfig) -> list[dict]:
     return kept
 
 
+def runtime_model_config(model_config, section) -> Any:
+    """`model_config` with the run config's runtime model keys (`model.compute_dtype`, `remat`,
+    `attention_block_size`, `remat_logits`): how the policy is computed, not what it is."""
+    return model_config.replace(compute_dtype=section.compute_dtype, remat=section.remat,
+                                attention_block_size=section.attention_block_size, remat_logits=section.remat_logits)
+
+
 def setup_run(config: RunConfig, *, policy=None) -> Run:
-    """Everything for `train`; `policy` = (ModelConfig, params, tokenizer) skips loading `model.source`."""
+    """Everything for `train`; `policy` = (ModelConfig, params, tokenizer) skips loading `model.source`
+    (the run config's runtime model keys still apply to it, as to a loaded policy)."""
     cfg = config
-    model_config, params, tokenizer = policy or load_policy(
-        cfg.model.source, param_dtype=cfg.model.param_dtype, compute_dtype=cfg.model.compute_dtype,
-        remat=cfg.model.remat, attention_block_size=cfg.model.attention_block_size,
-        remat_logits=cfg.model.remat_logits)
+    if policy is not None:
+        model_config, params, tokenizer = policy
+        model_config = runtime_model_config(model_config, cfg.model)
+    else:
+        model_config, params, tokenizer = load_policy(
+            cfg.model.source, param_dtype=cfg.model.param_dtype, compute_dtype=cfg.model.compute_dtype,
+            remat=cfg.model.remat, attention_block_size=cfg.model.attention_block_size,
+            remat_logits=cfg.model.remat_logits)
     optimizer = make_optimizer(cfg.optim)
     mesh = param_sharding = state_sharding = batch_sharding = None
     if cfg.train.mesh:
