@@ -114,6 +114,13 @@ def test_tiny_run_by_hand():
                                 {"data": 1, "fsdp": 2, "tensor": 1})
     assert recompute["logprob_residuals"] == 16 * (16 * 4 + 12 + 64 * 4) == 5312
 
+    # optim.max_row_tokens=16: a row holds the 8-token prompt and (16 - 8) // 8 = 1 response of 8 tokens,
+    # so 8 scored tokens a row; the row (16 tokens) still rounds up to one 32-token chunk.
+    bounded = estimate_memory(load_config(None, TINY_RUN + ["model.remat=false", "optim.max_row_tokens=16"]), TINY,
+                              {"data": 1, "fsdp": 2, "tensor": 1})
+    assert bounded["row_length"] == 32 and bounded["activations"] == est["activations"]
+    assert bounded["logprob_residuals"] == 8 * (64 * 4 + 16 * 4 + 12) + 512 * 4 == 4704
+
     # Remat policy "dots" (a model.remat_policy key where the run config has one) also keeps, per layer and
     # token, the projection outputs q 16 + k, v 2 x 8 + o 16 + gate, up 2 x 32 + down 16 = 128 elements.
     dots_model = types.SimpleNamespace(**{**dataclasses.asdict(cfg.model), "remat_policy": "dots"})

@@ -24,6 +24,7 @@ def test_unknown_key_suggests_closest():
     ("algorithm.advantage=ppo", r"'algorithm.advantage' must be one of"),
     ("train.steps=abc", r"'train.steps' expects int, got 'abc'"),
     ("algorithm.agg=seq-mean-token-sum-norm", r"'algorithm.agg_max_len' must be set"),
+    ("optim.max_row_tokens=-1", r"'optim.max_row_tokens' must be >= 0"),
 ])
 def test_bad_values_fail_with_reason(override, message):
     with pytest.raises(ConfigError, match=message):

@@ -73,6 +73,29 @@ def test_large_groups_split_into_rows_give_the_same_logprobs():
     want = unpack(np.asarray(response_logprobs(params, TINY, whole, chunk=16)), members, 15) * mask
     np.testing.assert_allclose(got, want, atol=2e-5)
 
+    # A token bound as well: each row holds the prompt and the responses that fit in 12 tokens, in order
+    # (a response that alone goes over still gets its row).
+    limit = 12
+    bounded_prompts, bounded = row_groups(prompts, members, 4, lengths=lengths, max_tokens=limit)
+    expected = []
+    for prompt, group in zip(prompts, members):
+        row, used = [], len(prompt)
+        for m in group:
+            if row and (len(row) == 4 or used + lengths[m] > limit):
+                expected.append(row)
+                row, used = [], len(prompt)
+            row.append(int(m))
+            used += int(lengths[m])
+        expected.append(row)
+    assert [r.tolist() for r in bounded] == expected and len(expected) > len(split)
+    for prompt, row in zip(bounded_prompts, bounded):
+        assert len(row) == 1 or len(prompt) + lengths[row].sum() <= limit
+    rows = pack_groups(bounded_prompts, bounded, responses, lengths, row_multiple=4)
+    got = unpack(np.asarray(response_logprobs(params, TINY, rows, chunk=16)), bounded, 15) * mask
+    np.testing.assert_allclose(got, want, atol=2e-5)
+    with pytest.raises(ValueError, match="lengths"):
+        row_groups(prompts, members, 4, max_tokens=limit)
+
 
 def test_length_bucket_grid_by_hand():
     # four sizes per doubling of the chunk count: 1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16, 20, ...

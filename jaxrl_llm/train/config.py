@@ -127,6 +127,9 @@ class OptimSection:
     mini_batches: int = 1  # optimizer updates per rollout batch and epoch
     epochs: int = 1  # passes over each rollout batch
     micro_batch_size: int = 4  # packed rows (prompts, each with its responses) per forward/backward
+    # Tokens per packed row at most (prompt + responses; 0: no limit): a prompt's responses are spread over
+    # rows that each repeat the prompt (exact; bounds activation memory for long responses).
+    max_row_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -308,6 +311,7 @@ def validate(config: RunConfig) -> None:
         ("optim.mini_batches", config.optim.mini_batches >= 1, "must be >= 1"),
         ("optim.epochs", config.optim.epochs >= 1, "must be >= 1"),
         ("optim.micro_batch_size", config.optim.micro_batch_size >= 1, "must be >= 1"),
+        ("optim.max_row_tokens", config.optim.max_row_tokens >= 0, "must be >= 0 (0: no limit)"),
         ("algorithm.clip_low", 0 <= config.algorithm.clip_low < 1, "must be in [0, 1): the ratio floor is 1 - clip_low"),
         ("algorithm.clip_high", config.algorithm.clip_high >= 0, "must be >= 0"),
         ("algorithm.dual_clip", config.algorithm.dual_clip is None or config.algorithm.dual_clip > 1,

@@ -199,7 +199,8 @@ def update_policy(run: Run, scored: ScoredRollouts, step: int) -> dict[str, Any]
     for _ in range(cfg.optim.epochs):
         for batch, denom, _rows in build_train_batches(
                 scored, advantages, old_logp, ref_logp, algo, mini_batches=cfg.optim.mini_batches,
-                micro_batch_size=cfg.optim.micro_batch_size, pad_id=run.tokenizer.pad_token_id, rng=rng):
+                micro_batch_size=cfg.optim.micro_batch_size, pad_id=run.tokenizer.pad_token_id, rng=rng,
+                max_row_tokens=cfg.optim.max_row_tokens):
             run.state, metrics = run.train_step(run.state, run.place_batch(batch), np.float32(denom))
             metrics = jax.device_get(metrics)
             finite = finite and bool(metrics["finite"])
@@ -213,7 +214,8 @@ def update_policy(run: Run, scored: ScoredRollouts, step: int) -> dict[str, Any]
 
 def token_logprobs(run: Run, params, scored: ScoredRollouts) -> np.ndarray:
     """Teacher-forced log-probs [R, N] of every sampled response under `params`."""
-    batch, groups = packed_rollouts(scored, run.config.optim.micro_batch_size, run.tokenizer.pad_token_id)
+    optim = run.config.optim
+    batch, groups = packed_rollouts(scored, optim.micro_batch_size, run.tokenizer.pad_token_id, optim.max_row_tokens)
     logp = np.asarray(run.logprob_fn(params, run.place_batch(batch)))
     return unpack(logp, groups, scored.num_samples) * scored.mask
 

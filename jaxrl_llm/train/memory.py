@@ -10,7 +10,8 @@ Every term counts what jaxrl_llm itself allocates, per device of a `data x fsdp 
   train step  gradients: the f32 accumulator of the micro-batch scan + one micro-batch gradient in p;
               activations of one micro-batch of packed rows (one prompt + n responses per row, n = samples
               per prompt, N'' under GVM, rounded up to a power of two; the row length L = prompt + n R on the
-              packer's grid `train.packing.length_bucket`, at most 25% above it):
+              packer's grid `train.packing.length_bucket`, at most 25% above it; with optim.max_row_tokens
+              each row holds the responses that fit, at least one, and the length is at most that bound):
                 per layer and token  (4 D + 2 q + 3 kv + 4 F) x c   (norm inputs/outputs, q/k/v before and
                                      after RoPE, attention output, residuals, gate/up/silu/product)
                 full attention (model.attention_block_size null), per layer: rows x H_t x L^2 x (4 + c)
@@ -265,7 +266,14 @@ def estimate_memory(config: RunConfig, model_config: ModelConfig, mesh: dict[str
     # (larger groups are split over rows), rounded up to a power of two; the row length on the packer's grid.
     responses_per_row = bucket(cfg.sampling.gvm_samples_per_prompt if gvm else cfg.sampling.samples_per_prompt)
     response_len = max(1, int(math.ceil(cfg.sampling.max_new_tokens * response_fill)))
-    row_length = length_bucket(cfg.data.max_prompt_tokens + responses_per_row * response_len, ROW_SEQ_MULTIPLE)
+    prompt_len = cfg.data.max_prompt_tokens
+    if cfg.optim.max_row_tokens > 0:  # rows of at most that many tokens, at least one response each
+        fit = max(1, (cfg.optim.max_row_tokens - prompt_len) // response_len)
+        responses_per_row = bucket(min(responses_per_row, fit))
+        row_length = length_bucket(min(prompt_len + responses_per_row * response_len,
+                                       max(cfg.optim.max_row_tokens, prompt_len + response_len)), ROW_SEQ_MULTIPLE)
+    else:
+        row_length = length_bucket(prompt_len + responses_per_row * response_len, ROW_SEQ_MULTIPLE)
     rows = -(-cfg.optim.micro_batch_size // batch_split)
     gradients = local * 4 + local * p
     activations = _activation_bytes(mc, rows, row_length, heads, c, remat, policy, block)

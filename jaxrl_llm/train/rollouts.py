@@ -114,16 +114,28 @@ def prompt_groups(scored: ScoredRollouts) -> list[np.ndarray]:
     return [np.flatnonzero(scored.prompt_index == g) for g in range(len(scored.records))]
 
 
-def row_groups(prompt_ids: list, groups: list[np.ndarray], max_per_row: int) -> tuple[list, list[np.ndarray]]:
-    """Split groups larger than `max_per_row` into rows of at most that many responses, each row repeating
-    its prompt. With GVM's uneven n_i (one prompt with 60 samples, others with 2) one row per prompt pads
-    every row to the longest; rows of similar size do not. Exact: every per-token quantity (advantages,
-    log-probs, the aggregation denominator) is computed per sample before packing."""
+def row_groups(prompt_ids: list, groups: list[np.ndarray], max_per_row: int, *, lengths: np.ndarray | None = None,
+               max_tokens: int = 0) -> tuple[list, list[np.ndarray]]:
+    """Split groups into rows of at most `max_per_row` responses and, with `max_tokens` > 0 (and the
+    response `lengths`), of at most `max_tokens` tokens (prompt + its responses; a response that alone
+    goes over gets a row of its own), each row repeating its prompt. With GVM's uneven n_i (one prompt
+    with 60 samples, others with 2) one row per prompt pads every row to the longest; rows of similar
+    size do not. Exact: every per-token quantity (advantages, log-probs, the aggregation denominator) is
+    computed per sample before packing."""
+    if max_tokens > 0 and lengths is None:
+        raise ValueError("row_groups: max_tokens needs the response lengths")
     prompts, rows = [], []
     for prompt, members in zip(prompt_ids, groups):
-        for start in range(0, max(len(members), 1), max_per_row):
-            prompts.append(prompt)
-            rows.append(members[start:start + max_per_row])
+        start, used = 0, len(prompt)
+        for i, member in enumerate(members):
+            size = int(lengths[member]) if max_tokens > 0 else 0
+            if i > start and (i - start == max_per_row or (max_tokens > 0 and used + size > max_tokens)):
+                prompts.append(prompt)
+                rows.append(members[start:i])
+                start, used = i, len(prompt)
+            used += size
+        prompts.append(prompt)  # the last row (an empty group stays one empty entry)
+        rows.append(members[start:])
     return prompts, rows
 
 
@@ -133,12 +145,12 @@ def max_row_responses(scored: ScoredRollouts) -> int:
 
 
 def _pack_prompts(scored: ScoredRollouts, prompt_indices, groups: list[np.ndarray], *, row_multiple: int, pad_id: int,
-                  seq_multiple: int = 32, **per_token) -> tuple[TrainBatch, list[np.ndarray]]:
+                  seq_multiple: int = 32, max_row_tokens: int = 0, **per_token) -> tuple[TrainBatch, list[np.ndarray]]:
     """`groups` (sample indices of the prompts `prompt_indices`) packed into rows of at most
-    `max_row_responses` responses; `per_token` = advantages / old_logp / ref_logp arrays (else zeros).
-    Returns the batch and each row's sample indices."""
+    `max_row_responses` responses and `max_row_tokens` tokens (0: no limit); `per_token` = advantages /
+    old_logp / ref_logp arrays (else zeros). Returns the batch and each row's sample indices."""
     prompts, rows = row_groups([scored.records[g]["prompt_ids"] for g in prompt_indices], groups,
-                               max_row_responses(scored))
+                               max_row_responses(scored), lengths=scored.lengths, max_tokens=max_row_tokens)
     batch = pack_groups(prompts, rows, scored.tokens, scored.lengths, pad_id=pad_id, row_multiple=row_multiple,
                         seq_multiple=seq_multiple, **per_token)
     return batch, rows
@@ -146,7 +158,8 @@ def _pack_prompts(scored: ScoredRollouts, prompt_indices, groups: list[np.ndarra
 
 def build_train_batches(scored: ScoredRollouts, advantages: np.ndarray, old_logp: np.ndarray, ref_logp: np.ndarray,
                         algo: AlgorithmSection, *, mini_batches: int, micro_batch_size: int, pad_id: int,
-                        rng: np.random.Generator, seq_multiple: int = 32) -> list[tuple[TrainBatch, float, int]]:
+                        rng: np.random.Generator, seq_multiple: int = 32,
+                        max_row_tokens: int = 0) -> list[tuple[TrainBatch, float, int]]:
     """Split the prompts into `mini_batches` shuffled mini-batches of packed rows (one row per prompt
     holding its responses, large groups split by `row_groups`) -> [(TrainBatch, denom, samples)].
 
@@ -169,17 +182,19 @@ def build_train_batches(scored: ScoredRollouts, advantages: np.ndarray, old_logp
         if kept == 0:
             continue
         batch, _ = _pack_prompts(scored, part, members, row_multiple=micro_batch_size, pad_id=pad_id,
-                                 seq_multiple=seq_multiple, advantages=advantages, old_logp=old_logp,
+                                 seq_multiple=seq_multiple, max_row_tokens=max_row_tokens,
+                                 advantages=advantages, old_logp=old_logp,
                                  ref_logp=ref_logp)
         out.append((batch, denom, kept))
     return out
 
 
-def packed_rollouts(scored: ScoredRollouts, micro_batch_size: int, pad_id: int) -> tuple[TrainBatch, list[np.ndarray]]:
+def packed_rollouts(scored: ScoredRollouts, micro_batch_size: int, pad_id: int,
+                    max_row_tokens: int = 0) -> tuple[TrainBatch, list[np.ndarray]]:
     """Every sample packed by prompt (advantages and log-probs zero): the input of old/reference log-prob
     passes. Returns the batch and the groups to `packing.unpack` its outputs with."""
     return _pack_prompts(scored, range(len(scored.records)), prompt_groups(scored), row_multiple=micro_batch_size,
-                         pad_id=pad_id)
+                         pad_id=pad_id, max_row_tokens=max_row_tokens)
 
 
 class RowBatch(NamedTuple):
