@@ -232,6 +232,23 @@ def test_suggest_layout_is_the_least_peak():
     assert overrides["train.mesh"] == f"fsdp={8 // best}" + (f",tensor={best}" if best > 1 else "")
 
 
+def test_suggest_layout_splits_rows_when_nothing_else_fits():
+    """No layout fits the budget with whole rows (2 responses + prompt); rows of one response do, so the
+    suggestion adds optim.max_row_tokens = 8 + 1 x 8, with the estimate of exactly that configuration."""
+    cfg = load_config(None, TINY_RUN)
+    whole, _ = suggest_layout(cfg, TINY, 2)
+    split_cfg = load_config(None, TINY_RUN + ["optim.max_row_tokens=16"])
+    split, _ = suggest_layout(split_cfg, TINY, 2)
+    assert split["peak"] < whole["peak"]
+    est, overrides = suggest_layout(cfg, TINY, 2, split["peak"])
+    assert overrides["optim.max_row_tokens"] == 16 and est["peak"] == split["peak"]
+    mesh = parse_mesh(overrides["train.mesh"], 2)
+    direct = load_config(None, TINY_RUN + ["optim.max_row_tokens=16",
+                                           f"optim.micro_batch_size={overrides['optim.micro_batch_size']}"])
+    assert estimate_memory(direct, TINY, mesh)["peak"] == est["peak"]
+    assert "optim.max_row_tokens" not in suggest_layout(cfg, TINY, 2, whole["peak"])[1]  # whole rows fit: kept
+
+
 def test_rows_that_fit():
     cfg = load_config(None, TINY_RUN + ["model.remat=false"])
     est = estimate_memory(cfg, TINY, {"data": 1, "fsdp": 2, "tensor": 1})

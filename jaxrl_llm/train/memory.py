@@ -339,9 +339,28 @@ def suggest_layout(config: RunConfig, model_config: ModelConfig, devices: int,
                    budget_bytes: int | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
     """The `fsdp x tensor` layout (tensor a power of two dividing the devices, at most 8, and dividing the
     heads) with one packed row per device and micro-batch (micro_batch_size = fsdp) of least estimated peak.
-    With `budget_bytes`, each layout first gets the `sampling.max_rows_per_call` of `fit_rows_per_call`.
-    Returns (estimate, {"train.mesh": ..., "optim.micro_batch_size": ...[, "sampling.max_rows_per_call": ...]}
-    overrides; the last only where it differs from the config's)."""
+    With `budget_bytes`, each layout first gets the `sampling.max_rows_per_call` of `fit_rows_per_call`, and
+    when no layout fits and `optim.max_row_tokens` is unset, packed rows of half, a quarter, ... of a prompt's
+    responses are tried (`optim.max_row_tokens` = prompt + that many full responses; the first that fits).
+    Returns (estimate, {"train.mesh": ..., "optim.micro_batch_size": ...[, "sampling.max_rows_per_call": ...]
+    [, "optim.max_row_tokens": ...]} overrides; the last two only where they differ from the config's)."""
+    best = _least_peak_layout(config, model_config, devices, budget_bytes)
+    if budget_bytes is None or best[0]["peak"] <= budget_bytes or config.optim.max_row_tokens > 0:
+        return best
+    gvm = config.sampling.allocation == "gvm"
+    per_row = bucket(config.sampling.gvm_samples_per_prompt if gvm else config.sampling.samples_per_prompt) // 2
+    while per_row >= 1:
+        tokens = config.data.max_prompt_tokens + per_row * config.sampling.max_new_tokens
+        split = dataclasses.replace(config, optim=dataclasses.replace(config.optim, max_row_tokens=tokens))
+        est, overrides = _least_peak_layout(split, model_config, devices, budget_bytes)
+        if est["peak"] <= budget_bytes:
+            return est, {**overrides, "optim.max_row_tokens": tokens}
+        per_row //= 2
+    return best
+
+
+def _least_peak_layout(config: RunConfig, model_config: ModelConfig, devices: int,
+                       budget_bytes: int | None) -> tuple[dict[str, Any], dict[str, Any]]:
     best = None
     tensor = 1
     while tensor <= min(8, devices):
