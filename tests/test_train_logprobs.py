@@ -95,3 +95,52 @@ def test_recomputed_logits_are_not_residuals():
     assert {(2, 3, 16), (2, 3, 8)} <= residual_shapes(True)
     assert not any(len(s) == 3 and s[-1] in (16, 8) and s != (2, 3, 8) for s in residual_shapes(False))
     assert (2, 3, 16) not in residual_shapes(False)
+
+
+def test_recomputed_logits_on_an_8_device_mesh_equal_one_device():
+    """model.remat_logits (what the paper presets set) on a data=2, fsdp=2, tensor=2 mesh, the output
+    matrix split over its vocabulary by tensor: value and gradients equal kept logits on one device
+    (vocabulary 64 in chunks of 16, and 70: a shorter last chunk and an unsplit vocabulary)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    import textwrap
+
+    code = """
+        import json
+        import jax, jax.numpy as jnp, numpy as np
+        from jaxrl_llm import models
+        from jaxrl_llm.models.sharding import make_mesh, param_shardings
+        from jaxrl_llm.train.logprobs import row_logprobs
+        from jaxrl_llm.train.setup import place
+
+        diffs = {}
+        for vocab in (64, 70):
+            config = models.ModelConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_layers=2,
+                                        num_heads=4, num_kv_heads=2, head_dim=8, tie_word_embeddings=True)
+            params = models.init_params(config, jax.random.PRNGKey(0))
+            rng = np.random.default_rng(0)
+            tokens = rng.integers(1, vocab, size=(4, 12)).astype(np.int32)
+            prompt_lens = np.array([3, 4, 5, 2], np.int32)
+            response = rng.integers(1, vocab, size=(4, 6)).astype(np.int32)
+
+            def value_and_grad(p, c):
+                f = lambda q: row_logprobs(q, c, tokens, prompt_lens, response, chunk=16).sum()
+                return jax.jit(jax.value_and_grad(f))(p)
+
+            want = value_and_grad(params, config)
+            mesh = make_mesh("data=2,fsdp=2,tensor=2")
+            got = value_and_grad(place(params, param_shardings(params, mesh)), config.replace(remat_logits=True))
+            diffs[vocab] = max(float(jnp.abs(a - b).max())
+                               for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)))
+            diffs[f"{vocab}_embed_grad"] = float(jnp.abs(want[1]["embed"]).max())
+        print(json.dumps(diffs))
+    """
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+    out = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    diffs = json.loads(out.stdout.strip().splitlines()[-1])
+    for vocab in (64, 70):
+        assert diffs[str(vocab)] < 5e-5 and diffs[f"{vocab}_embed_grad"] > 1e-2, diffs
