@@ -83,17 +83,15 @@ def _grad_norms(params, model_config, paths, rows_per_chunk, tokens, prompt_lens
         grads = row_grad(subset, *row)
         return jnp.sqrt(sum(jnp.sum(jnp.square(g.astype(jnp.float32))) for g in jax.tree_util.tree_leaves(grads)))
 
-    rows = (tokens, prompt_lens, response_tokens, mask)
-    if chunk_sharding is None:
-        # lax.map with batch_size vmaps `rows_per_chunk` rows at a time: the per-row gradients of one chunk
-        # are the only ones alive at once.
-        return jax.lax.map(row_norm, rows, batch_size=rows_per_chunk)
-    # On a mesh: the same chunks, each one's rows split over the batch axes, so every device differentiates
-    # rows_per_chunk / (data x fsdp) rows of a chunk instead of all of them.
-    chunks = [jax.lax.with_sharding_constraint(x.reshape(-1, rows_per_chunk, *x.shape[1:]), chunk_sharding)
-              for x in rows]
-    norms = jax.lax.map(jax.vmap(row_norm), tuple(chunks))
-    return jax.lax.with_sharding_constraint(norms, chunk_sharding).reshape(-1)
+    def constrain(x):
+        return x if chunk_sharding is None else jax.lax.with_sharding_constraint(x, chunk_sharding)
+
+    # Chunks of `rows_per_chunk` rows (whole chunks: the caller pads), vmapped one chunk at a time, so the
+    # per-row gradients of one chunk are the only ones alive at once; on a mesh each chunk's rows are split
+    # over the batch axes, so every device differentiates rows_per_chunk / (data x fsdp) rows of a chunk.
+    chunks = tuple(constrain(x.reshape(-1, rows_per_chunk, *x.shape[1:]))
+                   for x in (tokens, prompt_lens, response_tokens, mask))
+    return constrain(jax.lax.map(jax.vmap(row_norm), chunks)).reshape(-1)
 
 
 def per_sample_grad_norms(params, model_config, tokens, prompt_lens, response_tokens, mask, *,

@@ -209,6 +209,13 @@ def _logprob_residual_bytes(mc: ModelConfig, rows: int, response_tokens: int, c:
     return rows * response_tokens * (per_token + min(mc.vocab_size, LOGPROB_CHUNK) * 4)
 
 
+def _whole_row_responses(cfg: RunConfig) -> int:
+    """Response slots of a packed row without optim.max_row_tokens (train.rollouts.max_row_responses): the
+    mean group size, N'' under GVM (larger groups are split over rows), rounded up to a power of two."""
+    gvm = cfg.sampling.allocation == "gvm"
+    return bucket(cfg.sampling.gvm_samples_per_prompt if gvm else cfg.sampling.samples_per_prompt)
+
+
 def _output_matrix_elements(mc: ModelConfig, mesh: dict[str, int]) -> int:
     """Elements of the output matrix one device holds (sharded as its parameter)."""
     return _local_elements(mc, mesh)["embed" if mc.tie_word_embeddings else "lm_head"]
@@ -262,9 +269,7 @@ def estimate_memory(config: RunConfig, model_config: ModelConfig, mesh: dict[str
 
     gvm = cfg.sampling.allocation == "gvm"
     block = cfg.model.attention_block_size
-    # Response slots of a packed row (train.rollouts.max_row_responses): the mean group size, N'' under GVM
-    # (larger groups are split over rows), rounded up to a power of two; the row length on the packer's grid.
-    responses_per_row = bucket(cfg.sampling.gvm_samples_per_prompt if gvm else cfg.sampling.samples_per_prompt)
+    responses_per_row = _whole_row_responses(cfg)
     response_len = max(1, int(math.ceil(cfg.sampling.max_new_tokens * response_fill)))
     prompt_len = cfg.data.max_prompt_tokens
     if cfg.optim.max_row_tokens > 0:  # rows of at most that many tokens, at least one response each
@@ -347,8 +352,7 @@ def suggest_layout(config: RunConfig, model_config: ModelConfig, devices: int,
     best = _least_peak_layout(config, model_config, devices, budget_bytes)
     if budget_bytes is None or best[0]["peak"] <= budget_bytes or config.optim.max_row_tokens > 0:
         return best
-    gvm = config.sampling.allocation == "gvm"
-    per_row = bucket(config.sampling.gvm_samples_per_prompt if gvm else config.sampling.samples_per_prompt) // 2
+    per_row = _whole_row_responses(config) // 2
     while per_row >= 1:
         tokens = config.data.max_prompt_tokens + per_row * config.sampling.max_new_tokens
         split = dataclasses.replace(config, optim=dataclasses.replace(config.optim, max_row_tokens=tokens))

@@ -183,8 +183,7 @@ def build_train_batches(scored: ScoredRollouts, advantages: np.ndarray, old_logp
             continue
         batch, _ = _pack_prompts(scored, part, members, row_multiple=micro_batch_size, pad_id=pad_id,
                                  seq_multiple=seq_multiple, max_row_tokens=max_row_tokens,
-                                 advantages=advantages, old_logp=old_logp,
-                                 ref_logp=ref_logp)
+                                 advantages=advantages, old_logp=old_logp, ref_logp=ref_logp)
         out.append((batch, denom, kept))
     return out
 

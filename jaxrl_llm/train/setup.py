@@ -114,14 +114,8 @@ def setup_run(config: RunConfig, *, policy=None) -> Run:
     """Everything for `train`; `policy` = (ModelConfig, params, tokenizer) skips loading `model.source`
     (the run config's runtime model keys still apply to it, as to a loaded policy)."""
     cfg = config
-    if policy is not None:
-        model_config, params, tokenizer = policy
-        model_config = runtime_model_config(model_config, cfg.model)
-    else:
-        model_config, params, tokenizer = load_policy(
-            cfg.model.source, param_dtype=cfg.model.param_dtype, compute_dtype=cfg.model.compute_dtype,
-            remat=cfg.model.remat, attention_block_size=cfg.model.attention_block_size,
-            remat_logits=cfg.model.remat_logits)
+    model_config, params, tokenizer = policy or load_policy(cfg.model.source, param_dtype=cfg.model.param_dtype)
+    model_config = runtime_model_config(model_config, cfg.model)
     optimizer = make_optimizer(cfg.optim)
     mesh = param_sharding = state_sharding = batch_sharding = None
     if cfg.train.mesh:
