@@ -52,3 +52,23 @@ def test_swiglu_by_hand():
     down = jnp.array([[3.0, 1.0]])
     silu_1 = 1.0 / (1.0 + np.exp(-1.0))
     np.testing.assert_allclose(np.asarray(swiglu_mlp(x, gate, up, down)), [[-6 * silu_1, -2 * silu_1]], rtol=1e-6)
+
+
+def test_dense_gradients_are_the_textbook_products():
+    """dense's own backward rule: dx = dy w^T, dw = x^T dy (NumPy), for a batched x, in f32 and bf16."""
+    import jax
+
+    from jaxrl_llm.models.layers import dense
+
+    rng = np.random.RandomState(0)
+    x = rng.normal(size=(2, 3, 4)).astype(np.float32)
+    w = rng.normal(size=(4, 5)).astype(np.float32)
+    dy = rng.normal(size=(2, 3, 5)).astype(np.float32)
+    for dtype, tol in ((jnp.float32, 1e-5), (jnp.bfloat16, 3e-2)):
+        out, vjp = jax.vjp(dense, jnp.asarray(x, dtype), jnp.asarray(w, dtype))
+        dx, dw = vjp(jnp.asarray(dy, dtype))
+        assert out.dtype == dx.dtype == dw.dtype == dtype
+        np.testing.assert_allclose(np.asarray(out, np.float32), x @ w, rtol=tol, atol=tol)
+        np.testing.assert_allclose(np.asarray(dx, np.float32), dy @ w.T, rtol=tol, atol=tol)
+        np.testing.assert_allclose(np.asarray(dw, np.float32), x.reshape(-1, 4).T @ dy.reshape(-1, 5),
+                                   rtol=tol, atol=tol)

@@ -183,8 +183,37 @@ def blocked_attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.A
     return out.reshape(batch, padded, num_heads * head_dim)[:, :length]
 
 
+@jax.custom_vjp
+def dense(x: jax.Array, w: jax.Array) -> jax.Array:
+    """x @ w for x [..., K] and a matrix w [K, N], whose gradients are the textbook products
+    dx = dy w^T and dw = x^T dy, the latter one dot_general that contracts x's and dy's leading axes.
+
+    Differentiating `x @ w` directly gives the same values, but JAX writes dw as a product followed by a
+    transpose; XLA:CPU then folds the transpose into one operand and fuses the elementwise backward
+    of the layer (SiLU, RMSNorm) into that transposing copy, which it runs ~30x slower than the same
+    elementwise work in place (the MLP weight gradients were a quarter of the train step on CPU).
+    Contracting the leading axes directly lets the GEMM read both operands as stored.
+    """
+    return x @ w
+
+
+def _dense_fwd(x, w):
+    return x @ w, (x, w)
+
+
+def _dense_bwd(residuals, dy):
+    x, w = residuals
+    lead = tuple(range(x.ndim - 1))
+    dw = jax.lax.dot_general(x, dy, ((lead, lead), ((), ())), preferred_element_type=jnp.float32)
+    dx = jax.lax.dot_general(dy, w, (((dy.ndim - 1,), (1,)), ((), ())))
+    return dx.astype(x.dtype), dw.astype(w.dtype)
+
+
+dense.defvjp(_dense_fwd, _dense_bwd)
+
+
 def swiglu_mlp(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array) -> jax.Array:
     """SwiGLU feed-forward (Shazeer 2020): (silu(x W_gate) * (x W_up)) W_down."""
     dtype = x.dtype
-    hidden = jax.nn.silu(x @ gate.astype(dtype)) * (x @ up.astype(dtype))
-    return hidden @ down.astype(dtype)
+    hidden = jax.nn.silu(dense(x, gate.astype(dtype))) * dense(x, up.astype(dtype))
+    return dense(hidden, down.astype(dtype))

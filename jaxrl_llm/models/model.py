@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxrl_llm.models.config import ModelConfig
-from jaxrl_llm.models.layers import (apply_rope, attention, attention_keep_mask, blocked_attention, rms_norm,
+from jaxrl_llm.models.layers import (apply_rope, attention, attention_keep_mask, blocked_attention, dense, rms_norm,
                                     rope_inv_freq, swiglu_mlp)
 
 Params = dict
@@ -99,7 +99,7 @@ def _project_qkv(lp: Params, config: ModelConfig, h: jax.Array, positions: jax.A
     """q [B,T,H,hd], k, v [B,T,KV,hd] for one layer, with biases, q/k norm and RoPE applied."""
     batch, length, _ = h.shape
     dtype = h.dtype
-    q, k, v = (h @ lp[f"{n}_proj"].astype(dtype) for n in "qkv")
+    q, k, v = (dense(h, lp[f"{n}_proj"].astype(dtype)) for n in "qkv")
     if config.attention_bias:
         q, k, v = q + lp["q_bias"].astype(dtype), k + lp["k_bias"].astype(dtype), v + lp["v_bias"].astype(dtype)
     q = q.reshape(batch, length, config.num_heads, config.head_dim)
@@ -114,7 +114,7 @@ def _project_qkv(lp: Params, config: ModelConfig, h: jax.Array, positions: jax.A
 
 def _finish_layer(lp: Params, config: ModelConfig, x: jax.Array, attn: jax.Array) -> jax.Array:
     """Output projection + residual, then the pre-norm SwiGLU block + residual."""
-    out = attn @ lp["o_proj"].astype(x.dtype)
+    out = dense(attn, lp["o_proj"].astype(x.dtype))
     if config.attention_out_bias:
         out = out + lp["o_bias"].astype(x.dtype)
     x = x + out
