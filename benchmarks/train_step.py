@@ -256,7 +256,7 @@ def main():
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--dtype", choices=tuple(DTYPES), default="f32")
-    parser.add_argument("--remat", choices=("off", "full", "dots"), default="off")
+    parser.add_argument("--remat", choices=("off", "full", "dots", "qkv_attn_mlp"), default="off")
     parser.add_argument("--micro-batch", type=int, default=None, help="rows per micro-batch (default: all rows)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--layers", type=int, default=None, help="keep only the first N layers (quick runs)")
@@ -270,7 +270,8 @@ def main():
     import jax
 
     config, params = load_model(args.layers)
-    remat = {"off": {}, "full": dict(remat=True, remat_policy="full"), "dots": dict(remat=True, remat_policy="dots")}
+    remat = {"off": {}, "full": dict(remat=True, remat_policy="full"), "dots": dict(remat=True, remat_policy="dots"),
+             "qkv_attn_mlp": dict(remat=True, remat_policy="qkv_attn_mlp")}
     config = config.replace(compute_dtype=DTYPES[args.dtype], scan_layers=args.layers_as == "scan",
                             **remat[args.remat])
     micro_batch = args.micro_batch or args.rows

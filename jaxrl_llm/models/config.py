@@ -13,8 +13,10 @@ SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
 _DTYPES = ("float32", "bfloat16")
 # What a rematerialised layer keeps for the backward pass: "full" keeps only its input (recomputes
-# everything), "dots" also keeps the outputs of matmuls without batch dimensions (the projections).
-REMAT_POLICIES = ("full", "dots")
+# everything), "dots" also keeps the outputs of matmuls without batch dimensions (the projections),
+# "qkv_attn_mlp" keeps q, k, v after RoPE, the attention output and the MLP's gate and up projections
+# (recomputes the norms, RoPE, attention scores and softmax, and SiLU: little compute, less memory than no remat).
+REMAT_POLICIES = ("full", "dots", "qkv_attn_mlp")
 _ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",

@@ -10,6 +10,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 import numpy as np
 
 from jaxrl_llm.models.config import ModelConfig
@@ -204,7 +205,10 @@ def _dense_fwd(x, w):
 def _dense_bwd(residuals, dy):
     x, w = residuals
     lead = tuple(range(x.ndim - 1))
-    dw = jax.lax.dot_general(x, dy, ((lead, lead), ((), ())), preferred_element_type=jnp.float32)
+    if x.shape[-1] > dy.shape[-1]:
+        dw = jax.lax.dot_general(dy, x, ((lead, lead), ((), ())), preferred_element_type=jnp.float32).T
+    else:
+        dw = jax.lax.dot_general(x, dy, ((lead, lead), ((), ())), preferred_element_type=jnp.float32)
     dx = jax.lax.dot_general(dy, w, (((dy.ndim - 1,), (1,)), ((), ())))
     return dx.astype(x.dtype), dw.astype(w.dtype)
 
@@ -215,5 +219,6 @@ dense.defvjp(_dense_fwd, _dense_bwd)
 def swiglu_mlp(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array) -> jax.Array:
     """SwiGLU feed-forward (Shazeer 2020): (silu(x W_gate) * (x W_up)) W_down."""
     dtype = x.dtype
-    hidden = jax.nn.silu(dense(x, gate.astype(dtype))) * dense(x, up.astype(dtype))
-    return dense(hidden, down.astype(dtype))
+    gate_out = checkpoint_name(dense(x, gate.astype(dtype)), "mlp_gate")
+    hidden = jax.nn.silu(gate_out) * checkpoint_name(dense(x, up.astype(dtype)), "mlp_up")
+    return checkpoint_name(dense(hidden, down.astype(dtype)), "mlp_down")

@@ -15,6 +15,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.layers import (apply_rope, attention, attention_keep_mask, blocked_attention, dense, rms_norm,
@@ -99,7 +100,7 @@ def _project_qkv(lp: Params, config: ModelConfig, h: jax.Array, positions: jax.A
     """q [B,T,H,hd], k, v [B,T,KV,hd] for one layer, with biases, q/k norm and RoPE applied."""
     batch, length, _ = h.shape
     dtype = h.dtype
-    q, k, v = (dense(h, lp[f"{n}_proj"].astype(dtype)) for n in "qkv")
+    q, k, v = (checkpoint_name(dense(h, lp[f"{n}_proj"].astype(dtype)), f"{n}_proj") for n in "qkv")
     if config.attention_bias:
         q, k, v = q + lp["q_bias"].astype(dtype), k + lp["k_bias"].astype(dtype), v + lp["v_bias"].astype(dtype)
     q = q.reshape(batch, length, config.num_heads, config.head_dim)
@@ -114,7 +115,7 @@ def _project_qkv(lp: Params, config: ModelConfig, h: jax.Array, positions: jax.A
 
 def _finish_layer(lp: Params, config: ModelConfig, x: jax.Array, attn: jax.Array) -> jax.Array:
     """Output projection + residual, then the pre-norm SwiGLU block + residual."""
-    out = dense(attn, lp["o_proj"].astype(x.dtype))
+    out = checkpoint_name(dense(attn, lp["o_proj"].astype(x.dtype)), "o_proj")
     if config.attention_out_bias:
         out = out + lp["o_bias"].astype(x.dtype)
     x = x + out
@@ -124,7 +125,12 @@ def _finish_layer(lp: Params, config: ModelConfig, x: jax.Array, attn: jax.Array
 
 _REMAT_SAVED = {
     "full": None,  # jax.checkpoint's default: save nothing inside the layer
-    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,  # keep projections, redo attention
+    # keep every projection output (the `checkpoint_name` tags of `dense`'s results), redo attention
+    "dots": jax.checkpoint_policies.save_only_these_names("q_proj", "k_proj", "v_proj", "o_proj", "mlp_gate",
+                                                          "mlp_up", "mlp_down"),
+    # keep the matmul outputs the backward pass reads (q, k, v after RoPE, the attention output, the MLP's
+    # gate and up projections; `checkpoint_name` tags), redo the norms, RoPE, q k^T + softmax and SiLU
+    "qkv_attn_mlp": jax.checkpoint_policies.save_only_these_names("q", "k", "v", "attn", "mlp_gate", "mlp_up"),
 }
 
 
@@ -162,13 +168,13 @@ def hidden_states(params: Params, config: ModelConfig, tokens: jax.Array, positi
 
     def layer(x, lp):
         h = rms_norm(x, lp["attn_norm"], config.rms_norm_eps)
-        q, k, v = _project_qkv(lp, config, h, positions)
+        q, k, v = (checkpoint_name(a, n) for a, n in zip(_project_qkv(lp, config, h, positions), "qkv"))
         if block_size is None:
             attn = attention(q, k, v, keep)
         else:
             attn = blocked_attention(q, k, v, positions, block_size, segment_ids=segment_ids,
                                      key_mask=attention_mask)
-        return _finish_layer(lp, config, x, attn), None
+        return _finish_layer(lp, config, x, checkpoint_name(attn, "attn")), None
 
     x = _run_layers(_maybe_remat(layer, config), _embed(params, config, tokens), params["layers"],
                     config.scan_layers)

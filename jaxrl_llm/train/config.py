@@ -16,6 +16,8 @@ from typing import Any
 
 import yaml
 
+from jaxrl_llm.models.config import REMAT_POLICIES
+
 
 # The defaults are the embedded demo (`jaxrl-llm train` with no arguments): GRPO without KL on the
 # bundled SmolLM2-135M-Instruct, 2-term 1-digit +/- problems with a 3-shot chat prompt, 20 steps of
@@ -34,7 +36,12 @@ class ModelSection:
     source: str = "bundled"  # "bundled", an HF folder path, or a .gguf file path
     param_dtype: str = "float32"  # dtype of the stored parameters: float32 or bfloat16
     compute_dtype: str = "float32"  # dtype of activations and matmuls in the forward pass
-    remat: bool = False  # rematerialise each layer's activations in the backward pass (less memory, more compute)
+    # Rematerialise each layer in the backward pass (jax.checkpoint), keeping only what remat_policy names.
+    remat: bool = True
+    # What a rematerialised layer keeps: "qkv_attn_mlp" (q, k, v, the attention output and the MLP's gate and up
+    # projections; recomputes norms, RoPE, softmax and SiLU: less memory than no remat and, on CPU, faster),
+    # "dots" (every projection output) or "full" (only the layer input: least memory, the layer's forward again).
+    remat_policy: str = "qkv_attn_mlp"
     # Attention over training rows in tiles of this many query x key tokens with an online softmax, so no
     # [rows, heads, L, L] scores are held (long packed rows); null: one full score matrix per layer.
     attention_block_size: int | None = None
@@ -179,6 +186,7 @@ _ALLOWED = {
     ("algorithm", "old_logp"): {"auto", "recompute", "sampler"},
     ("model", "param_dtype"): {"float32", "bfloat16"},
     ("model", "compute_dtype"): {"float32", "bfloat16"},
+    ("model", "remat_policy"): set(REMAT_POLICIES),
 }
 
 

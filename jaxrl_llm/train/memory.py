@@ -26,7 +26,9 @@ Every term counts what jaxrl_llm itself allocates, per device of a `data x fsdp 
                 without remat every layer keeps its per-token terms (and full attention's scores); with remat
                 (jax.checkpoint per layer) only the layer input rows x L x D x c is kept per layer and one
                 layer is recomputed at a time; (remat policy "dots" also keeps the projection outputs:
-                (q + 2 kv + 2 D + 2 F) x c per token)
+                (q + 2 kv + 2 D + 2 F) x c per token; "qkv_attn_mlp" q, k, v, the attention output, gate
+                and up: (2 q + 2 kv + 2 F) x c per token, and the layer being differentiated recomputes only
+                (2 D + 2 F) x c per token)
               and, while one layer's backward pass runs, the gradients of its input, output, q, k, v, gate
                 and up: rows x L x (2 D + q + 2 kv + 2 F) x c
               log-prob residuals: the custom VJP of `train.logprobs.chunked_logprobs` keeps, for the backward
@@ -175,8 +177,8 @@ def sharded_param_elements(model_config: ModelConfig, mesh: dict[str, int]) -> t
 def _activation_bytes(mc: ModelConfig, rows: int, length: int, heads: int, c: int, remat: bool,
                       policy: str = "full", block: int | None = None) -> int:
     """Saved activations + one layer's working set for `rows` sequences of `length` tokens. Remat policy
-    "dots" also keeps each layer's projection outputs (q, k, v, o, gate, up, down) per token; `block` is
-    model.attention_block_size (None: full attention)."""
+    "dots" also keeps each layer's projection outputs (q, k, v, o, gate, up, down) per token, "qkv_attn_mlp"
+    q, k, v, the attention output, gate and up; `block` is model.attention_block_size (None: full attention)."""
     q, kv = mc.num_heads * mc.head_dim, mc.num_kv_heads * mc.head_dim
     per_layer_tokens = rows * length * (4 * mc.hidden_size + 2 * q + 3 * kv + 4 * mc.intermediate_size) * c
     # While one layer's backward pass runs: the gradients of its input, output, q, k, v, gate and up.
@@ -193,6 +195,10 @@ def _activation_bytes(mc: ModelConfig, rows: int, length: int, heads: int, c: in
         kept = mc.hidden_size
         if policy == "dots":
             kept += q + 2 * kv + 2 * mc.hidden_size + 2 * mc.intermediate_size
+        elif policy == "qkv_attn_mlp":
+            kept += 2 * q + 2 * kv + 2 * mc.intermediate_size
+            # the layer being differentiated recomputes only its two norm outputs and SiLU(gate) x up
+            per_layer_tokens = rows * length * (2 * mc.hidden_size + 2 * mc.intermediate_size) * c
         return mc.num_layers * rows * length * kept * c + per_layer_tokens + attention + working + layer_grads
     return mc.num_layers * (per_layer_tokens + attention) + working + layer_grads
 
@@ -258,7 +264,7 @@ def estimate_memory(config: RunConfig, model_config: ModelConfig, mesh: dict[str
     mc, cfg = model_config, config
     p, c = _BYTES[cfg.model.param_dtype], _BYTES[cfg.model.compute_dtype]
     remat = cfg.model.remat if remat is None else remat
-    policy = getattr(cfg.model, "remat_policy", "full")  # a run-config key only in versions that have it
+    policy = cfg.model.remat_policy
     batch_split = mesh["data"] * mesh["fsdp"]
     heads = mc.num_heads // mesh["tensor"] if mc.num_heads % mesh["tensor"] == 0 else mc.num_heads
 

@@ -79,7 +79,7 @@ class Run:
 
 
 def load_policy(source: str, *, param_dtype: str = "float32", compute_dtype: str = "float32", remat: bool = False,
-                attention_block_size: int | None = None, remat_logits: bool = False):
+                remat_policy: str = "full", attention_block_size: int | None = None, remat_logits: bool = False):
     """(ModelConfig, params, Tokenizer) from "bundled", a .gguf file or an HF folder (config.json + safetensors)."""
     path = pathlib.Path(source).expanduser()
     if source == "bundled":
@@ -92,7 +92,8 @@ def load_policy(source: str, *, param_dtype: str = "float32", compute_dtype: str
     else:
         raise FileNotFoundError(f"model.source {source!r} is neither 'bundled', a .gguf file nor an HF model folder")
     model_config = model_config.replace(param_dtype=param_dtype, compute_dtype=compute_dtype, remat=remat,
-                                        attention_block_size=attention_block_size, remat_logits=remat_logits)
+                                        remat_policy=remat_policy, attention_block_size=attention_block_size,
+                                        remat_logits=remat_logits)
     return model_config, params, tokenizer
 
 
@@ -104,10 +105,11 @@ def load_prompts(spec: Any, tokenizer, config: RunConfig) -> list[dict]:
 
 
 def runtime_model_config(model_config, section) -> Any:
-    """`model_config` with the run config's runtime model keys (`model.compute_dtype`, `remat`,
+    """`model_config` with the run config's runtime model keys (`model.compute_dtype`, `remat`, `remat_policy`,
     `attention_block_size`, `remat_logits`): how the policy is computed, not what it is."""
     return model_config.replace(compute_dtype=section.compute_dtype, remat=section.remat,
-                                attention_block_size=section.attention_block_size, remat_logits=section.remat_logits)
+                                remat_policy=section.remat_policy, attention_block_size=section.attention_block_size,
+                                remat_logits=section.remat_logits)
 
 
 def setup_run(config: RunConfig, *, policy=None) -> Run:
