@@ -4,7 +4,7 @@ same weights and the same batch, and the model FLOP utilisation against the matm
 JAX in the same run.
 
     .venv/bin/python benchmarks/train_step.py [--rows 8] [--seq-len 256] [--prompt-len 64]
-        [--dtype f32|bf16] [--remat off|full|dots] [--micro-batch 8] [--repeats 3] [--layers N]
+        [--dtype f32|bf16] [--remat off|full|dots|qkv_attn_mlp] [--micro-batch 8] [--repeats 3] [--layers N]
         [--layers-as scan|unrolled] [--skip-torch] [--torch-threads N] [--pieces]
 
 Batch: `rows` packed rows, each one random prompt of `prompt_len` tokens followed by one response of
@@ -25,8 +25,8 @@ measured before and after the timed steps. The same matmuls with torch.mm give t
 library the transformers step runs on; each step's FLOP rate is also reported against its own library's
 peak, which separates how well a step uses its matmul library from how fast that library is here.
 `--layers N` keeps only the first N layers (a small config with the real shapes, for quick runs).
-The steps are timed in turns (ours, transformers, ours, ...) after one untimed step each, and the
-median of `repeats` steps per side is reported with the load average of the machine.
+The steps are timed in turns (ours, transformers, ours, ...), each turn after one untimed step of its own,
+and the median of `repeats` steps per side is reported with the load average of the machine.
 `--pieces` also times the forward alone and forward + backward (no optimizer) of our step.
 """
 
@@ -82,19 +82,27 @@ def median_time(fn, repeats: int, warm_up: bool = True) -> float:
     return statistics.median(times)
 
 
-def measure_matmul_peak(dtype: str, sizes=(1024, 2048, 3072), repeats: int = 5) -> dict:
-    """Best FLOP/s of jitted square matmuls a @ b (2 n^3 FLOPs) over `sizes`, in `dtype`; {n: FLOP/s, "peak": best}."""
+def square_matmul_rates(timed_product, sizes=(1024, 2048, 3072), repeats: int = 5) -> dict:
+    """Best FLOP/s of square matmuls (2 n^3 FLOPs) over `sizes`: {n: FLOP/s, "peak": best}.
+    `timed_product(n)` returns a function that computes one n x n product and waits for it."""
+    rates = {n: 2 * n ** 3 / median_time(timed_product(n), repeats) for n in sizes}
+    rates["peak"] = max(rates.values())
+    return rates
+
+
+def measure_matmul_peak(dtype: str) -> dict:
+    """Square matmuls a @ b jitted with JAX, in `dtype` (see `square_matmul_rates`)."""
     import jax
     import jax.numpy as jnp
 
     matmul = jax.jit(lambda a, b: a @ b)
-    rates = {}
-    for n in sizes:
+
+    def timed_product(n):
         a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32).astype(dtype)
         b = jax.random.normal(jax.random.key(1), (n, n), jnp.float32).astype(dtype)
-        rates[n] = 2 * n ** 3 / median_time(lambda: matmul(a, b).block_until_ready(), repeats)
-    rates["peak"] = max(rates.values())
-    return rates
+        return lambda: matmul(a, b).block_until_ready()
+
+    return square_matmul_rates(timed_product)
 
 
 def load_model(layers: int | None):
@@ -224,30 +232,34 @@ def build_torch(config, params, tokens, adv, old_logp, prompt_len: int, *, dtype
 
 def interleaved_medians(steps: dict, repeats: int) -> dict:
     """Median seconds of each named step, timed in turns (A B A B ...) so that a change in the machine's
-    load during the run falls on every side alike; {name: {"step": median, "times": [...]}}."""
+    load during the run falls on every side alike; {name: {"step": median, "times": [...]}}. Each turn
+    runs one untimed step first: the first step after the other library's step is slower (its large
+    buffers are mapped afresh: 3-4x the kernel time, measured with os.times), which is a cost of sharing
+    one process, not of either step."""
     times = {name: [] for name in steps}
     for _ in range(repeats):
         for name, fn in steps.items():
+            fn()
             start = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - start)
     return {name: {"step": statistics.median(t), "times": t} for name, t in times.items()}
 
 
-def measure_torch_matmul_peak(dtype: str, sizes=(1024, 2048, 3072), repeats: int = 5) -> dict:
+def measure_torch_matmul_peak(dtype: str) -> dict:
     """The same square matmuls with torch.mm (the GEMM library the transformers step runs on)."""
     import torch
 
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
     gen = torch.Generator().manual_seed(0)
-    rates = {}
+
+    def timed_product(n):
+        a = torch.randn(n, n, generator=gen).to(torch_dtype)
+        b = torch.randn(n, n, generator=gen).to(torch_dtype)
+        return lambda: torch.mm(a, b)
+
     with torch.no_grad():
-        for n in sizes:
-            a = torch.randn(n, n, generator=gen).to(torch_dtype)
-            b = torch.randn(n, n, generator=gen).to(torch_dtype)
-            rates[n] = 2 * n ** 3 / median_time(lambda: torch.mm(a, b), repeats)
-    rates["peak"] = max(rates.values())
-    return rates
+        return square_matmul_rates(timed_product)
 
 
 def main():
@@ -256,7 +268,8 @@ def main():
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--dtype", choices=tuple(DTYPES), default="f32")
-    parser.add_argument("--remat", choices=("off", "full", "dots", "qkv_attn_mlp"), default="off")
+    parser.add_argument("--remat", choices=("off", "full", "dots", "qkv_attn_mlp"), default="qkv_attn_mlp",
+                        help="remat policy of the layers (default: the trainer's, model.remat_policy)")
     parser.add_argument("--micro-batch", type=int, default=None, help="rows per micro-batch (default: all rows)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--layers", type=int, default=None, help="keep only the first N layers (quick runs)")

@@ -92,3 +92,12 @@ def test_remat_policies_same_gradients_and_save_less(capsys):
 def test_unknown_remat_policy_is_refused():
     with pytest.raises(ValueError, match="remat_policy"):
         TINY.replace(remat=True, remat_policy="everything")
+
+
+def test_square_matmul_rates_from_timed_products():
+    """2 n^3 FLOPs over the median time of each size; the peak is the best size."""
+    import time
+
+    rates = bench.square_matmul_rates(lambda n: (lambda: time.sleep(0.02 * n)), sizes=(1, 2), repeats=3)
+    assert rates[1] == pytest.approx(2 / 0.02, rel=0.3) and rates[2] == pytest.approx(16 / 0.04, rel=0.3)
+    assert rates["peak"] == rates[2]
