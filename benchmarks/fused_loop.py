@@ -36,7 +36,7 @@ from jaxrl_llm.train import load_config
 from jaxrl_llm.train.device_reward import token_bytes
 from jaxrl_llm.train.fused import PromptBatch, check_fused_config, make_fused_iteration, make_fused_loop, prompt_batches
 from jaxrl_llm.train.metrics import read_metrics
-from jaxrl_llm.train.setup import load_policy, load_prompts
+from jaxrl_llm.train.setup import load_policy, load_prompts, runtime_model_config
 from jaxrl_llm.train.state import init_state, make_optimizer
 
 
@@ -123,8 +123,9 @@ def main() -> None:
     if args.iterations < 2:
         parser.error("--iterations must be >= 2 (the host's first step holds its compilation)")
     config = load_config(None, [])
-    policy = load_policy(config.model.source, param_dtype=config.model.param_dtype,
-                         compute_dtype=config.model.compute_dtype)
+    model_config, params, tokenizer = load_policy(config.model.source, param_dtype=config.model.param_dtype)
+    # Both loops compute the policy as the run config says (dtype, remat policy), as `train` does.
+    policy = (runtime_model_config(model_config, config.model), params, tokenizer)
     load_before = os.getloadavg()
     result = {"iterations": args.iterations, "load_before": load_before, "cpus": os.cpu_count(),
               "jax": jax.__version__, "device": str(jax.devices()[0])}
