@@ -23,6 +23,9 @@ MAX_NESTING = 16
 MAX_OPERATOR_INTEGER = 10_000
 # Longest integer literal anywhere (a 1000-digit literal is still cheap; a million digits is not).
 MAX_INTEGER_DIGITS = 1_000
+# Largest integer exponent on a base that holds a variable: x^{9999} makes sympy's polynomial
+# arithmetic (cancel, expand) work on thousands of terms, partly in C where no signal can stop it.
+MAX_SYMBOLIC_EXPONENT = 1_000
 
 _INTEGER = re.compile(r"\d+")
 _FACTORIAL_OPERAND = re.compile(r"(\d+)\s*!")
@@ -55,9 +58,36 @@ def _braced_or_token(text: str, start: int) -> str:
     return match.group(0) if match else ""
 
 
-def _exponents(text: str) -> Iterator[str]:
+def _exponents(text: str) -> Iterator[tuple[str, str]]:
+    """(base, exponent) of every ``^`` or ``**`` in ``text``."""
     for match in re.finditer(r"\^|\*\*", text):
-        yield _braced_or_token(text, match.end())
+        yield _base_before(text, match.start()), _braced_or_token(text, match.end())
+
+
+def _base_before(text: str, end: int) -> str:
+    """The operand that ends at ``end``: a balanced {...} or (...) group or one token."""
+    while end > 0 and text[end - 1] == " ":
+        end -= 1
+    if end > 0 and text[end - 1] in "})":
+        closer = text[end - 1]
+        opener = "{" if closer == "}" else "("
+        depth = 0
+        for i in range(end - 1, -1, -1):
+            if text[i] == closer:
+                depth += 1
+            elif text[i] == opener:
+                depth -= 1
+                if depth == 0:
+                    # _{...}^{...} is a sum's, product's or integral's limits, not a power
+                    return "" if i > 0 and text[i - 1] == "_" else text[i + 1 : end - 1]
+        return text[:end - 1]
+    match = re.search(r"(?:\\[a-zA-Z]+|[\w.]+)$", text[:end])
+    return match.group(0) if match else ""
+
+
+def _holds_variable(operand: str) -> bool:
+    """True when ``operand`` has a letter outside LaTeX command names (\\pi, \\frac are not variables)."""
+    return re.search(r"[a-zA-Z]", re.sub(r"\\[a-zA-Z]+", "", operand)) is not None
 
 
 def _too_big(operand: str) -> bool:
@@ -87,8 +117,8 @@ def complexity_problem(text: str) -> str | None:
 
     Rejects: more than MAX_SYMPY_CHARS characters; nesting deeper than MAX_NESTING; unbalanced
     braces; power towers (an exponent that holds another ``^``); exponents, factorials or
-    binomials with an integer above MAX_OPERATOR_INTEGER; factorials of factorials; integer
-    literals longer than MAX_INTEGER_DIGITS.
+    binomials with an integer above MAX_OPERATOR_INTEGER; exponents above MAX_SYMBOLIC_EXPONENT on a
+    base that holds a variable; factorials of factorials; integer literals longer than MAX_INTEGER_DIGITS.
     """
     if len(text) > MAX_SYMPY_CHARS:
         return f"longer than {MAX_SYMPY_CHARS} characters"
@@ -102,11 +132,13 @@ def complexity_problem(text: str) -> str | None:
             depth = max(depth - 1, 0)
     if text.count("{") != text.count("}"):
         return "unbalanced braces"
-    for exponent in _exponents(text):
+    for base, exponent in _exponents(text):
         if "^" in exponent or "**" in exponent or "!" in exponent or "\\exp" in exponent:
             return "power tower in an exponent"
         if _too_big(exponent):
             return f"exponent above {MAX_OPERATOR_INTEGER}"
+        if _holds_variable(base) and any(int(n) > MAX_SYMBOLIC_EXPONENT for n in _INTEGER.findall(exponent[:200])):
+            return f"exponent above {MAX_SYMBOLIC_EXPONENT} on a variable"
     for match in _FACTORIAL_OPERAND.finditer(text):
         if int(match.group(1)) > MAX_OPERATOR_INTEGER // 10:
             return f"factorial above {MAX_OPERATOR_INTEGER // 10}!"
