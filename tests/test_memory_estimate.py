@@ -323,7 +323,8 @@ def test_estimate_matches_xla_memory_analysis(block, vocab, prompt, samples, res
                      remat_logits=remat_logits)
     overrides = [f"data.max_prompt_tokens={prompt}", f"sampling.max_new_tokens={response_len}",
                  f"sampling.samples_per_prompt={samples}", "optim.micro_batch_size=1", "algorithm.kl_coef=0",
-                 "model.remat=true", f"model.remat_policy={policy}", f"model.remat_logits={str(remat_logits).lower()}"] \
+                 "model.remat=true", f"model.remat_policy={policy}",
+                 f"model.remat_logits={str(remat_logits).lower()}"] \
         + ([f"model.attention_block_size={block}"] if block else [])
     cfg = load_config(None, overrides)
     est = estimate_memory(cfg, mc, {"data": 1, "fsdp": 1, "tensor": 1})

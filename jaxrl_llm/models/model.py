@@ -3,8 +3,9 @@
 Parameters are a plain nested dict (see `init_params` for the key names). Transformer layers are
 stacked on a leading `num_layers` axis and run by `jax.lax.scan`, so one layer is compiled whatever
 the depth (`config.scan_layers=False` unrolls them in the training forward); `config.remat`
-wraps the layer in `jax.checkpoint` (saving what `config.remat_policy` names). Every function takes the config as a plain argument: jit with `static_argnums=1`
-(ModelConfig is hashable).
+wraps the layer in `jax.checkpoint` (saving what `config.remat_policy` names: the forward pass tags
+its projection outputs, q, k, v and the attention output with `checkpoint_name`). Every function takes
+the config as a plain argument: jit with `static_argnums=1` (ModelConfig is hashable).
 """
 
 from __future__ import annotations
