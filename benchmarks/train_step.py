@@ -263,12 +263,14 @@ def measure_torch_matmul_peak(dtype: str) -> dict:
 
 
 def main():
+    from jaxrl_llm.models.config import REMAT_POLICIES
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--dtype", choices=tuple(DTYPES), default="f32")
-    parser.add_argument("--remat", choices=("off", "full", "dots", "qkv_attn_mlp"), default="qkv_attn_mlp",
+    parser.add_argument("--remat", choices=("off", *REMAT_POLICIES), default="qkv_attn_mlp",
                         help="remat policy of the layers (default: the trainer's, model.remat_policy)")
     parser.add_argument("--micro-batch", type=int, default=None, help="rows per micro-batch (default: all rows)")
     parser.add_argument("--repeats", type=int, default=3)
@@ -283,10 +285,8 @@ def main():
     import jax
 
     config, params = load_model(args.layers)
-    remat = {"off": {}, "full": dict(remat=True, remat_policy="full"), "dots": dict(remat=True, remat_policy="dots"),
-             "qkv_attn_mlp": dict(remat=True, remat_policy="qkv_attn_mlp")}
-    config = config.replace(compute_dtype=DTYPES[args.dtype], scan_layers=args.layers_as == "scan",
-                            **remat[args.remat])
+    remat = {} if args.remat == "off" else dict(remat=True, remat_policy=args.remat)
+    config = config.replace(compute_dtype=DTYPES[args.dtype], scan_layers=args.layers_as == "scan", **remat)
     micro_batch = args.micro_batch or args.rows
     num_params = sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(params))
 

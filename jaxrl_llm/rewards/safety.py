@@ -64,23 +64,31 @@ def _exponents(text: str) -> Iterator[tuple[str, str]]:
         yield _base_before(text, match.start()), _braced_or_token(text, match.end())
 
 
+def _group_opening(text: str, close: int) -> int | None:
+    """Index of the ``(`` or ``{`` that the ``)`` or ``}`` at ``close`` closes, or None when unbalanced."""
+    closer = text[close]
+    opener = "(" if closer == ")" else "{"
+    depth = 0
+    for i in range(close, -1, -1):
+        if text[i] == closer:
+            depth += 1
+        elif text[i] == opener:
+            depth -= 1
+            if depth == 0:
+                return i
+    return None
+
+
 def _base_before(text: str, end: int) -> str:
     """The operand that ends at ``end``: a balanced {...} or (...) group or one token."""
     while end > 0 and text[end - 1] == " ":
         end -= 1
     if end > 0 and text[end - 1] in "})":
-        closer = text[end - 1]
-        opener = "{" if closer == "}" else "("
-        depth = 0
-        for i in range(end - 1, -1, -1):
-            if text[i] == closer:
-                depth += 1
-            elif text[i] == opener:
-                depth -= 1
-                if depth == 0:
-                    # _{...}^{...} is a sum's, product's or integral's limits, not a power
-                    return "" if i > 0 and text[i - 1] == "_" else text[i + 1 : end - 1]
-        return text[:end - 1]
+        i = _group_opening(text, end - 1)
+        if i is None:
+            return text[:end - 1]
+        # _{...}^{...} is a sum's, product's or integral's limits, not a power
+        return "" if i > 0 and text[i - 1] == "_" else text[i + 1 : end - 1]
     match = re.search(r"(?:\\[a-zA-Z]+|[\w.]+)$", text[:end])
     return match.group(0) if match else ""
 
@@ -90,25 +98,16 @@ def _holds_variable(operand: str) -> bool:
     return re.search(r"[a-zA-Z]", re.sub(r"\\[a-zA-Z]+", "", operand)) is not None
 
 
-def _too_big(operand: str) -> bool:
-    return any(int(number) > MAX_OPERATOR_INTEGER for number in _INTEGER.findall(operand[:200]))
+def _too_big(operand: str, limit: int = MAX_OPERATOR_INTEGER) -> bool:
+    return any(int(number) > limit for number in _INTEGER.findall(operand[:200]))
 
 
 def _factorial_of_factorial(text: str) -> bool:
     """True when a bracketed group followed by ``!`` holds another ``!`` (e.g. ``(10!)!``)."""
     for match in re.finditer(r"[)}]\s*!", text):
-        closer = text[match.start()]
-        opener = "(" if closer == ")" else "{"
-        depth = 0
-        for i in range(match.start(), -1, -1):
-            if text[i] == closer:
-                depth += 1
-            elif text[i] == opener:
-                depth -= 1
-                if depth == 0:
-                    if "!" in text[i : match.start()]:
-                        return True
-                    break
+        i = _group_opening(text, match.start())
+        if i is not None and "!" in text[i : match.start()]:
+            return True
     return False
 
 
@@ -137,7 +136,7 @@ def complexity_problem(text: str) -> str | None:
             return "power tower in an exponent"
         if _too_big(exponent):
             return f"exponent above {MAX_OPERATOR_INTEGER}"
-        if _holds_variable(base) and any(int(n) > MAX_SYMBOLIC_EXPONENT for n in _INTEGER.findall(exponent[:200])):
+        if _holds_variable(base) and _too_big(exponent, MAX_SYMBOLIC_EXPONENT):
             return f"exponent above {MAX_SYMBOLIC_EXPONENT} on a variable"
     for match in _FACTORIAL_OPERAND.finditer(text):
         if int(match.group(1)) > MAX_OPERATOR_INTEGER // 10:
