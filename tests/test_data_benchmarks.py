@@ -100,7 +100,6 @@ DEMO_CONFIG = dict(min_terms=2, max_terms=2, min_digits=1, max_digits=1, operato
 
 
 def test_reasoning_gym_basic_arithmetic_answers_agree_with_verifier():
-    pytest.importorskip("reasoning_gym")
     import reasoning_gym
     from jaxrl_llm.data.reasoning_gym_tasks import reasoning_gym_records
 
@@ -117,7 +116,6 @@ def test_reasoning_gym_basic_arithmetic_answers_agree_with_verifier():
 
 
 def test_reasoning_gym_chain_sum_gsm_symbolic_and_split():
-    pytest.importorskip("reasoning_gym")
     from jaxrl_llm.data.reasoning_gym_tasks import reasoning_gym_records, reasoning_gym_split
 
     for record in reasoning_gym_records("chain_sum", size=5, seed=0, min_terms=2, max_terms=3):

@@ -91,7 +91,7 @@ def test_json_list_and_dispatch(tmp_path):
 
 
 def test_parquet(tmp_path):
-    pa = pytest.importorskip("pyarrow")
+    import pyarrow as pa
     import pyarrow.parquet as pq
     path = tmp_path / "math.parquet"
     table = pa.table({"problem": ["p0", "p1", "p2"], "solution": ["\\boxed{0}", "\\boxed{1}", "none"],
@@ -104,7 +104,7 @@ def test_parquet(tmp_path):
 
 
 def test_hf_saved_to_disk(tmp_path):
-    datasets = pytest.importorskip("datasets")
+    import datasets
     rows = {"question": ["a", "b", "c"], "answer": ["x\n#### 1", "y\n#### 2", "z\n#### 3"]}
     dataset_dict = datasets.DatasetDict({"train": datasets.Dataset.from_dict(rows),
                                          "test": datasets.Dataset.from_dict({k: v[:1] for k, v in rows.items()})})
@@ -139,7 +139,6 @@ def _build_tfds_dataset(data_dir, rows):
 
 
 def test_tfds_data_source(tmp_path):
-    pytest.importorskip("tensorflow_datasets")
     rows = [{"question": f"q{i}", "answer": f"step\n#### {i * 10}"} for i in range(6)]
     rows[4] = {"question": "q4", "answer": "no marker and no box"}  # raw answer stays as written
     _build_tfds_dataset(tmp_path, rows)

@@ -47,7 +47,7 @@ def test_notebook_structure():
     nbformat.validate(nb)
     sources = [cell.source for cell in nb.cells]
     first_code = next(cell.source for cell in nb.cells if cell.cell_type == "code")
-    assert "REPO_URL" in first_code and 'jaxrl_llm[tasks] @ git+' in first_code
+    assert "REPO_URL" in first_code and 'jaxrl_llm @ git+' in first_code
     assert 'find_spec("jaxrl_llm") is None' in first_code  # the install is skipped when already installed
     assert all(not cell.get("outputs") for cell in nb.cells if cell.cell_type == "code"), "commit it without outputs"
     params = nb.cells[parameter_cell_index(nb)].source

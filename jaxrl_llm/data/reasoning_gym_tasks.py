@@ -1,6 +1,5 @@
-"""Optional adapter over the ``reasoning-gym`` package (Apache-2.0; offline procedural generators).
-
-``pip install jaxrl_llm[tasks]`` installs it. Any of its dataset names works; the ones used here are
+"""Adapter over the ``reasoning-gym`` package (Apache-2.0; offline procedural generators), a dependency of
+jaxrl_llm, imported only when a reasoning-gym task is asked for. Any of its dataset names works; the ones used here are
 ``basic_arithmetic``, ``chain_sum`` and ``gsm_symbolic``. Its gold answers are plain strings that the
 project's verifier compares like any other gold (tests check the two agree).
 """
@@ -13,11 +12,8 @@ REASONING_GYM_TASKS = ("basic_arithmetic", "chain_sum", "gsm_symbolic")
 
 
 def _reasoning_gym():
-    try:
-        import reasoning_gym
-    except ImportError as err:
-        raise ImportError("reasoning-gym tasks need the optional dependency: pip install 'jaxrl_llm[tasks]' "
-                          "(or pip install reasoning-gym); the built-in ArithmeticTask needs nothing") from err
+    import reasoning_gym  # slow to import: only when a task is asked for
+
     return reasoning_gym
 
 

@@ -62,11 +62,8 @@ def load_json(path: str | os.PathLike, spec: FieldSpec = FieldSpec(), *, source:
 
 def load_parquet(path: str | os.PathLike, spec: FieldSpec = FieldSpec(), *, source: str | None = None,
                  max_bad_fraction: float = 0.05) -> list[dict]:
-    """Records from a parquet file (needs ``pyarrow``); rows are numbered from 1."""
-    try:
-        import pyarrow.parquet as pq
-    except ImportError as err:
-        raise ImportError("reading parquet needs pyarrow: pip install pyarrow") from err
+    """Records from a parquet file (read with ``pyarrow``); rows are numbered from 1."""
+    import pyarrow.parquet as pq
     path = pathlib.Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"parquet file not found: {path}")
@@ -77,15 +74,11 @@ def load_parquet(path: str | os.PathLike, spec: FieldSpec = FieldSpec(), *, sour
 
 def load_hf_disk(path: str | os.PathLike, spec: FieldSpec = FieldSpec(), *, split: str | None = "train",
                  source: str | None = None, max_bad_fraction: float = 0.05) -> list[dict]:
-    """Records from a Hugging Face dataset saved with ``save_to_disk`` (optional dependency ``datasets``).
+    """Records from a Hugging Face dataset saved with ``save_to_disk`` (read with ``datasets``).
 
     A saved ``DatasetDict`` needs ``split``; a saved single ``Dataset`` ignores it. Rows are numbered from 1.
     """
-    try:
-        import datasets
-    except ImportError as err:
-        raise ImportError("loading a saved Hugging Face dataset needs the optional dependency `datasets`: "
-                          "pip install datasets") from err
+    import datasets  # slow to import: only for this source
     loaded = datasets.load_from_disk(str(path))
     name = source or str(path)
     if isinstance(loaded, datasets.DatasetDict):

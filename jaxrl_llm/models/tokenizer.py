@@ -11,6 +11,7 @@ CONTROL added as special tokens so they are matched whole ("<|im_end|>" is one i
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 from typing import Any, Mapping, Sequence
 
@@ -18,6 +19,22 @@ from typing import Any, Mapping, Sequence
 _CONTROL, _USER_DEFINED = 3, 4
 # Tokens that end an assistant turn in the chat formats of the supported families.
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|endoftext|>", "<|end_of_text|>")
+
+
+def _transformers():
+    """`transformers`, imported without its advice that PyTorch is missing: only its tokenizers are used
+    here, which need no PyTorch. The environment is restored after the import."""
+    key = "TRANSFORMERS_NO_ADVISORY_WARNINGS"
+    before = os.environ.get(key)
+    os.environ[key] = "1"
+    try:
+        import transformers
+    finally:
+        if before is None:
+            del os.environ[key]
+        else:
+            os.environ[key] = before
+    return transformers
 
 # Pre-tokenizer split patterns by `tokenizer.ggml.pre`: Llama 3 groups digits in threes, Qwen2 splits
 # every digit; both keep contractions, letter runs, punctuation runs and newlines apart.
@@ -88,13 +105,11 @@ class Tokenizer:
     def from_pretrained(cls, directory) -> "Tokenizer":
         """Tokenizer of a local Hugging Face folder (tokenizer.json / tokenizer_config.json), via
         transformers.AutoTokenizer; eos ids listed in generation_config.json become stop ids too."""
-        from transformers import AutoTokenizer
-
         folder = pathlib.Path(directory)
         if not folder.is_dir():
             raise FileNotFoundError(f"{folder}: no such tokenizer directory")
         try:
-            hf = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+            hf = _transformers().AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
         except (OSError, ValueError) as err:
             raise ValueError(f"{folder}: no loadable tokenizer files ({err})") from None
         extra = []
@@ -115,8 +130,6 @@ class Tokenizer:
     def from_gguf_metadata(cls, meta: Mapping[str, Any], source: str = "<gguf>") -> "Tokenizer":
         """As `from_gguf`, from already-read metadata (`read_gguf_metadata`); `source` names the file
         in errors. Only byte-level BPE vocabularies (tokenizer.ggml.model "gpt2") are supported."""
-        from transformers import PreTrainedTokenizerFast
-
         kind = meta.get("tokenizer.ggml.model")
         if kind != "gpt2":
             raise ValueError(f"{source}: GGUF tokenizer model {kind!r} is not supported (only byte-level BPE, 'gpt2')")
@@ -129,7 +142,7 @@ class Tokenizer:
             token_id = meta.get(f"tokenizer.ggml.{key}")
             if token_id is not None and 0 <= token_id < len(tokens):
                 named[role] = tokens[token_id]
-        hf = PreTrainedTokenizerFast(
+        hf = _transformers().PreTrainedTokenizerFast(
             tokenizer_object=_byte_level_backend(meta, source),
             chat_template=meta.get("tokenizer.chat_template"),
             add_bos_token=bool(meta.get("tokenizer.ggml.add_bos_token", False)),

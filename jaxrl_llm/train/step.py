@@ -111,7 +111,7 @@ def make_train_step(model_config, algo: AlgorithmSection, optimizer: optax.Gradi
             (grads, loss, msum), _ = jax.lax.scan(accumulate, (zeros, jnp.zeros((), jnp.float32), metric_zeros),
                                                   micro)
         grads = jax.tree_util.tree_map(lambda g, p: g.astype(p.dtype), grads, state.params)
-        grad_norm = optax.global_norm(grads)
+        grad_norm = optax.tree.norm(grads)
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
 
         def update(state):
