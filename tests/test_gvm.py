@@ -204,6 +204,9 @@ def test_two_stages_allocate_to_solved_prompts_only(params):
     assert len(scored.records) == len(kept) and info["filtered"] == int((n == 0).sum())
     np.testing.assert_array_equal(np.bincount(scored.prompt_index, minlength=len(kept)), kept)
     assert scored.records[0]["answer"] == "yes" and scored.correct[scored.prompt_index == 0].all()
+    # Stage 2's records carry the stage-1 rate (the unbiased M-step divides by n_i p_i); the caller's are untouched.
+    assert [r["gvm_accept_rate"] for r in scored.records] == [p for p, k in zip(log["gvm_p"], n) if k > 0]
+    assert "gvm_accept_rate" not in records[0]
 
 
 def test_reuse_option_draws_only_the_missing_rows(params):
@@ -313,7 +316,8 @@ def test_loop_all_unsolved_skips_and_logs(tmp_path, bundled_policy, monkeypatch)
 def test_loop_mixed_allocation_updates_and_counts_both_stages(tmp_path, bundled_policy, monkeypatch):
     # Accept a response when its text has an even number of characters: mixed per-prompt success.
     summary, rows, _ = _train_gvm(tmp_path, bundled_policy, monkeypatch, lambda text: len(text) % 2 == 0,
-                                  extra=["sampling.gvm_refresh_every=2", "algorithm.advantage=grpo"])
+                                  extra=["sampling.gvm_refresh_every=2", "algorithm.advantage=grpo",
+                                         "algorithm.agg=prompt-mean-unbiased"])  # the M-step with stage-1 p_i
     first, second = rows
     n, p = np.array(first["gvm_n"]), np.array(first["gvm_p"])
     assert n.sum() == first["gvm_budget"] == 16 and np.all(n[p == 0] == 0) and first["gvm_skipped"] == 0

@@ -80,3 +80,11 @@ def test_runtime_model_keys_apply_to_a_policy_passed_in(tmp_path):
         assert (mc.remat, mc.remat_policy, mc.attention_block_size, mc.remat_logits, mc.compute_dtype) == expected
     finally:
         run.close()
+
+
+def test_unbiased_m_step_needs_gvm_allocation():
+    with pytest.raises(ConfigError, match="algorithm.agg.*needs sampling.allocation=gvm"):
+        load_config(None, ["algorithm.agg=prompt-mean-unbiased"])
+    assert load_config(None, ["algorithm.agg=prompt-mean-unbiased", "sampling.allocation=gvm"]).algorithm.agg \
+        == "prompt-mean-unbiased"
+    assert load_config(None, ["algorithm.agg=prompt-mean"]).algorithm.agg == "prompt-mean"

@@ -154,3 +154,34 @@ def test_reward_scorer_binary_signed_and_overlong():
     _, reward = signed(texts, golds, np.array([6, 8, 10]))
     # overlong: min(-(L - (10 - 4)) / 4, 0) = 0, -0.5, -1
     np.testing.assert_allclose(reward, [1.0, -1.5, -2.0])
+
+
+@pytest.mark.parametrize("mode", ["prompt-mean", "prompt-mean-unbiased"])
+def test_train_batches_with_the_m_step_give_the_prompt_mean_loss(mode):
+    """agg prompt-mean: the token-mean over `denom` of the packed batch's vanilla loss -A' x equals GVM's
+    M-step (objectives.prompt_mean) of -A x, with D_i = the accepted samples (RAFT advantages)."""
+    from jaxrl_llm.objectives import prompt_mean
+    from jaxrl_llm.train.config import AlgorithmSection
+    from jaxrl_llm.train.rollouts import build_train_batches
+
+    scored = _scored([[1, 0, 1], [0, 0], [1, 1], [0, 1, 0, 0]])
+    for record, p in zip(scored.records, [0.5, 0.0, 1.0, 0.25]):  # GVM's stage-1 rates
+        record["gvm_accept_rate"] = p
+    adv = np.where(scored.rewards[:, None] > 0, 1.0, 0.0) * scored.mask
+    values = -np.arange(1, scored.mask.size + 1, dtype=np.float32).reshape(scored.mask.shape) * scored.mask
+    algo = AlgorithmSection(advantage="raft", loss="vanilla", agg=mode)
+    got = 0.0
+    for batch, denom, _ in build_train_batches(scored, adv, values, np.zeros_like(adv), algo, mini_batches=2,
+                                               micro_batch_size=2, pad_id=0, rng=np.random.default_rng(0)):
+        got += float(np.sum(-batch.advantages * batch.old_logp * batch.mask)) / denom
+    # Two mini-batches of two prompts each, each its own M-step: check the sum against their losses.
+    rng = np.random.default_rng(0)
+    want = 0.0
+    for part in np.array_split(rng.permutation(4), 2):
+        rows = np.flatnonzero(np.isin(scored.prompt_index, part))
+        ids = np.searchsorted(np.sort(part), scored.prompt_index[rows])
+        rates = np.array([0.5, 0.0, 1.0, 0.25])[np.sort(part)] if mode == "prompt-mean-unbiased" else None
+        want += float(prompt_mean(-adv[rows] * values[rows], scored.mask[rows], ids, num_groups=2,
+                                  counted=adv[rows].any(axis=1), accept_rate=rates))
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    assert want != 0.0

@@ -1,5 +1,6 @@
 """Pure jax.numpy objectives for RL on verifiable rewards: advantages, policy losses, KL,
-aggregation, PRL shaping, GVM allocation and DAPO shaping.
+aggregation (with GVM's M-step, each prompt weighted equally), PRL shaping, GVM allocation and DAPO
+shaping.
 
 Arrays in, arrays out: shapes are [B] per sequence and [B, T] per token, and `mask` is the
 response-token mask (1.0 on generated tokens, 0.0 on prompt and padding). This package imports
@@ -19,6 +20,12 @@ from jaxrl_llm.objectives.aggregate import AGG_MODES, LossTerms, aggregate, aggr
 from jaxrl_llm.objectives.dapo import overlong_penalty
 from jaxrl_llm.objectives.gvm import gvm_allocate
 from jaxrl_llm.objectives.kl import KL_KINDS, entropy_from_logits, kl_penalty
+from jaxrl_llm.objectives.mstep import (
+    PROMPT_MEAN_MODES,
+    prompt_mean,
+    prompt_mean_terms,
+    prompt_mean_weights,
+)
 from jaxrl_llm.objectives.losses import POLICY_LOSS_KINDS, policy_loss, policy_loss_terms
 from jaxrl_llm.objectives.prl import prl_advantages
 
@@ -27,6 +34,7 @@ __all__ = [
     "AGG_MODES",
     "KL_KINDS",
     "POLICY_LOSS_KINDS",
+    "PROMPT_MEAN_MODES",
     "LossTerms",
     "aggregate",
     "aggregate_denominator",
@@ -41,6 +49,9 @@ __all__ = [
     "policy_loss",
     "policy_loss_terms",
     "prl_advantages",
+    "prompt_mean",
+    "prompt_mean_terms",
+    "prompt_mean_weights",
     "raft_advantages",
     "reinforce_rej_advantages",
     "rloo_advantages",

@@ -101,7 +101,11 @@ class AlgorithmSection:
     clip_low: float = 0.2  # the ratio is clipped below at 1 - clip_low
     clip_high: float = 0.2  # the ratio is clipped above at 1 + clip_high (DAPO: 0.28)
     dual_clip: float | None = None  # c > 1 bounds the loss of negative-advantage tokens at -A c; null disables
-    agg: str = "token-mean"  # how per-token losses reduce to a scalar (objectives.aggregate)
+    # How per-token losses reduce to a scalar: a mode of objectives.aggregate, or GVM's M-step, every prompt
+    # weighted equally and its samples averaged (objectives.prompt_mean; docs/gvm.md): prompt-mean is
+    # Algorithm 1 over the samples with a nonzero advantage, prompt-mean-unbiased Lemma 1's 1 / (n_i p_i) with
+    # GVM's stage-1 p_i (needs allocation gvm). With the M-step modes the KL and entropy terms stay token-means.
+    agg: str = "token-mean"
     agg_max_len: int | None = None  # constant length for seq-mean-token-sum-norm (Dr.GRPO)
     kl_coef: float = 0.0  # weight of the KL penalty to the reference policy; 0 keeps no reference model
     kl_kind: str = "k3"  # the KL estimator (objectives.kl_penalty)
@@ -179,7 +183,8 @@ _ALLOWED = {
     ("sampling", "allocation"): {"uniform", "gvm"},
     ("algorithm", "advantage"): {"raft", "grpo", "drgrpo", "rloo", "reinforce_rej"},
     ("algorithm", "loss"): {"clip", "vanilla"},
-    ("algorithm", "agg"): {"token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"},
+    ("algorithm", "agg"): {"token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm",
+                           "prompt-mean", "prompt-mean-unbiased"},
     ("algorithm", "kl_kind"): {"k1", "k2", "k3", "abs"},
     ("algorithm", "reward"): {"binary", "signed"},
     ("algorithm", "group_filter"): {"none", "mixed"},
@@ -329,6 +334,9 @@ def validate(config: RunConfig) -> None:
         ("algorithm.max_sampling_rounds", config.algorithm.max_sampling_rounds >= 1, "must be >= 1"),
         ("algorithm.agg_max_len", config.algorithm.agg != "seq-mean-token-sum-norm"
          or (config.algorithm.agg_max_len or 0) > 0, "must be set (> 0) for agg seq-mean-token-sum-norm"),
+        ("algorithm.agg", config.algorithm.agg != "prompt-mean-unbiased"
+         or config.sampling.allocation == "gvm",
+         "needs sampling.allocation=gvm (its stage-1 acceptance rates p_i); with uniform sampling use prompt-mean"),
         ("sampling.prompts_per_step", config.sampling.prompts_per_step >= 1, "must be >= 1"),
         ("sampling.samples_per_prompt", config.sampling.samples_per_prompt >= 1, "must be >= 1"),
         ("sampling.max_new_tokens", config.sampling.max_new_tokens >= 1, "must be >= 1"),

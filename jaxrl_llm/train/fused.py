@@ -80,6 +80,8 @@ def check_fused_config(config: RunConfig) -> None:
         ("algorithm.kl_coef", algo.kl_coef == 0, "must be 0 (no reference policy is kept on the fused path)"),
         ("algorithm.prl_eta", algo.prl_eta is None, "must be null (PRL needs a reference policy)"),
         ("algorithm.format_reward", algo.format_reward == 0, "must be 0 (the format check is the host's text rule)"),
+        ("algorithm.agg", algo.agg not in ("prompt-mean", "prompt-mean-unbiased"),
+         "must be a token/sequence mode (the M-step weights are computed on the host)"),
         ("optim.epochs", optim.epochs == 1, "must be 1 (one update per rollout batch)"),
         ("optim.mini_batches", optim.mini_batches == 1, "must be 1 (one update per rollout batch)"),
         ("optim.micro_batch_size", config.sampling.prompts_per_step % optim.micro_batch_size == 0,

@@ -247,6 +247,8 @@ def gvm_rollouts(params, model_config, tokenizer, records: list[dict], sampling:
             "no stage-1 sample was accepted" if accepted.sum() == 0 else "the filters removed every prompt")
             + "); nothing drawn in stage 2, update skipped")
         return stage1, info
+    # Stage 2's records carry the stage-1 rate: the unbiased M-step (agg prompt-mean-unbiased) divides by n_i p_i.
+    records = [{**record, "gvm_accept_rate": float(p)} for record, p in zip(records, accept_rate)]
     if sampling.gvm_reuse_stage1:
         fresh = draw(np.maximum(counts - sampling.gvm_stage1_samples, 0), jax.random.fold_in(rng, 1))
         stage2 = reuse_stage1(stage1, fresh, counts)
@@ -259,14 +261,15 @@ def gvm_rollouts(params, model_config, tokenizer, records: list[dict], sampling:
 
 def reuse_stage1(stage1: ScoredRollouts, fresh: ScoredRollouts, counts: np.ndarray) -> ScoredRollouts:
     """Groups of exactly counts[i] rows: prompt i's first min(counts[i], N') stage-1 rows, then its fresh rows
-    (`fresh` holds max(counts[i] - N', 0) rows of prompt i). Rows come out ordered by prompt."""
+    (`fresh` holds max(counts[i] - N', 0) rows of prompt i). Rows come out ordered by prompt; the records are
+`fresh`'s."""
     rank = np.zeros(stage1.num_samples, np.int64)
     for i in np.unique(stage1.prompt_index):  # position of each row among its prompt's samples
         rows = np.flatnonzero(stage1.prompt_index == i)
         rank[rows] = np.arange(rows.size)
     kept = _take_rows(stage1, np.flatnonzero(rank < np.asarray(counts)[stage1.prompt_index]))
     fields = ("prompt_index", "tokens", "mask", "logprobs", "lengths", "rewards", "correct")
-    merged = ScoredRollouts(records=stage1.records, **{f: np.concatenate([getattr(kept, f), getattr(fresh, f)])
+    merged = ScoredRollouts(records=fresh.records, **{f: np.concatenate([getattr(kept, f), getattr(fresh, f)])
                                                        for f in fields})
     return _take_rows(merged, np.argsort(merged.prompt_index, kind="stable"))
 

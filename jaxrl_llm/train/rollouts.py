@@ -169,13 +169,16 @@ def build_train_batches(scored: ScoredRollouts, advantages: np.ndarray, old_logp
     """
     groups = prompt_groups(scored)
     drop_zero = algo.kl_coef == 0 and algo.entropy_coef == 0
+    mstep = algo.agg in objectives.PROMPT_MEAN_MODES
     out = []
     for part in np.array_split(rng.permutation(len(groups)), mini_batches):
         members = [groups[g] for g in part]
         samples = np.concatenate(members) if members else np.zeros(0, np.int64)
         if samples.size == 0:
             continue
-        denom = float(objectives.aggregate_denominator(scored.mask[samples], algo.agg))
+        denom = float(objectives.aggregate_denominator(scored.mask[samples], "token-mean" if mstep else algo.agg))
+        if mstep:
+            advantages = prompt_mean_advantages(scored, advantages, part, members, denom, algo.agg)
         if drop_zero:
             members = [m[np.any(advantages[m] != 0, axis=1)] for m in members]
         kept = sum(len(m) for m in members)
@@ -186,6 +189,29 @@ def build_train_batches(scored: ScoredRollouts, advantages: np.ndarray, old_logp
                                  advantages=advantages, old_logp=old_logp, ref_logp=ref_logp)
         out.append((batch, denom, kept))
     return out
+
+
+def prompt_mean_advantages(scored: ScoredRollouts, advantages: np.ndarray, part: np.ndarray,
+                           members: list[np.ndarray], denom: float, mode: str) -> np.ndarray:
+    """`advantages` with the rows of the mini-batch's prompts `part` (sample indices `members`) scaled by
+    denom x w_b / m, so that the token-mean over `denom` tokens of the policy loss equals GVM's M-step
+    (objectives.prompt_mean): the PPO and RAFT losses are positively homogeneous in A, l(c A) = c l(A) for
+    c >= 0. w_b from `objectives.prompt_mean_weights` with D_i = the prompt's samples with a nonzero
+    advantage (RAFT / RAFT++: the accepted ones) and, for prompt-mean-unbiased, p_i = the record's
+    "gvm_accept_rate" (GVM's stage 1; a prompt without one uses its own rate |D_i| / n_i); m = len(part)."""
+    samples = np.concatenate(members)
+    local = np.concatenate([np.full(len(m), k, np.int32) for k, m in enumerate(members)])
+    counted = np.any(advantages[samples] != 0, axis=1)
+    accept_rate = None
+    if mode == "prompt-mean-unbiased":
+        own = [counted[local == k].mean() if len(m) else 0.0 for k, m in enumerate(members)]
+        accept_rate = np.array([scored.records[g].get("gvm_accept_rate", own[k]) for k, g in enumerate(part)],
+                               np.float32)
+    weights = np.asarray(objectives.prompt_mean_weights(local, num_groups=len(members), counted=counted,
+                                                        accept_rate=accept_rate), np.float32)
+    scaled = advantages.copy()
+    scaled[samples] *= (denom * weights / len(part))[:, None]
+    return scaled
 
 
 def packed_rollouts(scored: ScoredRollouts, micro_batch_size: int, pad_id: int,

@@ -6,6 +6,8 @@ Loss = policy_loss(logp, old_logp, A, mask, agg)             (objectives.policy_
      - entropy_coef * aggregate(entropy, mask, agg)
 Every term of a micro-batch is normalised by the denominator of the whole mini-batch (computed on the
 host from the real rows), so summing micro-batch gradients gives exactly the mini-batch gradient.
+With agg prompt-mean / prompt-mean-unbiased (GVM's M-step) the host scales each sample's advantages so
+that this token-mean equals the M-step loss (`rollouts.prompt_mean_advantages`).
 """
 
 from __future__ import annotations
@@ -48,10 +50,12 @@ def loss_fn(params, model_config, algo: AlgorithmSection, micro: TrainBatch, den
     logp, entropy = flat(logp), flat(entropy)
     micro = micro._replace(mask=flat(micro.mask), advantages=flat(micro.advantages), old_logp=flat(micro.old_logp),
                            ref_logp=flat(micro.ref_logp))
+    # GVM's M-step modes arrive as token-means: the host folded each sample's weight into its advantages.
+    mode = "token-mean" if algo.agg in objectives.PROMPT_MEAN_MODES else algo.agg
     loss, pg_metrics = objectives.policy_loss(
         logp, micro.old_logp, micro.advantages, micro.mask, kind=algo.loss, clip_low=algo.clip_low,
-        clip_high=algo.clip_high, dual_clip=algo.dual_clip, agg=algo.agg, max_len=algo.agg_max_len, denom=denom)
-    agg = dict(mode=algo.agg, max_len=algo.agg_max_len, denom=denom)
+        clip_high=algo.clip_high, dual_clip=algo.dual_clip, agg=mode, max_len=algo.agg_max_len, denom=denom)
+    agg = dict(mode=mode, max_len=algo.agg_max_len, denom=denom)
     ent = objectives.aggregate(entropy, micro.mask, **agg)
     total = loss - algo.entropy_coef * ent
     kl = jnp.zeros((), jnp.float32)
