@@ -203,7 +203,8 @@ CASES: dict[str, list[tuple[str, str, bool]]] = {
         ("1, 2", "1, 2, 3", F),
         ("1, 1, 2", "1, 2, 2", F),
         (r"\{2\}", r"\{-2\}", F),
-        ("3, 4", "(3, 4)", F),
+        ("3, 4", "(3, 4)", T),  # a bare list against a tuple is read in order
+        ("4, 3", "(3, 4)", F),
         (r"\pm 2", r"\{2, -2\}", T),
         (r"1 \pm \sqrt{2}", r"1 - \sqrt{2}, 1 + \sqrt{2}", T),
         (r"\emptyset", r"\{ \}", T),

@@ -1,13 +1,21 @@
 """`answers_equal` and `math_reward`: is a predicted final answer the gold one?
 
 Pipeline for one pair (each stage only runs when the previous ones could not decide):
-1. normalise both strings (`normalize.normalize_answer`); a gold multiple-choice letter is
-   compared with the letter the prediction names;
-2. ``x = 5`` -> ``5`` when the gold is a bare value (no relation);
+1. normalise both strings (`normalize.normalize_answer`); a gold multiple-choice letter (or a
+   choice written out, "(D) Alina") is compared with the letter the prediction names;
+2. ``;`` separators: ``(0;1)`` is ``(0,1)``, ``p=5,q=2;p=7,q=2`` is the list of two tuples;
 3. identical compact strings -> equal;
 4. structure: matrices (shape + entries), intervals and tuples (matching brackets, element-wise),
-   sets, ``\\cup`` unions, ``a \\pm b`` pairs and bare comma lists (order ignored);
-5. atoms: plain numbers without sympy, then sympy (`symbolic.sympy_equal`).
+   ratios and clock times ``a:b`` (element-wise, so 4:30 is not 2:15), sets, ``\\cup`` unions,
+   ``a \\pm b`` pairs and bare comma lists (as sets unless ``ordered_lists``, as multisets when
+   the gold repeats an item; a bare list against a ``( , )`` tuple is read in order);
+5. atoms: plain numbers without sympy, then sympy (`symbolic.sympy_equal`), then math-verify
+   (`engine.mathverify_equal`) as a second opinion on atoms sympy could not match;
+6. values: when the pair is still unequal, both sides are read as their values and compared again
+   (`answer_values`): a chained equation by its last side (``x = 5+6 = 11``), ``name = value`` and
+   ``name \\in value`` by the value (``k=1``, ``(p,q)=(3,2)``, ``f(x)=1``), an inequality on one
+   name by its interval (``-2 \\le x \\le 7`` is ``[-2, 7]``). The gold side is read so only when
+   ``VerifierConfig.gold_assignments`` is on (the default).
 The first call in a process imports and warms sympy and the parser (1-5 s, outside any limit);
 every comparison then runs under a wall-clock limit (`safety.time_limit`). A timeout, an input
 that fails the size screen or any parser error counts as "not equal", never an exception.
@@ -15,20 +23,48 @@ that fails the size screen or any parser error counts as "not equal", never an e
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import re
 
-from jaxrl_llm.rewards.extract import extract_answer
+from jaxrl_llm.rewards.extract import extract_answer, extract_choice
 from jaxrl_llm.rewards.normalize import choice_letter, compact, normalize_answer, split_top_level
 from jaxrl_llm.rewards.parse import to_sympy, warm_up
 from jaxrl_llm.rewards.safety import VerifierTimeout, time_limit
-from jaxrl_llm.rewards.symbolic import numbers_equal, plain_number, sympy_equal, unordered_equal
+from jaxrl_llm.rewards.symbolic import REL_TOL, numbers_equal, plain_number, set_equal, sympy_equal, unordered_equal
+
+
+@dataclasses.dataclass(frozen=True)
+class VerifierConfig:
+    """Grading conventions (the defaults suit RL rewards: they credit every standard way of writing
+    a right answer and nothing looser).
+
+    - ``ordered_lists``: bare comma lists ("2, 3") are compared in order; off by default, since a
+      list answer is most often the solutions of an equation, whose order is free. Tuples, intervals
+      and matrices are always ordered, ``\\{...\\}`` sets never.
+    - ``rel_tol``: relative tolerance when either side is written as a decimal (0.0: exact). 1e-4
+      accepts 0.3333 for 1/3 and rejects 0.33; an exact fraction against an exact fraction is exact.
+    - ``gold_assignments``: a gold ``lhs = value`` whose lhs is a name (``k=1``, ``(p,q)=(3,2)``,
+      ``|AB|=1``) also accepts the bare value; a chained gold equation is read by its last side.
+    """
+
+    ordered_lists: bool = False
+    rel_tol: float = REL_TOL
+    gold_assignments: bool = True
+
+
+DEFAULT_CONFIG = VerifierConfig()
 
 DEFAULT_TIMEOUT = 5.0
 # Answers longer than this are compared as stripped strings only (no normalisation, no parsing).
 MAX_ANSWER_CHARS = 5_000
 _MATRIX = re.compile(r"\\begin\{([pbvBV]?matrix|smallmatrix|array)\}(?:\{[^{}]*\})?(.*)\\end\{\1\}", re.DOTALL)
 _GOLD_CHOICE = re.compile(r"\(?([A-J])\)?")
-_ASSIGNMENT_TARGET = re.compile(r"[a-zA-Z](?:_\{?\w+\}?)?|\\[a-zA-Z]+|[a-zA-Z]\(\w\)")
+# A gold that writes out a choice: "(D) Alina", "C. 12 apples", "C Cecile" (a capitalised word).
+_GOLD_CHOICE_TEXT = re.compile(r"\(([A-J])\)\s*\S.*|([A-J])[.:]\s+\S.*|([A-J])\s+[A-Z][a-z]+.*")
+# A gold longer than this is read as a worked solution and its final answer is extracted.
+_SHORT_GOLD_CHARS = 120
+_RELATION_OPERATOR = re.compile(r"<|>|\\leq|\\geq")
 _CHOICE_PREFIX = re.compile(r"\(([A-J])\)")
 _WORDS = re.compile(r"[A-Za-z][A-Za-z ]+")
 
@@ -48,73 +84,105 @@ def _spans_whole(text: str) -> bool:
 
 def _structure(text: str) -> tuple:
     """Classify a normalised answer: ("matrix", rows) / ("ordered", open, close, items) /
-    ("unordered", items) / ("atom", text)."""
+    ("set", items) / ("list", items) / ("atom", text)."""
     matrix = _MATRIX.fullmatch(text)
     if matrix:
         rows = [row for row in re.split(r"\\\\", matrix.group(2)) if row.strip() and row.strip() != "\\hline"]
         return ("matrix", [[cell.strip() for cell in row.split("&")] for row in rows])
     union = split_top_level(re.sub(r"\\cup(?![a-zA-Z])", "\u222a", text), "\u222a")
     if len(union) > 1:
-        return ("unordered", union)
+        return ("set", union)
     plus_minus = split_top_level(re.sub(r"\\pm(?![a-zA-Z])", "\u00b1", text), "\u00b1")
     if len(plus_minus) == 2 and plus_minus[1]:  # "a \pm b" is the pair {a + b, a - b}
         center, offset = plus_minus[0] or "0", plus_minus[1]
-        return ("unordered", [f"{center}+({offset})", f"{center}-({offset})"])
+        return ("set", [f"{center}+({offset})", f"{center}-({offset})"])
     if text.startswith("\\{") and text.endswith("\\}"):
         inner = text[2:-2].strip()
-        return ("unordered", split_top_level(inner, ",") if inner else [])
+        return ("set", split_top_level(inner, ",") if inner else [])
     if len(text) >= 2 and text[0] in "([" and text[-1] in ")]" and _spans_whole(text):
         items = split_top_level(text[1:-1], ",")
         if len(items) > 1:
             return ("ordered", text[0], text[-1], items)
     items = split_top_level(text, ",")
     if len(items) > 1:
-        return ("unordered", items)
+        return ("list", items)
+    ratio = split_top_level(text, ":")
+    if len(ratio) > 1 and all(ratio) and ":=" not in text:  # 7:32, 4:30 — a pair, never a quotient
+        return ("ordered", ":", ":", ratio)
     return ("atom", text)
 
 
-def _atoms_equal(pred: str, gold: str) -> bool:
+def _decimal_comma(text: str) -> str:
+    """``1,22`` / ``0,111`` / ``1000,99`` -> the decimal they write with a comma; other text unchanged.
+
+    A comma that could group thousands (``1,234``) is left alone.
+    """
+    match = re.fullmatch(r"(-?)(\d+),(\d+)", text)
+    if match is None:
+        return text
+    whole, fraction = match.group(2), match.group(3)
+    if len(fraction) == 3 and len(whole) <= 3 and not whole.startswith("0"):
+        return text
+    return f"{match.group(1)}{whole}.{fraction}"
+
+
+def _atoms_equal(pred: str, gold: str, config: VerifierConfig) -> bool:
     if compact(pred) == compact(gold):
         return True
     if _WORDS.fullmatch(pred) and _WORDS.fullmatch(gold) and min(len(pred), len(gold)) >= 4:
         return pred.lower().split() == gold.lower().split()  # worded answers: case does not matter
     pred_number, gold_number = plain_number(pred), plain_number(gold)
     if pred_number is not None and gold_number is not None:
-        return numbers_equal(pred_number, gold_number)
+        return numbers_equal(pred_number, gold_number, config.rel_tol)
     pred_expr = to_sympy(pred)
-    if pred_expr is None:
-        return False
-    gold_expr = to_sympy(gold)
-    return gold_expr is not None and sympy_equal(pred_expr, gold_expr)
+    gold_expr = None if pred_expr is None else to_sympy(gold)
+    if pred_expr is not None and gold_expr is not None and sympy_equal(pred_expr, gold_expr, config.rel_tol):
+        return True
+    from jaxrl_llm.rewards.engine import mathverify_equal
+
+    return mathverify_equal(pred, gold, config.rel_tol)
 
 
-def _normalized_equal(pred: str, gold: str) -> bool:
+def _normalized_equal(pred: str, gold: str, config: VerifierConfig = DEFAULT_CONFIG) -> bool:
     """Equality of two normalised answers, structure first, atoms last."""
     if compact(pred) == compact(gold):
         return True
+    equal = functools.partial(_normalized_equal, config=config)
+    if "," in pred and "," not in gold and plain_number(gold) is not None:
+        pred = _decimal_comma(pred)
+    elif "," in gold and "," not in pred and plain_number(pred) is not None:
+        gold = _decimal_comma(gold)
     pred_kind, gold_kind = _structure(pred), _structure(gold)
-    if pred_kind[0] == "atom" and gold_kind[0] == "atom":
-        return _atoms_equal(pred, gold)
-    if pred_kind[0] == "matrix" or gold_kind[0] == "matrix":
-        return _matrix_equal(pred_kind, gold_kind)
-    if pred_kind[0] == "unordered" or gold_kind[0] == "unordered":
-        pred_items = pred_kind[1] if pred_kind[0] == "unordered" else [pred]
-        gold_items = gold_kind[1] if gold_kind[0] == "unordered" else [gold]
+    kinds = {pred_kind[0], gold_kind[0]}
+    if kinds == {"atom"}:
+        return _atoms_equal(pred, gold, config)
+    if "matrix" in kinds:
+        return _matrix_equal(pred, gold, pred_kind, gold_kind, config)
+    if kinds == {"list", "ordered"}:  # "1, 3" against "(1, 3)": the list read in order
+        listed, ordered = (pred_kind, gold_kind) if pred_kind[0] == "list" else (gold_kind, pred_kind)
+        return ordered[1:3] == ("(", ")") and _in_order(listed[1], ordered[3], equal)
+    if kinds == {"list"} and config.ordered_lists:
+        return _in_order(pred_kind[1], gold_kind[1], equal)
+    if kinds & {"set", "list"}:
+        pred_items = pred_kind[1] if pred_kind[0] in ("set", "list") else [pred]
+        gold_items = gold_kind[1] if gold_kind[0] in ("set", "list") else [gold]
         if pred_items == [pred] and gold_items == [gold]:
             return False  # an ordered tuple against an atom
-        return unordered_equal(pred_items, gold_items, _normalized_equal)
-    if pred_kind[0] == "ordered" and gold_kind[0] == "ordered":
+        if len({compact(item) for item in gold_items}) < len(gold_items):
+            return unordered_equal(pred_items, gold_items, equal)  # the gold counts multiplicity
+        return set_equal(pred_items, gold_items, equal)
+    if kinds == {"ordered"}:
         _, pred_open, pred_close, pred_items = pred_kind
         _, gold_open, gold_close, gold_items = gold_kind
-        return (
-            (pred_open, pred_close) == (gold_open, gold_close)
-            and len(pred_items) == len(gold_items)
-            and all(_normalized_equal(p, g) for p, g in zip(pred_items, gold_items))
-        )
+        return (pred_open, pred_close) == (gold_open, gold_close) and _in_order(pred_items, gold_items, equal)
     return False
 
 
-def _matrix_equal(pred_kind: tuple, gold_kind: tuple) -> bool:
+def _in_order(left: list, right: list, equal) -> bool:
+    return len(left) == len(right) and all(equal(x, y) for x, y in zip(left, right))
+
+
+def _matrix_equal(pred: str, gold: str, pred_kind: tuple, gold_kind: tuple, config: VerifierConfig) -> bool:
     """Matrices entry-wise; a one-row or one-column matrix also equals a ``( , )`` tuple."""
 
     def cells(kind: tuple) -> tuple[tuple[int, int], list[str]] | None:
@@ -128,7 +196,10 @@ def _matrix_equal(pred_kind: tuple, gold_kind: tuple) -> bool:
         return None
 
     pred_cells, gold_cells = cells(pred_kind), cells(gold_kind)
-    if pred_cells is None or gold_cells is None:
+    if pred_cells is None or gold_cells is None:  # a matrix expression ("A + B", "AB"): sympy decides
+        atoms = (pred_kind, gold_kind)
+        if all(kind[0] in ("matrix", "atom") for kind in atoms) and any(kind[0] == "atom" for kind in atoms):
+            return _atoms_equal(pred, gold, config)
         return False
     (pred_shape, pred_items), (gold_shape, gold_items) = pred_cells, gold_cells
     if 0 in (pred_shape[0], gold_shape[0]):
@@ -138,44 +209,148 @@ def _matrix_equal(pred_kind: tuple, gold_kind: tuple) -> bool:
     elif pred_shape != gold_shape:
         return False
     return len(pred_items) == len(gold_items) and all(
-        _normalized_equal(p, g) for p, g in zip(pred_items, gold_items)
+        _normalized_equal(p, g, config) for p, g in zip(pred_items, gold_items)
     )
 
 
-def _is_relation(text: str) -> bool:
-    return bool(re.search(r"=|<|>|\\[lg]eq?(?![a-zA-Z])|\\neq|\\in(?![a-zA-Z])", text))
+def _is_name(text: str) -> bool:
+    """True when ``text`` names a quantity rather than computing one: ``k``, ``x_{1}``, ``f(x)``,
+    ``(p,q)``, ``|AB|``, ``A:B``, ``\\frac{NO}{BO}`` (letters, subscripts and brackets; no arithmetic)."""
+    plain = re.sub(r"_\{[^{}]*\}|_\w|\\[a-zA-Z]+|\^\{?\\prime\}?|'", "", text)
+    plain = re.sub(r"\([a-z0-9]\)", "", plain)  # a function's argument: f(x), W(1)
+    plain = re.sub(r"[{}()|:,\s]", "", plain)
+    return bool(plain) and plain.isalpha() and plain.isascii()
 
 
-def _drop_assignment(pred: str) -> str:
-    """``x = 5`` / ``x \\in [1, 2]`` -> the right-hand side, when the left side is one variable."""
-    marked = re.sub(r"\\in(?![a-zA-Z])", "\u2208", pred)  # "\in" but not "\infty"
+def _interval(item: str) -> str | None:
+    """``a \\le x \\le b`` -> ``[a, b]``, ``x > a`` -> ``(a, \\infty)``: an inequality on one name."""
+    parts = re.split(r"(<|>|\\leq|\\geq)", item)
+    sides, operators = [part.strip() for part in parts[0::2]], parts[1::2]
+    if len(sides) not in (2, 3) or not all(sides) or len(set(op in ("<", "\\leq") for op in operators)) != 1:
+        return None
+    if operators[0] in (">", "\\geq"):  # read every chain from small to large
+        sides, operators = sides[::-1], [{">": "<", "\\geq": "\\leq"}[op] for op in operators[::-1]]
+    brackets = [("[" if op == "\\leq" else "(", "]" if op == "\\leq" else ")") for op in operators]
+    if len(sides) == 3 and _is_name(sides[1]) and not _is_name(sides[0]) and not _is_name(sides[2]):
+        return f"{brackets[0][0]}{sides[0]},{sides[2]}{brackets[1][1]}"
+    if len(sides) == 2 and _is_name(sides[0]) and not _is_name(sides[1]):
+        return f"(-\\infty,{sides[1]}{brackets[0][1]}"
+    if len(sides) == 2 and _is_name(sides[1]) and not _is_name(sides[0]):
+        return f"{brackets[0][0]}{sides[0]},\\infty)"
+    return None
+
+
+def _is_arithmetic(text: str) -> bool:
+    """True when ``text`` is a computation on numbers only (``35 + 70``, ``\\frac{1}{2}``)."""
+    return re.search(r"\d", text) is not None and re.search(r"[a-zA-Z]", re.sub(r"\\[a-zA-Z]+", "", text)) is None
+
+
+def _name_key(name: str) -> str:
+    """``W(x)`` and ``W(n)`` name the same function; ``x_{1}`` is ``x_1``."""
+    return re.sub(r"\([^()]*\)|[{}\s]", "", name) or name
+
+
+def _item_value(item: str, computations: bool) -> tuple[str, str | None]:
+    """(value, the name it was assigned to or "" for a computation) of one list item; the name is
+    None when the item is already a value. See `answer_values`."""
+    if len(item) > 2 and item[0] == "(" and item[-1] == ")" and _spans_whole(item) and "=" in item:
+        item = item[1:-1].strip()  # "(35 + 70 = 105)"
+    marked = re.sub(r"\\in(?![a-zA-Z])", "\u2208", item)  # "\in" but not "\infty"
     for operator in ("=", "\u2208"):
-        parts = split_top_level(marked, operator)
-        if len(parts) == 2 and _ASSIGNMENT_TARGET.fullmatch(parts[0]) and parts[1]:
-            return parts[1]
-    return pred
+        sides = split_top_level(marked, operator)
+        if len(sides) > 2 and all(sides):  # a chained equation: its last side
+            return sides[-1].replace("\u2208", "\\in "), _name_key(sides[0]) if _is_name(sides[0]) else ""
+        if len(sides) == 2 and sides[1] and (_is_name(sides[0]) or computations and _is_arithmetic(sides[0])):
+            return sides[1].replace("\u2208", "\\in "), _name_key(sides[0]) if _is_name(sides[0]) else ""
+    if _RELATION_OPERATOR.search(item):
+        interval = _interval(item)
+        if interval is not None:
+            return interval, ""
+    return item, None
 
 
-def _equal(pred: str, gold: str) -> bool:
+def answer_values(text: str, *, computations: bool = True) -> tuple[str, list[str]]:
+    """A normalised answer read as its values (rule 6 of the module docstring), and the names the
+    values were assigned to.
+
+    ``"x = 2, x = 3"`` -> ``"2, 3"``; ``"(p,q)=(3,2)"`` -> ``"(3,2)"``; ``"x = 5+6 = 11"`` -> ``"11"``;
+    ``"(p=5, q=2), (p=7, q=2)"`` -> ``"(5, 2), (7, 2)"``; ``"-2 \\leq x \\leq 7"`` -> ``"[-2,7]"``.
+    ``computations``: also read ``35 + 70 = 105`` as ``105`` (for predictions; a gold equation
+    between numbers and a name, ``7 = 11a + c``, is itself the answer).
+    """
+    values, names = [], []
+    for item in split_top_level(text, ","):
+        if len(item) > 2 and item[0] == "(" and item[-1] == ")" and _spans_whole(item):
+            inner = [_item_value(part, computations) for part in split_top_level(item[1:-1], ",")]
+            if len(inner) > 1 and all(name is not None for _, name in inner):
+                values.append("(" + ", ".join(value for value, _ in inner) + ")")
+                names += [name for _, name in inner if name]
+                continue
+        value, name = _item_value(item, computations)
+        values.append(value)
+        names += [name] if name else []
+    return ", ".join(values), names
+
+
+def _semicolons(text: str) -> str:
+    """``;`` as a separator: ``(0;1)`` -> ``(0,1)``; ``a;b`` -> ``a, b``; groups holding commas
+    (``p=5,q=2;p=7,q=2``) become tuples ``(p=5,q=2), (p=7,q=2)``."""
+    if ";" not in text:
+        return text
+    text = re.sub(r"\(([^(),;]*(?:;[^(),;]*)+)\)", lambda m: "(" + m.group(1).replace(";", ",") + ")", text)
+    groups = split_top_level(text, ";")
+    if len(groups) == 1:
+        return text
+    if any(len(split_top_level(group, ",")) > 1 for group in groups):
+        groups = [f"({group})" if len(split_top_level(group, ",")) > 1 else group for group in groups]
+    return ", ".join(groups)
+
+
+def _choice_equal(pred: str, gold: str) -> bool | None:
+    """Equality when the gold is a choice letter (or a written-out choice); None when it is not."""
+    gold_choice = _GOLD_CHOICE.fullmatch(gold)
+    prefix = _CHOICE_PREFIX.match(pred)
+    named = choice_letter(pred) or (prefix.group(1) if prefix else None)
+    if gold_choice:
+        return named == gold_choice.group(1)
+    written = _GOLD_CHOICE_TEXT.fullmatch(gold)
+    if written and choice_letter(pred):  # "D" against "(D) Alina"
+        return choice_letter(pred) == next(group for group in written.groups() if group)
+    return None
+
+
+def _equal(pred: str, gold: str, config: VerifierConfig = DEFAULT_CONFIG) -> bool:
     pred, gold = normalize_answer(pred), normalize_answer(gold)
     if not pred or not gold:
         return False
-    gold_choice = _GOLD_CHOICE.fullmatch(gold)
-    if gold_choice:
-        prefix = _CHOICE_PREFIX.match(pred)
-        named = choice_letter(pred) or (prefix.group(1) if prefix else None)
-        return named == gold_choice.group(1)
-    if not _is_relation(gold):  # "x = 2, x = 3" -> "2, 3"
-        pred = ", ".join(_drop_assignment(item) for item in split_top_level(pred, ","))
-    return _normalized_equal(pred, gold)
+    choice = _choice_equal(pred, gold)
+    if choice is not None:
+        return choice
+    pred, gold = _semicolons(pred), _semicolons(gold)
+    if _normalized_equal(pred, gold, config):
+        return True
+    pred_values, pred_names = answer_values(pred)
+    gold_values, gold_names = answer_values(gold, computations=False) if config.gold_assignments else (gold, [])
+    if (pred_values, gold_values) == (pred, gold):
+        return False
+    if pred_names and gold_names and set(pred_names) != set(gold_names):
+        return False  # "x = 2" is not "y = 2"
+    return _normalized_equal(pred_values, gold_values, config)
 
 
-def answers_equal(pred: str | None, gold: str | None, *, timeout: float | None = DEFAULT_TIMEOUT) -> bool:
+def answers_equal(
+    pred: str | None,
+    gold: str | None,
+    *,
+    timeout: float | None = DEFAULT_TIMEOUT,
+    config: VerifierConfig = DEFAULT_CONFIG,
+) -> bool:
     """True when the predicted answer ``pred`` is mathematically the gold answer ``gold``.
 
     Both are answer strings (LaTeX or plain); a ``\\boxed{}`` inside either is unwrapped. At most
     ``timeout`` seconds of wall time (SIGALRM, main thread only; None disables); a timeout, an
-    oversized or unparsable input answers False. See the module docstring for the rules.
+    oversized or unparsable input answers False. See the module docstring for the rules and
+    `VerifierConfig` for the conventions.
     """
     if pred is None or gold is None:
         return False
@@ -188,19 +363,34 @@ def answers_equal(pred: str | None, gold: str | None, *, timeout: float | None =
     warm_up()  # imports must never run under the timer (see parse.warm_up)
     try:
         with time_limit(timeout):
-            return _equal(pred, gold)
+            return _equal(pred, gold, config)
     except VerifierTimeout:
         return False
     except (Exception, RecursionError, MemoryError):  # a hostile answer must never crash the trainer
         return False
 
 
-def math_reward(completion: str | None, gold: str, *, timeout: float | None = DEFAULT_TIMEOUT) -> float:
+def math_reward(
+    completion: str | None,
+    gold: str,
+    *,
+    timeout: float | None = DEFAULT_TIMEOUT,
+    config: VerifierConfig = DEFAULT_CONFIG,
+) -> float:
     """1.0 when the final answer extracted from ``completion`` equals ``gold``, else 0.0.
 
     ``reward = 1[answers_equal(extract_answer(completion), gold)]``; no final answer scores 0.
+    When the gold is a choice letter, the prediction is the letter the completion picks
+    (`extract.extract_choice`).
     """
-    prediction = extract_answer(completion)
+    if not isinstance(gold, str) or not gold.strip():
+        return 0.0
+    if len(gold) > _SHORT_GOLD_CHARS:  # a worked solution as the gold: its stated answer
+        gold = extract_answer(gold, fallback=False) or gold
+    if completion is not None and _GOLD_CHOICE.fullmatch(gold.strip().strip("$").strip()):
+        prediction = extract_choice(completion)
+    else:
+        prediction = extract_answer(completion)
     if prediction is None:
         return 0.0
-    return 1.0 if answers_equal(prediction, gold, timeout=timeout) else 0.0
+    return 1.0 if answers_equal(prediction, gold, timeout=timeout, config=config) else 0.0

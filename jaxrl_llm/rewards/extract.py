@@ -1,9 +1,16 @@
 """Final-answer extraction from a model completion.
 
-Order of preference (the conventions of the MATH and GSM8K evaluation scripts):
-1. the last well-formed ``\\boxed{...}`` / ``\\fbox{...}`` (nested braces allowed) or ``\\boxed 5``;
+Order of preference (the conventions of the MATH, Minerva and GSM8K evaluation scripts):
+1. the last group of well-formed ``\\boxed{...}`` / ``\\fbox{...}`` (nested braces allowed) or
+   ``\\boxed 5``; boxes separated only by punctuation, spacing or a short phrase holding "and" / "or"
+   ("\\boxed{1} and \\boxed{2}") form one answer, joined by ", ";
 2. the last GSM8K marker ``#### 42``;
-3. the last "The answer is ..." / "Answer: ..." phrase (rest of its line).
+3. the last answer marker ("The final answer is", "Answer:", "Réponse :", "答案："): the math span or
+   the sentence right after it; in a sentence of prose, the value after its last "is", else its last
+   math span or number (Minerva's "Final Answer: The final answer is $24$. I hope it is correct.");
+4. with ``fallback=True`` (the default) and no box command at all (an unclosed box is an unfinished
+   answer): the last math span (``$..$``, ``$$..$$``, ``\\(..\\)``,
+   ``\\[..\\]``; inline spans never cross a line) or the last number outside math, whichever ends later.
 Every scan is linear in the text length, so a 20k-character completion costs microseconds.
 """
 
@@ -13,8 +20,26 @@ import re
 
 _BOX_COMMAND = re.compile(r"\\(?:boxed|fbox)")
 _GSM8K_MARKER = re.compile(r"####[ \t]*([^\n]*)")
-# "the final answer is", "answer is:", "Answer:", "Final Answer:" — the rest of that line.
-_ANSWER_PHRASE = re.compile(r"(?:answer\s+is|answer\s*:)[ \t:]*([^\n]*)", re.IGNORECASE)
+# An answer marker: the word for "answer" and an optional "is" / colon. Only the marker is matched,
+# so that "Final Answer: The final answer is $24$" yields its last marker, "answer is".
+_MARKER = re.compile(
+    r"(?<![A-Za-z])(?:answer|r[ée]ponse|respuesta|antwort)(?:\s+(?:is|est|es|ist)(?![A-Za-z]))?[ \t]*[:：]?"
+    r"|答案\s*(?:是|为)?\s*[:：]?",
+    re.IGNORECASE,
+)
+_MATH_TOKEN = re.compile(r"(?<!\\)\$\$|\\\[|\\\]|\\\(|\\\)|(?<!\\)\$")
+_CLOSER = {"$$": "$$", "\\[": "\\]", "\\(": "\\)", "$": "$"}
+# A number in free text: 1,000.99 / 2,74 / -3 / 13/28 / 25% / \frac{2}{5}. Neighbouring CJK characters
+# are allowed ("为13/28"), neighbouring Latin letters and digits are not ("x2", "v3").
+_NUMBER = re.compile(
+    r"(?<![A-Za-z0-9_.\\])(?:-?\\[dt]?frac\{-?\d+\}\{\d+\}|-?\d+(?:[.,]\d+)*(?:\s*/\s*\d+(?![.,]\d))?%?)(?![0-9_])"
+)
+# A word of prose: three Latin letters, or any letter of a script other than Latin and Greek (CJK, Arabic).
+_PROSE_WORD = re.compile(r"(?<![\\A-Za-z])[A-Za-z]{3,}|[^\W\d_\x00-\x7f\u00b2\u00b3\u00b9\u00c0-\u024f\u0370-\u03ff]")
+_SENTENCE_END = re.compile(r"\.(?:\s|$)|。|\n")
+_COPULA = re.compile(r"\s(?:is|are|est|es|ist|equals|was|were|be)\s|=|是|为", re.IGNORECASE)
+_CONNECTIVE_WORD = re.compile(r"(?<![A-Za-z])(?:and|or)(?![A-Za-z])", re.IGNORECASE)
+_CONNECTIVE_WORDS = 4
 
 
 def matching_brace(text: str, open_index: int) -> int | None:
@@ -87,39 +112,213 @@ def last_boxed(text: str) -> str | None:
     return None
 
 
-def _clean_phrase(answer: str) -> str | None:
-    answer = answer.strip()
-    if answer.startswith("$"):  # "$x = 3$. I hope" -> the math span only
-        answer = answer.lstrip("$").split("$", 1)[0]
-    else:  # the sentence ends at a period followed by a space (not a decimal point)
-        answer = re.split(r"\.\s", answer, maxsplit=1)[0]
-    answer = answer.strip()
-    # A sentence ending after the answer: "The answer is 5." -> "5".
-    answer = re.sub(r"[.\s]+$", "", answer).strip().strip("$").strip()
-    return answer or None
 
 
-def extract_answer(text: str | None) -> str | None:
+def _boxes(text: str) -> list[tuple[int, int, str]]:
+    """(start, end, content) of every well-formed, non-empty box, in order."""
+    found = []
+    matches = list(_BOX_COMMAND.finditer(text))
+    closers = closing_braces(text) if matches else {}
+    for match in matches:
+        content = _box_content(text, match.end(), closers)
+        if content is None or not content.strip():
+            continue
+        i = match.end()
+        while i < len(text) and text[i] in " \t":
+            i += 1
+        end = closers[i] + 1 if text[i : i + 1] == "{" else i + len(content)
+        found.append((match.start(), end, content.strip()))
+    return found
+
+
+def _joins_boxes(separator: str) -> bool:
+    """True when the text between two boxes makes them one answer (", ", "and", "\\quad or \\quad")."""
+    plain = re.sub(r"\\(?:text|mbox|textrm|mathrm)\s*\{([^{}]*)\}", r"\1", separator)
+    plain = re.sub(r"\\[a-zA-Z]+|\\.|[$]", " ", plain)
+    words = re.findall(r"[^\W\d_]+", plain)
+    if not words:
+        return True
+    return len(words) <= _CONNECTIVE_WORDS and _CONNECTIVE_WORD.search(plain) is not None
+
+
+def boxed_answer(text: str) -> str | None:
+    """Content of the last group of boxes in ``text``, joined by ", " (None if there is no box).
+
+    ``"\\boxed{1} and \\boxed{2}"`` -> ``"1, 2"``; ``"first \\boxed{3}, finally \\boxed{4}"`` -> ``"4"``.
+    """
+    boxes = _boxes(text)
+    if not boxes:
+        return None
+    group = [boxes[-1]]
+    for box in reversed(boxes[:-1]):
+        if box[1] > group[0][0] or not _joins_boxes(text[box[1] : group[0][0]]):
+            break
+        group.insert(0, box)
+    return ", ".join(content for _, _, content in group)
+
+
+def math_spans(text: str) -> list[tuple[int, int, str]]:
+    """(start, end, content) of the math spans ``$..$``, ``$$..$$``, ``\\(..\\)``, ``\\[..\\]``.
+
+    One pass over the delimiters; inline spans (``$``, ``\\(``) never cross a line, an escaped
+    ``\\$`` is a dollar sign, not a delimiter.
+    """
+    spans = []
+    opened = None
+    for match in _MATH_TOKEN.finditer(text):
+        token = match.group(0)
+        if opened is None:
+            if token in _CLOSER:
+                opened = match
+            continue
+        if token != _CLOSER[opened.group(0)]:
+            continue
+        content = text[opened.end() : match.start()]
+        if opened.group(0) in ("$", "\\(") and "\n" in content:
+            opened = match if token == "$" else None  # not a span: this "$" may open the next one
+            continue
+        if content.strip():
+            spans.append((opened.start(), match.end(), content.strip()))
+        opened = None
+    return spans
+
+
+def _is_prose(text: str) -> bool:
+    """True when ``text`` holds a word of three or more letters outside LaTeX commands and math."""
+    outside = re.sub(r"\\(?:text|mbox|mathrm|begin|end|operatorname|mathbf|textbf)\s*\{[^{}]*\}", " ", text)
+    for start, end, _ in reversed(math_spans(outside)):
+        outside = outside[:start] + " " + outside[end:]
+    return _PROSE_WORD.search(outside) is not None
+
+
+def _last_value(text: str) -> tuple[int, str] | None:
+    """(end, value) of the last math span or bare number in ``text``, whichever ends later."""
+    spans = math_spans(text)
+    candidates = []
+    if spans:
+        start, end, content = spans[-1]
+        if _is_prose(content):  # "$? just about 1$": a dollar sign, not math
+            number = _last_number(content)
+            if number is not None:
+                candidates.append((end, number))
+        else:
+            candidates.append((end, content))
+    outside = text
+    for start, end, _ in reversed(spans):
+        outside = outside[:start] + " " * (end - start) + outside[end:]
+    numbers = list(_NUMBER.finditer(outside))
+    if numbers:
+        candidates.append((numbers[-1].end(), numbers[-1].group(0)))
+    return max(candidates, key=lambda candidate: candidate[0]) if candidates else None
+
+
+def _last_number(text: str) -> str | None:
+    numbers = list(_NUMBER.finditer(text))
+    return numbers[-1].group(0) if numbers else None
+
+
+def _answer_after_marker(rest: str) -> str | None:
+    """The answer stated right after an answer marker (see the module docstring, rule 3)."""
+    rest = rest.lstrip(" \t:：")
+    spans = math_spans(rest)
+    if spans and spans[0][0] == 0:
+        return spans[0][2]
+    end = _SENTENCE_END.search(rest)
+    sentence = (rest if end is None else rest[: end.start()]).strip()
+    sentence = re.sub(r"^\*+|\*+$", "", sentence).strip()
+    if not sentence:
+        return None
+    if not _is_prose(sentence):
+        return sentence.rstrip(" .").strip() or None
+    copulas = list(_COPULA.finditer(sentence))
+    if copulas:
+        tail = sentence[copulas[-1].end() :].strip()
+        if tail and not _is_prose(tail):
+            return _answer_after_marker(tail)
+        sentence = tail or sentence
+    value = _first_value(sentence)
+    return None if value is None else value[1]
+
+
+def _first_value(text: str) -> tuple[int, str] | None:
+    """(start, value) of the first math span or bare number in ``text``, whichever starts first."""
+    spans = [span for span in math_spans(text) if not _is_prose(span[2])]
+    number = _NUMBER.search(text)
+    candidates = [(spans[0][0], spans[0][2])] if spans else []
+    if number is not None and not any(start <= number.start() < end for start, end, _ in spans):
+        candidates.append((number.start(), number.group(0)))
+    return min(candidates, key=lambda candidate: candidate[0]) if candidates else None
+
+
+def extract_answer(text: str | None, *, fallback: bool = True) -> str | None:
     """Return the final answer written in ``text``, or None when it states none.
 
-    ``\\boxed{...}`` wins over ``#### x`` which wins over "The answer is x" / "Answer: x"; within
-    each kind the last occurrence wins (models restate and correct themselves).
+    The last statement wins: a box group, a ``#### x`` line or an answer marker ("The answer is x",
+    "Answer: x") after the last box is the answer, else that box group; without a box, ``#### x``
+    wins over a marker; within each kind the last occurrence wins (models restate and correct
+    themselves).
+    ``fallback``: without any of these, the last math span or number of the text (rule 4).
     """
     if not text:
         return None
     if not isinstance(text, str):
         raise TypeError(f"extract_answer expects a string completion, got {type(text).__name__}")
-    boxed = last_boxed(text)
-    if boxed is not None:
-        return boxed
+    boxes = _boxes(text)
     markers = list(_GSM8K_MARKER.finditer(text))
-    if markers:
-        answer = _clean_phrase(markers[-1].group(1))
+    if markers and (not boxes or markers[-1].start() > boxes[-1][1]):
+        answer = _answer_after_marker(markers[-1].group(1))
         if answer is not None:
             return answer
-    phrases = list(_ANSWER_PHRASE.finditer(text))
-    for phrase in reversed(phrases):
-        answer = _clean_phrase(phrase.group(1))
+    last_box_end = boxes[-1][1] if boxes else -1
+    for marker in reversed(list(_MARKER.finditer(text, max(last_box_end, 0)))):
+        answer = _answer_after_marker(text[marker.end() :])  # a marker after the last box restates it
         if answer is not None:
             return answer
-    return None
+    if boxes:
+        return boxed_answer(text)
+    for marker in reversed(list(_MARKER.finditer(text))):
+        answer = _answer_after_marker(text[marker.end() :])
+        if answer is not None:
+            return answer
+    if not fallback or _BOX_COMMAND.search(text):
+        return None  # a box that never closes is an unfinished answer, not a number to pick up
+    value = _last_value(text)
+    return None if value is None else value[1].strip()
+
+
+# A choice letter standing alone: not inside a word, not the article "A" before a lower-case word.
+_LETTER = re.compile(r"(?<![A-Za-z0-9'’])([A-J])(?![A-Za-z0-9'’])(?!\s+[a-z])")
+_LEADING_LETTER = re.compile(r"^[\s*(\[]*([A-J])(?:[)\].:：。,，]|\s*$|(?=[^\x00-\x7f])|\s+(?![A-Za-z]))")
+# A clause that rules options out: "not A", "can't be A or B", "non A", "不是 A"; it ends at , ; . 。
+_NEGATED_CLAUSE = re.compile(r"(?:(?<![A-Za-z])(?:not|non|never|n't(?:\s+be)?)(?![A-Za-z])|不是|不)[^,;.。，；\n]*")
+
+
+def _unnegated_letters(text: str) -> list[str]:
+    kept = _NEGATED_CLAUSE.sub(" ", text)
+    return _LETTER.findall(kept)
+
+
+def extract_choice(text: str | None) -> str | None:
+    """The multiple-choice letter (A-J) a completion picks, or None.
+
+    A letter that opens the completion ("D. it can't be A or B") wins; then a box; then the first
+    letter after the last answer marker; then the last letter outside a negated clause ("It's not A
+    ..., I think it's B" -> "B").
+    """
+    if not text:
+        return None
+    if not isinstance(text, str):
+        raise TypeError(f"extract_choice expects a string completion, got {type(text).__name__}")
+    leading = _LEADING_LETTER.match(text)
+    if leading:
+        return leading.group(1)
+    boxed = boxed_answer(text)
+    if boxed is not None:
+        letters = _LETTER.findall(re.sub(r"\\[a-zA-Z]+", " ", boxed))
+        return letters[0] if letters else None
+    for marker in reversed(list(_MARKER.finditer(text))):
+        letters = _unnegated_letters(text[marker.end() :].split("\n", 1)[0])
+        if letters:
+            return letters[0]
+    letters = _unnegated_letters(text)
+    return letters[-1] if letters else None

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import re
 
-from jaxrl_llm.rewards.extract import last_boxed, matching_brace
+from jaxrl_llm.rewards.extract import boxed_answer, matching_brace
 
 # Unit words dropped after a number ("5 cm", "12 \text{ dollars}"); plural "s" is optional.
 UNIT_WORDS = (
@@ -20,6 +20,7 @@ UNIT_WORDS = (
     "week", "month", "year", "gram", "g", "kg", "pound", "lb", "lbs", "ounce", "oz", "liter", "litre",
     "ml", "gallon", "degree", "unit", "dollar", "cent", "euro", "point", "percent", "sq", "square",
     "cubic", "people", "person", "student", "apple", "book", "page", "ways", "way", "times",
+    "pct", "percentage",
 )
 _UNIT_PATTERN = "|".join(sorted(UNIT_WORDS, key=len, reverse=True))
 _TRAILING_UNITS = re.compile(
@@ -37,7 +38,18 @@ _DEGREES = re.compile(r"(?:\^\s*\{?\s*\\circ\s*\}?|°|\\degree(?:s)?(?![a-zA-Z])
 _WORD_SEPARATOR = re.compile(r"(?<=[\w})\]])\s+(?:and|or)\s+(?=[-\w\\({\[])")
 _FRAC_SHORT = re.compile(r"\\frac\s*(\d|\\?[a-zA-Z])\s*(\d|\\?[a-zA-Z]|\{)")
 _SQRT_SHORT = re.compile(r"\\sqrt\s*(\d|[a-zA-Z])")
-_THOUSANDS = re.compile(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?")
+_THOUSANDS = re.compile(r"-?[1-9]\d{0,2}(?:,\d{3})+(?:\.\d+)?")
+# A command written with a doubled backslash ("\\\\frac", an escaping slip in JSON or Python source);
+# a real row break "\\\\" is never followed directly by one of these names.
+_DOUBLED_COMMAND = re.compile(
+    r"(?<!\\)\\\\(?=(?:frac|dfrac|tfrac|sqrt|left|right|le|leq|ge|geq|lt|gt|neq|ne|in|notin|cup|cap|pm|mp|"
+    r"cdot|times|div|pi|infty|text|mathrm|mathbf|boxed|approx|quad|qquad|sum|prod|int|log|ln|sin|cos|tan|"
+    r"emptyset|varnothing|alpha|beta|gamma|theta|lambda|mu|sigma|omega)(?![a-zA-Z]))"
+)
+# "1 or 2" written without spaces: "(11,7)or(7,11)", "1orW(x)=-1".
+_GLUED_WORD_SEPARATOR = re.compile(r"(?<=[\d)\]}])(?:or|and)(?=[-\d(\[{A-Z\\])")
+# A trailing \text{...} of words after a value ("17\text{ any text}") says what the value counts.
+_TRAILING_TEXT = re.compile(r"(?<=[\d}).])\s*\\(?:text|mbox|textrm|mathrm)\s*\{\s*[^\W\d_][^{}\d]*\}\s*\.?\s*$")
 _CHOICE = re.compile(r"(?:option|choice)?\s*\(?\s*([A-J])\s*\)?\s*[.:]?", re.IGNORECASE)
 
 
@@ -90,11 +102,15 @@ def normalize_answer(answer: str) -> str:
     """
     if not isinstance(answer, str):
         raise TypeError(f"normalize_answer expects a string, got {type(answer).__name__}")
-    text = answer.strip()
-    boxed = last_boxed(text) if ("\\boxed" in text or "\\fbox" in text) else None
+    text = _DOUBLED_COMMAND.sub(lambda match: "\\", answer.strip())
+    boxed = boxed_answer(text) if ("\\boxed" in text or "\\fbox" in text) else None
     if boxed is not None:
         text = boxed
+    elif text.startswith("\\boxed{"):  # a box left open: its content runs to the end
+        text = text[len("\\boxed{") :]
     text = _strip_math_delimiters(text)
+    text = _TRAILING_TEXT.sub("", text)
+    text = re.sub(r",\\!\s*(?=\d{3})", ",", text)  # "11,\\! 111" is a thousands separator
     text = text.replace("\n", " ").replace("\\!", "")
     text = _SPACING.sub(" ", text)
     text = _SIZING.sub("", text).replace("\\middle", "")
@@ -103,10 +119,21 @@ def normalize_answer(answer: str) -> str:
     text = _unwrap_commands(text)
     text = text.replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac")
     text = text.replace("{,}", "").replace("\\cdotp", "\\cdot")
-    text = text.replace("\\le ", "\\leq ").replace("\\ge ", "\\geq ")
+    text = re.sub(r"\\le(?![a-zA-Z])", r"\\leq", text)
+    text = re.sub(r"\\ge(?![a-zA-Z])", r"\\geq", text)
+    text = re.sub(r"\\ne(?![a-zA-Z])", r"\\neq", text)
+    text = text.replace("\\lt", "<").replace("\\gt", ">").replace("!=", "\\neq ")
+    text = text.replace(">=", "\\geq ").replace("<=", "\\leq ")
+    if "\\approx" in text:
+        before = text.split("\\approx", 1)[0]
+        if re.search(r"\d", before):  # "x = 1/3 \approx 0.33": the exact value before "\approx"
+            text = before
+        else:  # "x \approx 11": the value
+            text = text.replace("\\approx", "=")
     text = text.replace("\\varnothing", "\\emptyset").replace("\\mathbb{R}", "(-\\infty,\\infty)").replace("\\lbrace", "\\{").replace("\\rbrace", "\\}")
     text = re.sub(r"\s+", " ", text).strip()
     if len(text) < 200 and re.search(r"\d", text):
+        text = _GLUED_WORD_SEPARATOR.sub(", ", text)
         text = _WORD_SEPARATOR.sub(", ", text)
     text = re.sub(r"([(\[{]) | (?=[)\]}])", r"\1", text)  # "( 1,2 )" -> "(1,2)"
     if len(text) < 200:  # unit words only follow short answers; keeps the regex linear overall
@@ -114,6 +141,9 @@ def normalize_answer(answer: str) -> str:
     text = _expand_short_fracs(text)
     text = re.sub(r"(?<![\d}])\.(\d)", r"0.\1", text)  # ".5" -> "0.5"
     text = re.sub(r"(?:\s*\.)+$", "", text).strip()  # a sentence's final period
+    text = re.sub(r"(?<!\\)\\$", "", text).strip()  # a stray backslash at the end
+    if text.startswith("{") and matching_brace(text, 0) == len(text) - 1:
+        text = text[1:-1].strip()  # "{1,3}": LaTeX grouping braces, not a set
     if _THOUSANDS.fullmatch(text):
         text = text.replace(",", "")
     if text.lower() in ("infinity", "inf", "+\\infty"):

@@ -52,12 +52,12 @@ def plain_number(text: str) -> tuple[Fraction, bool] | None:
     return None
 
 
-def numbers_equal(a: tuple[Fraction, bool], b: tuple[Fraction, bool]) -> bool:
-    """Exact equality, or REL_TOL relative closeness when either side was a decimal."""
+def numbers_equal(a: tuple[Fraction, bool], b: tuple[Fraction, bool], rel_tol: float = REL_TOL) -> bool:
+    """Exact equality, or ``rel_tol`` relative closeness when either side was a decimal."""
     (x, x_decimal), (y, y_decimal) = a, b
     if not (x_decimal or y_decimal):
         return x == y
-    return abs(x - y) <= Fraction(REL_TOL) * max(abs(x), abs(y))
+    return abs(x - y) <= Fraction(rel_tol) * max(abs(x), abs(y))
 
 
 def _as_complex(value) -> complex | None:
@@ -105,10 +105,33 @@ def _evaluate(expr, point: dict):
     return value if value.is_number else None
 
 
-def expressions_equal(a, b) -> bool:
+def _symbolic_operator(expr) -> bool:
+    """True when ``expr`` holds a sum, product, integral, limit or derivative and a free symbol.
+
+    Such answers are compared by their tree only: evaluating ``\\sum_{k=0}^{n-1} F_k F_{n-k-1}`` at
+    probe points of n costs sympy many seconds, and the two sides of a correct answer written the
+    same way are the same tree.
+    """
+    import sympy
+
+    if not isinstance(expr, sympy.Basic) or not expr.free_symbols:
+        return False
+    return bool(expr.atoms(sympy.Sum, sympy.Product, sympy.Integral, sympy.Limit, sympy.Derivative))
+
+
+def _undefined(expr) -> bool:
+    """True for an expression holding complex infinity or nan (``1/0``, ``0/0``): it has no value."""
+    import sympy
+
+    return bool(expr.has(sympy.zoo, sympy.nan))
+
+
+def expressions_equal(a, b, rel_tol: float = REL_TOL) -> bool:
     """Equality of two sympy expressions under the rules in the module docstring."""
     import sympy
 
+    if _undefined(a) or _undefined(b):
+        return False  # 1/0 is no number, so it equals nothing (5/0 included)
     if a == b:
         return True
     tolerant = _has_float(a) or _has_float(b)
@@ -117,13 +140,13 @@ def expressions_equal(a, b) -> bool:
         x, y = a.evalf(_EXACT_DIGITS), b.evalf(_EXACT_DIGITS)
         if not (x.is_number and y.is_number):
             return False
-        return _close(x, y, REL_TOL if tolerant else _EXACT_TOL)
+        return _close(x, y, rel_tol if tolerant else _EXACT_TOL)
     agreed = 0
     for point in _probe_points(symbols):
         x, y = _evaluate(a, point), _evaluate(b, point)
         if x is None or y is None or _as_complex(x) is None or _as_complex(y) is None:
             continue
-        if not _close(x, y, REL_TOL if tolerant else _PROBE_TOL):
+        if not _close(x, y, rel_tol if tolerant else _PROBE_TOL):
             return False
         agreed += 1
     if agreed >= 3:
@@ -143,15 +166,17 @@ def _oriented_difference(relation):
     return lhs - rhs, "=" if isinstance(relation, sympy.Equality) else "!="
 
 
-def relations_equal(a, b) -> bool:
+def relations_equal(a, b, rel_tol: float = REL_TOL) -> bool:
     """Two relations are equal when they define the same set: see the module docstring."""
+    if a == b:
+        return True  # the same relation up to sympy's canonical order (no evaluation needed)
     d1, kind1 = _oriented_difference(a)
     d2, kind2 = _oriented_difference(b)
     if kind1 != kind2:
         return False
     symbols = d1.free_symbols | d2.free_symbols
     if not symbols or d1.free_symbols != d2.free_symbols:
-        return not symbols and expressions_equal(d1, d2)
+        return not symbols and expressions_equal(d1, d2, rel_tol)
     ratios = []
     for point in _probe_points(symbols):
         x, y = _evaluate(d1, point), _evaluate(d2, point)
@@ -166,28 +191,45 @@ def relations_equal(a, b) -> bool:
     return all(abs(r - ratios[0]) <= _PROBE_TOL * abs(ratios[0]) for r in ratios)
 
 
-def sympy_equal(a, b) -> bool:
+def sympy_equal(a, b, rel_tol: float = REL_TOL) -> bool:
     """Equality of two parsed answers: relations, sets, matrices, tuples or expressions."""
+    import functools
+
     import sympy
     from sympy.core.relational import Relational
 
+    equal = functools.partial(sympy_equal, rel_tol=rel_tol)
+    if isinstance(a, sympy.Basic) and isinstance(b, sympy.Basic) and sympy.srepr(a) == sympy.srepr(b):
+        return not (_undefined(a) or _undefined(b))  # the same tree (symbols compared by name)
+    if _symbolic_operator(a) or _symbolic_operator(b):
+        return False  # a sum or integral over a free symbol: probing it costs seconds, see _symbolic_operator
     if isinstance(a, Relational) or isinstance(b, Relational):
-        return isinstance(a, Relational) and isinstance(b, Relational) and relations_equal(a, b)
+        return isinstance(a, Relational) and isinstance(b, Relational) and relations_equal(a, b, rel_tol)
     if isinstance(a, sympy.MatrixBase) or isinstance(b, sympy.MatrixBase):
         if not (isinstance(a, sympy.MatrixBase) and isinstance(b, sympy.MatrixBase)) or a.shape != b.shape:
             return False
-        return all(sympy_equal(x, y) for x, y in zip(a, b))
+        return all(equal(x, y) for x, y in zip(a, b))
     if isinstance(a, sympy.FiniteSet) and isinstance(b, sympy.FiniteSet):
-        return unordered_equal(list(a.args), list(b.args), sympy_equal)
+        return set_equal(list(a.args), list(b.args), equal)
     if isinstance(a, (sympy.Set, sympy.And, sympy.Or)) or isinstance(b, (sympy.Set, sympy.And, sympy.Or)):
         return a == b
     if isinstance(a, (tuple, sympy.Tuple)) or isinstance(b, (tuple, sympy.Tuple)):
         if not (isinstance(a, (tuple, sympy.Tuple)) and isinstance(b, (tuple, sympy.Tuple))):
             return False
-        return len(a) == len(b) and all(sympy_equal(x, y) for x, y in zip(a, b))
+        return len(a) == len(b) and all(equal(x, y) for x, y in zip(a, b))
     if not (isinstance(a, sympy.Expr) and isinstance(b, sympy.Expr)):
         return a == b
-    return expressions_equal(a, b)
+    return expressions_equal(a, b, rel_tol)
+
+
+def set_equal(left: list, right: list, equal) -> bool:
+    """Equality of two lists read as sets under ``equal``: every item of each has a match in the other.
+
+    A repeated item counts once: ``[1, 1, 2]`` equals ``[2, 1]``.
+    """
+    if not left or not right:
+        return not left and not right
+    return all(any(equal(x, y) for y in right) for x in left) and all(any(equal(x, y) for x in left) for y in right)
 
 
 def unordered_equal(left: list, right: list, equal) -> bool:
