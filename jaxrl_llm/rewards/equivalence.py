@@ -9,13 +9,14 @@ Pipeline for one pair (each stage only runs when the previous ones could not dec
    ratios and clock times ``a:b`` (element-wise, so 4:30 is not 2:15), sets, ``\\cup`` unions,
    ``a \\pm b`` pairs and bare comma lists (as sets unless ``ordered_lists``, as multisets when
    the gold repeats an item; a bare list against a ``( , )`` tuple is read in order);
-5. atoms: plain numbers without sympy, then sympy (`symbolic.sympy_equal`), then math-verify
-   (`engine.mathverify_equal`) as a second opinion on atoms sympy could not match;
+5. atoms: plain numbers without sympy, then sympy (`symbolic.sympy_equal`);
 6. values: when the pair is still unequal, both sides are read as their values and compared again
    (`answer_values`): a chained equation by its last side (``x = 5+6 = 11``), ``name = value`` and
    ``name \\in value`` by the value (``k=1``, ``(p,q)=(3,2)``, ``f(x)=1``), an inequality on one
    name by its interval (``-2 \\le x \\le 7`` is ``[-2, 7]``). The gold side is read so only when
-   ``VerifierConfig.gold_assignments`` is on (the default).
+   ``VerifierConfig.gold_assignments`` is on (the default);
+7. second opinion: a pair still unequal because an answer could not be read or related by the
+   rules above is handed whole to math-verify (`engine.mathverify_equal`).
 The first call in a process imports and warms sympy and the parser (1-5 s, outside any limit);
 every comparison then runs under a wall-clock limit (`safety.time_limit`). A timeout, an input
 that fails the size screen or any parser error counts as "not equal", never an exception.
@@ -26,12 +27,21 @@ from __future__ import annotations
 import dataclasses
 import functools
 import re
+import threading
 
 from jaxrl_llm.rewards.extract import extract_answer, extract_choice
 from jaxrl_llm.rewards.normalize import choice_letter, compact, normalize_answer, split_top_level
 from jaxrl_llm.rewards.parse import to_sympy, warm_up
 from jaxrl_llm.rewards.safety import VerifierTimeout, time_limit
-from jaxrl_llm.rewards.symbolic import REL_TOL, numbers_equal, plain_number, set_equal, sympy_equal, unordered_equal
+from jaxrl_llm.rewards.symbolic import (
+    REL_TOL,
+    comparable,
+    numbers_equal,
+    plain_number,
+    set_equal,
+    sympy_equal,
+    unordered_equal,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,19 +56,29 @@ class VerifierConfig:
       accepts 0.3333 for 1/3 and rejects 0.33; an exact fraction against an exact fraction is exact.
     - ``gold_assignments``: a gold ``lhs = value`` whose lhs is a name (``k=1``, ``(p,q)=(3,2)``,
       ``|AB|=1``) also accepts the bare value; a chained gold equation is read by its last side.
+    - ``second_opinion``: ask math-verify (`engine.mathverify_equal`) about a pair our rules left
+      undecided (an answer sympy could not read, or two kinds it cannot relate, such as a union of
+      intervals against an inequality). Never asked when one side is a relation and the other not.
     """
 
     ordered_lists: bool = False
     rel_tol: float = REL_TOL
     gold_assignments: bool = True
+    second_opinion: bool = True
 
 
 DEFAULT_CONFIG = VerifierConfig()
+# Set when a comparison met an answer our rules could not read or relate: only then is math-verify asked.
+_undecided = threading.local()
 
 DEFAULT_TIMEOUT = 5.0
 # Answers longer than this are compared as stripped strings only (no normalisation, no parsing).
 MAX_ANSWER_CHARS = 5_000
-_MATRIX = re.compile(r"\\begin\{([pbvBV]?matrix|smallmatrix|array)\}(?:\{[^{}]*\})?(.*)\\end\{\1\}", re.DOTALL)
+# One matrix environment: its body holds no other \begin or \end ("A + B" is two matrices).
+_MATRIX = re.compile(
+    r"\\begin\{([pbvBV]?matrix|smallmatrix|array)\}(?:\{[^{}]*\})?((?:(?!\\begin\{|\\end\{).)*)\\end\{\1\}",
+    re.DOTALL,
+)
 _GOLD_CHOICE = re.compile(r"\(?([A-J])\)?")
 # A gold that writes out a choice: "(D) Alina", "C. 12 apples", "C Cecile" (a capitalised word).
 _GOLD_CHOICE_TEXT = re.compile(r"\(([A-J])\)\s*\S.*|([A-J])[.:]\s+\S.*|([A-J])\s+[A-Z][a-z]+.*")
@@ -136,11 +156,23 @@ def _atoms_equal(pred: str, gold: str, config: VerifierConfig) -> bool:
         return numbers_equal(pred_number, gold_number, config.rel_tol)
     pred_expr = to_sympy(pred)
     gold_expr = None if pred_expr is None else to_sympy(gold)
-    if pred_expr is not None and gold_expr is not None and sympy_equal(pred_expr, gold_expr, config.rel_tol):
-        return True
+    if pred_expr is None or gold_expr is None or not comparable(pred_expr, gold_expr):
+        _undecided.flag = True  # an answer we could not read, or two kinds sympy_equal cannot relate
+        return False
+    return sympy_equal(pred_expr, gold_expr, config.rel_tol)
+
+
+def _second_opinion(pred: str, gold: str, config: VerifierConfig) -> bool:
+    """math-verify on the whole pair, when our rules left it undecided (`engine.mathverify_equal`)."""
+    if not config.second_opinion or not _undecided.flag or _is_relation(pred) != _is_relation(gold):
+        return False  # an equation is not one of its sides (math-verify would compare the last side)
     from jaxrl_llm.rewards.engine import mathverify_equal
 
     return mathverify_equal(pred, gold, config.rel_tol)
+
+
+def _is_relation(text: str) -> bool:
+    return bool(re.search(r"=|<|>|\\[lg]eq?(?![a-zA-Z])|\\neq|\\in(?![a-zA-Z])|\\approx", text))
 
 
 def _normalized_equal(pred: str, gold: str, config: VerifierConfig = DEFAULT_CONFIG) -> bool:
@@ -327,15 +359,17 @@ def _equal(pred: str, gold: str, config: VerifierConfig = DEFAULT_CONFIG) -> boo
     if choice is not None:
         return choice
     pred, gold = _semicolons(pred), _semicolons(gold)
+    _undecided.flag = False
     if _normalized_equal(pred, gold, config):
         return True
     pred_values, pred_names = answer_values(pred)
     gold_values, gold_names = answer_values(gold, computations=False) if config.gold_assignments else (gold, [])
-    if (pred_values, gold_values) == (pred, gold):
-        return False
-    if pred_names and gold_names and set(pred_names) != set(gold_names):
-        return False  # "x = 2" is not "y = 2"
-    return _normalized_equal(pred_values, gold_values, config)
+    if (pred_values, gold_values) != (pred, gold):
+        if pred_names and gold_names and set(pred_names) != set(gold_names):
+            return False  # "x = 2" is not "y = 2"
+        if _normalized_equal(pred_values, gold_values, config):
+            return True
+    return _second_opinion(pred, gold, config)
 
 
 def answers_equal(

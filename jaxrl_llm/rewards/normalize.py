@@ -118,7 +118,7 @@ def normalize_answer(answer: str) -> str:
     text = text.replace("\\%", "").replace("%", "")
     text = _unwrap_commands(text)
     text = text.replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac")
-    text = text.replace("{,}", "").replace("\\cdotp", "\\cdot")
+    text = re.sub(r"\s*\{\s*,\s*\}\s*", "", text).replace("\\cdotp", "\\cdot")  # "14{,}916"
     text = re.sub(r"\\le(?![a-zA-Z])", r"\\leq", text)
     text = re.sub(r"\\ge(?![a-zA-Z])", r"\\geq", text)
     text = re.sub(r"\\ne(?![a-zA-Z])", r"\\neq", text)

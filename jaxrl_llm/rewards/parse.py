@@ -84,8 +84,13 @@ def warm_up() -> None:
         _converter()(text)
 
 
+@functools.lru_cache(maxsize=4096)
 def to_sympy(text: str):
-    """Parse one normalised answer atom into a sympy object; None when unsafe or unparsable."""
+    """Parse one normalised answer atom into a sympy object; None when unsafe or unparsable.
+
+    Cached: a gold answer is parsed once for all the samples of its prompt (sympy objects are
+    immutable; a parse cut short by a timeout raises and is not cached).
+    """
     if len(text) > 2 * MAX_SYMPY_CHARS:  # keep the rewrites below cheap; the screen would refuse it anyway
         return None
     latex = plain_to_latex(text)

@@ -191,6 +191,24 @@ def relations_equal(a, b, rel_tol: float = REL_TOL) -> bool:
     return all(abs(r - ratios[0]) <= _PROBE_TOL * abs(ratios[0]) for r in ratios)
 
 
+def comparable(a, b) -> bool:
+    """True when `sympy_equal` can relate the kinds of ``a`` and ``b`` (expressions, relations,
+    matrices, finite sets, tuples); False for two kinds it only compares as trees (an interval
+    union against an inequality)."""
+    import sympy
+    from sympy.core.relational import Relational
+
+    def kind(x):
+        for name, types in (("relation", Relational), ("matrix", (sympy.MatrixBase, sympy.MatrixExpr)),
+                            ("finite", sympy.FiniteSet), ("tuple", (tuple, sympy.Tuple)), ("expr", sympy.Expr)):
+            if isinstance(x, types):
+                return name
+        return "other"
+
+    kinds = {kind(a), kind(b)}
+    return "other" not in kinds and len(kinds) == 1
+
+
 def sympy_equal(a, b, rel_tol: float = REL_TOL) -> bool:
     """Equality of two parsed answers: relations, sets, matrices, tuples or expressions."""
     import functools
@@ -203,6 +221,8 @@ def sympy_equal(a, b, rel_tol: float = REL_TOL) -> bool:
         return not (_undefined(a) or _undefined(b))  # the same tree (symbols compared by name)
     if _symbolic_operator(a) or _symbolic_operator(b):
         return False  # a sum or integral over a free symbol: probing it costs seconds, see _symbolic_operator
+    if isinstance(a, sympy.MatrixExpr) or isinstance(b, sympy.MatrixExpr):  # "A + B", "AB" of explicit matrices
+        a, b = (x.doit() if isinstance(x, sympy.MatrixExpr) else x for x in (a, b))
     if isinstance(a, Relational) or isinstance(b, Relational):
         return isinstance(a, Relational) and isinstance(b, Relational) and relations_equal(a, b, rel_tol)
     if isinstance(a, sympy.MatrixBase) or isinstance(b, sympy.MatrixBase):
