@@ -103,3 +103,85 @@ def test_decimal_tolerance_is_relative_and_only_for_decimals():
     assert not answers_equal("100.02", "100")  # 2e-4 > 1e-4
     assert not answers_equal("100001", "100000")  # integers are exact
     assert not answers_equal(r"\frac{100001}{1000}", "100")  # fractions are exact
+
+
+@pytest.mark.parametrize(
+    "pred, gold, expected",
+    [
+        # clock times and ratios are pairs, never quotients (4/30 = 2/15 before)
+        ("6:00", "9:00", False),
+        ("4:30", "2:15", False),
+        ("1:00", "12:00", False),
+        ("7:32", "7 : 32", True),
+        # a zero denominator has no value: 1/0 equals nothing (both were infinity before)
+        ("1/0", "5/0", False),
+        (r"\frac{1}{0}", r"\frac{5}{0}", False),
+        # a gold "name = value" also accepts the value; names must agree when both sides name one
+        ("1", "k=1", True),
+        ("(3,2)", "(p,q)=(3,2)", True),
+        ("1", "f(x)=1", True),
+        ("11a+c", "7 = 11a+c", False),  # an equation between a number and an expression is the answer
+        ("x = 2", "y = 2", False),
+        # chained equations by their last side; the exact value before \approx
+        ("x = 5+5+1 = 7 = 11", "x = 11", True),
+        (r"x=1/3\approx0.3", "1/3", True),
+        ("35 + 70 = 105", "105", True),
+        # inequalities on one name against intervals
+        (r"x \in [-2,7]", r"-2 \le x \le 7", True),
+        (r"-2 < x \le 7", r"(-2, 7]", True),
+        (r"x \geq 5", r"[5, \infty)", True),
+        (r"x > 5", r"[5, \infty)", False),
+        # normalisation
+        ("28 pct", r"28\%", True),
+        ("5\\", "5", True),
+        (r"17\text{ any text}", "17", True),
+        (r"11,\! 111,\! 100", "11111100", True),
+        ("(0;0;6),(4;-2;0)", "(4,-2,0), (0,0,6)", True),
+        ("-12;-11;-10", r"\{-10, -11, -12\}", True),
+        ("p=5,q=2;p=7,q=2", "(5,2),(7,2)", True),
+        ("(11,7)or(7,11)", "(7,11), (11,7)", True),
+        # lists: a set unless the gold repeats an item; a bare list against a tuple in order
+        ("(1,2), (1,2), (3,4)", "(3,4), (1,2)", True),
+        ("1, 1, 2", "1, 2, 2", False),
+        ("{1,3}", "(1,3)", True),
+        ("{1,3}", "(3,1)", False),
+        # decimal comma where it cannot be a thousands separator
+        ("1,22", "1.22", True),
+        ("0.111", "0,111", True),
+        ("1,222", "1.222", False),
+    ],
+)
+def test_peer_conventions_and_fixed_bugs(pred, gold, expected):
+    assert answers_equal(pred, gold) is expected
+
+
+def test_verifier_config_conventions():
+    from jaxrl_llm.rewards import VerifierConfig
+
+    assert answers_equal("3, 2", "2, 3")
+    assert not answers_equal("3, 2", "2, 3", config=VerifierConfig(ordered_lists=True))
+    assert answers_equal("0.3333", r"\frac{1}{3}")  # |0.3333 - 1/3| / (1/3) = 1e-4
+    assert not answers_equal("0.3333", r"\frac{1}{3}", config=VerifierConfig(rel_tol=0.0))
+    assert answers_equal("0.25", r"\frac{1}{4}", config=VerifierConfig(rel_tol=0.0))  # exact stays exact
+    assert answers_equal("1", "k=1")
+    assert not answers_equal("1", "k=1", config=VerifierConfig(gold_assignments=False))
+    assert answers_equal("k=1", "1", config=VerifierConfig(gold_assignments=False))  # the prediction's name is dropped
+
+
+def test_math_reward_reads_minerva_and_choices():
+    minerva = "Thus the total is 24.\nFinal Answer: The final answer is $24$. I hope it is correct."
+    assert math_reward(minerva, "24") == 1.0  # extracted "The final answer is $24" before
+    assert math_reward("It's not A because of the sign, so I think it's B", "B") == 1.0
+    assert math_reward("It's not A because of the sign, so I think it's B", "A") == 0.0
+    assert answers_equal("D", "(D) Alina")
+    long_gold = "We add them: 2 + 3 = 5 apples in all, as the picture shows with two baskets.\n#### 5"
+    assert math_reward(r"\boxed{5}", long_gold) == 1.0  # a worked-solution gold is read by its answer
+
+
+def test_second_opinion_from_mathverify():
+    from jaxrl_llm.rewards import VerifierConfig
+
+    union = r"z \in \left[-\frac{3}{2}, -1\right] \cup \left[1, \frac{3}{2}\right]"
+    assert answers_equal(union, r"1 \leq |z| \leq \frac{3}{2}")  # only math-verify relates these
+    assert not answers_equal(union, r"1 \leq |z| \leq \frac{3}{2}", config=VerifierConfig(second_opinion=False))
+    assert not answers_equal("x + y = 5", "5")  # an equation is not its right side

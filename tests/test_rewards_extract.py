@@ -4,7 +4,7 @@ import time
 
 import pytest
 
-from jaxrl_llm.rewards import extract_answer, last_boxed
+from jaxrl_llm.rewards import boxed_answer, extract_answer, extract_choice, last_boxed
 
 
 @pytest.mark.parametrize(
@@ -56,3 +56,61 @@ def test_extraction_is_linear_on_long_text():
     started = time.perf_counter()
     assert extract_answer(text) == "3"
     assert time.perf_counter() - started < 1.0
+
+
+@pytest.mark.parametrize(
+    "text, answer",
+    [
+        # Minerva: the last marker of the line, then the math span after it
+        ("Final Answer: The final answer is $24$. I hope it is correct.", "24"),
+        ("Final Answer: The largest $n$ is 34.", "34"),  # prose: the value after its last "is"
+        ("Final Answer: Jane started Sphere 3 hours ago. I hope it is correct.", "3"),  # first value
+        (r"so \boxed{255} dollars. Final Answer: The final answer is $10,455$.", "10,455"),  # a later marker
+        (r"Answer \( (9+1) \)", "(9+1)"),
+        ("Answer $$ \n 9 \n $$", "9"),  # display math may span lines
+        (r"\boxed{1} and \boxed{2}", "1, 2"),  # one answer in two boxes
+        (r"$\boxed{2}, \boxed{3}$", "2, 3"),
+        (r"\boxed{1} and and and or thus but \boxed{2}", "2"),  # far apart: the last box
+        ("We find that $x < 3$.", "x < 3"),  # no marker: the last math span
+        ("the number is not 10 which is 1,000.99m", "1,000.99"),  # ... or the last number after it
+        ("答案：每份应该是 12 吨。", "12"),
+    ],
+)
+def test_extract_answer_markers_groups_and_fallback(text, answer):
+    assert extract_answer(text) == answer
+
+
+def test_extract_answer_without_fallback():
+    assert extract_answer("so there are 12 of them", fallback=False) is None
+    assert extract_answer("so there are 12 of them") == "12"
+    assert extract_answer(r"so \boxed{12", fallback=True) is None  # an unclosed box is unfinished
+
+
+def test_inline_math_does_not_cross_lines():
+    from jaxrl_llm.rewards.extract import math_spans
+
+    assert math_spans("a $x$ b $$y$$ c \\(z\\) d") == [(2, 5, "x"), (8, 13, "y"), (16, 21, "z")]
+    assert math_spans("costs $5\nand $6") == []
+    assert math_spans(r"pay \$5 and $7$") == [(12, 15, "7")]
+
+
+def test_boxed_answer_groups():
+    assert boxed_answer(r"\boxed{-2} \quad \text{and} \quad \boxed{1}") == "-2, 1"
+    assert boxed_answer(r"first \boxed{3}, finally \boxed{4}") == "4"
+    assert boxed_answer("no box") is None
+
+
+@pytest.mark.parametrize(
+    "text, letter",
+    [
+        ("D. it can't be A or B", "D"),  # a letter that opens the completion
+        ("The answer is for sure D, it can't be A or B", "D"),  # the first letter after the marker
+        ("It's not A because of x, therefore I think it's B", "B"),  # A sits in a negated clause
+        ("B。不是 A", "B"),
+        (r"so \boxed{(C)}", "C"),
+        ("A triangle has three sides, so the answer is C", "C"),  # "A" here is an article
+        ("I cannot tell", None),
+    ],
+)
+def test_extract_choice(text, letter):
+    assert extract_choice(text) == letter

@@ -5,8 +5,8 @@ Importing this package loads neither JAX nor sympy; sympy and the LaTeX parser l
 Reward callables share one signature, ``(completions, golds, **meta) -> list[float]``.
 """
 
-from jaxrl_llm.rewards.equivalence import DEFAULT_TIMEOUT, answers_equal, math_reward
-from jaxrl_llm.rewards.extract import extract_answer, last_boxed
+from jaxrl_llm.rewards.equivalence import DEFAULT_TIMEOUT, VerifierConfig, answers_equal, math_reward
+from jaxrl_llm.rewards.extract import boxed_answer, extract_answer, extract_choice, last_boxed
 from jaxrl_llm.rewards.normalize import choice_letter, normalize_answer
 from jaxrl_llm.rewards.parse import to_sympy
 from jaxrl_llm.rewards.pool import VerifierPool, score_batch
@@ -28,14 +28,17 @@ __all__ = [
     "REWARD_REGISTRY",
     "RewardFn",
     "VerifierPool",
+    "VerifierConfig",
     "VerifierTimeout",
     "answers_equal",
+    "boxed_answer",
     "build_reward_fn",
     "choice_letter",
     "combine_rewards",
     "complexity_problem",
     "correctness_reward",
     "extract_answer",
+    "extract_choice",
     "format_reward",
     "last_boxed",
     "math_reward",

@@ -66,3 +66,9 @@ def mathverify_equal(pred: str, gold: str, rel_tol: float) -> bool:
     _, verify, _ = _mathverify()
     digits = 15 if rel_tol <= 0 else max(1, min(15, round(-math.log10(rel_tol))))
     return bool(verify(gold_parsed, pred_parsed, float_rounding=digits, timeout_seconds=None))
+
+
+def warm_up_mathverify() -> None:
+    """Import math-verify and run one comparison, outside any time limit (see `parse.warm_up`)."""
+    if _mathverify() is not None:
+        mathverify_equal(r"[1, 2] \cup [3, 4]", r"[3, 4] \cup [1, 2]", 1e-4)

@@ -82,8 +82,6 @@ _MATRIX = re.compile(
 _GOLD_CHOICE = re.compile(r"\(?([A-J])\)?")
 # A gold that writes out a choice: "(D) Alina", "C. 12 apples", "C Cecile" (a capitalised word).
 _GOLD_CHOICE_TEXT = re.compile(r"\(([A-J])\)\s*\S.*|([A-J])[.:]\s+\S.*|([A-J])\s+[A-Z][a-z]+.*")
-# A gold longer than this is read as a worked solution and its final answer is extracted.
-_SHORT_GOLD_CHARS = 120
 _RELATION_OPERATOR = re.compile(r"<|>|\\leq|\\geq")
 _CHOICE_PREFIX = re.compile(r"\(([A-J])\)")
 _WORDS = re.compile(r"[A-Za-z][A-Za-z ]+")
@@ -414,13 +412,13 @@ def math_reward(
     """1.0 when the final answer extracted from ``completion`` equals ``gold``, else 0.0.
 
     ``reward = 1[answers_equal(extract_answer(completion), gold)]``; no final answer scores 0.
+    A gold that states its answer (a box, ``#### x``, "The answer is x") is read by that answer.
     When the gold is a choice letter, the prediction is the letter the completion picks
     (`extract.extract_choice`).
     """
     if not isinstance(gold, str) or not gold.strip():
         return 0.0
-    if len(gold) > _SHORT_GOLD_CHARS:  # a worked solution as the gold: its stated answer
-        gold = extract_answer(gold, fallback=False) or gold
+    gold = extract_answer(gold, fallback=False) or gold  # a worked solution as the gold: its stated answer
     if completion is not None and _GOLD_CHOICE.fullmatch(gold.strip().strip("$").strip()):
         prediction = extract_choice(completion)
     else:

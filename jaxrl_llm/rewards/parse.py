@@ -82,6 +82,9 @@ def warm_up() -> None:
     sympy.simplify(sympy.sin(sympy.Symbol("y")) ** 2 + sympy.cos(sympy.Symbol("y")) ** 2)
     for text in (r"x \leq 3", r"\begin{pmatrix}1\\2\end{pmatrix}", r"(1, 2]", r"\{1, 2\}", r"10!", r"\log_2 8"):
         _converter()(text)
+    from jaxrl_llm.rewards.engine import warm_up_mathverify
+
+    warm_up_mathverify()
 
 
 @functools.lru_cache(maxsize=4096)

@@ -52,9 +52,12 @@ def correctness_reward(
 
 
 def format_reward(completions: Sequence[str], golds: Sequence[str], **meta) -> list[float]:
-    """1.0 when the completion states a final answer (`extract_answer` is not None), else 0.0."""
+    """1.0 when the completion states a final answer (a box, ``#### x`` or an answer marker), else 0.0.
+
+    The last-number fallback of `extract_answer` does not count: any text holds a number.
+    """
     _check_lengths("format_reward", completions, golds)
-    return [0.0 if extract_answer(completion) is None else 1.0 for completion in completions]
+    return [0.0 if extract_answer(completion, fallback=False) is None else 1.0 for completion in completions]
 
 
 def overlong_penalty(lengths, *, max_len: int, buffer: int, factor: float = 1.0):
