@@ -161,8 +161,11 @@ def _atoms_equal(pred: str, gold: str, config: VerifierConfig) -> bool:
 
 
 def _second_opinion(pred: str, gold: str, config: VerifierConfig) -> bool:
-    """math-verify on the whole pair, when our rules left it undecided (`engine.mathverify_equal`)."""
-    if not config.second_opinion or not _undecided.flag or _is_relation(pred) != _is_relation(gold):
+    """math-verify on the whole pair, when our rules left it undecided (`engine.mathverify_equal`).
+
+    Never for an equation against a non-equation: math-verify reads ``x + y = 5`` as its last side.
+    """
+    if not config.second_opinion or not _undecided.flag or ("=" in pred) != ("=" in gold):
         return False  # an equation is not one of its sides (math-verify would compare the last side)
     from jaxrl_llm.rewards.engine import mathverify_equal
 
@@ -205,6 +208,7 @@ def _normalized_equal(pred: str, gold: str, config: VerifierConfig = DEFAULT_CON
         _, pred_open, pred_close, pred_items = pred_kind
         _, gold_open, gold_close, gold_items = gold_kind
         return (pred_open, pred_close) == (gold_open, gold_close) and _in_order(pred_items, gold_items, equal)
+    _undecided.flag = True  # a tuple or interval against an atom: kinds our rules do not relate
     return False
 
 

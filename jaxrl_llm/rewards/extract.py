@@ -6,7 +6,7 @@ Order of preference (the conventions of the MATH, Minerva and GSM8K evaluation s
    ("\\boxed{1} and \\boxed{2}") form one answer, joined by ", ";
 2. the last GSM8K marker ``#### 42``;
 3. the last answer marker ("The final answer is", "Answer:", "Réponse :", "答案："): the math span or
-   the sentence right after it; in a sentence of prose, the value after its last "is", else its last
+   the sentence right after it (spans joined by "and" / "," are one answer); in a sentence of prose, the value after its last "is", else its last
    math span or number (Minerva's "Final Answer: The final answer is $24$. I hope it is correct.");
 4. with ``fallback=True`` (the default) and no box command at all (an unclosed box is an unfinished
    answer): the last math span (``$..$``, ``$$..$$``, ``\\(..\\)``,
@@ -141,20 +141,33 @@ def _joins_boxes(separator: str) -> bool:
     return len(words) <= _CONNECTIVE_WORDS and _CONNECTIVE_WORD.search(plain) is not None
 
 
+def _group_before(text: str, spans: list[tuple[int, int, str]]) -> str:
+    """The last of ``spans`` joined by ", " with the spans before it that only a connective separates."""
+    group = [spans[-1]]
+    for span in reversed(spans[:-1]):
+        if span[1] > group[0][0] or not _joins_boxes(text[span[1] : group[0][0]]):
+            break
+        group.insert(0, span)
+    return ", ".join(content for _, _, content in group)
+
+
+def _group_after(text: str, spans: list[tuple[int, int, str]]) -> str:
+    """The first of ``spans`` joined with the spans after it that only a connective separates."""
+    group = [spans[0]]
+    for span in spans[1:]:
+        if span[0] < group[-1][1] or not _joins_boxes(text[group[-1][1] : span[0]]) or _is_prose(span[2]):
+            break
+        group.append(span)
+    return ", ".join(content for _, _, content in group)
+
+
 def boxed_answer(text: str) -> str | None:
     """Content of the last group of boxes in ``text``, joined by ", " (None if there is no box).
 
     ``"\\boxed{1} and \\boxed{2}"`` -> ``"1, 2"``; ``"first \\boxed{3}, finally \\boxed{4}"`` -> ``"4"``.
     """
     boxes = _boxes(text)
-    if not boxes:
-        return None
-    group = [boxes[-1]]
-    for box in reversed(boxes[:-1]):
-        if box[1] > group[0][0] or not _joins_boxes(text[box[1] : group[0][0]]):
-            break
-        group.insert(0, box)
-    return ", ".join(content for _, _, content in group)
+    return _group_before(text, boxes) if boxes else None
 
 
 def math_spans(text: str) -> list[tuple[int, int, str]]:
@@ -201,8 +214,8 @@ def _last_value(text: str) -> tuple[int, str] | None:
             number = _last_number(content)
             if number is not None:
                 candidates.append((end, number))
-        else:
-            candidates.append((end, content))
+        else:  # "$x = 2$ and $x = -3$": one answer in two spans
+            candidates.append((end, _group_before(text, [span for span in spans if not _is_prose(span[2])])))
     outside = text
     for start, end, _ in reversed(spans):
         outside = outside[:start] + " " * (end - start) + outside[end:]
@@ -222,7 +235,7 @@ def _answer_after_marker(rest: str) -> str | None:
     rest = rest.lstrip(" \t:：")
     spans = math_spans(rest)
     if spans and spans[0][0] == 0:
-        return spans[0][2]
+        return _group_after(rest, spans)
     end = _SENTENCE_END.search(rest)
     sentence = (rest if end is None else rest[: end.start()]).strip()
     sentence = re.sub(r"^\*+|\*+$", "", sentence).strip()

@@ -126,10 +126,10 @@ def normalize_answer(answer: str) -> str:
     text = text.replace(">=", "\\geq ").replace("<=", "\\leq ")
     if "\\approx" in text:
         before = text.split("\\approx", 1)[0]
-        if re.search(r"\d", before):  # "x = 1/3 \approx 0.33": the exact value before "\approx"
+        if re.fullmatch(r"\s*[A-Za-z](?:_\{?\w+\}?)?\s*", before):  # "x \approx 11": the value
+            text = text.replace("\\approx", "=", 1)
+        elif before.strip():  # "x = 1/3 \approx 0.33", "\pi \approx 3.14": the exact value before it
             text = before
-        else:  # "x \approx 11": the value
-            text = text.replace("\\approx", "=")
     text = text.replace("\\varnothing", "\\emptyset").replace("\\mathbb{R}", "(-\\infty,\\infty)").replace("\\lbrace", "\\{").replace("\\rbrace", "\\}")
     text = re.sub(r"\s+", " ", text).strip()
     if len(text) < 200 and re.search(r"\d", text):

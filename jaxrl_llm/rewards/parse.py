@@ -82,6 +82,11 @@ def warm_up() -> None:
     sympy.simplify(sympy.sin(sympy.Symbol("y")) ** 2 + sympy.cos(sympy.Symbol("y")) ** 2)
     for text in (r"x \leq 3", r"\begin{pmatrix}1\\2\end{pmatrix}", r"(1, 2]", r"\{1, 2\}", r"10!", r"\log_2 8"):
         _converter()(text)
+    # The parser builds its prediction tables per construct on first sight (0.5 s for a first sum):
+    # meet the big operators here, not inside a timed comparison.
+    for text in (r"F_n = \sum_{k=0}^{n-1} F_k F_{n-k-1}", r"\prod_{k=1}^{n} (1 + a_k)", r"\int_0^1 x^2 \, dx",
+                 r"\lim_{x \to 0} \frac{\sin x}{x}", r"y = \frac{d}{dx} x^2"):
+        _converter()(text)
     from jaxrl_llm.rewards.engine import warm_up_mathverify
 
     warm_up_mathverify()
