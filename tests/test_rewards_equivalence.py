@@ -185,3 +185,29 @@ def test_second_opinion_from_mathverify():
     assert answers_equal(union, r"1 \leq |z| \leq \frac{3}{2}")  # only math-verify relates these
     assert not answers_equal(union, r"1 \leq |z| \leq \frac{3}{2}", config=VerifierConfig(second_opinion=False))
     assert not answers_equal("x + y = 5", "5")  # an equation is not its right side
+
+
+@pytest.mark.parametrize(
+    "completion, gold, reward",
+    [
+        # a percent on one side only also stands for its hundredth
+        ("The loss is 28%.", "0.28", 1.0),
+        ("The loss is 28%.", "28", 1.0),
+        (r"so $\boxed{28}$ pct", r"28\%", 1.0),
+        ("The loss is 28.", "0.28", 0.0),  # no percent: 28 is 28
+        ("so it is 28/100", "28", 0.0),
+        # a plain-text mixed number is its value, not a product
+        ("The answer is 4 4/9.", "40/9", 1.0),
+        ("The answer is 4 4/9.", "16/9", 0.0),
+        ("The answer is -1 1/2.", "-3/2", 1.0),
+        # punctuation written inside the math
+        (r"The answer is $\frac{1}{3}.$", r"\frac{1}{3}", 1.0),
+        (r"$\frac{1}{3},$", r"\frac{1}{3}", 1.0),
+        (r"$2^{10}.$", "2", 0.0),
+        (r"$1, 2, 3, \ldots$", "1, 2, 3", 0.0),
+        ("so it is .4", "0.4", 1.0),
+        ("the code is AZYUK2A", "2", 0.0),  # a digit inside a word is no answer
+    ],
+)
+def test_math_reward_percent_mixed_numbers_punctuation(completion, gold, reward):
+    assert math_reward(completion, gold) == reward

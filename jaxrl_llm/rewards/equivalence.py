@@ -1,8 +1,10 @@
 """`answers_equal` and `math_reward`: is a predicted final answer the gold one?
 
 Pipeline for one pair (each stage only runs when the previous ones could not decide):
-1. normalise both strings (`normalize.normalize_answer`); a gold multiple-choice letter (or a
-   choice written out, "(D) Alina") is compared with the letter the prediction names;
+1. normalise both strings (`normalize.normalize_answer`, which drops a percent sign); a number
+   written as a percent on one side only also stands for its hundredth (28% is 28 and 0.28); a
+   gold multiple-choice letter (or a choice written out, "(D) Alina") is compared with the letter
+   the prediction names;
 2. ``;`` separators: ``(0;1)`` is ``(0,1)``, ``p=5,q=2;p=7,q=2`` is the list of two tuples;
 3. identical compact strings -> equal;
 4. structure: matrices (shape + entries), intervals and tuples (matching brackets, element-wise),
@@ -82,6 +84,7 @@ _MATRIX = re.compile(
 _GOLD_CHOICE = re.compile(r"\(?([A-J])\)?")
 # A gold that writes out a choice: "(D) Alina", "C. 12 apples", "C Cecile" (a capitalised word).
 _GOLD_CHOICE_TEXT = re.compile(r"\(([A-J])\)\s*\S.*|([A-J])[.:]\s+\S.*|([A-J])\s+[A-Z][a-z]+.*")
+_PERCENT = re.compile(r"%\s*\$?\s*\.?\s*$|(?<![A-Za-z])(?:percent(?:age)?s?|pct)\s*\.?\s*\$?\s*$", re.IGNORECASE)
 _RELATION_OPERATOR = re.compile(r"<|>|\\leq|\\geq")
 _CHOICE_PREFIX = re.compile(r"\(([A-J])\)")
 _WORDS = re.compile(r"[A-Za-z][A-Za-z ]+")
@@ -353,10 +356,28 @@ def _choice_equal(pred: str, gold: str) -> bool | None:
     return None
 
 
+def _percent_equal(pred_raw: str, gold_raw: str, pred: str, gold: str, config: VerifierConfig) -> bool:
+    """A number written as a percent also stands for its hundredth: 28% is 0.28 as well as 28."""
+    pred_percent, gold_percent = bool(_PERCENT.search(pred_raw)), bool(_PERCENT.search(gold_raw))
+    if pred_percent == gold_percent:
+        return False
+    pred_number, gold_number = plain_number(pred), plain_number(gold)
+    if pred_number is None or gold_number is None:
+        return False
+    if pred_percent:
+        pred_number = (pred_number[0] / 100, pred_number[1])
+    else:
+        gold_number = (gold_number[0] / 100, gold_number[1])
+    return numbers_equal(pred_number, gold_number, config.rel_tol)
+
+
 def _equal(pred: str, gold: str, config: VerifierConfig = DEFAULT_CONFIG) -> bool:
+    pred_raw, gold_raw = pred, gold
     pred, gold = normalize_answer(pred), normalize_answer(gold)
     if not pred or not gold:
         return False
+    if _percent_equal(pred_raw, gold_raw, pred, gold, config):
+        return True
     choice = _choice_equal(pred, gold)
     if choice is not None:
         return choice

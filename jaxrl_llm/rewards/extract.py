@@ -29,10 +29,10 @@ _MARKER = re.compile(
 )
 _MATH_TOKEN = re.compile(r"(?<!\\)\$\$|\\\[|\\\]|\\\(|\\\)|(?<!\\)\$")
 _CLOSER = {"$$": "$$", "\\[": "\\]", "\\(": "\\)", "$": "$"}
-# A number in free text: 1,000.99 / 2,74 / -3 / 13/28 / 25% / \frac{2}{5}. Neighbouring CJK characters
+# A number in free text: 1,000.99 / 2,74 / -3 / .4 / 13/28 / 25% / \frac{2}{5}. Neighbouring CJK characters
 # are allowed ("为13/28"), neighbouring Latin letters and digits are not ("x2", "v3").
 _NUMBER = re.compile(
-    r"(?<![A-Za-z0-9_.\\])(?:-?\\[dt]?frac\{-?\d+\}\{\d+\}|-?\d+(?:[.,]\d+)*(?:\s*/\s*\d+(?![.,]\d))?%?)(?![0-9_])"
+    r"(?<![A-Za-z0-9_.\\])(?:-?\\[dt]?frac\{-?\d+\}\{\d+\}|-?(?:\d+(?:[.,]\d+)*|\.\d+)(?:\s*/\s*\d+(?![.,]\d))?%?)(?![0-9_])"
 )
 # A word of prose: three Latin letters, or any letter of a script other than Latin and Greek (CJK, Arabic).
 _PROSE_WORD = re.compile(r"(?<![\\A-Za-z])[A-Za-z]{3,}|[^\W\d_\x00-\x7f\u00b2\u00b3\u00b9\u00c0-\u024f\u0370-\u03ff]")

@@ -140,7 +140,7 @@ def normalize_answer(answer: str) -> str:
         text = _TRAILING_UNITS.sub("", text).strip()
     text = _expand_short_fracs(text)
     text = re.sub(r"(?<![\d}])\.(\d)", r"0.\1", text)  # ".5" -> "0.5"
-    text = re.sub(r"(?:\s*\.)+$", "", text).strip()  # a sentence's final period
+    text = re.sub(r"(?:\s*[.,;])+$", "", text).strip()  # a sentence's final period or comma
     text = re.sub(r"(?<!\\)\\$", "", text).strip()  # a stray backslash at the end
     if text.startswith("{") and matching_brace(text, 0) == len(text) - 1:
         text = text[1:-1].strip()  # "{1,3}": LaTeX grouping braces, not a set

@@ -28,13 +28,23 @@ _INTEGER = re.compile(r"[-+]?\d+")
 _DECIMAL = re.compile(r"[-+]?\d*\.\d+")
 _SLASH_FRACTION = re.compile(r"([-+]?\d+)\s*/\s*(\d+)")
 _LATEX_FRACTION = re.compile(r"(-?)\\frac\{(-?\d+)\}\{(-?\d+)\}")
+# A mixed number in plain text, "4 4/9" = 40/9 (the LaTeX form "4\frac{4}{9}" is the parser's).
+_MIXED_NUMBER = re.compile(r"([-+]?)(\d+) (\d+)/(\d+)")
 
 
 def plain_number(text: str) -> tuple[Fraction, bool] | None:
-    """(value, written_as_decimal) for an integer, decimal or simple fraction; else None."""
-    text = text.replace(" ", "")
+    """(value, written_as_decimal) for an integer, decimal, simple fraction or mixed number
+    (``-4 4/9`` = -40/9; a proper fraction only); else None."""
     if len(text) > 400:
         return None
+    mixed = _MIXED_NUMBER.fullmatch(text.strip())
+    if mixed:
+        whole, numerator, denominator = (int(mixed.group(i)) for i in (2, 3, 4))
+        if not 0 <= numerator < denominator:
+            return None
+        value = whole + Fraction(numerator, denominator)
+        return (-value if mixed.group(1) == "-" else value), False
+    text = text.replace(" ", "")
     try:
         if _INTEGER.fullmatch(text):
             return Fraction(int(text)), False
