@@ -114,3 +114,11 @@ def test_boxed_answer_groups():
 )
 def test_extract_choice(text, letter):
     assert extract_choice(text) == letter
+
+
+def test_extraction_stays_fast_on_many_markers_and_dollars():
+    text = "The answer is $ " * 3_000 + "answer: " * 3_000 + r"\boxed{" * 2_000 + "$ 1 $" * 2_000
+    started = time.perf_counter()
+    extract_answer(text)
+    extract_choice(text)
+    assert time.perf_counter() - started < 2.0  # quadratic scans took minutes here

@@ -40,6 +40,10 @@ _SENTENCE_END = re.compile(r"\.(?:\s|$)|。|\n")
 _COPULA = re.compile(r"\s(?:is|are|est|es|ist|equals|was|were|be)\s|=|是|为", re.IGNORECASE)
 _CONNECTIVE_WORD = re.compile(r"(?<![A-Za-z])(?:and|or)(?![A-Za-z])", re.IGNORECASE)
 _CONNECTIVE_WORDS = 4
+# How far after an answer marker its answer is looked for, and how many of the last markers are
+# tried: a text of thousands of markers stays linear.
+_MARKER_WINDOW = 2_000
+_MARKERS_TRIED = 8
 
 
 def matching_brace(text: str, open_index: int) -> int | None:
@@ -263,6 +267,11 @@ def _first_value(text: str) -> tuple[int, str] | None:
     return min(candidates, key=lambda candidate: candidate[0]) if candidates else None
 
 
+def _last_markers(text: str, start: int = 0) -> list[re.Match]:
+    """The last `_MARKERS_TRIED` answer markers of ``text`` after ``start``, the last first."""
+    return list(_MARKER.finditer(text, start))[-_MARKERS_TRIED:][::-1]
+
+
 def extract_answer(text: str | None, *, fallback: bool = True) -> str | None:
     """Return the final answer written in ``text``, or None when it states none.
 
@@ -283,14 +292,14 @@ def extract_answer(text: str | None, *, fallback: bool = True) -> str | None:
         if answer is not None:
             return answer
     last_box_end = boxes[-1][1] if boxes else -1
-    for marker in reversed(list(_MARKER.finditer(text, max(last_box_end, 0)))):
-        answer = _answer_after_marker(text[marker.end() :])  # a marker after the last box restates it
+    for marker in _last_markers(text, max(last_box_end, 0)):
+        answer = _answer_after_marker(text[marker.end() : marker.end() + _MARKER_WINDOW])  # restates the box
         if answer is not None:
             return answer
     if boxes:
         return boxed_answer(text)
-    for marker in reversed(list(_MARKER.finditer(text))):
-        answer = _answer_after_marker(text[marker.end() :])
+    for marker in _last_markers(text):
+        answer = _answer_after_marker(text[marker.end() : marker.end() + _MARKER_WINDOW])
         if answer is not None:
             return answer
     if not fallback or _BOX_COMMAND.search(text):
@@ -329,8 +338,8 @@ def extract_choice(text: str | None) -> str | None:
     if boxed is not None:
         letters = _LETTER.findall(re.sub(r"\\[a-zA-Z]+", " ", boxed))
         return letters[0] if letters else None
-    for marker in reversed(list(_MARKER.finditer(text))):
-        letters = _unnegated_letters(text[marker.end() :].split("\n", 1)[0])
+    for marker in _last_markers(text):
+        letters = _unnegated_letters(text[marker.end() : marker.end() + _MARKER_WINDOW].split("\n", 1)[0])
         if letters:
             return letters[0]
     letters = _unnegated_letters(text)
