@@ -139,6 +139,8 @@ def test_decimal_tolerance_is_relative_and_only_for_decimals():
         ("(0;0;6),(4;-2;0)", "(4,-2,0), (0,0,6)", True),
         ("-12;-11;-10", r"\{-10, -11, -12\}", True),
         ("p=5,q=2;p=7,q=2", "(5,2),(7,2)", True),
+        ("(5,2),(7,2)", r"p = 5, q = 2 \text{ and } p = 7, q = 2", True),  # one tuple per cycle of names
+        ("1, 2", "x = 1, y = 2", True),
         ("(11,7)or(7,11)", "(7,11), (11,7)", True),
         # lists: a set unless the gold repeats an item; a bare list against a tuple in order
         ("(1,2), (1,2), (3,4)", "(3,4), (1,2)", True),

@@ -74,6 +74,7 @@ def test_extraction_is_linear_on_long_text():
         ("We find that $x < 3$.", "x < 3"),  # no marker: the last math span
         ("the number is not 10 which is 1,000.99m", "1,000.99"),  # ... or the last number after it
         ("答案：每份应该是 12 吨。", "12"),
+        ('Final Answer: The final answer is \\"$12 $ and $13 $\\". I hope', "12, 13"),  # quoted spans
     ],
 )
 def test_extract_answer_markers_groups_and_fallback(text, answer):

@@ -4,7 +4,7 @@
 PrimeIntellect-ai/verifiers, each with its source; one is marked ``disputed`` (its label says
 1 - 1/e equals 1 + 1/e) and left out. ``mode`` says whether ``pred`` is a bare answer
 (`answers_equal`) or a completion (`math_reward`). The floor below is the accuracy reached when
-the test was written (303 of 306): a change that loses a case fails here.
+the test was written (305 of 306): a change that loses a case fails here.
 """
 
 import json
@@ -13,7 +13,7 @@ import pathlib
 from jaxrl_llm.rewards import answers_equal, math_reward
 
 PEER_CASES = pathlib.Path(__file__).parent / "data" / "verifier_peer_cases.jsonl"
-MIN_ACCURACY = 0.99  # 303 / 306 = 0.990
+MIN_ACCURACY = 0.996  # 305 / 306 = 0.9967: the one miss is a decimal vector (0.33, 0.2) for (1/3, 1/5)
 MIN_PRECISION = 0.99
 
 

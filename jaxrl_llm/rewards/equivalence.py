@@ -311,8 +311,8 @@ def answer_values(text: str, *, computations: bool = True) -> tuple[str, list[st
     values were assigned to.
 
     ``"x = 2, x = 3"`` -> ``"2, 3"``; ``"(p,q)=(3,2)"`` -> ``"(3,2)"``; ``"x = 5+6 = 11"`` -> ``"11"``;
-    ``"(p=5, q=2), (p=7, q=2)"`` -> ``"(5, 2), (7, 2)"``; ``"-2 \\leq x \\leq 7"`` -> ``"[-2,7]"``.
-    ``computations``: also read ``35 + 70 = 105`` as ``105`` (for predictions; a gold equation
+    ``"(p=5, q=2), (p=7, q=2)"`` and ``"p=5, q=2, p=7, q=2"`` -> ``"(5, 2), (7, 2)"``;
+    ``"-2 \\leq x \\leq 7"`` -> ``"[-2,7]"``. ``computations``: also read ``35 + 70 = 105`` as ``105`` (for predictions; a gold equation
     between numbers and a name, ``7 = 11a + c``, is itself the answer).
     """
     values, names = [], []
@@ -326,7 +326,19 @@ def answer_values(text: str, *, computations: bool = True) -> tuple[str, list[st
         value, name = _item_value(item, computations)
         values.append(value)
         names += [name] if name else []
+    if len(names) == len(values):
+        values = _solution_tuples(values, names)
     return ", ".join(values), names
+
+
+def _solution_tuples(values: list[str], names: list[str]) -> list[str]:
+    """A flat list of assignments that repeats one cycle of names is one tuple per repetition:
+    ``p=5, q=2, p=7, q=2`` -> ``(5, 2), (7, 2)``; ``x=1, y=2`` stays ``1, 2``."""
+    for width in range(2, len(names) // 2 + 1):
+        cycle = names[:width]
+        if len(set(cycle)) == width and len(names) % width == 0 and names == cycle * (len(names) // width):
+            return ["(" + ", ".join(values[i : i + width]) + ")" for i in range(0, len(values), width)]
+    return values
 
 
 def _semicolons(text: str) -> str:

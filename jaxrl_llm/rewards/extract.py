@@ -236,7 +236,7 @@ def _last_number(text: str) -> str | None:
 
 def _answer_after_marker(rest: str) -> str | None:
     """The answer stated right after an answer marker (see the module docstring, rule 3)."""
-    rest = rest.lstrip(" \t:：")
+    rest = re.sub(r"^(?:[\s:：]|\\?[\"“”'])+", "", rest)  # spacing, a colon, opening quotes
     spans = math_spans(rest)
     if spans and spans[0][0] == 0:
         return _group_after(rest, spans)
