@@ -123,3 +123,12 @@ def test_extraction_stays_fast_on_many_markers_and_dollars():
     extract_answer(text)
     extract_choice(text)
     assert time.perf_counter() - started < 2.0  # quadratic scans took minutes here
+
+
+def test_answer_tags_and_bare_answers():
+    assert extract_answer("<think>2 + 2 is 4</think><answer>\nx^2+1\n</answer>") == "x^2+1"
+    assert extract_answer("<think>so</think><answer>42</answer>", fallback=False) == "42"  # a tag states it
+    assert extract_answer(r"<answer>$\boxed{4}$</answer>") == "4"
+    assert extract_answer("x^2+1") == "x^2+1"  # a short text without prose is itself the answer
+    assert extract_answer("1, 2") == "1, 2"
+    assert extract_answer("x^2+1", fallback=False) is None

@@ -5,11 +5,13 @@ Order of preference (the conventions of the MATH, Minerva and GSM8K evaluation s
    ``\\boxed 5``; boxes separated only by punctuation, spacing or a short phrase holding "and" / "or"
    ("\\boxed{1} and \\boxed{2}") form one answer, joined by ", ";
 2. the last GSM8K marker ``#### 42``;
-3. the last answer marker ("The final answer is", "Answer:", "Réponse :", "答案："): the math span or
+3. the content of the last ``<answer>...</answer>`` tag, read by these same rules; then the last
+   answer marker ("The final answer is", "Answer:", "Réponse :", "答案："): the math span or
    the sentence right after it (spans joined by "and" / "," are one answer); in a sentence of prose, the value after its last "is", else its last
    math span or number (Minerva's "Final Answer: The final answer is $24$. I hope it is correct.");
 4. with ``fallback=True`` (the default) and no box command at all (an unclosed box is an unfinished
-   answer): the last math span (``$..$``, ``$$..$$``, ``\\(..\\)``,
+   answer): a short text with no prose and no math delimiters is itself the answer; else the last
+   math span (``$..$``, ``$$..$$``, ``\\(..\\)``,
    ``\\[..\\]``; inline spans never cross a line) or the last number outside math, whichever ends later.
 Every scan is linear in the text length, so a 20k-character completion costs microseconds.
 """
@@ -23,7 +25,7 @@ _GSM8K_MARKER = re.compile(r"####[ \t]*([^\n]*)")
 # An answer marker: the word for "answer" and an optional "is" / colon. Only the marker is matched,
 # so that "Final Answer: The final answer is $24$" yields its last marker, "answer is".
 _MARKER = re.compile(
-    r"(?<![A-Za-z])(?:answer|r[ée]ponse|respuesta|antwort)(?:\s+(?:is|est|es|ist)(?![A-Za-z]))?[ \t]*[:：]?"
+    r"(?<![A-Za-z</])(?:answer|r[ée]ponse|respuesta|antwort)(?:\s+(?:is|est|es|ist)(?![A-Za-z]))?[ \t]*[:：]?"
     r"|答案\s*(?:是|为)?\s*[:：]?",
     re.IGNORECASE,
 )
@@ -44,6 +46,8 @@ _CONNECTIVE_WORDS = 4
 # tried: a text of thousands of markers stays linear.
 _MARKER_WINDOW = 2_000
 _MARKERS_TRIED = 8
+# A text this short with no prose and no math delimiters is itself the answer.
+_BARE_ANSWER_CHARS = 200
 
 
 def matching_brace(text: str, open_index: int) -> int | None:
@@ -267,6 +271,29 @@ def _first_value(text: str) -> tuple[int, str] | None:
     return min(candidates, key=lambda candidate: candidate[0]) if candidates else None
 
 
+def _is_bare_answer(text: str) -> bool:
+    """True for a short text that is only math: a digit or a letter, no two Latin letters in a row
+    outside LaTeX commands ("so it is 4" is prose), no other script, no math delimiters."""
+    plain = re.sub(r"\\[a-zA-Z]+", " ", text)
+    return (
+        re.search(r"[0-9A-Za-z]", plain) is not None
+        and re.search(r"[A-Za-z]{2}", plain) is None
+        and not _is_prose(text)
+        and not math_spans(text)
+        and "#" not in text
+    )
+
+
+def _answer_tag(text: str) -> str | None:
+    """Content of the last closed ``<answer>...</answer>`` tag (R1-style completions), else None."""
+    lowered = text.lower()
+    start = lowered.rfind("<answer>")
+    end = lowered.find("</answer>", start) if start >= 0 else -1
+    if end < 0:
+        return None
+    return text[start + len("<answer>") : end].strip() or None
+
+
 def _last_markers(text: str, start: int = 0) -> list[re.Match]:
     """The last `_MARKERS_TRIED` answer markers of ``text`` after ``start``, the last first."""
     return list(_MARKER.finditer(text, start))[-_MARKERS_TRIED:][::-1]
@@ -298,12 +325,18 @@ def extract_answer(text: str | None, *, fallback: bool = True) -> str | None:
             return answer
     if boxes:
         return boxed_answer(text)
+    tagged = _answer_tag(text)
+    if tagged is not None:
+        return extract_answer(tagged)  # the tag states an answer: its whole content may be it
     for marker in _last_markers(text):
         answer = _answer_after_marker(text[marker.end() : marker.end() + _MARKER_WINDOW])
         if answer is not None:
             return answer
     if not fallback or _BOX_COMMAND.search(text):
         return None  # a box that never closes is an unfinished answer, not a number to pick up
+    bare = text.strip()
+    if len(bare) <= _BARE_ANSWER_CHARS and _is_bare_answer(bare):
+        return bare.rstrip(" .") or None  # the whole text is an answer: "x^2+1", "1, 2"
     value = _last_value(text)
     return None if value is None else value[1].strip()
 
