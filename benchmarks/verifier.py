@@ -62,7 +62,8 @@ def _mathverify_judge(peer_config: bool):
         config = row.get("peer_config") or {}
         if not peer_config or config.get("targets", "default") == "default":
             return defaults, {}
-        latex = LatexExtractionConfig(boxed_match_priority=0) if config.get("boxed_priority0") else LatexExtractionConfig()
+        boxed_first = config.get("boxed_priority0")
+        latex = LatexExtractionConfig(boxed_match_priority=0) if boxed_first else LatexExtractionConfig()
         kinds = {"latex": latex, "expr": ExprExtractionConfig(), "letters": StringExtractionConfig()}
         rounding = {"float_rounding": config["precision"]} if config.get("precision") else {}
         return [kinds[target] for target in config["targets"]], rounding
@@ -105,7 +106,8 @@ def peer_report(path: pathlib.Path) -> None:
     labels = [row["equal"] for row in rows]
     load_before = os.getloadavg()[0]
     print(f"{len(rows)} cases from {path.name} (disputed left out): {sum(labels)} equal, {len(rows) - sum(labels)} not")
-    print(f"{'grader':28s} {'accuracy':>8s} {'precision':>9s} {'recall':>6s} {'verif/s':>8s} {'slowest s':>9s}  slowest case")
+    print(f"{'grader':28s} {'accuracy':>8s} {'precision':>9s} {'recall':>6s} {'verif/s':>8s} "
+          f"{'slowest s':>9s}  slowest case")
     for grader in ("math-verify (defaults)", "math-verify (peer config)", "jaxrl_llm"):
         verdicts, seconds = grade_in_fresh_process(grader, path)
         tp = sum(v and l for v, l in zip(verdicts, labels))

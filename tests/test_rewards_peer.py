@@ -44,7 +44,8 @@ def test_peer_cases_accuracy_and_precision(capsys):
     with capsys.disabled():
         print(f"\npeer cases: {len(rows)}, accuracy {accuracy:.3f}, precision {precision:.3f}, recall {recall:.3f}")
         for row in wrong:
-            print(f"  wrong ({row['category']}): {row['pred'][-80:]!r} vs {row['gold'][-80:]!r}, expected {row['equal']}")
+            pred, gold = row["pred"][-80:], row["gold"][-80:]
+            print(f"  wrong ({row['category']}): {pred!r} vs {gold!r}, expected {row['equal']}")
     assert accuracy >= MIN_ACCURACY, [(row["pred"][-80:], row["gold"][-80:]) for row in wrong]
     assert precision >= MIN_PRECISION
 

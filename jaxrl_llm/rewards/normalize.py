@@ -130,7 +130,8 @@ def normalize_answer(answer: str) -> str:
             text = text.replace("\\approx", "=", 1)
         elif before.strip():  # "x = 1/3 \approx 0.33", "\pi \approx 3.14": the exact value before it
             text = before
-    text = text.replace("\\varnothing", "\\emptyset").replace("\\mathbb{R}", "(-\\infty,\\infty)").replace("\\lbrace", "\\{").replace("\\rbrace", "\\}")
+    text = text.replace("\\varnothing", "\\emptyset").replace("\\mathbb{R}", "(-\\infty,\\infty)")
+    text = text.replace("\\lbrace", "\\{").replace("\\rbrace", "\\}")
     text = re.sub(r"\s+", " ", text).strip()
     if len(text) < 200 and re.search(r"\d", text):
         text = _GLUED_WORD_SEPARATOR.sub(", ", text)
