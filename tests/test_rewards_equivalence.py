@@ -224,3 +224,12 @@ def test_sums_over_a_free_symbol_are_compared_by_their_tree():
     assert not answers_equal(r"F_n = \sum_{k=0}^{n-2} F_k F_{n-k-2}", gold)
     # probing these at points of n took 4-5 s of the 5 s limit; the tree comparison needs no sympy evaluation
     assert time.perf_counter() - started < 3.0
+
+
+def test_gold_that_states_its_answer_and_written_choices():
+    assert answers_equal("C", "Alina and the answer is\n(C) Cecile")  # the gold's marker, then its choice
+    assert answers_equal("A", "A Peter\nCelina bum")
+    assert not answers_equal("C", "(A) Cecile")
+    assert answers_equal("5", "We add 2 and 3.\n#### 5")
+    assert answers_equal(r"\frac{9.5}{3.14159} \approx 3.01", r"\frac{9.5}{3.14159}")
+    assert math_reward("Thus the answer is Monday.", "monday") == 1.0  # a worded answer after a marker

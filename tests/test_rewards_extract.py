@@ -132,3 +132,8 @@ def test_answer_tags_and_bare_answers():
     assert extract_answer("x^2+1") == "x^2+1"  # a short text without prose is itself the answer
     assert extract_answer("1, 2") == "1, 2"
     assert extract_answer("x^2+1", fallback=False) is None
+
+
+def test_worded_answers_after_a_marker():
+    assert extract_answer("Thus the answer is Monday.") == "Monday"
+    assert extract_answer("The answer is not clear yet, let me think. So 5") == "5"  # talk, not an answer

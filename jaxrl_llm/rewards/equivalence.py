@@ -84,7 +84,7 @@ _MATRIX = re.compile(
 )
 _GOLD_CHOICE = re.compile(r"\(?([A-J])\)?")
 # A gold that writes out a choice: "(D) Alina", "C. 12 apples", "C Cecile" (a capitalised word).
-_GOLD_CHOICE_TEXT = re.compile(r"\(([A-J])\)\s*\S.*|([A-J])[.:]\s+\S.*|([A-J])\s+[A-Z][a-z]+.*")
+_GOLD_CHOICE_TEXT = re.compile(r"\(([A-J])\)\s*\S.*|([A-J])[.:]\s+\S.*|([A-J])\s+[A-Z][a-z]+.*", re.DOTALL)
 _PERCENT = re.compile(r"%\s*\$?\s*\.?\s*$|(?<![A-Za-z])(?:percent(?:age)?s?|pct)\s*\.?\s*\$?\s*$", re.IGNORECASE)
 _CHOICE_PREFIX = re.compile(r"\(([A-J])\)")
 _WORDS = re.compile(r"[A-Za-z][A-Za-z ]+")
@@ -298,7 +298,8 @@ def answers_equal(
 ) -> bool:
     """True when the predicted answer ``pred`` is mathematically the gold answer ``gold``.
 
-    Both are answer strings (LaTeX or plain); a ``\\boxed{}`` inside either is unwrapped. At most
+    Both are answer strings (LaTeX or plain); a ``\\boxed{}`` inside either is unwrapped, and a gold
+    that states its answer (a box, ``#### x``, "The answer is x") is read by that answer. At most
     ``timeout`` seconds of wall time (SIGALRM, main thread only; None disables); a timeout, an
     oversized or unparsable input answers False. See the module docstring for the rules and
     `VerifierConfig` for the conventions.
@@ -309,6 +310,7 @@ def answers_equal(
         raise TypeError(
             f"answers_equal expects strings, got pred={type(pred).__name__}, gold={type(gold).__name__}"
         )
+    gold = extract_answer(gold, fallback=False) or gold  # a worked solution as the gold: its stated answer
     if len(pred) > MAX_ANSWER_CHARS or len(gold) > MAX_ANSWER_CHARS:
         return pred.strip() == gold.strip()
     warm_up()  # imports must never run under the timer (see parse.warm_up)
@@ -338,7 +340,7 @@ def math_reward(
     if not isinstance(gold, str) or not gold.strip():
         return 0.0
     gold = extract_answer(gold, fallback=False) or gold  # a worked solution as the gold: its stated answer
-    if completion is not None and _GOLD_CHOICE.fullmatch(gold.strip().strip("$").strip()):
+    if completion is not None and len(gold) < 100 and _GOLD_CHOICE.fullmatch(normalize_answer(gold)):
         prediction = extract_choice(completion)
     else:
         prediction = extract_answer(completion)

@@ -51,6 +51,8 @@ _CONNECTIVE_WORDS = 4
 # tried: a text of thousands of markers stays linear.
 _MARKER_WINDOW = 2_000
 _MARKERS_TRIED = 8
+# The longest worded answer an answer marker may introduce; a longer sentence is talk, not an answer.
+_WORDED_ANSWER_WORDS = 4
 # A text this short with no prose and no math delimiters is itself the answer.
 _BARE_ANSWER_CHARS = 200
 
@@ -263,7 +265,10 @@ def _answer_after_marker(rest: str) -> str | None:
             return _answer_after_marker(tail)
         sentence = tail or sentence
     value = _first_value(sentence)
-    return None if value is None else value[1]
+    if value is not None:
+        return value[1]
+    # A few words and no number: a worded answer ("Evelyn", "no solution", "(C) Cecile").
+    return sentence if len(sentence.split()) <= _WORDED_ANSWER_WORDS else None
 
 
 def _first_value(text: str) -> tuple[int, str] | None:
