@@ -137,3 +137,8 @@ def test_answer_tags_and_bare_answers():
 def test_worded_answers_after_a_marker():
     assert extract_answer("Thus the answer is Monday.") == "Monday"
     assert extract_answer("The answer is not clear yet, let me think. So 5") == "5"  # talk, not an answer
+
+
+def test_a_word_set_as_math_is_an_answer():
+    assert extract_answer("so the sum is $odd$") == "odd"
+    assert extract_answer("how many $? just about 1$") == "1"  # prose between dollar signs: its number

@@ -229,6 +229,8 @@ def _last_value(text: str) -> tuple[int, str] | None:
             number = _last_number(content)
             if number is not None:
                 candidates.append((end, number))
+            elif len(content.split()) <= _WORDED_ANSWER_WORDS:  # "$odd$": a word set as math
+                candidates.append((end, content))
         else:  # "$x = 2$ and $x = -3$": one answer in two spans
             candidates.append((end, _group_before(text, [span for span in spans if not _is_prose(span[2])])))
     outside = text
