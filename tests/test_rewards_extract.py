@@ -142,3 +142,11 @@ def test_worded_answers_after_a_marker():
 def test_a_word_set_as_math_is_an_answer():
     assert extract_answer("so the sum is $odd$") == "odd"
     assert extract_answer("how many $? just about 1$") == "1"  # prose between dollar signs: its number
+
+
+def test_only_the_text_after_thinking_counts():
+    assert extract_answer(r"<think> maybe \boxed{42} </think> so \boxed{43}.") == "43"
+    assert extract_answer(r"<think> my answer is \boxed{42} </think> Some other text.") is None
+    assert extract_answer(r"reasoning </think> \boxed{7}") == "7"
+    assert extract_answer(r"<think> unfinished, \boxed{7}") is None
+    assert extract_choice("<think>A or B?</think> B") == "B"

@@ -1,6 +1,8 @@
 """Final-answer extraction from a model completion.
 
-Order of preference (the conventions of the MATH, Minerva and GSM8K evaluation scripts):
+Only the text after the last ``</think>`` is read (an answer inside the reasoning does not count);
+a ``<think>`` that never closes states no answer. Then, in order of preference (the conventions of
+the MATH, Minerva and GSM8K evaluation scripts):
 1. the last group of well-formed ``\\boxed{...}`` / ``\\fbox{...}`` (nested braces allowed) or
    ``\\boxed 5``; boxes separated only by punctuation, spacing or a short phrase holding "and" / "or"
    ("\\boxed{1} and \\boxed{2}") form one answer, joined by ", ". A ``#### x`` line or an answer
@@ -283,6 +285,15 @@ def _first_value(text: str) -> tuple[int, str] | None:
     return min(candidates, key=lambda candidate: candidate[0]) if candidates else None
 
 
+def _after_thinking(text: str) -> str | None:
+    """The text after the last ``</think>``; None when a ``<think>`` was opened and never closed
+    (an unfinished reasoning states no answer); the whole text when it has no thinking tags."""
+    _, closed, after = text.rpartition("</think>")
+    if closed:
+        return after
+    return None if "<think>" in text else text
+
+
 def _is_bare_answer(text: str) -> bool:
     """True for a short text that is only math: a digit or a letter, no two Latin letters in a row
     outside LaTeX commands ("so it is 4" is prose), no other script, no math delimiters."""
@@ -324,6 +335,9 @@ def extract_answer(text: str | None, *, fallback: bool = True) -> str | None:
         return None
     if not isinstance(text, str):
         raise TypeError(f"extract_answer expects a string completion, got {type(text).__name__}")
+    text = _after_thinking(text)
+    if not text:
+        return None
     boxes = _boxes(text)
     markers = list(_GSM8K_MARKER.finditer(text))
     if markers and (not boxes or markers[-1].start() > boxes[-1][1]):
@@ -378,6 +392,9 @@ def extract_choice(text: str | None) -> str | None:
         return None
     if not isinstance(text, str):
         raise TypeError(f"extract_choice expects a string completion, got {type(text).__name__}")
+    text = _after_thinking(text)
+    if not text:
+        return None
     leading = _LEADING_LETTER.match(text)
     if leading:
         return leading.group(1)
