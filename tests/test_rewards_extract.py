@@ -150,3 +150,7 @@ def test_only_the_text_after_thinking_counts():
     assert extract_answer(r"reasoning </think> \boxed{7}") == "7"
     assert extract_answer(r"<think> unfinished, \boxed{7}") is None
     assert extract_choice("<think>A or B?</think> B") == "B"
+
+
+def test_a_negated_value_after_a_marker_is_ruled_out():
+    assert extract_answer("The answer is not 5, it is 6.") == "6"

@@ -262,6 +262,9 @@ def _answer_after_marker(rest: str) -> str | None:
         return None
     if not _is_prose(sentence):
         return sentence.rstrip(" .").strip() or None
+    sentence = _NEGATED_CLAUSE.sub(" ", sentence).strip()  # "is not 5, it is 6": 5 is ruled out
+    if not sentence.strip(" ,;"):
+        return None
     copulas = list(_COPULA.finditer(sentence))
     if copulas:
         tail = sentence[copulas[-1].end() :].strip()
