@@ -34,7 +34,8 @@ Allocations, all with the stage-2 budget N = m x 8:
   gvm_capped             gvm with n_i <= `--cap` (default 4 x 8), the excess handed on (train.gvm.cap_counts)
 
 Reported per estimator and allocation: rel_mse = E||est - target||^2 / ||target||^2 with a 95% normal
-confidence interval over replicates, and the mean cosine to the target (Adam is scale-free). Diagnostics of
+confidence interval over replicates, the mean cosine to the target (Adam is scale-free), and the part of
+rel_mse that is bias, rel_bias_sq = ||mean est - target||^2 / ||target||^2 (the rest is variance). Diagnostics of
 the gvm allocation: the fraction of prompts with n_i = 0, the largest n_i share, the effective number of
 prompts (sum n)^2 / sum n^2, the rank correlation of stage-1 G with the pool's G over the prompts solved in
 stage 1, and the simple gradient noise scale B = tr(Sigma) / ||mean||^2 of the per-sample RAFT++ gradient
@@ -333,6 +334,7 @@ def analyse(pool: dict[str, np.ndarray], *, per_prompt: int, stage1: int, replic
 
     err = {e: {a: np.zeros(replicates) for a in ALLOCATIONS} for e in ESTIMATORS}
     cos = {e: {a: np.zeros(replicates) for a in ALLOCATIONS} for e in ESTIMATORS}
+    est_sum = {e: {a: np.zeros(grad.shape[-1]) for a in ALLOCATIONS} for e in ESTIMATORS}
     stats = {a: {"zero_frac": [], "max_share": [], "effective_prompts": []} for a in ALLOCATIONS}
     rank_corr = []
     tnorm = {e: float((targets[e] ** 2).sum()) for e in ESTIMATORS}
@@ -359,6 +361,7 @@ def analyse(pool: dict[str, np.ndarray], *, per_prompt: int, stage1: int, replic
             sample = draw_cols[prompt, rng.integers(0, size - half, size=prompt.size)]
             est = estimates(grad, reward, length, prompt, sample, p_true, m)
             for e in ESTIMATORS:
+                est_sum[e][a] += est[e]
                 diff = est[e].astype(np.float64) - targets[e]
                 err[e][a][rep] = (diff ** 2).sum() / tnorm[e]
                 en = np.sqrt((est[e].astype(np.float64) ** 2).sum())
@@ -373,8 +376,10 @@ def analyse(pool: dict[str, np.ndarray], *, per_prompt: int, stage1: int, replic
         results[e] = {}
         for a in ALLOCATIONS:
             mean, ci = summary(err[e][a])
+            bias = est_sum[e][a] / replicates - targets[e]
             results[e][a] = {"rel_mse": round(mean, 5), "ci95": [round(x, 5) for x in ci],
-                             "cosine": round(float(cos[e][a].mean()), 4)}
+                             "cosine": round(float(cos[e][a].mean()), 4),
+                             "rel_bias_sq": round(float((bias ** 2).sum() / tnorm[e]), 5)}
     gvm_stats = {k: round(float(np.mean(v)), 4) for k, v in stats["gvm"].items()}
     return {
         "frac_unsolved": round(float((p_true == 0).mean()), 4),
