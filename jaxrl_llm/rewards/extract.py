@@ -262,9 +262,10 @@ def _answer_after_marker(rest: str) -> str | None:
         return None
     if not _is_prose(sentence):
         return sentence.rstrip(" .").strip() or None
-    sentence = _NEGATED_CLAUSE.sub(" ", sentence).strip()  # "is not 5, it is 6": 5 is ruled out
-    if not sentence.strip(" ,;"):
+    kept = _NEGATED_CLAUSE.sub(" ", sentence).strip(" ,;")  # "is not 5, it is 6": 5 is ruled out
+    if not kept:
         return None
+    negated, sentence = kept != sentence, kept
     copulas = list(_COPULA.finditer(sentence))
     if copulas:
         tail = sentence[copulas[-1].end() :].strip()
@@ -275,7 +276,7 @@ def _answer_after_marker(rest: str) -> str | None:
     if value is not None:
         return value[1]
     # A few words and no number: a worded answer ("Evelyn", "no solution", "(C) Cecile").
-    return sentence if len(sentence.split()) <= _WORDED_ANSWER_WORDS else None
+    return sentence if len(sentence.split()) <= _WORDED_ANSWER_WORDS and not negated else None
 
 
 def _first_value(text: str) -> tuple[int, str] | None:
