@@ -35,7 +35,6 @@ from jaxrl_llm.rewards.extract import extract_answer, extract_choice
 from jaxrl_llm.rewards.normalize import choice_letter, compact, normalize_answer, split_top_level
 from jaxrl_llm.rewards.parse import to_sympy, warm_up
 from jaxrl_llm.rewards.safety import VerifierTimeout, time_limit
-from jaxrl_llm.rewards.values import answer_values, semicolons, spans_whole
 from jaxrl_llm.rewards.symbolic import (
     REL_TOL,
     comparable,
@@ -45,6 +44,7 @@ from jaxrl_llm.rewards.symbolic import (
     sympy_equal,
     unordered_equal,
 )
+from jaxrl_llm.rewards.values import answer_values, semicolons, spans_whole
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,10 +160,6 @@ def _second_opinion(pred: str, gold: str, config: VerifierConfig) -> bool:
     from jaxrl_llm.rewards.engine import mathverify_equal
 
     return mathverify_equal(pred, gold, config.rel_tol)
-
-
-def _is_relation(text: str) -> bool:
-    return bool(re.search(r"=|<|>|\\[lg]eq?(?![a-zA-Z])|\\neq|\\in(?![a-zA-Z])|\\approx", text))
 
 
 def _normalized_equal(pred: str, gold: str, config: VerifierConfig = DEFAULT_CONFIG) -> bool:
