@@ -115,3 +115,18 @@ def test_import_loads_neither_jax_nor_sympy():
         "assert not heavy, heavy"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_mathverify_second_opinion_does_not_execute_code():
+    from jaxrl_llm.rewards.engine import mathverify_equal
+
+    marker = "jaxrl_llm_verifier_probe_mv"
+    attacks = [
+        f"__import__('sys').modules.__setitem__('{marker}', 1)",
+        f"(lambda: __import__('sys').modules.__setitem__('{marker}', 1))()",
+        f"\\text{{__import__('sys').modules.__setitem__('{marker}', 1)}}",
+    ]
+    for attack in attacks:
+        assert mathverify_equal(attack, "1", 1e-4) is False
+        assert answers_equal(r"\{" + attack + r"\}", r"\{1\}") is False
+    assert marker not in sys.modules
