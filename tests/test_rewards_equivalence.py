@@ -57,6 +57,7 @@ def test_table_precision_and_recall(capsys):
         (r"30^\circ", "30"),
         (r"45^{\circ}", "45"),
         (r"5\text{ cm}.", "5"),
+        (r"15\mbox{ cm}^2", "15"),  # the unit takes its power with it
         (r"\text{Monday}", "Monday"),
         (r"\left( 1,2 \right)", "(1,2)"),
         (r"50\%", "50"),

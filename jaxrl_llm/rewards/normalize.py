@@ -69,9 +69,12 @@ def _unwrap_commands(text: str) -> str:
         is_unit = re.fullmatch(rf"\s*(?:(?:{_UNIT_PATTERN})(?:s|es)?\s*)+\.?\s*", inner, re.IGNORECASE)
         follows_value = before.rstrip()[-1:].isdigit() or before.rstrip()[-1:] in ("}", ")")
         out.append(before)
+        position = close + 1
         if not (is_unit and follows_value):
             out.append(inner)
-        position = close + 1
+        else:  # "15\mbox{ cm}^2": the unit's power goes with it
+            power = re.match(r"\s*\^\s*(?:\{\s*[23]\s*\}|[23])", text[position:])
+            position += power.end() if power else 0
     out.append(text[position:])
     return "".join(out)
 
