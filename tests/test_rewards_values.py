@@ -65,3 +65,13 @@ def test_set_equal_comparable_and_mixed_numbers():
     assert plain_number("4 4/9") == (Fraction(40, 9), False)
     assert plain_number("-1 1/2") == (Fraction(-3, 2), False)
     assert plain_number("11 7/6") is None  # an improper fraction is not a mixed number
+
+
+def test_warm_up_mathverify_imports_it_outside_any_limit():
+    import sys
+
+    from jaxrl_llm.rewards.engine import warm_up_mathverify
+
+    warm_up_mathverify()
+    assert "math_verify" in sys.modules
+    assert mathverify_equal(r"[3, 4] \cup [1, 2]", r"[1, 2] \cup [3, 4]", 1e-4)
