@@ -105,3 +105,14 @@ def test_mismatched_lengths_raise():
         format_reward(["a", "b"], ["1"])
     with pytest.raises(ValueError, match="returned 1 values for 2 completions"):
         combine_rewards([(lambda c, g, **m: [0.0], 1.0)])(["a", "b"], ["1", "2"])
+
+
+def test_correctness_reward_conventions():
+    completions, golds = [r"\boxed{3, 2}", r"\boxed{0.3333}"], ["2, 3", r"\frac{1}{3}"]
+    assert correctness_reward(completions, golds) == [1.0, 1.0]
+    strict = {"ordered_lists": True, "rel_tol": 0.0}
+    assert correctness_reward(completions, golds, conventions=strict) == [0.0, 0.0]
+    reward = build_reward_fn({"correctness": {"weight": 1.0, "conventions": strict}})
+    assert reward(completions, golds) == [0.0, 0.0]
+    with pytest.raises(ValueError, match="unknown conventions"):
+        correctness_reward(completions, golds, conventions={"tolerance": 0.1})

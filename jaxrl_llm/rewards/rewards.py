@@ -7,7 +7,7 @@ final answer is present), DAPO's overlong penalty (Yu et al., 2025, "DAPO", Eq. 
 
 and `combine_rewards` / `build_reward_fn`, which sum weighted rewards named in a config dict:
 
-    {"correctness": {"weight": 1.0, "signed": False},
+    {"correctness": {"weight": 1.0, "signed": False, "conventions": {"rel_tol": 1e-4}},
      "format": {"weight": 0.1},
      "overlong": {"weight": 1.0, "max_len": 4096, "buffer": 512, "factor": 1.0}}
 
@@ -16,9 +16,11 @@ Any callable with the same signature can be added with `register_reward`.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from typing import Callable, Mapping, Sequence
 
-from jaxrl_llm.rewards.equivalence import DEFAULT_TIMEOUT
+from jaxrl_llm.rewards.equivalence import DEFAULT_TIMEOUT, VerifierConfig, math_reward
 from jaxrl_llm.rewards.extract import extract_answer
 from jaxrl_llm.rewards.pool import VerifierPool, score_batch
 
@@ -37,17 +39,28 @@ def correctness_reward(
     signed: bool = False,
     pool: VerifierPool | None = None,
     timeout: float = DEFAULT_TIMEOUT,
+    conventions: Mapping | None = None,
     **meta,
 ) -> list[float]:
     """r = 1 if the extracted final answer equals the gold answer else 0; ``signed``: 2r - 1.
 
     With ``pool`` the checks run in its worker processes (per-item timeout, memory cap); without,
     in this process under a SIGALRM limit. A timeout or crash counts as incorrect.
+    ``conventions``: fields of `VerifierConfig` (``{"rel_tol": 0.0, "ordered_lists": True}``);
+    None keeps the defaults.
     """
     _check_lengths("correctness_reward", completions, golds)
-    correct = pool.score(completions, golds, timeout=timeout) if pool is not None else score_batch(
-        completions, golds, timeout=timeout
-    )
+    reward_fn = math_reward
+    if conventions:
+        known = {field.name for field in dataclasses.fields(VerifierConfig)}
+        unknown = set(conventions) - known
+        if unknown:
+            raise ValueError(f"correctness_reward: unknown conventions {sorted(unknown)}; known: {sorted(known)}")
+        reward_fn = functools.partial(math_reward, config=VerifierConfig(**conventions))
+    if pool is not None:
+        correct = pool.score(completions, golds, timeout=timeout, reward_fn=reward_fn)
+    else:
+        correct = score_batch(completions, golds, timeout=timeout, reward_fn=reward_fn)
     return [2.0 * value - 1.0 for value in correct] if signed else [float(value) for value in correct]
 
 
@@ -124,7 +137,7 @@ def combine_rewards(weighted: Sequence[tuple[RewardFn, float]]) -> RewardFn:
 
 # name -> (reward callable, options a config entry may set besides "weight", options it must set)
 REWARD_REGISTRY: dict[str, tuple[RewardFn, frozenset[str], frozenset[str]]] = {
-    "correctness": (correctness_reward, frozenset({"signed", "timeout"}), frozenset()),
+    "correctness": (correctness_reward, frozenset({"signed", "timeout", "conventions"}), frozenset()),
     "format": (format_reward, frozenset(), frozenset()),
     "overlong": (overlong_reward, frozenset({"max_len", "buffer", "factor"}), frozenset({"max_len", "buffer"})),
 }
