@@ -152,6 +152,7 @@ def test_decimal_tolerance_is_relative_and_only_for_decimals():
         ("1,22", "1.22", True),
         ("0.111", "0,111", True),
         ("1,222", "1.222", False),
+        ("2,3", "2.3", False),  # two digits in a list
     ],
 )
 def test_peer_conventions_and_fixed_bugs(pred, gold, expected):

@@ -24,7 +24,7 @@ from jaxrl_llm.rewards.values import answer_values, semicolons, spans_whole
         (r"x > 5", r"(5,\infty)", []),
         (r"x \leq 5", r"(-\infty,5]", []),
         ("35 + 70 = 105", "105", []),
-        ("7 = 11a+c", "11a+c", []),  # with computations on, a number = expression reads as the expression
+        ("7 = 11a+c", "7 = 11a+c", []),  # an equation, not a computation: kept
         ("2x + 3", "2x + 3", []),  # already a value
     ],
 )

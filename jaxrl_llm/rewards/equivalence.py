@@ -123,14 +123,15 @@ def _structure(text: str) -> tuple:
 def _decimal_comma(text: str) -> str:
     """``1,22`` / ``0,111`` / ``1000,99`` -> the decimal they write with a comma; other text unchanged.
 
-    A comma that could group thousands (``1,234``) is left alone.
+    A comma that could group thousands (``1,234``) or that separates single digits (``2,3``) is
+    left alone.
     """
     match = re.fullmatch(r"(-?)(\d+),(\d+)", text)
     if match is None:
         return text
     whole, fraction = match.group(2), match.group(3)
-    if len(fraction) == 3 and len(whole) <= 3 and not whole.startswith("0"):
-        return text
+    if len(fraction) < 2 or len(fraction) == 3 and len(whole) <= 3 and not whole.startswith("0"):
+        return text  # "2,3" is a list of two digits, "1,234" a thousands separator
     return f"{match.group(1)}{whole}.{fraction}"
 
 

@@ -75,7 +75,8 @@ def _item_value(item: str, computations: bool) -> tuple[str, str | None]:
         sides = split_top_level(marked, operator)
         if len(sides) > 2 and all(sides):  # a chained equation: its last side
             return sides[-1].replace("\u2208", "\\in "), _name_key(sides[0]) if _is_name(sides[0]) else ""
-        if len(sides) == 2 and sides[1] and (_is_name(sides[0]) or computations and _is_arithmetic(sides[0])):
+        computed = computations and _is_arithmetic(sides[0]) and _is_arithmetic(sides[-1])
+        if len(sides) == 2 and sides[1] and (_is_name(sides[0]) or computed):
             return sides[1].replace("\u2208", "\\in "), _name_key(sides[0]) if _is_name(sides[0]) else ""
     if _RELATION_OPERATOR.search(item):
         interval = _interval(item)
