@@ -32,6 +32,10 @@ Allocations, all with the stage-2 budget N = m x 8:
                          by greedy marginal gains from n_i = 1 (exact for a separable convex objective)
   uniform_drop_unsolved  N spread evenly over the prompts with p_hat > 0 in stage 1 (filtering without weighting)
   gvm_capped             gvm with n_i <= `--cap` (default 4 x 8), the excess handed on (train.gvm.cap_counts)
+  gvm_explore            gvm, but every prompt unsolved in stage 1 keeps one stage-2 sample (taken from the
+                         others' shares): a guard against losing the rarely solved prompts
+  gvm_history            gvm_allocate on p and G estimated from 3 x 8 earlier samples of each prompt, as earlier
+                         epochs' visits would give them at no stage-1 cost (the policy held fixed)
 
 Reported per estimator and allocation: rel_mse = E||est - target||^2 / ||target||^2 with a 95% normal
 confidence interval over replicates, the mean cosine to the target (Adam is scale-free), and the part of
@@ -198,7 +202,7 @@ def build_pool(model_config, params, tokenizer, records, *, pool: int, max_new_t
         s, e, f = _chunk_grads(params, signs, model_config, dim, batch.tokens, batch.prompt_lens,
                                batch.response_tokens, batch.mask)
         sketches[rows], embed_norm[rows], full_sq[rows] = (np.asarray(x)[:rows.size] for x in (s, e, f))
-        if start == 0 or (start // rows_per_chunk) % 50 == 0:
+        if (start // rows_per_chunk) % max(1, 256 // rows_per_chunk) == 0:
             log(f"  gradients {start + rows.size}/{n} ({time.perf_counter() - t0:.0f}s)")
     order = np.argsort(scored.prompt_index, kind="stable")  # prompt-major [P, K]
     shape = (len(records), pool)
@@ -276,7 +280,8 @@ def estimates(grad, reward, length, prompt, sample, p_true, m):
 
 
 ESTIMATORS = ("paper_lemma1", "paper_alg1", "tokenmean_raftpp", "tokenmean_grpo")
-ALLOCATIONS = ("uniform", "gvm", "gvm_oracle", "optimal", "uniform_drop_unsolved", "gvm_capped")
+ALLOCATIONS = ("uniform", "gvm", "gvm_oracle", "optimal", "uniform_drop_unsolved", "gvm_capped", "gvm_explore",
+               "gvm_history")
 
 
 def spearman(a: np.ndarray, b: np.ndarray) -> float:
@@ -349,6 +354,12 @@ def analyse(pool: dict[str, np.ndarray], *, per_prompt: int, stage1: int, replic
         counts["uniform_drop_unsolved"] = even_counts(p_hat > 0, budget)
         w = np.where(counts["gvm"] > 0, allocation_weights(p_hat, g_hat, alpha=1e-3, beta=2.0), 0.0)
         counts["gvm_capped"] = cap_counts(counts["gvm"], w, cap)
+        unsolved = p_hat == 0
+        counts["gvm_explore"] = gvm_counts(p_hat, g_hat, budget - int(unsolved.sum())) + unsolved
+        sh = draw_cols[np.arange(num)[:, None], rng.integers(0, size - half, size=(num, 3 * stage1))]
+        rh, eh = reward[np.arange(num)[:, None], sh], embed[np.arange(num)[:, None], sh]
+        counts["gvm_history"] = gvm_counts(rh.mean(1), np.where(rh.sum(1) > 0, (rh * eh).sum(1)
+                                                                / np.maximum(rh.sum(1), 1), 0.0), budget)
         solved = (p_hat > 0) & (g_true > 0)
         rank_corr.append(spearman(g_hat[solved], g_true[solved]))
         for a in ALLOCATIONS:
@@ -429,11 +440,11 @@ def plot(results: list[dict], path: pathlib.Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(2, len(results), figsize=(5.2 * len(results), 7.6), squeeze=False)
-    width = 0.13
+    width = 0.1
     for col, res in enumerate(results):
         top, bottom = axes[0][col], axes[1][col]
         for k, a in enumerate(ALLOCATIONS):
-            x = np.arange(len(ESTIMATORS)) + (k - 2.5) * width
+            x = np.arange(len(ESTIMATORS)) + (k - (len(ALLOCATIONS) - 1) / 2) * width
             vals = [res["estimators"][e][a]["rel_mse"] for e in ESTIMATORS]
             half = [v - res["estimators"][e][a]["ci95"][0] for e, v in zip(ESTIMATORS, vals)]
             top.bar(x, vals, width, yerr=half, label=a, capsize=2)

@@ -67,7 +67,8 @@ def test_analyse_schema_and_uniform_on_a_synthetic_pool(bench):
     res = bench.analyse(pool, per_prompt=4, stage1=4, replicates=20, cap=8, seed=0)
     assert set(res["estimators"]) == set(bench.ESTIMATORS)
     for by_alloc in res["estimators"].values():
-        assert set(by_alloc) == set(bench.ALLOCATIONS)
+        assert set(by_alloc) == set(bench.ALLOCATIONS) >= {"uniform", "gvm", "gvm_oracle", "optimal",
+                                                          "uniform_drop_unsolved", "gvm_capped"}
         for cell in by_alloc.values():
             assert cell["ci95"][0] <= cell["rel_mse"] <= cell["ci95"][1] and -1 <= cell["cosine"] <= 1
     assert res["frac_unsolved"] == pytest.approx(float((pool["reward"].mean(1) == 0).mean()), abs=1e-4)
