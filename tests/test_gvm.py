@@ -357,3 +357,11 @@ def test_study_summary_counts_samples_to_target():
     assert table["raftpp/gvm"]["samples_to_target"] == 150.0 and table["raftpp/gvm"]["steps_to_target"] == 3.0
     assert table["raftpp/gvm"]["final_accuracy_mean"] == pytest.approx(0.6)
     assert table["raftpp/uniform"]["reached_target"] == 0 and table["raftpp/uniform"]["samples_to_target"] is None
+
+
+def test_mstep_preset_trains_the_papers_estimator():
+    import pathlib
+
+    cfg = load_config(pathlib.Path(__file__).parent.parent / "configs" / "gvm_raftpp_mstep.yaml")
+    assert (cfg.algorithm.agg, cfg.algorithm.advantage, cfg.algorithm.loss) == ("prompt-mean-unbiased", "raft", "clip")
+    assert cfg.sampling.allocation == "gvm" and cfg.sampling.gvm_stage1_samples == 8
