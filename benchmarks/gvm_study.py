@@ -62,12 +62,27 @@ def toy_overrides(toy: str | None) -> list[str]:
             "sampling.max_new_tokens=10", "train.eval_problems=200"]
 
 
-def run_config(algorithm: str, gvm: bool, seed: int, args, out_dir: pathlib.Path):
-    """The preset with the study's budget: steps and eval interval from the samples one step draws."""
+# Arms of the study: (GVM preset or not, extra overrides). `--allocations` picks among them.
+ARMS = {
+    "uniform": (False, []),
+    "gvm": (True, []),  # the authors' form: token-mean over every sample
+    "gvm_mstep": (True, ["algorithm.agg=prompt-mean-unbiased"]),  # the paper's M-step (Lemma 1)
+    "uniform_drop_unsolved": (True, ["sampling.gvm_weighting=solved"]),  # GVM's filter, no weighting
+    # The update-count control: the authors' verl scripts give the GVM arm about 8x the optimizer updates of
+    # the uniform n = 8 arm; this arm gives uniform sampling 8 updates per step.
+    "uniform_updates": (False, ["optim.mini_batches=8"]),
+}
+
+
+def run_config(algorithm: str, arm: str | bool, seed: int, args, out_dir: pathlib.Path):
+    """The preset with the study's budget: steps and eval interval from the samples one step draws. `arm` is
+    a key of ARMS (True / False: "gvm" / "uniform")."""
     from jaxrl_llm.train import load_config
 
+    arm = {True: "gvm", False: "uniform"}.get(arm, arm)
+    gvm, extra = ARMS[arm]
     preset = ROOT / "configs" / (f"gvm_{algorithm}.yaml" if gvm else f"{algorithm}.yaml")
-    overrides = [*toy_overrides(args.toy), *args.set]
+    overrides = [*toy_overrides(args.toy), *args.set, *extra]
     base = load_config(preset, overrides)
     s = base.sampling
     per_step = s.prompts_per_step * ((s.gvm_stage1_samples + s.gvm_samples_per_prompt) if gvm
@@ -144,7 +159,8 @@ def plot(results: list[dict], path: pathlib.Path, target: float) -> None:
     algorithms = sorted({r["algorithm"] for r in results})
     fig, axes = plt.subplots(1, len(algorithms), figsize=(5 * len(algorithms), 3.6), squeeze=False)
     for ax, algorithm in zip(axes[0], algorithms):
-        for allocation, color in (("uniform", "tab:blue"), ("gvm", "tab:red")):
+        colors = dict(zip(ARMS, ("tab:blue", "tab:red", "tab:purple", "tab:green", "tab:orange")))
+        for allocation, color in colors.items():
             for i, r in enumerate(x for x in results if x["algorithm"] == algorithm and x["allocation"] == allocation):
                 ax.plot([p["samples"] for p in r["curve"]], [p["accuracy"] for p in r["curve"]], color=color,
                         alpha=0.7, marker="o", markersize=3, label=f"{allocation}" if i == 0 else None)
@@ -163,7 +179,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--algorithms", default="raftpp,grpo", help="presets A with configs/A.yaml and gvm_A.yaml")
     parser.add_argument("--seeds", default="0,1,2")
-    parser.add_argument("--allocations", default="uniform,gvm", help="which of uniform,gvm to run")
+    parser.add_argument("--allocations", default="uniform,gvm", help=f"arms to run, of {','.join(ARMS)}")
     parser.add_argument("--sample-budget", type=int, default=4096, help="samples drawn per run, both GVM stages")
     parser.add_argument("--eval-every-samples", type=int, default=512)
     parser.add_argument("--target", type=float, default=0.5, help="held-out accuracy to reach")
@@ -189,7 +205,7 @@ def main() -> None:
         for seed in [int(s) for s in args.seeds.split(",")]:
             for allocation in args.allocations.split(","):
                 run_dir = out / f"{algorithm}-{allocation}-seed{seed}"
-                config = run_config(algorithm, allocation == "gvm", seed, args, run_dir)
+                config = run_config(algorithm, allocation, seed, args, run_dir)
                 result = train_once(config, policy)
                 results.append({"algorithm": algorithm, "allocation": allocation, "seed": seed, **result})
                 print(f"{algorithm:8s} {allocation:7s} seed {seed}: {result['steps']} steps, "

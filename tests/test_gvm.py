@@ -138,6 +138,13 @@ def test_allocation_gives_unsolved_prompts_nothing_and_sums_to_budget():
                   3 / np.sqrt(0.125 + 8e-3)])
     assert np.all(np.abs(n - w / w.sum() * 40) < 1.0)
     np.testing.assert_array_equal(allocate_samples(np.zeros(3), np.zeros(3), sampling), [0, 0, 0])
+    # gvm_weighting=solved: 40 samples evenly over the 4 solved prompts, whatever their p and G.
+    solved_only = SamplingSection(gvm_samples_per_prompt=8, gvm_weighting="solved")
+    np.testing.assert_array_equal(allocate_samples(p, g, solved_only), [0, 10, 10, 10, 10])
+    # 3 solved of 4 prompts, budget 16: 16 / 3 = 5.33 -> 5 each, the extra sample to the lowest index.
+    np.testing.assert_array_equal(allocate_samples(np.array([0.5, 0.0, 0.1, 1.0]), np.ones(4),
+                                                   SamplingSection(gvm_samples_per_prompt=4, gvm_weighting="solved")),
+                                  [6, 0, 5, 5])
 
 
 def test_cap_redistributes_the_excess():
@@ -365,3 +372,23 @@ def test_mstep_preset_trains_the_papers_estimator():
     cfg = load_config(pathlib.Path(__file__).parent.parent / "configs" / "gvm_raftpp_mstep.yaml")
     assert (cfg.algorithm.agg, cfg.algorithm.advantage, cfg.algorithm.loss) == ("prompt-mean-unbiased", "raft", "clip")
     assert cfg.sampling.allocation == "gvm" and cfg.sampling.gvm_stage1_samples == 8
+
+
+def test_study_arms_are_configs(tmp_path):
+    import argparse
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).parent.parent / "benchmarks" / "gvm_study.py"
+    spec = importlib.util.spec_from_file_location("gvm_study", path)
+    study = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(study)
+    args = argparse.Namespace(toy=None, set=["sampling.prompts_per_step=4"], sample_budget=640,
+                              eval_every_samples=128)
+    cfg = {arm: study.run_config("raftpp", arm, 0, args, tmp_path / arm) for arm in study.ARMS}
+    # A uniform step draws 4 x 8 = 32 samples, a GVM step 4 x (8 + 8) = 64: 20 and 10 steps in 640 samples.
+    assert (cfg["uniform"].train.steps, cfg["gvm"].train.steps, cfg["uniform_updates"].train.steps) == (20, 10, 20)
+    assert cfg["uniform_updates"].optim.mini_batches == 8 and cfg["uniform"].optim.mini_batches == 1
+    assert cfg["gvm_mstep"].algorithm.agg == "prompt-mean-unbiased" and cfg["gvm"].algorithm.agg == "token-mean"
+    assert cfg["uniform_drop_unsolved"].sampling.gvm_weighting == "solved"
+    assert cfg["uniform_drop_unsolved"].sampling.allocation == "gvm" and cfg["uniform"].sampling.allocation == "uniform"

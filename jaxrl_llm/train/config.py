@@ -89,6 +89,9 @@ class SamplingSection:
     gvm_refresh_every: int = 1  # stage 1 + allocation every k steps; other steps sample N'' uniformly
     gvm_reuse_stage1: bool = False  # stage-2 groups take their first min(n_i, N') rows from stage 1
     gvm_rows_per_chunk: int = 0  # stage-1 rows whose per-sample gradients are taken at once; 0: optim.micro_batch_size
+    # "gvm": n_i by G_i / sqrt(p_i + alpha / p_i^(beta - 1)); "solved": the budget split evenly over the prompts
+    # solved in stage 1 (GVM's filter without its weighting, a control for the weighting's effect).
+    gvm_weighting: str = "gvm"
 
 
 @dataclass(frozen=True)
@@ -181,6 +184,7 @@ class ConfigError(ValueError):
 
 _ALLOWED = {
     ("sampling", "allocation"): {"uniform", "gvm"},
+    ("sampling", "gvm_weighting"): {"gvm", "solved"},
     ("algorithm", "advantage"): {"raft", "grpo", "drgrpo", "rloo", "reinforce_rej"},
     ("algorithm", "loss"): {"clip", "vanilla"},
     ("algorithm", "agg"): {"token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm",

@@ -194,8 +194,13 @@ def allocation_weights(accept_rate: np.ndarray, grad_norm: np.ndarray, *, alpha:
 
 def allocate_samples(accept_rate: np.ndarray, grad_norm: np.ndarray, sampling: SamplingSection) -> np.ndarray:
     """n_i for stage 2: `gvm_allocate` with budget = P x gvm_samples_per_prompt and the configured alpha, beta
-    and filters, then the optional cap `gvm_max_samples` (see `cap_counts`). int64 [P]."""
+    and filters, then the optional cap `gvm_max_samples` (see `cap_counts`). int64 [P]. With
+    `gvm_weighting: solved` the budget is split evenly over the prompts with p_i > 0 instead (GVM's filter
+    without its weighting; the other filters and the cap do not apply)."""
     budget = len(accept_rate) * sampling.gvm_samples_per_prompt
+    if sampling.gvm_weighting == "solved":  # equal weights on the solved prompts, gvm_allocate's rounding
+        solved = (np.asarray(accept_rate) > 0).astype(np.float32)
+        return np.asarray(gvm_allocate(solved, solved, budget), np.int64)
     counts = np.asarray(gvm_allocate(np.asarray(accept_rate, np.float32), np.asarray(grad_norm, np.float32), budget,
                                      alpha=sampling.gvm_alpha, beta=sampling.gvm_beta,
                                      filter_threshold=sampling.gvm_filter_threshold,
