@@ -76,13 +76,11 @@ def toy_records(folder: pathlib.Path, count: int, seed: int, tokenizer) -> list[
              "difficulty": rows[i]["difficulty"]} for i in pick]
 
 
-def hard_records(folder: pathlib.Path, count: int, seed: int, tokenizer, ood_fraction: float) -> list[dict]:
+def hard_rows(folder: pathlib.Path, count: int, seed: int, ood_fraction: float, ood: int | None = None) -> list[dict]:
     """A share `ood_fraction` of sums with a 4-digit operand (outside the fine-tuning range: unsolvable for
-    these models), the rest drawn from the task's training prompts (difficulties 1-5)."""
-    from gvm_toy_setting import prompt_text
-
+    these models), the rest drawn from the task's training prompts (difficulties 1-5); shuffled."""
     rng = np.random.default_rng(seed + 1)
-    ood = int(round(count * ood_fraction))
+    ood = int(round(count * ood_fraction)) if ood is None else ood
     rows = [json.loads(line) for line in (folder / "train.jsonl").read_text().splitlines()]
     rows = [rows[i] for i in rng.choice(len(rows), size=count - ood, replace=False)]
     for _ in range(ood):
@@ -92,8 +90,35 @@ def hard_records(folder: pathlib.Path, count: int, seed: int, tokenizer, ood_fra
         a = int(rng.integers(10 ** (da - 1) if da > 1 else 0, 10 ** da))
         b = int(rng.integers(10 ** (db - 1) if db > 1 else 0, 10 ** db))
         rows.append({"question": f"{a}+{b}", "answer": str(a + b)[::-1], "difficulty": da + db - 1})
-    return [{"prompt_ids": tokenizer.encode(prompt_text(rows[i]["question"])), "answer": rows[i]["answer"],
-             "difficulty": rows[i]["difficulty"]} for i in rng.permutation(count)]
+    return [rows[i] for i in rng.permutation(count)]
+
+
+def hard_records(folder: pathlib.Path, count: int, seed: int, tokenizer, ood_fraction: float) -> list[dict]:
+    from gvm_toy_setting import prompt_text
+
+    return [{"prompt_ids": tokenizer.encode(prompt_text(r["question"])), "answer": r["answer"],
+             "difficulty": r["difficulty"]} for r in hard_rows(folder, count, seed, ood_fraction)]
+
+
+def write_hard_setting(args, out: pathlib.Path) -> None:
+    """The hard mix as a training setting for benchmarks/gvm_study.py --toy OUT: OUT/model (the hard policy),
+    OUT/train.jsonl (all of the toy's training prompts with 4-digit ones added to a share `--hard-ood`) and
+    OUT/eval.jsonl (the toy's held-out prompts)."""
+    import shutil
+
+    from jaxrl_llm.train.setup import load_policy
+
+    toy = pathlib.Path(args.toy)
+    hard_model(load_policy(str(toy / "model"))[1], args)
+    out.mkdir(parents=True, exist_ok=True)
+    shutil.copytree(pathlib.Path(args.cache) / "hard_model", out / "model", dirs_exist_ok=True)
+    size = sum(1 for _ in (toy / "train.jsonl").open())
+    ood = int(round(size * args.hard_ood / (1 - args.hard_ood)))
+    rows = hard_rows(toy, size + ood, args.seed, args.hard_ood, ood=ood)  # every toy prompt once, plus `ood`
+    (out / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    shutil.copy(toy / "eval.jsonl", out / "eval.jsonl")
+    print(f"wrote {out}: model, train.jsonl ({len(rows)} prompts, {args.hard_ood:.0%} with a 4-digit operand), "
+          f"eval.jsonl")
 
 
 def hard_model(params, args):
@@ -484,7 +509,12 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--cache", default="runs/gvm_variance", help="pools are kept here as .npz and reused")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "gvm_variance.json"))
+    parser.add_argument("--write-hard-setting", default=None, metavar="DIR",
+                        help="only write the hard mix as a training setting for gvm_study.py --toy DIR, then exit")
     args = parser.parse_args()
+    if args.write_hard_setting:
+        write_hard_setting(args, pathlib.Path(args.write_hard_setting))
+        return
 
     out = pathlib.Path(args.out)
     previous = json.loads(out.read_text()) if out.exists() else {"mixes": []}
