@@ -116,3 +116,13 @@ def test_correctness_reward_conventions():
     assert reward(completions, golds) == [0.0, 0.0]
     with pytest.raises(ValueError, match="unknown conventions"):
         correctness_reward(completions, golds, conventions={"tolerance": 0.1})
+
+
+def test_correctness_reward_pays_only_stated_answers_and_reads_the_last_box():
+    completions = ["8 - 3 = 5", r"\boxed{0}\boxed{5}", r"so \boxed{5}", "The answer is 5"]
+    golds = ["5"] * 4
+    # the RL reward: an unmarked value is no answer, the last box is the answer (the on-device rule)
+    assert correctness_reward(completions, golds) == [0.0, 1.0, 1.0, 1.0]
+    # grading conventions (math_reward's defaults): the unmarked 5 counts, the two boxes form "0, 5"
+    lenient = {"unmarked_answers": True, "box_groups": True}
+    assert correctness_reward(completions, golds, conventions=lenient) == [1.0, 0.0, 1.0, 1.0]

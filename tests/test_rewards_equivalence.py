@@ -235,3 +235,14 @@ def test_gold_that_states_its_answer_and_written_choices():
     assert answers_equal("5", "We add 2 and 3.\n#### 5")
     assert answers_equal(r"\frac{9.5}{3.14159} \approx 3.01", r"\frac{9.5}{3.14159}")
     assert math_reward("Thus the answer is Monday.", "monday") == 1.0  # a worded answer after a marker
+
+
+def test_unmarked_answers_and_box_groups_conventions():
+    from jaxrl_llm.rewards import VerifierConfig
+
+    assert math_reward("so we get 3 + 10 = 13", "13") == 1.0  # the last value of an unmarked text
+    assert math_reward("so we get 3 + 10 = 13", "13", config=VerifierConfig(unmarked_answers=False)) == 0.0
+    assert math_reward(r"\boxed{1} and \boxed{2}", "1, 2") == 1.0
+    assert math_reward(r"\boxed{1} and \boxed{2}", "2", config=VerifierConfig(box_groups=False)) == 1.0
+    assert not answers_equal("{5}", "5")  # a set is not a number (the braces hold no list)
+    assert answers_equal("{1,3}", "1, 3")  # braces around a list group it

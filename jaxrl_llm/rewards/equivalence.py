@@ -37,6 +37,7 @@ from jaxrl_llm.rewards.parse import to_sympy, warm_up
 from jaxrl_llm.rewards.safety import VerifierTimeout, time_limit
 from jaxrl_llm.rewards.symbolic import (
     REL_TOL,
+    answer_kind,
     comparable,
     numbers_equal,
     plain_number,
@@ -62,12 +63,23 @@ class VerifierConfig:
     - ``second_opinion``: ask math-verify (`engine.mathverify_equal`) about a pair our rules left
       undecided (an answer sympy could not read, or two kinds it cannot relate, such as a union of
       intervals against an inequality). Never asked when one side is a relation and the other not.
+    - ``unmarked_answers``: `math_reward` also reads a completion that states no answer (no box,
+      ``####``, answer marker or ``<answer>`` tag) by its last math span or number, as math-verify
+      does (`extract.extract_answer` with ``fallback``). On for grading; the RL reward
+      `rewards.correctness_reward` turns it off by default, so that the policy is paid only for an
+      answer it states (as the on-device reward of the fused loop, which reads boxes only).
+    - ``box_groups``: boxes of a completion separated only by punctuation or a short "and" / "or"
+      phrase form one answer (``\\boxed{1} and \\boxed{2}`` is ``1, 2``); off, the last box alone
+      counts. On for grading; off in `rewards.correctness_reward`, whose verdicts then equal the
+      on-device reward's last-box rule. A gold's boxes always group.
     """
 
     ordered_lists: bool = False
     rel_tol: float = REL_TOL
     gold_assignments: bool = True
     second_opinion: bool = True
+    unmarked_answers: bool = True
+    box_groups: bool = True
 
 
 DEFAULT_CONFIG = VerifierConfig()
@@ -145,8 +157,13 @@ def _atoms_equal(pred: str, gold: str, config: VerifierConfig) -> bool:
         return numbers_equal(pred_number, gold_number, config.rel_tol)
     pred_expr = to_sympy(pred)
     gold_expr = None if pred_expr is None else to_sympy(gold)
-    if pred_expr is None or gold_expr is None or not comparable(pred_expr, gold_expr):
-        _undecided.flag = True  # an answer we could not read, or two kinds sympy_equal cannot relate
+    if pred_expr is None or gold_expr is None:
+        _undecided.flag = True  # an answer we could not read
+        return False
+    if not comparable(pred_expr, gold_expr):
+        # two known kinds that differ (a set is not a number) are unequal; an interval, a union or a
+        # boolean against anything else is a pair our rules do not relate
+        _undecided.flag = _undecided.flag or "other" in (answer_kind(pred_expr), answer_kind(gold_expr))
         return False
     return sympy_equal(pred_expr, gold_expr, config.rel_tol)
 
@@ -329,7 +346,8 @@ def math_reward(
 ) -> float:
     """1.0 when the final answer extracted from ``completion`` equals ``gold``, else 0.0.
 
-    ``reward = 1[answers_equal(extract_answer(completion), gold)]``; no final answer scores 0.
+    ``reward = 1[answers_equal(extract_answer(completion), gold)]``; no final answer scores 0
+    (``config.unmarked_answers`` decides whether an unmarked last value counts as one).
     A gold that states its answer (a box, ``#### x``, "The answer is x") is read by that answer.
     When the gold is a choice letter, the prediction is the letter the completion picks
     (`extract.extract_choice`).
@@ -338,9 +356,9 @@ def math_reward(
         return 0.0
     gold = extract_answer(gold, fallback=False) or gold  # a worked solution as the gold: its stated answer
     if completion is not None and len(gold) < 100 and _GOLD_CHOICE.fullmatch(normalize_answer(gold)):
-        prediction = extract_choice(completion)
+        prediction = extract_choice(completion, fallback=config.unmarked_answers)
     else:
-        prediction = extract_answer(completion)
+        prediction = extract_answer(completion, fallback=config.unmarked_answers, box_groups=config.box_groups)
     if prediction is None:
         return 0.0
     return 1.0 if answers_equal(prediction, gold, timeout=timeout, config=config) else 0.0

@@ -29,9 +29,11 @@ _BOX_COMMAND = re.compile(r"\\(?:boxed|fbox)")
 _GSM8K_MARKER = re.compile(r"####[ \t]*([^\n]*)")
 # An answer marker: the word for "answer" and an optional "is" / colon. Only the marker is matched,
 # so that "Final Answer: The final answer is $24$" yields its last marker, "answer is".
+# A bare "answer" (no "is", no colon) is weak: only a math span or a number right after it counts.
 _MARKER = re.compile(
-    r"(?<![A-Za-z</])(?:answer|r[ée]ponse|respuesta|antwort)(?:\s+(?:is|est|es|ist)(?![A-Za-z]))?[ \t]*[:：]?"
-    r"|答案\s*(?:是|为)?\s*[:：]?",
+    r"(?<![A-Za-z</])(?:answer|r[ée]ponse|respuesta|antwort)"
+    r"(?P<link>\s+(?:is|est|es|ist)(?![A-Za-z]))?[ \t]*(?P<colon>[:：])?"
+    r"|答案\s*(?P<cjk>(?:是|为)?\s*[:：]?)",
     re.IGNORECASE,
 )
 _MATH_TOKEN = re.compile(r"(?<!\\)\$\$|\\\[|\\\]|\\\(|\\\)|(?<!\\)\$")
@@ -249,8 +251,13 @@ def _last_number(text: str) -> str | None:
     return numbers[-1].group(0) if numbers else None
 
 
-def _answer_after_marker(rest: str) -> str | None:
-    """The answer stated right after an answer marker (see the module docstring, rule 3)."""
+def _strong(marker: re.Match) -> bool:
+    return bool(marker.group("link") or marker.group("colon") or (marker.group("cjk") or "").strip())
+
+
+def _answer_after_marker(rest: str, strong: bool = True) -> str | None:
+    """The answer stated right after an answer marker (see the module docstring, rule 3); after a
+    weak marker (a bare "answer"), only a math span or a text without prose."""
     rest = re.sub(r"^(?:[\s:：]|\\?[\"“”'])+", "", rest)  # spacing, a colon, opening quotes
     spans = math_spans(rest)
     if spans and spans[0][0] == 0:
@@ -262,6 +269,8 @@ def _answer_after_marker(rest: str) -> str | None:
         return None
     if not _is_prose(sentence):
         return sentence.rstrip(" .").strip() or None
+    if not strong:
+        return None
     kept = _NEGATED_CLAUSE.sub(" ", sentence).strip(" ,;")  # "is not 5, it is 6": 5 is ruled out
     if not kept:
         return None
@@ -326,7 +335,7 @@ def _last_markers(text: str, start: int = 0) -> list[re.Match]:
     return list(_MARKER.finditer(text, start))[-_MARKERS_TRIED:][::-1]
 
 
-def extract_answer(text: str | None, *, fallback: bool = True) -> str | None:
+def extract_answer(text: str | None, *, fallback: bool = True, box_groups: bool = True) -> str | None:
     """Return the final answer written in ``text``, or None when it states none.
 
     The last statement wins: a box group, a ``#### x`` line or an answer marker ("The answer is x",
@@ -334,6 +343,7 @@ def extract_answer(text: str | None, *, fallback: bool = True) -> str | None:
     wins over a marker; within each kind the last occurrence wins (models restate and correct
     themselves).
     ``fallback``: without any of these, the last math span or number of the text (rule 4).
+    ``box_groups``: off, only the last box counts (the rule of the on-device reward).
     """
     if not text:
         return None
@@ -350,16 +360,16 @@ def extract_answer(text: str | None, *, fallback: bool = True) -> str | None:
             return answer
     last_box_end = boxes[-1][1] if boxes else -1
     for marker in _last_markers(text, max(last_box_end, 0)):
-        answer = _answer_after_marker(text[marker.end() : marker.end() + _MARKER_WINDOW])  # restates the box
+        answer = _answer_after_marker(text[marker.end() : marker.end() + _MARKER_WINDOW], _strong(marker))
         if answer is not None:
             return answer
     if boxes:
-        return boxed_answer(text)
+        return boxed_answer(text) if box_groups else boxes[-1][2]
     tagged = _answer_tag(text)
     if tagged is not None:
-        return extract_answer(tagged)  # the tag states an answer: its whole content may be it
+        return extract_answer(tagged, box_groups=box_groups)  # the tag states an answer: all of it may be
     for marker in _last_markers(text):
-        answer = _answer_after_marker(text[marker.end() : marker.end() + _MARKER_WINDOW])
+        answer = _answer_after_marker(text[marker.end() : marker.end() + _MARKER_WINDOW], _strong(marker))
         if answer is not None:
             return answer
     if not fallback or _BOX_COMMAND.search(text):
@@ -385,12 +395,12 @@ def _unnegated_letters(text: str) -> list[str]:
     return _LETTER.findall(kept)
 
 
-def extract_choice(text: str | None) -> str | None:
+def extract_choice(text: str | None, *, fallback: bool = True) -> str | None:
     """The multiple-choice letter (A-J) a completion picks, or None.
 
     A letter that opens the completion ("D. it can't be A or B") wins; then a box; then the first
-    letter after the last answer marker; then the last letter outside a negated clause ("It's not A
-    ..., I think it's B" -> "B").
+    letter after the last answer marker; then, with ``fallback``, the last letter outside a negated
+    clause ("It's not A ..., I think it's B" -> "B").
     """
     if not text:
         return None
@@ -410,5 +420,7 @@ def extract_choice(text: str | None) -> str | None:
         letters = _unnegated_letters(text[marker.end() : marker.end() + _MARKER_WINDOW].split("\n", 1)[0])
         if letters:
             return letters[0]
+    if not fallback:
+        return None
     letters = _unnegated_letters(text)
     return letters[-1] if letters else None

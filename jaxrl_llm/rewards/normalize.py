@@ -146,8 +146,8 @@ def normalize_answer(answer: str) -> str:
     text = re.sub(r"(?<![\d}])\.(\d)", r"0.\1", text)  # ".5" -> "0.5"
     text = re.sub(r"(?:\s*[.,;])+$", "", text).strip()  # a sentence's final period or comma
     text = re.sub(r"(?<!\\)\\$", "", text).strip()  # a stray backslash at the end
-    if text.startswith("{") and matching_brace(text, 0) == len(text) - 1:
-        text = text[1:-1].strip()  # "{1,3}": LaTeX grouping braces, not a set
+    if text.startswith("{") and matching_brace(text, 0) == len(text) - 1 and len(split_top_level(text[1:-1], ",")) > 1:
+        text = text[1:-1].strip()  # "{1,3}": LaTeX grouping braces around a list, not a set
     if _THOUSANDS.fullmatch(text):
         text = text.replace(",", "")
     if text.lower() in ("infinity", "inf", "+\\infty"):

@@ -25,6 +25,9 @@ from jaxrl_llm.rewards.extract import extract_answer
 from jaxrl_llm.rewards.pool import VerifierPool, score_batch
 
 RewardFn = Callable[..., list[float]]
+# Conventions of the RL reward that differ from VerifierConfig's grading defaults: pay only for a stated
+# answer, and read the last box alone, as the on-device reward of the fused loop does.
+REWARD_CONVENTIONS = {"unmarked_answers": False, "box_groups": False}
 
 
 def _check_lengths(name: str, completions: Sequence, golds: Sequence) -> None:
@@ -46,17 +49,19 @@ def correctness_reward(
 
     With ``pool`` the checks run in its worker processes (per-item timeout, memory cap); without,
     in this process under a SIGALRM limit. A timeout or crash counts as incorrect.
-    ``conventions``: fields of `VerifierConfig` (``{"rel_tol": 0.0, "ordered_lists": True}``);
-    None keeps the defaults.
+    ``conventions``: fields of `VerifierConfig` (``{"rel_tol": 0.0, "ordered_lists": True}``) over
+    this reward's defaults, which are `VerifierConfig`'s except ``unmarked_answers=False`` and
+    ``box_groups=False`` (`REWARD_CONVENTIONS`): the policy is paid for an answer it states (a box,
+    ``#### x``, an answer marker or tag), not for the last number of a text that states none, and
+    its last box is its answer, so that these verdicts equal the fused loop's on-device reward.
     """
     _check_lengths("correctness_reward", completions, golds)
-    reward_fn = math_reward
-    if conventions:
-        known = {field.name for field in dataclasses.fields(VerifierConfig)}
-        unknown = set(conventions) - known
-        if unknown:
-            raise ValueError(f"correctness_reward: unknown conventions {sorted(unknown)}; known: {sorted(known)}")
-        reward_fn = functools.partial(math_reward, config=VerifierConfig(**conventions))
+    known = {field.name for field in dataclasses.fields(VerifierConfig)}
+    unknown = set(conventions or {}) - known
+    if unknown:
+        raise ValueError(f"correctness_reward: unknown conventions {sorted(unknown)}; known: {sorted(known)}")
+    config = VerifierConfig(**{**REWARD_CONVENTIONS, **(conventions or {})})
+    reward_fn = functools.partial(math_reward, config=config)
     if pool is not None:
         correct = pool.score(completions, golds, timeout=timeout, reward_fn=reward_fn)
     else:

@@ -201,21 +201,24 @@ def relations_equal(a, b, rel_tol: float = REL_TOL) -> bool:
     return all(abs(r - ratios[0]) <= _PROBE_TOL * abs(ratios[0]) for r in ratios)
 
 
+def answer_kind(x) -> str:
+    """What `sympy_equal` sees in a parsed answer: "relation", "matrix", "finite" (a finite set),
+    "tuple", "expr", or "other" (an interval, a union, a boolean, ...)."""
+    import sympy
+    from sympy.core.relational import Relational
+
+    for name, types in (("relation", Relational), ("matrix", (sympy.MatrixBase, sympy.MatrixExpr)),
+                        ("finite", sympy.FiniteSet), ("tuple", (tuple, sympy.Tuple)), ("expr", sympy.Expr)):
+        if isinstance(x, types):
+            return name
+    return "other"
+
+
 def comparable(a, b) -> bool:
     """True when `sympy_equal` can relate the kinds of ``a`` and ``b`` (expressions, relations,
     matrices, finite sets, tuples); False for two kinds it only compares as trees (an interval
     union against an inequality)."""
-    import sympy
-    from sympy.core.relational import Relational
-
-    def kind(x):
-        for name, types in (("relation", Relational), ("matrix", (sympy.MatrixBase, sympy.MatrixExpr)),
-                            ("finite", sympy.FiniteSet), ("tuple", (tuple, sympy.Tuple)), ("expr", sympy.Expr)):
-            if isinstance(x, types):
-                return name
-        return "other"
-
-    kinds = {kind(a), kind(b)}
+    kinds = {answer_kind(a), answer_kind(b)}
     return "other" not in kinds and len(kinds) == 1
 
 
