@@ -150,6 +150,23 @@ def summarise(results: list[dict], target: float) -> dict:
     return table
 
 
+def best_ratio(table: dict) -> dict:
+    """Per algorithm: samples to target of the best GVM arm (names starting "gvm") over the best other arm
+    (uniform sampling, its controls), with the arms named; None where either never reached the target."""
+    out = {}
+    for algorithm in sorted({key.split("/")[0] for key in table}):
+        best = {}
+        for family, is_gvm in (("gvm", True), ("uniform", False)):
+            arms = [(row["samples_to_target"], key.split("/")[1]) for key, row in table.items()
+                    if key.startswith(algorithm + "/") and key.split("/")[1].startswith("gvm") == is_gvm
+                    and row["samples_to_target"] is not None]
+            best[family] = min(arms) if arms else None
+        ratio = best["gvm"][0] / best["uniform"][0] if best["gvm"] and best["uniform"] else None
+        out[algorithm] = {"best_gvm": best["gvm"] and best["gvm"][1],
+                          "best_uniform": best["uniform"] and best["uniform"][1], "samples_ratio": ratio}
+    return out
+
+
 def plot(results: list[dict], path: pathlib.Path, target: float) -> None:
     import matplotlib
 
@@ -157,19 +174,22 @@ def plot(results: list[dict], path: pathlib.Path, target: float) -> None:
     import matplotlib.pyplot as plt
 
     algorithms = sorted({r["algorithm"] for r in results})
-    fig, axes = plt.subplots(1, len(algorithms), figsize=(5 * len(algorithms), 3.6), squeeze=False)
-    for ax, algorithm in zip(axes[0], algorithms):
-        colors = dict(zip(ARMS, ("tab:blue", "tab:red", "tab:purple", "tab:green", "tab:orange")))
-        for allocation, color in colors.items():
-            for i, r in enumerate(x for x in results if x["algorithm"] == algorithm and x["allocation"] == allocation):
-                ax.plot([p["samples"] for p in r["curve"]], [p["accuracy"] for p in r["curve"]], color=color,
-                        alpha=0.7, marker="o", markersize=3, label=f"{allocation}" if i == 0 else None)
-        ax.axhline(target, color="gray", linestyle=":", linewidth=1)
-        ax.set_title(algorithm)
-        ax.set_xlabel("samples drawn (both GVM stages counted)")
-        ax.set_ylabel("held-out accuracy")
-        ax.grid(alpha=0.3)
-        ax.legend()
+    fig, axes = plt.subplots(2, len(algorithms), figsize=(5 * len(algorithms), 7.2), squeeze=False)
+    colors = dict(zip(ARMS, ("tab:blue", "tab:red", "tab:purple", "tab:green", "tab:orange")))
+    for col, algorithm in enumerate(algorithms):
+        for ax, x_key, x_label in ((axes[0][col], "samples", "samples drawn (both GVM stages counted)"),
+                                   (axes[1][col], "step", "RL steps")):
+            for allocation, color in colors.items():
+                for i, r in enumerate(x for x in results
+                                      if x["algorithm"] == algorithm and x["allocation"] == allocation):
+                    ax.plot([p[x_key] for p in r["curve"]], [p["accuracy"] for p in r["curve"]], color=color,
+                            alpha=0.7, marker="o", markersize=3, label=f"{allocation}" if i == 0 else None)
+            ax.axhline(target, color="gray", linestyle=":", linewidth=1)
+            ax.set_title(algorithm)
+            ax.set_xlabel(x_label)
+            ax.set_ylabel("held-out accuracy")
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -216,12 +236,17 @@ def main() -> None:
 
 def report(results: list[dict], args, out: pathlib.Path) -> None:
     table = summarise(results, args.target)
-    (out / "results.json").write_text(json.dumps({"args": vars(args), "summary": table, "runs": results}, indent=1))
+    ratio = best_ratio(table)
+    (out / "results.json").write_text(json.dumps({"args": vars(args), "summary": table,
+                                                  "best_gvm_over_best_uniform": ratio, "runs": results}, indent=1))
     plot(results, out / "accuracy_vs_samples.png", args.target)
     for key, row in table.items():
         print(f"{key:16s} reached {row['reached_target']}/{row['seeds']}: samples {row['samples_to_target']}, "
               f"steps {row['steps_to_target']}, train s {row['train_s_to_target']}; final "
               f"{row['final_accuracy_mean']:.3f} +/- {row['final_accuracy_std']:.3f}")
+    for algorithm, row in ratio.items():
+        print(f"{algorithm}: samples to target, best GVM arm ({row['best_gvm']}) / best uniform arm "
+              f"({row['best_uniform']}) = {row['samples_ratio']}")
     print(f"wrote {out / 'results.json'} and {out / 'accuracy_vs_samples.png'}")
 
 

@@ -364,6 +364,10 @@ def test_study_summary_counts_samples_to_target():
     assert table["raftpp/gvm"]["samples_to_target"] == 150.0 and table["raftpp/gvm"]["steps_to_target"] == 3.0
     assert table["raftpp/gvm"]["final_accuracy_mean"] == pytest.approx(0.6)
     assert table["raftpp/uniform"]["reached_target"] == 0 and table["raftpp/uniform"]["samples_to_target"] is None
+    assert study.best_ratio(table) == {"raftpp": {"best_gvm": "gvm", "best_uniform": None, "samples_ratio": None}}
+    table["raftpp/uniform_updates"] = {**table["raftpp/gvm"], "samples_to_target": 100.0}
+    assert study.best_ratio(table)["raftpp"] == {"best_gvm": "gvm", "best_uniform": "uniform_updates",
+                                                 "samples_ratio": 1.5}
 
 
 def test_mstep_preset_trains_the_papers_estimator():
