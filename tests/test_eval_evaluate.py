@@ -76,11 +76,11 @@ def test_evaluate_with_scripted_generate():
     generate = ScriptedGenerate(SCRIPT)
     metrics = evaluate(None, None, ByteTokenizer(), RECORDS, k=3, max_new_tokens=24, template="arithmetic-2shot",
                        samples_per_call=7, seed=5, generate_fn=generate, return_samples=True)
-    # correctness: a = [1,0,1], b = [0,0,1], c = [1,0,1]
-    assert metrics["avg@3"] == pytest.approx((2 / 3 + 1 / 3 + 2 / 3) / 3)
+    # correctness: a = [1,0,1], b = [0,0,1], c = [1,1,1] (grading reads the unboxed "1 - 5 = -4" as -4)
+    assert metrics["avg@3"] == pytest.approx((2 / 3 + 1 / 3 + 3 / 3) / 3)
     assert metrics["pass@3"] == pytest.approx(1.0)
     assert metrics["maj@3"] == pytest.approx((1 + 0 + 1) / 3)  # b's majority answer is 7
-    assert metrics["format_rate"] == pytest.approx(8 / 9)
+    assert metrics["format_rate"] == pytest.approx(9 / 9)  # every sample states an answer
     expected_lengths = [len(text.encode()) + stopped for texts in SCRIPT.values() for text, stopped in texts]
     assert metrics["mean_length"] == pytest.approx(sum(expected_lengths) / 9)
     assert metrics["truncated_rate"] == pytest.approx(1 / 9) and metrics["dropped_prompts"] == 0
@@ -106,7 +106,7 @@ def test_evaluate_benchmarks_writes_json(tmp_path):
                                   out_path=tmp_path / "eval.json", generate_fn=ScriptedGenerate(SCRIPT),
                                   template="arithmetic-2shot", print_results=False)
     saved = json.loads((tmp_path / "eval.json").read_text())
-    assert saved["results"][str(path)]["avg@3"] == pytest.approx(results[str(path)]["avg@3"]) == pytest.approx(5 / 9)
+    assert saved["results"][str(path)]["avg@3"] == pytest.approx(results[str(path)]["avg@3"]) == pytest.approx(6 / 9)
     assert saved["settings"]["k"] == 3 and saved["settings"]["template"] == "arithmetic-2shot"
 
 

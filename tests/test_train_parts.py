@@ -95,6 +95,40 @@ def test_sampling_sd_by_hand():
     assert sampling_sd([[1], [0]]) == 0.0
 
 
+def test_eval_rows_per_call_follow_the_training_step():
+    from jaxrl_llm.train.config import SamplingSection
+    from jaxrl_llm.train.loop import eval_rows_per_call
+
+    assert eval_rows_per_call(SamplingSection()) == 64  # the demo: 8 prompts x 8 samples
+    assert eval_rows_per_call(SamplingSection(prompts_per_step=1024, samples_per_prompt=8)) == 128
+    assert eval_rows_per_call(SamplingSection(prompts_per_step=2, samples_per_prompt=4)) == 8
+    assert eval_rows_per_call(SamplingSection(max_rows_per_call=32)) == 32
+
+
+def test_release_free_host_memory_returns_freed_pages():
+    """After a freed heap of ~200 MB of small blocks, RSS falls back (glibc keeps such pages otherwise)."""
+    import ctypes
+
+    from jaxrl_llm.train.setup import release_free_host_memory
+
+    if not hasattr(ctypes.CDLL(None), "malloc_trim"):
+        pytest.skip("no glibc malloc_trim on this platform")
+
+    def rss_mb():
+        with open("/proc/self/status") as status:
+            return next(int(line.split()[1]) for line in status if line.startswith("VmRSS")) / 1024
+
+    blocks, kept = [], []
+    for _ in range(3200):  # 64 KB blocks (heap, below the mmap threshold), each followed by a small kept one
+        blocks.append(bytearray(64 * 1024))
+        kept.append(bytearray(2048))
+    held = rss_mb()
+    del blocks  # freed between kept blocks: glibc keeps these pages (checked: RSS stays at `held` without the call)
+    release_free_host_memory()
+    assert rss_mb() < held - 100, (held, rss_mb())
+    del kept
+
+
 def _scored(rewards_by_group, resp=4):
     from jaxrl_llm.train.rollouts import ScoredRollouts
 

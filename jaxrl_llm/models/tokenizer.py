@@ -21,20 +21,22 @@ _CONTROL, _USER_DEFINED = 3, 4
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|endoftext|>", "<|end_of_text|>")
 
 
-def _transformers():
-    """`transformers`, imported without its advice that PyTorch is missing: only its tokenizers are used
-    here, which need no PyTorch. The environment is restored after the import."""
+def _transformers(name: str):
+    """`transformers.<name>`, loaded without transformers' advice that PyTorch is missing (its lazy import
+    gives it on first use): only its tokenizers are used here, and they need no PyTorch. The environment is
+    restored afterwards."""
     key = "TRANSFORMERS_NO_ADVISORY_WARNINGS"
     before = os.environ.get(key)
     os.environ[key] = "1"
     try:
         import transformers
+
+        return getattr(transformers, name)
     finally:
         if before is None:
             del os.environ[key]
         else:
             os.environ[key] = before
-    return transformers
 
 # Pre-tokenizer split patterns by `tokenizer.ggml.pre`: Llama 3 groups digits in threes, Qwen2 splits
 # every digit; both keep contractions, letter runs, punctuation runs and newlines apart.
@@ -109,7 +111,7 @@ class Tokenizer:
         if not folder.is_dir():
             raise FileNotFoundError(f"{folder}: no such tokenizer directory")
         try:
-            hf = _transformers().AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+            hf = _transformers("AutoTokenizer").from_pretrained(str(folder), local_files_only=True)
         except (OSError, ValueError) as err:
             raise ValueError(f"{folder}: no loadable tokenizer files ({err})") from None
         extra = []
@@ -142,7 +144,7 @@ class Tokenizer:
             token_id = meta.get(f"tokenizer.ggml.{key}")
             if token_id is not None and 0 <= token_id < len(tokens):
                 named[role] = tokens[token_id]
-        hf = _transformers().PreTrainedTokenizerFast(
+        hf = _transformers("PreTrainedTokenizerFast")(
             tokenizer_object=_byte_level_backend(meta, source),
             chat_template=meta.get("tokenizer.chat_template"),
             add_bos_token=bool(meta.get("tokenizer.ggml.add_bos_token", False)),

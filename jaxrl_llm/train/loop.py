@@ -227,7 +227,7 @@ def evaluate_policy(run: Run, label: str, log) -> dict[str, Any]:
                        k=cfg.train.eval_samples, max_new_tokens=cfg.sampling.max_new_tokens,
                        temperature=cfg.train.eval_temperature, top_p=cfg.sampling.top_p, top_k=cfg.sampling.top_k,
                        template=cfg.data.prompt, seed=cfg.train.seed + 1000, return_samples=True, mesh=run.mesh,
-                       samples_per_call=cfg.sampling.max_rows_per_call or 128)  # the KV cache bound sampling uses
+                       samples_per_call=eval_rows_per_call(cfg.sampling))
     correct = [s["correct"] for s in metrics.pop("samples")]
     k = cfg.train.eval_samples
     result = {"accuracy": float(metrics[f"avg@{k}"]), "sampling_sd": sampling_sd(correct),
@@ -236,6 +236,13 @@ def evaluate_policy(run: Run, label: str, log) -> dict[str, Any]:
         f"{len(correct)} problems, pass@{k} = {metrics[f'pass@{k}']:.3f}, format {metrics['format_rate']:.2f} "
         f"({metrics['seconds']:.0f}s)")
     return result
+
+
+def eval_rows_per_call(sampling) -> int:
+    """Rows an evaluation decodes per sampler call: `sampling.max_rows_per_call`, else no more than a training
+    step's rows and at most 128 (the KV cache grows with the rows of a call; the demo's 64 rows also reuse the
+    training sampler's compiled decode)."""
+    return sampling.max_rows_per_call or min(128, sampling.prompts_per_step * sampling.samples_per_prompt)
 
 
 def sampling_sd(correct: list[list[float]]) -> float:
