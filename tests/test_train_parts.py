@@ -129,6 +129,40 @@ def test_release_free_host_memory_returns_freed_pages():
     del kept
 
 
+FREE_AFTER_LARGE_BLOCK = r"""
+import sys
+from jaxrl_llm.train.setup import map_large_host_allocations
+if sys.argv[1] == "mapped":
+    assert map_large_host_allocations()
+def rss_mb():
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith("VmRSS")) / 1024
+big = bytearray(30 * 2**20)
+del big  # a 30 MB mapped block freed: glibc's own threshold rises to 30 MB
+blocks, kept = [], []
+for _ in range(200):  # 1 MB blocks, each followed by a small kept one
+    blocks.append(bytearray(2**20))
+    kept.append(bytearray(2048))
+held = rss_mb()
+del blocks
+print(held - rss_mb())
+"""
+
+
+def test_map_large_host_allocations_returns_freed_buffers():
+    """With the fixed threshold, 200 freed 1 MB buffers leave RSS at once; with glibc's raised threshold they
+    sit in the heap between kept blocks and stay resident."""
+    import ctypes
+    import subprocess
+    import sys
+
+    if not hasattr(ctypes.CDLL(None), "mallopt"):
+        pytest.skip("no glibc mallopt on this platform")
+    freed = {mode: float(subprocess.run([sys.executable, "-c", FREE_AFTER_LARGE_BLOCK, mode], capture_output=True,
+                                        text=True, check=True).stdout.split()[-1]) for mode in ("default", "mapped")}
+    assert freed["mapped"] > 150 and freed["default"] < 50, freed
+
+
 def _scored(rewards_by_group, resp=4):
     from jaxrl_llm.train.rollouts import ScoredRollouts
 

@@ -240,8 +240,7 @@ def evaluate_policy(run: Run, label: str, log) -> dict[str, Any]:
 
 def eval_rows_per_call(sampling) -> int:
     """Rows an evaluation decodes per sampler call: `sampling.max_rows_per_call`, else no more than a training
-    step's rows and at most 128 (the KV cache grows with the rows of a call; the demo's 64 rows also reuse the
-    training sampler's compiled decode)."""
+    step's rows and at most 128 (the KV cache grows with the rows of a call)."""
     return sampling.max_rows_per_call or min(128, sampling.prompts_per_step * sampling.samples_per_prompt)
 
 
