@@ -232,8 +232,8 @@ def test_chunk_keys_reach_the_stages_and_change_nothing(params, monkeypatch):
     import jaxrl_llm.train.gvm as gvm_module
 
     seen = []
-    real = gvm_module.prompt_grad_norms
-    monkeypatch.setattr(gvm_module, "prompt_grad_norms", lambda *a, **kw: seen.append(kw["rows_per_chunk"])
+    real = gvm_module.prompt_grad_norm_sums
+    monkeypatch.setattr(gvm_module, "prompt_grad_norm_sums", lambda *a, **kw: seen.append(kw["rows_per_chunk"])
                         or real(*a, **kw))
     records = _records(["yes", "even", "no", "even"])
     runs = [gvm_rollouts(params, TINY, StubTokenizer(), records, sampling, StubScorer(), jax.random.PRNGKey(4),

@@ -93,6 +93,11 @@ class SamplingSection:
     # "gvm": n_i by G_i / sqrt(p_i + alpha / p_i^(beta - 1)); "solved": the budget split evenly over the prompts
     # solved in stage 1 (GVM's filter without its weighting, a control for the weighting's effect).
     gvm_weighting: str = "gvm"
+    # Where p_i and G_i come from: "stage1", N' fresh samples of every prompt each GVM step (the paper);
+    # "history", the prompt's earlier rollouts, stage 1 only for prompts never seen (train/gvm_history.py).
+    gvm_estimates: str = "stage1"
+    gvm_history_decay: float = 0.5  # weight of a prompt's older visits against its newest one (history)
+    gvm_history_probe: int = 2  # stage-1 samples for a prompt unsolved at every visit so far (history); 0: none
 
 
 @dataclass(frozen=True)
@@ -188,6 +193,7 @@ class ConfigError(ValueError):
 _ALLOWED = {
     ("sampling", "allocation"): {"uniform", "gvm"},
     ("sampling", "gvm_weighting"): {"gvm", "solved"},
+    ("sampling", "gvm_estimates"): {"stage1", "history"},
     ("algorithm", "advantage"): {"raft", "grpo", "drgrpo", "rloo", "reinforce_rej"},
     ("algorithm", "loss"): {"clip", "vanilla"},
     ("algorithm", "agg"): {"token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm",
@@ -362,6 +368,8 @@ def validate(config: RunConfig) -> None:
          "must be >= 0 (0 disables the filter)"),
         ("sampling.gvm_max_samples", config.sampling.gvm_max_samples >= 0, "must be >= 0 (0: no cap)"),
         ("sampling.gvm_refresh_every", config.sampling.gvm_refresh_every >= 1, "must be >= 1"),
+        ("sampling.gvm_history_decay", 0 <= config.sampling.gvm_history_decay <= 1, "must be in [0, 1]"),
+        ("sampling.gvm_history_probe", config.sampling.gvm_history_probe >= 0, "must be >= 0 (0: no probe)"),
         ("sampling.gvm_rows_per_chunk", config.sampling.gvm_rows_per_chunk >= 0,
          "must be >= 0 (0: optim.micro_batch_size rows at a time)"),
         ("sampling.gvm_param_subset", bool(config.sampling.gvm_param_subset.strip(", ")),

@@ -30,6 +30,7 @@ from jax.sharding import PartitionSpec as P
 from jaxrl_llm.models.sharding import BATCH_SPEC
 from jaxrl_llm.objectives import gvm_allocate
 from jaxrl_llm.train.config import SamplingSection
+from jaxrl_llm.train.gvm_history import GvmHistory
 from jaxrl_llm.train.logprobs import row_logprobs
 from jaxrl_llm.train.rollouts import ScoredRollouts, all_rows_batch, sample_and_score
 
@@ -139,19 +140,30 @@ def prompt_grad_norms(params, model_config, scored: ScoredRollouts, *, param_sub
                       rows_per_chunk: int = 8, pad_id: int = 0, mesh=None) -> np.ndarray:
     """G_i [P]: the mean per-sample gradient norm over prompt i's accepted samples (0 when none is accepted).
     Only accepted rows are differentiated (on `mesh`: split over its batch axes)."""
+    total, count = prompt_grad_norm_sums(params, model_config, scored, param_subset=param_subset,
+                                         rows_per_chunk=rows_per_chunk, pad_id=pad_id, mesh=mesh)
+    return np.where(count > 0, total / np.maximum(count, 1), 0.0).astype(np.float32)
+
+
+def prompt_grad_norm_sums(params, model_config, scored: ScoredRollouts, *, param_subset: str | Sequence[str] = "embed",
+                          rows_per_chunk: int = 8, pad_id: int = 0, mesh=None,
+                          max_rows_per_prompt: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """(sum, count) [P] of the per-sample gradient norms of prompt i's accepted samples: its first
+    `max_rows_per_prompt` accepted samples when that is > 0, all of them otherwise."""
     num_prompts = len(scored.records)
     accepted = np.flatnonzero(scored.correct)
+    if max_rows_per_prompt > 0 and accepted.size:
+        index = scored.prompt_index[accepted]
+        rank = np.array([np.sum(index[:k] == index[k]) for k in range(index.size)])
+        accepted = accepted[rank < max_rows_per_prompt]
     if accepted.size == 0:
-        return np.zeros(num_prompts, np.float32)
-    rows = _take_rows(scored, accepted)
-    batch = all_rows_batch(rows, rows_per_chunk, pad_id)
+        return np.zeros(num_prompts, np.float64), np.zeros(num_prompts, np.int64)
+    batch = all_rows_batch(_take_rows(scored, accepted), rows_per_chunk, pad_id)
     norms = per_sample_grad_norms(params, model_config, batch.tokens, batch.prompt_lens, batch.response_tokens,
                                   batch.mask, param_subset=param_subset, rows_per_chunk=rows_per_chunk, mesh=mesh)
-    norms = norms[:accepted.size]
     index = scored.prompt_index[accepted]
-    total = np.bincount(index, weights=norms, minlength=num_prompts)
-    count = np.bincount(index, minlength=num_prompts)
-    return np.where(count > 0, total / np.maximum(count, 1), 0.0).astype(np.float32)
+    return (np.bincount(index, weights=norms[:accepted.size], minlength=num_prompts),
+            np.bincount(index, minlength=num_prompts))
 
 
 def _take_rows(scored: ScoredRollouts, rows: np.ndarray) -> ScoredRollouts:
@@ -215,7 +227,8 @@ def allocate_samples(accept_rate: np.ndarray, grad_norm: np.ndarray, sampling: S
 # ---- the two-stage sampling of one iteration --------------------------------------------------------------
 
 def gvm_rollouts(params, model_config, tokenizer, records: list[dict], sampling: SamplingSection, scorer,
-                 rng: jax.Array, *, rows_per_chunk: int = 8, mesh=None) -> tuple[ScoredRollouts, dict[str, Any]]:
+                 rng: jax.Array, *, rows_per_chunk: int = 8, mesh=None, history: GvmHistory | None = None,
+                 visit: int = 0) -> tuple[ScoredRollouts, dict[str, Any]]:
     """Stage 1, gradient norms, allocation and stage 2 for one batch of prompts -> (scored, info).
 
     `scored` holds one group per prompt with n_i > 0 (prompt indices renumbered); when every n_i is 0 it
@@ -224,8 +237,13 @@ def gvm_rollouts(params, model_config, tokenizer, records: list[dict], sampling:
     samples drawn (both stages), sampling / scoring / gradient-norm seconds, and the allocation:
     gvm_p, gvm_grad_norm, gvm_n (lists over prompts) and their summaries. The per-sample gradient norms
     take `sampling.gvm_rows_per_chunk` rows at a time, or `rows_per_chunk` when that key is 0.
+    With a `history` (`sampling.gvm_estimates: history`, train/gvm_history.py) stage 1 draws only for the
+    prompts the history cannot estimate, p_i and G_i come from the history after this step's stage-1
+    counts join it, and the stage-2 counts and norms join it afterwards (`visit`: the step).
     """
     info = {"rounds": 2, "drawn": 0, "prompts": len(records), "filtered": 0, "sample_s": 0.0, "score_s": 0.0}
+    chunk = sampling.gvm_rows_per_chunk or rows_per_chunk
+    grad_norm_s = 0.0
 
     def draw(counts, key):
         t0 = time.perf_counter()
@@ -235,47 +253,70 @@ def gvm_rollouts(params, model_config, tokenizer, records: list[dict], sampling:
         info["drawn"] += out.num_samples
         return out
 
-    stage1 = draw(sampling.gvm_stage1_samples, jax.random.fold_in(rng, 0))
+    def norm_sums(scored, max_rows_per_prompt=0):
+        nonlocal grad_norm_s
+        t0 = time.perf_counter()
+        out = prompt_grad_norm_sums(params, model_config, scored, param_subset=sampling.gvm_param_subset,
+                                    rows_per_chunk=chunk, pad_id=tokenizer.pad_token_id, mesh=mesh,
+                                    max_rows_per_prompt=max_rows_per_prompt)
+        grad_norm_s += time.perf_counter() - t0
+        return out
+
+    def observe(scored, drawn, max_rows_per_prompt=0):
+        accepted = np.bincount(scored.prompt_index, weights=scored.correct.astype(np.float64), minlength=len(records))
+        history.observe(records, accepted, drawn, *norm_sums(scored, max_rows_per_prompt), visit=visit)
+
+    n1 = sampling.gvm_stage1_samples
+    probe = (np.full(len(records), n1, np.int64) if history is None
+             else history.probe_counts(records, n1, sampling.gvm_history_probe))
+    stage1 = draw(n1 if history is None else probe, jax.random.fold_in(rng, 0))
     accepted = np.bincount(stage1.prompt_index, weights=stage1.correct.astype(np.float64), minlength=len(records))
-    accept_rate = accepted / sampling.gvm_stage1_samples
-    t0 = time.perf_counter()
-    grad_norm = prompt_grad_norms(params, model_config, stage1, param_subset=sampling.gvm_param_subset,
-                                  rows_per_chunk=sampling.gvm_rows_per_chunk or rows_per_chunk,
-                                  pad_id=tokenizer.pad_token_id, mesh=mesh)
-    grad_norm_s = time.perf_counter() - t0
+    if history is None:
+        accept_rate = accepted / n1
+        total, count = norm_sums(stage1)
+        grad_norm = np.where(count > 0, total / np.maximum(count, 1), 0.0).astype(np.float32)
+    else:
+        observe(stage1, probe)
+        _, accept_rate, grad_norm = history.estimates(records)
     counts = allocate_samples(accept_rate, grad_norm, sampling)
     info["gvm"] = {**allocation_log(accept_rate, grad_norm, counts, sampling, stage1),
-                   "time_gvm_grad_norm_s": grad_norm_s}
+                   "gvm_stage1_drawn": int(probe.sum())}
     if counts.sum() == 0:
+        info["gvm"]["time_gvm_grad_norm_s"] = grad_norm_s
         info["skip_update"] = True
         info["skip_reason"] = ("GVM: every prompt got n_i = 0 (" + (
-            "no stage-1 sample was accepted" if accepted.sum() == 0 else "the filters removed every prompt")
+            "the filters removed every prompt" if np.sum(accept_rate) > 0 else "no stage-1 sample was accepted"
+            if history is None else "no prompt has an accepted sample in its history")
             + "); nothing drawn in stage 2, update skipped")
         return stage1, info
-    # Stage 2's records carry the stage-1 rate: the unbiased M-step (agg prompt-mean-unbiased) divides by n_i p_i.
-    records = [{**record, "gvm_accept_rate": float(p)} for record, p in zip(records, accept_rate)]
-    if sampling.gvm_reuse_stage1:
-        fresh = draw(np.maximum(counts - sampling.gvm_stage1_samples, 0), jax.random.fold_in(rng, 1))
-        stage2 = reuse_stage1(stage1, fresh, counts)
-    else:
-        stage2 = draw(counts, jax.random.fold_in(rng, 1))
+    # Stage 2's records carry the p_i used: the unbiased M-step (agg prompt-mean-unbiased) divides by n_i p_i.
+    stage2_records = [{**record, "gvm_accept_rate": float(p)} for record, p in zip(records, accept_rate)]
+    fresh_counts = np.maximum(counts - probe, 0) if sampling.gvm_reuse_stage1 else counts
+    fresh = draw(fresh_counts, jax.random.fold_in(rng, 1))
+    if history is not None:  # the fresh stage-2 samples join the history (norms of at most N' accepted per prompt)
+        observe(fresh, fresh_counts, max_rows_per_prompt=n1)
+    fresh = ScoredRollouts(records=stage2_records, **{f: getattr(fresh, f) for f in _ROW_FIELDS})
+    stage2 = reuse_stage1(stage1, fresh, counts) if sampling.gvm_reuse_stage1 else fresh
+    info["gvm"]["time_gvm_grad_norm_s"] = grad_norm_s
     keep = counts > 0
     info["filtered"] = int((~keep).sum())
     return stage2.select_groups(keep), info
 
 
+_ROW_FIELDS = ("prompt_index", "tokens", "mask", "logprobs", "lengths", "rewards", "correct")
+
+
 def reuse_stage1(stage1: ScoredRollouts, fresh: ScoredRollouts, counts: np.ndarray) -> ScoredRollouts:
-    """Groups of exactly counts[i] rows: prompt i's first min(counts[i], N') stage-1 rows, then its fresh rows
-    (`fresh` holds max(counts[i] - N', 0) rows of prompt i). Rows come out ordered by prompt; the records are
+    """Groups of exactly counts[i] rows: prompt i's first min(counts[i], m_i) stage-1 rows (m_i of them were
+    drawn), then its fresh rows (`fresh` holds max(counts[i] - m_i, 0) rows of prompt i). Rows come out ordered by prompt; the records are
 `fresh`'s."""
     rank = np.zeros(stage1.num_samples, np.int64)
     for i in np.unique(stage1.prompt_index):  # position of each row among its prompt's samples
         rows = np.flatnonzero(stage1.prompt_index == i)
         rank[rows] = np.arange(rows.size)
     kept = _take_rows(stage1, np.flatnonzero(rank < np.asarray(counts)[stage1.prompt_index]))
-    fields = ("prompt_index", "tokens", "mask", "logprobs", "lengths", "rewards", "correct")
     merged = ScoredRollouts(records=fresh.records, **{f: np.concatenate([getattr(kept, f), getattr(fresh, f)])
-                                                       for f in fields})
+                                                       for f in _ROW_FIELDS})
     return _take_rows(merged, np.argsort(merged.prompt_index, kind="stable"))
 
 

@@ -28,6 +28,7 @@ from jaxrl_llm.eval import evaluate
 from jaxrl_llm.train.algorithms import mixed_groups, needs_reference, sequence_advantages, token_advantages
 from jaxrl_llm.train.config import RunConfig
 from jaxrl_llm.train.gvm import gvm_rollouts
+from jaxrl_llm.train.gvm_history import GvmHistory
 from jaxrl_llm.train.packing import unpack
 from jaxrl_llm.train.rollouts import ScoredRollouts, build_train_batches, packed_rollouts, sample_and_score
 from jaxrl_llm.train.setup import Run, setup_run
@@ -129,7 +130,7 @@ def collect_rollouts(run: Run, step: int, books: dict) -> tuple[ScoredRollouts, 
     key = jax.random.fold_in(jax.random.PRNGKey(cfg.train.seed), step)
     gvm = cfg.sampling.allocation == "gvm"
     if gvm and step % cfg.sampling.gvm_refresh_every == 0:
-        return collect_gvm_rollouts(run, key, books)
+        return collect_gvm_rollouts(run, key, books, step)
     per_prompt = cfg.sampling.gvm_samples_per_prompt if gvm else cfg.sampling.samples_per_prompt
     kept_parts, info = [], {"rounds": 0, "drawn": 0, "prompts": 0, "filtered": 0, "sample_s": 0.0, "score_s": 0.0}
     need = cfg.sampling.prompts_per_step
@@ -162,12 +163,17 @@ def collect_rollouts(run: Run, step: int, books: dict) -> tuple[ScoredRollouts, 
     return scored, info
 
 
-def collect_gvm_rollouts(run: Run, key: jax.Array, books: dict) -> tuple[ScoredRollouts, dict]:
+def collect_gvm_rollouts(run: Run, key: jax.Array, books: dict, step: int) -> tuple[ScoredRollouts, dict]:
     """GVM's two sampling stages on one prompt batch; both stages count as samples drawn. The `mixed`
-    group filter applies to the stage-2 groups."""
+    group filter applies to the stage-2 groups. With `gvm_estimates: history` the per-prompt estimates live
+    in books["gvm_history"] and are saved with every checkpoint."""
     cfg = run.config
+    history = None
+    if cfg.sampling.gvm_estimates == "history":
+        history = books.setdefault("gvm_history", GvmHistory(decay=cfg.sampling.gvm_history_decay))
     scored, info = gvm_rollouts(run.state.params, run.model_config, run.tokenizer, next(run.data), cfg.sampling,
-                                run.scorer, key, rows_per_chunk=cfg.optim.micro_batch_size, mesh=run.mesh)
+                                run.scorer, key, rows_per_chunk=cfg.optim.micro_batch_size, mesh=run.mesh,
+                                history=history, visit=step)
     if cfg.algorithm.group_filter == "mixed" and not info.get("skip_update"):
         keep = mixed_groups(scored.rewards, scored.prompt_index, len(scored.records))
         info["filtered"] += int((~keep).sum())
@@ -286,6 +292,8 @@ def new_books() -> dict:
 def save(run: Run, step: int, books: dict, eval_accuracy: float | None) -> None:
     extra = {"step": step, "data": run.data.get_state(), "counters": books["counters"],
              "summary": books["summary"], "config": run.config.to_dict()}
+    if "gvm_history" in books:
+        extra["gvm_history"] = books["gvm_history"].to_json()
     run.checkpointer.save(step, run.state, extra, eval_accuracy=eval_accuracy)
 
 
@@ -295,7 +303,10 @@ def restore(run: Run) -> tuple[int, dict]:
         return 0, new_books()
     step, run.state, extra = run.checkpointer.restore(run.state)
     run.data.set_state(extra["data"])
-    return step, {"counters": extra["counters"], "summary": extra["summary"]}
+    books = {"counters": extra["counters"], "summary": extra["summary"]}
+    if "gvm_history" in extra:
+        books["gvm_history"] = GvmHistory.from_json(extra["gvm_history"])
+    return step, books
 
 
 def any_process(flag: bool) -> bool:
