@@ -71,6 +71,10 @@ ARMS = {
     # The update-count control: the authors' verl scripts give the GVM arm about 8x the optimizer updates of
     # the uniform n = 8 arm; this arm gives uniform sampling 8 updates per step.
     "uniform_updates": (False, ["optim.mini_batches=8"]),
+    # p_i, G_i from the prompt's earlier visits: stage 1 only for unseen prompts and probes of unsolved ones.
+    "gvm_history": (True, ["sampling.gvm_estimates=history"]),
+    "gvm_mstep_history": (True, ["sampling.gvm_estimates=history", "algorithm.agg=prompt-mean-unbiased"]),
+    "gvm_history_updates": (True, ["sampling.gvm_estimates=history", "optim.mini_batches=8"]),
 }
 
 
@@ -85,8 +89,10 @@ def run_config(algorithm: str, arm: str | bool, seed: int, args, out_dir: pathli
     overrides = [*toy_overrides(args.toy), *args.set, *extra]
     base = load_config(preset, overrides)
     s = base.sampling
-    per_step = s.prompts_per_step * ((s.gvm_stage1_samples + s.gvm_samples_per_prompt) if gvm
-                                     else s.samples_per_prompt)
+    # A history arm's step draws its stage 1 only where the history is missing: its steps are counted at the
+    # stage-2 budget, so it draws somewhat more than the budget; results compare at equal samples drawn.
+    stage1 = s.gvm_stage1_samples if s.gvm_estimates == "stage1" else 0
+    per_step = s.prompts_per_step * ((stage1 + s.gvm_samples_per_prompt) if gvm else s.samples_per_prompt)
     steps = max(1, args.sample_budget // per_step)
     eval_every = max(1, round(args.eval_every_samples / per_step))
     return load_config(preset, [*overrides, f"train.steps={steps}", f"train.eval_every={eval_every}",
@@ -134,7 +140,9 @@ def first_reaching(curve: list[dict], target: float) -> dict | None:
     return next((point for point in curve if point["accuracy"] >= target), None)
 
 
-def summarise(results: list[dict], target: float) -> dict:
+def summarise(results: list[dict], target: float, budget: float = float("inf")) -> dict:
+    """Per arm: runs reaching `target` and the samples / steps / seconds they took, final accuracy, and the
+    accuracy of the last evaluation at or below `budget` samples drawn."""
     table = {}
     for key in sorted({(r["algorithm"], r["allocation"]) for r in results}):
         runs = [r for r in results if (r["algorithm"], r["allocation"]) == key]
@@ -142,11 +150,14 @@ def summarise(results: list[dict], target: float) -> dict:
         reached = [h for h in hits if h is not None]
         mean = lambda field: float(np.mean([h[field] for h in reached])) if reached else None  # noqa: E731
         finals = [r["final_accuracy"] for r in runs]
+        at_budget = [max((p for p in r["curve"] if p["samples"] <= budget), key=lambda p: p["samples"])["accuracy"]
+                     for r in runs]
         table["/".join(key)] = {
             "seeds": len(runs), "reached_target": len(reached), "samples_to_target": mean("samples"),
             "steps_to_target": mean("step"), "train_s_to_target": mean("train_s"),
             "final_accuracy_mean": float(np.mean(finals)), "final_accuracy_std": float(np.std(finals)),
-            "samples_drawn": float(np.mean([r["samples_drawn"] for r in runs]))}
+            "samples_drawn": float(np.mean([r["samples_drawn"] for r in runs])),
+            "accuracy_at_budget_mean": float(np.mean(at_budget)), "accuracy_at_budget_std": float(np.std(at_budget))}
     return table
 
 
@@ -235,7 +246,7 @@ def main() -> None:
 
 
 def report(results: list[dict], args, out: pathlib.Path) -> None:
-    table = summarise(results, args.target)
+    table = summarise(results, args.target, args.sample_budget)
     ratio = best_ratio(table)
     (out / "results.json").write_text(json.dumps({"args": vars(args), "summary": table,
                                                   "best_gvm_over_best_uniform": ratio, "runs": results}, indent=1))

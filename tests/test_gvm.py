@@ -396,3 +396,22 @@ def test_study_arms_are_configs(tmp_path):
     assert cfg["gvm_mstep"].algorithm.agg == "prompt-mean-unbiased" and cfg["gvm"].algorithm.agg == "token-mean"
     assert cfg["uniform_drop_unsolved"].sampling.gvm_weighting == "solved"
     assert cfg["uniform_drop_unsolved"].sampling.allocation == "gvm" and cfg["uniform"].sampling.allocation == "uniform"
+    # History arms count their steps at the stage-2 budget (4 x 8 = 32): stage 1 runs only for unseen prompts.
+    assert cfg["gvm_history"].train.steps == 20 and cfg["gvm_history"].sampling.gvm_estimates == "history"
+    assert cfg["gvm_history_updates"].optim.mini_batches == 8
+
+
+def test_study_accuracy_at_budget_takes_the_last_evaluation_within_it():
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).parent.parent / "benchmarks" / "gvm_study.py"
+    spec = importlib.util.spec_from_file_location("gvm_study", path)
+    study = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(study)
+    curve = [{"samples": s, "step": i, "train_s": 0.0, "accuracy": a}
+             for i, (s, a) in enumerate([(0, 0.1), (500, 0.3), (1000, 0.5), (1100, 0.9)])]
+    runs = [{"algorithm": "raftpp", "allocation": "gvm_history", "seed": 0, "curve": curve, "final_accuracy": 0.9,
+             "samples_drawn": 1100}]
+    row = study.summarise(runs, target=0.4, budget=1050)["raftpp/gvm_history"]
+    assert row["accuracy_at_budget_mean"] == 0.5 and row["samples_to_target"] == 1000
