@@ -153,6 +153,20 @@ def test_decimal_tolerance_is_relative_and_only_for_decimals():
         ("0.111", "0,111", True),
         ("1,222", "1.222", False),
         ("2,3", "2.3", False),  # two digits in a list
+        # repeating decimals: (IFR - IF) / (10^|F| (10^|R| - 1))
+        (r"0.\overline{3}", r"\frac{1}{3}", True),
+        (r"0.1\overline{6}", r"\frac{1}{6}", True),
+        (r"$2.\overline{45}$", r"\frac{27}{11}", True),
+        (r"0.\overline{142857}", r"\frac{1}{7}", True),
+        (r"1.\overline{9}", "2", True),
+        (r"0.\overline{3}", "0.3", False),
+        (r"0.\overline{3}", r"\frac{1}{3}0", False),
+        # a bare i is the imaginary unit against a complex value
+        (r"\sqrt{-1}", "i", True),
+        (r"\sqrt{-4}", "2i", True),
+        (r"\frac{1+\sqrt{-3}}{2}", r"\frac{1}{2}+\frac{\sqrt{3}}{2}i", True),
+        (r"\sqrt{-1}", "-i", False),
+        (r"\sqrt{-4}", "2", False),
     ],
 )
 def test_peer_conventions_and_fixed_bugs(pred, gold, expected):

@@ -97,6 +97,17 @@ def _strip_math_delimiters(text: str) -> str:
     return text
 
 
+_REPEATING_DECIMAL = re.compile(r"(?<![\d.])(\d*)\.(\d*)\\(?:overline|bar|dot)\s*(?:\{(\d+)\}|(\d))")
+
+
+def _repeating_decimal_fraction(match: re.Match) -> str:
+    """``0.1\\overline{6}`` -> ``\\frac{15}{90}``: x = (IFR - IF) / (10^|F| (10^|R| - 1)) for the integer
+    part I, the fixed digits F and the repeating digits R, each read as a digit string."""
+    whole, fixed, repeat = match.group(1) or "0", match.group(2), match.group(3) or match.group(4)
+    numerator = int(whole + fixed + repeat) - int(whole + fixed)
+    return "\\frac{%d}{%d}" % (numerator, 10 ** len(fixed) * (10 ** len(repeat) - 1))
+
+
 def normalize_answer(answer: str) -> str:
     """Canonical string form of one answer (whitespace collapsed to single spaces).
 
@@ -112,6 +123,7 @@ def normalize_answer(answer: str) -> str:
     elif text.startswith("\\boxed{"):  # a box left open: its content runs to the end
         text = text[len("\\boxed{") :]
     text = _strip_math_delimiters(text)
+    text = _REPEATING_DECIMAL.sub(_repeating_decimal_fraction, text)
     text = _TRAILING_TEXT.sub("", text)
     text = re.sub(r",\\!\s*(?=\d{3})", ",", text)  # "11,\\! 111" is a thousands separator
     text = text.replace("\n", " ").replace("\\!", "")

@@ -136,6 +136,28 @@ def _undefined(expr) -> bool:
     return bool(expr.has(sympy.zoo, sympy.nan))
 
 
+def _imaginary_unit(a, b):
+    """A bare ``i`` is the imaginary unit when the other side's value is complex (``\\sqrt{-4}`` against
+    ``2i``): the parser reads ``i`` as a variable and ``\\sqrt{-4}`` as ``2 I``."""
+    import sympy
+
+    def named_i(expr):
+        return next((s for s in expr.free_symbols if s.name == "i"), None)
+
+    def complex_valued(expr):
+        if expr.has(sympy.I):
+            return True
+        value = None if expr.free_symbols else _as_complex(expr.evalf(_EXACT_DIGITS))
+        return value is not None and value.imag != 0
+
+    for x, y in ((a, b), (b, a)):
+        symbol = named_i(y)
+        if symbol is not None and named_i(x) is None and not y.has(sympy.I) and complex_valued(x):
+            y = y.subs(symbol, sympy.I)
+            return (x, y) if x is a else (y, x)
+    return a, b
+
+
 def expressions_equal(a, b, rel_tol: float = REL_TOL) -> bool:
     """Equality of two sympy expressions under the rules in the module docstring."""
     import sympy
@@ -144,6 +166,7 @@ def expressions_equal(a, b, rel_tol: float = REL_TOL) -> bool:
         return False  # 1/0 is no number, so it equals nothing (5/0 included)
     if a == b:
         return True
+    a, b = _imaginary_unit(a, b)
     tolerant = _has_float(a) or _has_float(b)
     symbols = a.free_symbols | b.free_symbols
     if not symbols:
