@@ -75,6 +75,10 @@ ARMS = {
     "gvm_history": (True, ["sampling.gvm_estimates=history"]),
     "gvm_mstep_history": (True, ["sampling.gvm_estimates=history", "algorithm.agg=prompt-mean-unbiased"]),
     "gvm_history_updates": (True, ["sampling.gvm_estimates=history", "optim.mini_batches=8"]),
+    # Half the samples per step, 8 updates each: far above the gradient noise scale a step needs fewer.
+    "uniform_updates_n4": (False, ["optim.mini_batches=8", "sampling.samples_per_prompt=4"]),
+    "gvm_history_updates_n4": (True, ["sampling.gvm_estimates=history", "optim.mini_batches=8",
+                                      "sampling.gvm_samples_per_prompt=4"]),
 }
 
 

@@ -399,6 +399,8 @@ def test_study_arms_are_configs(tmp_path):
     # History arms count their steps at the stage-2 budget (4 x 8 = 32): stage 1 runs only for unseen prompts.
     assert cfg["gvm_history"].train.steps == 20 and cfg["gvm_history"].sampling.gvm_estimates == "history"
     assert cfg["gvm_history_updates"].optim.mini_batches == 8
+    # The n = 4 arms: 4 x 4 = 16 samples a step, 40 steps in 640.
+    assert cfg["uniform_updates_n4"].train.steps == cfg["gvm_history_updates_n4"].train.steps == 40
 
 
 def test_study_accuracy_at_budget_takes_the_last_evaluation_within_it():
