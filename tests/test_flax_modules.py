@@ -139,9 +139,9 @@ def test_value_model_trains_one_step_from_policy_weights():
     model = ValueModel(config)
     params = model.init(jax.random.key(0), tokens, positions)["params"]
     # The trunk is named as the policy: the policy's weights (without lm_head) initialise it.
-    assert jax.tree.structure(nn.unbox(params["trunk"])) == jax.tree.structure(
-        {k: v for k, v in policy.items() if k != "lm_head"})
-    params = {"trunk": {k: v for k, v in policy.items() if k != "lm_head"}, "value_head": nn.unbox(params["value_head"])}
+    trunk = {k: v for k, v in policy.items() if k != "lm_head"}
+    assert jax.tree.structure(nn.unbox(params["trunk"])) == jax.tree.structure(trunk)
+    params = {"trunk": trunk, "value_head": nn.unbox(params["value_head"])}
     values = model.apply({"params": params}, tokens, positions, attention_mask=mask)
     assert values.shape == (2, 7) and values.dtype == jnp.float32
     hidden = hidden_jit(policy, config, tokens, positions, attention_mask=mask)
