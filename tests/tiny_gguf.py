@@ -194,3 +194,54 @@ def rewrite_gguf(source, target, *, replace=None, extra=None) -> None:
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+SPM_CORPUS = (
+    "The quick brown fox jumps over the lazy dog.",
+    "Let's think step by step and output the final answer within \\boxed{}.",
+    "x = 12345678 + 9.75 - 1,000,000.00",
+    "What is 7 + 5? The answer is 12. [INST] Solve it. [/INST]",
+    "  leading\n\n\ttabs   and  spaces",
+)
+
+
+def train_sentencepiece(directory, vocab_size: int = 400) -> pathlib.Path:
+    """Train a SentencePiece BPE model with Llama 2's settings (byte fallback, split digits, no
+    normalisation, a dummy prefix, whitespace kept) on a small corpus; returns tokenizer.model's folder."""
+    import sentencepiece
+
+    folder = pathlib.Path(directory)
+    folder.mkdir(parents=True, exist_ok=True)
+    sentencepiece.SentencePieceTrainer.train(
+        sentence_iterator=iter(SPM_CORPUS * 20), model_prefix=str(folder / "tokenizer"), model_type="bpe",
+        vocab_size=vocab_size, hard_vocab_limit=False, byte_fallback=True, split_digits=True,
+        normalization_rule_name="identity", add_dummy_prefix=True, remove_extra_whitespaces=False,
+        allow_whitespace_only_pieces=True, character_coverage=1.0, minloglevel=2)
+    return folder
+
+
+def write_sentencepiece_gguf(path, model_folder, *, add_bos: bool | None = None, scores: bool = True) -> None:
+    """A GGUF holding only the tokenizer of `model_folder`/tokenizer.model, its tokens, scores and token types
+    as llama.cpp's converter reads them (gguf.vocab.SentencePieceVocab); no tensors."""
+    import gguf
+    from gguf.vocab import SentencePieceVocab
+
+    vocab = SentencePieceVocab(pathlib.Path(model_folder))
+    tokens, token_scores, types = zip(*vocab.all_tokens())
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_tokenizer_model("llama")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list([t.decode("utf-8") for t in tokens])
+    if scores:
+        writer.add_token_scores(list(token_scores))
+    writer.add_token_types([int(t) for t in types])
+    writer.add_unk_token_id(0)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    if add_bos is not None:
+        writer.add_add_bos_token(add_bos)
+    writer.add_add_space_prefix(True)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
