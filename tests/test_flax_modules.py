@@ -85,6 +85,9 @@ def test_module_init_gives_the_init_params_tree(name, dtype):
     assert jax.tree.structure(ours) == jax.tree.structure(ref)
     assert jax.tree.map(lambda x: (x.shape, x.dtype), ours) == jax.tree.map(lambda x: (x.shape, x.dtype), ref)
     assert ("lm_head" in ours) == (not config.tie_word_embeddings)
+    # The boxed variables apply as they are, giving forward's logits on the unboxed tree.
+    boxed_logits = jax.jit(lambda v: Decoder(config).apply(v, tokens, positions))(variables)
+    np.testing.assert_array_equal(np.asarray(boxed_logits), np.asarray(forward_jit(ours, config, tokens, positions)))
     # The initialisers of init_params: norms 1, biases 0, weights N(0, 0.02^2), layers drawn independently.
     layers = ours["layers"]
     assert all(np.all(np.asarray(v) == 1) for k, v in layers.items() if k.endswith("norm"))
