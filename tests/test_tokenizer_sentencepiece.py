@@ -79,3 +79,11 @@ def test_merges_by_hand():
     mergeable = [True] * 6 + [False]
     assert sentencepiece_merges(tokens, scores, mergeable) == [("a", "b"), ("ab", "b")]
     assert sentencepiece_merges(tokens, scores) == [("<", "s>"), ("a", "b"), ("ab", "b")]
+
+
+def test_save_pretrained_round_trips(pair, tmp_path):
+    ours, _ = pair
+    back = Tokenizer.from_pretrained(ours.save_pretrained(tmp_path))
+    for text in TEXTS + ["<s>[INST] hi</s>"]:
+        assert back.encode(text) == ours.encode(text), text
+    assert back.encode("hi", add_special_tokens=True) == ours.encode("hi", add_special_tokens=True)
