@@ -1,10 +1,11 @@
 """SentencePiece GGUF vocabularies (Llama 2, Mistral): ids equal SentencePiece's own on a model trained
 here with Llama 2's settings and written to a GGUF the way llama.cpp's converter reads it."""
 
+import numpy as np
 import pytest
 
 from jaxrl_llm.models.tokenizer import Tokenizer, sentencepiece_merges
-from tiny_gguf import train_sentencepiece, write_sentencepiece_gguf
+from tiny_gguf import train_sentencepiece, write_sentencepiece_gguf, write_tiny_gguf
 
 TEXTS = [
     "The quick brown fox jumps over the lazy dog.",
@@ -87,3 +88,18 @@ def test_save_pretrained_round_trips(pair, tmp_path):
     for text in TEXTS + ["<s>[INST] hi</s>"]:
         assert back.encode(text) == ours.encode(text), text
     assert back.encode("hi", add_special_tokens=True) == ours.encode("hi", add_special_tokens=True)
+
+
+def test_load_gguf_of_a_sentencepiece_llama(pair, spm_folder, tmp_path):
+    # A Llama 2 / Mistral shaped file: llama architecture, SentencePiece vocabulary, weights sized to it.
+    from jaxrl_llm.models import forward, load_gguf
+
+    _, sp = pair
+    write_tiny_gguf(tmp_path / "m.gguf", "llama", sentencepiece=spm_folder, add_bos=True)
+    config, params, tokenizer = load_gguf(tmp_path / "m.gguf")
+    assert config.vocab_size == tokenizer.vocab_size == sp.vocab_size()
+    assert (config.bos_token_id, config.eos_token_id) == (1, 2)
+    ids = tokenizer.encode("The answer is 12.", add_special_tokens=True)
+    assert ids == [1, *sp.encode("The answer is 12.")]
+    logits = forward(params, config, np.array([ids]), np.arange(len(ids))[None])
+    assert logits.shape == (1, len(ids), sp.vocab_size()) and bool(np.isfinite(np.asarray(logits)).all())
