@@ -37,7 +37,8 @@ def pair(spm_folder, tmp_path_factory):
 
     path = tmp_path_factory.mktemp("gguf") / "spm.gguf"
     write_sentencepiece_gguf(path, spm_folder)
-    return Tokenizer.from_gguf(path), sentencepiece.SentencePieceProcessor(model_file=str(spm_folder / "tokenizer.model"))
+    reference = sentencepiece.SentencePieceProcessor(model_file=str(spm_folder / "tokenizer.model"))
+    return Tokenizer.from_gguf(path), reference
 
 
 def test_ids_and_text_equal_sentencepiece(pair):
