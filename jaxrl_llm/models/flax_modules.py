@@ -75,7 +75,7 @@ def logical_axis_rules(rules: list[tuple[str, P]] | None = None) -> tuple[tuple[
     is_axes = lambda x: isinstance(x, tuple)  # noqa: E731
     shapes = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, jnp.float32), param_shapes(config), is_leaf=is_axes)
     specs = param_partition_specs(shapes, partition_rules(config) if rules is None else rules)
-    names_of, mesh_of = {}, {}
+    mesh_of = {}
     for (path, axes), spec in zip(jax.tree_util.tree_leaves_with_path(param_logical_axes(config), is_leaf=is_axes),
                                   jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))):
         for name, mesh_axis in zip(axes, tuple(spec) + (None,) * (len(axes) - len(spec))):
