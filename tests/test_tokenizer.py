@@ -128,8 +128,9 @@ def test_bad_inputs_are_named(tmp_path):
         Tokenizer.from_pretrained(tmp_path / "empty")
     with pytest.raises(FileNotFoundError, match="x.gguf: no such GGUF file"):
         Tokenizer.from_gguf(tmp_path / "x.gguf")
-    with pytest.raises(ValueError, match=r"m.gguf: GGUF tokenizer model 'llama' is not supported"):
-        Tokenizer.from_gguf_metadata({"tokenizer.ggml.model": "llama"}, source="m.gguf")
+    with pytest.raises(ValueError, match=r"m.gguf: GGUF tokenizer model 'bert' is not supported \(supported: "
+                                         r"'gpt2', 'llama'\)"):
+        Tokenizer.from_gguf_metadata({"tokenizer.ggml.model": "bert"}, source="m.gguf")
     write_tiny_gguf(tmp_path / "t.gguf", "llama")
     tok = Tokenizer.from_gguf(tmp_path / "t.gguf")
     tok.hf.chat_template = None

@@ -52,10 +52,10 @@ def llama_cpp_interleave(weight: np.ndarray, heads: int) -> np.ndarray:
     return weight[np.array(order)]
 
 
-def tiny_hf_tensors(arch: str, *, tied: bool, seed: int = 0) -> dict[str, np.ndarray]:
-    """Random float32 HF-named tensors ([out, in]) of a tiny model of `arch`."""
+def tiny_hf_tensors(arch: str, *, tied: bool, seed: int = 0, vocab_size: int | None = None) -> dict[str, np.ndarray]:
+    """Random float32 HF-named tensors ([out, in]) of a tiny model of `arch` (default vocabulary: tiny_vocab())."""
     rng = np.random.default_rng(seed)
-    vocab = len(tiny_vocab())
+    vocab = len(tiny_vocab()) if vocab_size is None else vocab_size
 
     def w(*shape, scale=0.2):
         return (rng.standard_normal(shape) * scale).astype(np.float32)
@@ -104,16 +104,23 @@ def gguf_name(hf_name: str) -> str:
 
 
 def write_tiny_gguf(path, arch: str = "llama", *, tied: bool = False, seed: int = 0, float16: bool = False,
-                    rope_theta: float = 10000.0, add_bos: bool = False, tensors=None, pre: str = "default"):
+                    rope_theta: float = 10000.0, add_bos: bool = False, tensors=None, pre: str = "default",
+                    sentencepiece=None):
     """Write a tiny `arch` GGUF at `path`; returns the HF-layout float32 tensors it encodes.
 
     `float16` stores every matrix as F16 (the returned tensors are then the F16-rounded values);
-    `tensors` replaces the random weights (HF names) when given."""
+    `tensors` replaces the random weights (HF names) when given; `sentencepiece` (a folder with a
+    tokenizer.model, see `train_sentencepiece`) writes that vocabulary instead of the byte-level one."""
     import gguf
 
-    tensors = dict(tensors) if tensors is not None else tiny_hf_tensors(arch, tied=tied, seed=seed)
-    vocab = tiny_vocab()
     writer = gguf.GGUFWriter(str(path), arch)
+    if sentencepiece is None:
+        vocab_size = _add_byte_level_vocab(writer, pre=pre, add_bos=add_bos)
+    else:
+        vocab_size = _add_sentencepiece_vocab(writer, sentencepiece, add_bos=add_bos)
+    if tensors is None:
+        tensors = tiny_hf_tensors(arch, tied=tied, seed=seed, vocab_size=vocab_size)
+    tensors = dict(tensors)
     writer.add_block_count(LAYERS)
     writer.add_context_length(256)
     writer.add_embedding_length(HIDDEN)
@@ -125,16 +132,6 @@ def write_tiny_gguf(path, arch: str = "llama", *, tied: bool = False, seed: int 
     writer.add_rope_dimension_count(HEAD_DIM)
     writer.add_rope_freq_base(rope_theta)
     writer.add_layer_norm_rms_eps(1e-6)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre(pre)
-    writer.add_token_list(vocab)
-    writer.add_token_types([3 if tok in SPECIAL_TOKENS else 1 for tok in vocab])
-    writer.add_token_merges(list(MERGES))
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
-    writer.add_pad_token_id(0)
-    writer.add_add_bos_token(add_bos)
-    writer.add_chat_template(CHATML_TEMPLATE)
     for name, value in tensors.items():
         stored = value
         if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
@@ -148,6 +145,22 @@ def write_tiny_gguf(path, arch: str = "llama", *, tied: bool = False, seed: int 
     writer.write_tensors_to_file()
     writer.close()
     return tensors
+
+
+def _add_byte_level_vocab(writer, *, pre: str, add_bos: bool) -> int:
+    """tiny_vocab() as a byte-level BPE with MERGES and a ChatML template; returns the vocabulary size."""
+    vocab = tiny_vocab()
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(pre)
+    writer.add_token_list(vocab)
+    writer.add_token_types([3 if tok in SPECIAL_TOKENS else 1 for tok in vocab])
+    writer.add_token_merges(list(MERGES))
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_pad_token_id(0)
+    writer.add_add_bos_token(add_bos)
+    writer.add_chat_template(CHATML_TEMPLATE)
+    return len(vocab)
 
 
 def expected_hf_config(arch: str, *, tied: bool, rope_theta: float = 10000.0) -> dict:
@@ -190,6 +203,63 @@ def rewrite_gguf(source, target, *, replace=None, extra=None) -> None:
             writer.add_tensor(tensor.name, np.array(tensor.data))
     for name, value in extra.items():
         writer.add_tensor(name, value)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+SPM_CORPUS = (
+    "The quick brown fox jumps over the lazy dog.",
+    "Let's think step by step and output the final answer within \\boxed{}.",
+    "x = 12345678 + 9.75 - 1,000,000.00",
+    "What is 7 + 5? The answer is 12. [INST] Solve it. [/INST]",
+    "  leading\n\n\ttabs   and  spaces",
+)
+
+
+def train_sentencepiece(directory, vocab_size: int = 400) -> pathlib.Path:
+    """Train a SentencePiece BPE model with Llama 2's settings (byte fallback, split digits, no
+    normalisation, a dummy prefix, whitespace kept) on a small corpus; returns tokenizer.model's folder."""
+    import sentencepiece
+
+    folder = pathlib.Path(directory)
+    folder.mkdir(parents=True, exist_ok=True)
+    sentencepiece.SentencePieceTrainer.train(
+        sentence_iterator=iter(SPM_CORPUS * 20), model_prefix=str(folder / "tokenizer"), model_type="bpe",
+        vocab_size=vocab_size, hard_vocab_limit=False, byte_fallback=True, split_digits=True,
+        normalization_rule_name="identity", add_dummy_prefix=True, remove_extra_whitespaces=False,
+        allow_whitespace_only_pieces=True, character_coverage=1.0, minloglevel=2)
+    return folder
+
+
+def _add_sentencepiece_vocab(writer, model_folder, *, add_bos: bool | None = None, scores: bool = True) -> int:
+    """The vocabulary of `model_folder`/tokenizer.model: its tokens, scores and token types as llama.cpp's
+    converter reads them (gguf.vocab.SentencePieceVocab); returns the vocabulary size."""
+    from gguf.vocab import SentencePieceVocab
+
+    tokens, token_scores, types = zip(*SentencePieceVocab(pathlib.Path(model_folder)).all_tokens())
+    writer.add_tokenizer_model("llama")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list([t.decode("utf-8") for t in tokens])
+    if scores:
+        writer.add_token_scores(list(token_scores))
+    writer.add_token_types([int(t) for t in types])
+    writer.add_unk_token_id(0)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    if add_bos is not None:
+        writer.add_add_bos_token(add_bos)
+    writer.add_add_space_prefix(True)
+    return len(tokens)
+
+
+def write_sentencepiece_gguf(path, model_folder, *, add_bos: bool | None = None, scores: bool = True) -> None:
+    """A GGUF holding only the SentencePiece vocabulary of `model_folder` (no tensors)."""
+    import gguf
+
+    writer = gguf.GGUFWriter(str(path), "llama")
+    _add_sentencepiece_vocab(writer, model_folder, add_bos=add_bos, scores=scores)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -1,7 +1,8 @@
 """Decoder models: config, pure-functional forward with KV cache, HF checkpoints, sharding rules.
 
-`load_gguf`, `load_bundled`, `bundled_gguf_path` and `Tokenizer` are resolved on first use from
-their own modules, so importing this package stays light.
+`load_gguf`, `load_bundled`, `bundled_gguf_path`, `Tokenizer` and the Flax modules (`Decoder`,
+`DecoderLayer`, `ValueModel`, `logical_axis_rules`) are resolved on first use from their own modules,
+so importing this package stays light.
 """
 
 import importlib
@@ -24,6 +25,10 @@ _LAZY = {
     "load_bundled": "jaxrl_llm.models.bundled",
     "bundled_gguf_path": "jaxrl_llm.models.bundled",
     "Tokenizer": "jaxrl_llm.models.tokenizer",
+    "Decoder": "jaxrl_llm.models.flax_modules",
+    "DecoderLayer": "jaxrl_llm.models.flax_modules",
+    "ValueModel": "jaxrl_llm.models.flax_modules",
+    "logical_axis_rules": "jaxrl_llm.models.flax_modules",
 }
 
 __all__ = [

@@ -2,10 +2,18 @@
 
 Both sources end up as a `transformers` fast tokenizer, so encoding, decoding, chat templates
 (Jinja, applied by transformers' `apply_chat_template`) and `save_pretrained` behave the same way.
-From a GGUF file the byte-level BPE is rebuilt with `tokenizers` from `tokenizer.ggml.tokens` and
-`tokenizer.ggml.merges`: GPT-2's byte-to-unicode alphabet, a ByteLevel pre-tokenizer (after the
-split llama.cpp uses for that vocabulary, `tokenizer.ggml.pre`) and decoder, and the tokens marked
-CONTROL added as special tokens so they are matched whole ("<|im_end|>" is one id, never split).
+From a GGUF file the tokenizer is rebuilt with `tokenizers` from `tokenizer.ggml.tokens`:
+
+- byte-level BPE (`tokenizer.ggml.model` "gpt2": Llama 3, Qwen, SmolLM) from `tokenizer.ggml.merges`:
+  GPT-2's byte-to-unicode alphabet, a ByteLevel pre-tokenizer (after the split llama.cpp uses for
+  that vocabulary, `tokenizer.ggml.pre`) and decoder;
+- SentencePiece BPE (`tokenizer.ggml.model` "llama": Llama 2, Mistral) from `tokenizer.ggml.scores`:
+  the merges SentencePiece would make (a pair merges when the joined piece is in the vocabulary,
+  higher score first), spaces written as "▁" with one in front of the text (and after every special
+  token, as llama.cpp and the original `tokenizer.json` do), byte fallback to the <0xXX> tokens.
+
+Either way the tokens marked CONTROL are added as special tokens so they are matched whole
+("<|im_end|>" is one id, never split).
 """
 
 from __future__ import annotations
@@ -15,8 +23,10 @@ import os
 import pathlib
 from typing import Any, Mapping, Sequence
 
-# llama.cpp token types (gguf.TokenType): 3 = CONTROL (special), 4 = USER_DEFINED (added, not special).
-_CONTROL, _USER_DEFINED = 3, 4
+# llama.cpp token types (gguf.TokenType): 1 = NORMAL, 2 = UNKNOWN, 3 = CONTROL (special),
+# 4 = USER_DEFINED (added, not special), 5 = UNUSED, 6 = BYTE (SentencePiece's <0xXX> fallback pieces).
+_NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED = 1, 2, 3, 4
+_SPIECE_SPACE = "\u2581"
 # Tokens that end an assistant turn in the chat formats of the supported families.
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|endoftext|>", "<|end_of_text|>")
 
@@ -54,7 +64,7 @@ _DIGIT_FIRST_PRE = ("smollm",)
 
 def _byte_level_backend(meta: Mapping[str, Any], source: str):
     """A `tokenizers.Tokenizer` (BPE, byte level) from the tokenizer.ggml.* metadata."""
-    from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+    from tokenizers import Regex, decoders, models, pre_tokenizers
     from tokenizers import Tokenizer as Backend
 
     tokens = meta["tokenizer.ggml.tokens"]
@@ -73,16 +83,72 @@ def _byte_level_backend(meta: Mapping[str, Any], source: str):
     else:
         backend.pre_tokenizer = byte_level
     backend.decoder = decoders.ByteLevel()
-    token_types = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
-    special = [AddedToken(tok, special=True, normalized=False)
-               for tok, kind in zip(tokens, token_types) if kind == _CONTROL]
-    added = [AddedToken(tok, special=False, normalized=False)
-             for tok, kind in zip(tokens, token_types) if kind == _USER_DEFINED]
-    backend.add_special_tokens(special)
-    backend.add_tokens(added)
+    return _add_marked_tokens(backend, meta, source, special_types=(_CONTROL,))
+
+
+def _add_marked_tokens(backend, meta: Mapping[str, Any], source: str, special_types: tuple[int, ...]):
+    """Add the tokens of `special_types` as special tokens and the USER_DEFINED ones as plain added
+    tokens (both matched whole in the text); check the rebuilt vocabulary keeps every id."""
+    from tokenizers import AddedToken
+
+    tokens = meta["tokenizer.ggml.tokens"]
+    token_types = meta.get("tokenizer.ggml.token_type") or [_NORMAL] * len(tokens)
+    backend.add_special_tokens([AddedToken(tok, special=True, normalized=False)
+                                for tok, kind in zip(tokens, token_types) if kind in special_types])
+    backend.add_tokens([AddedToken(tok, special=False, normalized=False)
+                        for tok, kind in zip(tokens, token_types) if kind == _USER_DEFINED])
     if backend.get_vocab_size(with_added_tokens=True) != len(tokens):
         raise ValueError(f"{source}: GGUF vocabulary has duplicate tokens; cannot rebuild it id for id")
     return backend
+
+
+def sentencepiece_merges(tokens: Sequence[str], scores: Sequence[float],
+                         mergeable: Sequence[bool] | None = None) -> list[tuple[str, str]]:
+    """BPE merges, best first, equivalent to SentencePiece's BPE: SentencePiece joins the adjacent pair
+    whose joined piece has the highest score, so every split (left, right) of a mergeable piece into two
+    vocabulary pieces is a merge ranked by the joined piece's score (ties: shorter left piece first).
+
+    >>> sentencepiece_merges(["a", "b", "ab", "abb"], [-3.0, -4.0, -1.0, -2.0])
+    [('a', 'b'), ('ab', 'b')]
+    """
+    mergeable = [True] * len(tokens) if mergeable is None else mergeable
+    pieces = {tok for tok, ok in zip(tokens, mergeable) if ok}
+    ranked = []
+    for tok, score, ok in zip(tokens, scores, mergeable):
+        if ok:
+            ranked += [(-score, i, tok[:i], tok[i:]) for i in range(1, len(tok))
+                       if tok[:i] in pieces and tok[i:] in pieces]
+    return [(left, right) for *_, left, right in sorted(ranked)]
+
+
+def _sentencepiece_backend(meta: Mapping[str, Any], source: str):
+    """A `tokenizers.Tokenizer` (SentencePiece BPE with byte fallback) from the tokenizer.ggml.* metadata."""
+    from tokenizers import decoders, models, normalizers
+    from tokenizers import Tokenizer as Backend
+
+    tokens = meta["tokenizer.ggml.tokens"]
+    scores = meta.get("tokenizer.ggml.scores")
+    if scores is None or len(scores) != len(tokens):
+        raise ValueError(f"{source}: a SentencePiece GGUF vocabulary needs tokenizer.ggml.scores, one per token")
+    token_types = meta.get("tokenizer.ggml.token_type") or [_NORMAL] * len(tokens)
+    # SentencePiece builds text from normal pieces only; <unk>, <s>, bytes and unused pieces never merge.
+    mergeable = [kind in (_NORMAL, _USER_DEFINED) for kind in token_types]
+    unk_id = meta.get("tokenizer.ggml.unknown_token_id")
+    backend = Backend(models.BPE(vocab={tok: i for i, tok in enumerate(tokens)},
+                                 merges=sentencepiece_merges(tokens, scores, mergeable),
+                                 unk_token=tokens[unk_id] if unk_id is not None else None,
+                                 fuse_unk=True, byte_fallback=True))
+    steps = [normalizers.Replace(" ", _SPIECE_SPACE)]
+    decode = [decoders.Replace(_SPIECE_SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
+    if meta.get("tokenizer.ggml.add_space_prefix", True):  # SentencePiece's add_dummy_prefix
+        steps.insert(0, normalizers.Prepend(_SPIECE_SPACE))
+        decode.append(decoders.Strip(" ", 1, 0))
+    backend.normalizer = normalizers.Sequence(steps)
+    backend.decoder = decoders.Sequence(decode)
+    return _add_marked_tokens(backend, meta, source, special_types=(_CONTROL, _UNKNOWN))
+
+
+_BACKENDS = {"gpt2": _byte_level_backend, "llama": _sentencepiece_backend}
 
 
 class Tokenizer:
@@ -131,10 +197,12 @@ class Tokenizer:
     @classmethod
     def from_gguf_metadata(cls, meta: Mapping[str, Any], source: str = "<gguf>") -> "Tokenizer":
         """As `from_gguf`, from already-read metadata (`read_gguf_metadata`); `source` names the file
-        in errors. Only byte-level BPE vocabularies (tokenizer.ggml.model "gpt2") are supported."""
+        in errors. Byte-level BPE (tokenizer.ggml.model "gpt2") and SentencePiece BPE ("llama")
+        vocabularies are supported."""
         kind = meta.get("tokenizer.ggml.model")
-        if kind != "gpt2":
-            raise ValueError(f"{source}: GGUF tokenizer model {kind!r} is not supported (only byte-level BPE, 'gpt2')")
+        if kind not in _BACKENDS:
+            raise ValueError(f"{source}: GGUF tokenizer model {kind!r} is not supported "
+                             f"(supported: {', '.join(map(repr, _BACKENDS))})")
         if "tokenizer.ggml.tokens" not in meta:
             raise ValueError(f"{source}: GGUF metadata key tokenizer.ggml.tokens is missing")
         tokens = meta["tokenizer.ggml.tokens"]
@@ -145,9 +213,10 @@ class Tokenizer:
             if token_id is not None and 0 <= token_id < len(tokens):
                 named[role] = tokens[token_id]
         hf = _transformers("PreTrainedTokenizerFast")(
-            tokenizer_object=_byte_level_backend(meta, source),
+            tokenizer_object=_BACKENDS[kind](meta, source),
             chat_template=meta.get("tokenizer.chat_template"),
-            add_bos_token=bool(meta.get("tokenizer.ggml.add_bos_token", False)),
+            # llama.cpp adds BOS to a SentencePiece vocabulary whose file does not say otherwise
+            add_bos_token=bool(meta.get("tokenizer.ggml.add_bos_token", kind == "llama")),
             add_eos_token=bool(meta.get("tokenizer.ggml.add_eos_token", False)),
             clean_up_tokenization_spaces=False,
             **named,
