@@ -79,6 +79,11 @@ ARMS = {
     "uniform_updates_n4": (False, ["optim.mini_batches=8", "sampling.samples_per_prompt=4"]),
     "gvm_history_updates_n4": (True, ["sampling.gvm_estimates=history", "optim.mini_batches=8",
                                       "sampling.gvm_samples_per_prompt=4"]),
+    # ... and a new prompt's N' = 4 stage-1 samples reused in its stage-2 group: stage 1 costs only the
+    # samples of prompts that get n_i = 0.
+    "gvm_history_reuse_updates_n4": (True, ["sampling.gvm_estimates=history", "optim.mini_batches=8",
+                                            "sampling.gvm_samples_per_prompt=4", "sampling.gvm_stage1_samples=4",
+                                            "sampling.gvm_reuse_stage1=true"]),
 }
 
 
