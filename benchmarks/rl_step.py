@@ -226,7 +226,8 @@ def run_trl(config, policy, micro_batch: int) -> tuple[list[dict], dict]:
         split = timers.get(k, {"sample_s": float("nan"), "score_s": float("nan")})
         log = logs[k] if k < len(logs) else {}
         steps.append(dict(wall_s=end - begin, sample_s=split["sample_s"], score_s=split["score_s"],
-                          train_s=end - begin - split["sample_s"] - split["score_s"], reward=log.get("reward", float("nan")),
+                          train_s=end - begin - split["sample_s"] - split["score_s"],
+                          reward=log.get("reward", float("nan")),
                           response_length=log.get("completions/mean_length", float("nan")),
                           trl_step_time=log.get("step_time", float("nan"))))
         print(f"TRL step {k + 1}: " + step_line(steps[-1]), flush=True)
