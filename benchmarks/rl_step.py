@@ -43,6 +43,7 @@ import dataclasses
 import json
 import os
 import resource
+import shutil
 import statistics
 import tempfile
 import time
@@ -219,7 +220,10 @@ def run_trl(config, policy, micro_batch: int) -> tuple[list[dict], dict]:
     clock = StepClock()
     trainer = TimedGRPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=dataset,
                                processing_class=hf_tokenizer, callbacks=[clock])
-    trainer.train()
+    try:
+        trainer.train()
+    finally:
+        shutil.rmtree(args.output_dir, ignore_errors=True)
     logs = [entry for entry in trainer.state.log_history if "reward" in entry]
     steps = []
     for k, (begin, end) in enumerate(zip(clock.ends, clock.ends[1:])):

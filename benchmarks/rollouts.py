@@ -133,6 +133,7 @@ def row_prompts(prompts: list[list[int]], samples: int) -> list[list[int]]:
 
 def run_ours(params, config, tokenizer, prompts, samples, new_tokens, rows, repeats) -> dict:
     import jax
+    import jax.monitoring
 
     from jaxrl_llm.sampling import decode, generate, make_plan, prefill
     from jaxrl_llm.sampling.generate import _stop_array, call_plans, call_row_bucket
@@ -155,16 +156,25 @@ def run_ours(params, config, tokenizer, prompts, samples, new_tokens, rows, repe
     jax.block_until_ready(decode(params, config, state, logits, max_new_tokens=1, temperature=1.0, top_p=1.0,
                                  top_k=0, stop_ids=_stop_array(stop, config.vocab_size), rng=jax.random.key(0),
                                  pad_id=pad))
+    compiles = []  # XLA compilations inside the timed runs: none if the warm-up covered every shape
+
+    def listener(event, duration, **kwargs):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles.append(duration)
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
     seconds = []
     for r in range(repeats):
         start = time.perf_counter()
         rollout = once(r + 1)
         seconds.append(time.perf_counter() - start)
+    jax.monitoring.unregister_event_duration_listener(listener)
     useful = np.asarray(rollout.lengths, np.int64)  # a stop token is part of the response
     num_rows = len(useful)
     call_rows = call_row_bucket(num_rows, rows)
     runs = batches(num_rows, rows)
-    return summary("jaxrl_llm", useful, [useful[a:b] for a, b in runs], [call_rows] * len(runs), seconds)
+    return dict(summary("jaxrl_llm", useful, [useful[a:b] for a, b in runs], [call_rows] * len(runs), seconds),
+                compiles_in_timed_runs=len(compiles))
 
 
 def run_tunix(sampler, tokenizer, prompts, samples, new_tokens, rows, repeats) -> dict:
@@ -245,7 +255,8 @@ def main():
 
     shape = (prompts, args.samples, args.max_new_tokens, args.rows, args.repeats)
     results = [run_ours(params, config, tokenizer, *shape)]
-    print(f"jaxrl_llm done: {results[-1]['useful_tok_s']:.1f} useful tok/s", flush=True)
+    print(f"jaxrl_llm done: {results[-1]['useful_tok_s']:.1f} useful tok/s, "
+          f"{results[-1]['compiles_in_timed_runs']} compilations in the timed runs", flush=True)
     if not args.skip_peers:
         max_prompt = max(prompt_lengths)
         sampler = bench.build_tunix(config, params, cache_size=max_prompt + args.max_new_tokens + 8)
