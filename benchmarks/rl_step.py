@@ -31,9 +31,13 @@ backward in micro-batches of `--trl-micro-batch` completions), AdamW with our le
 here since it is not an accelerator). Per-step time is between `on_step_end` callbacks; sampling = its
 `_generate` (tokenisation and `model.generate`), scoring = its `_calculate_rewards`, training = the rest.
 
-google-tunix's GRPO learner (`tunix.rl.grpo.grpo_learner`) is not run: it needs an `RLCluster` of actor,
-reference and rollout models on meshes with its own rollout engine and checkpointing, and was not brought
-up on CPU here; the script says so when it runs.
+google-tunix's GRPO learner (`tunix.rl.grpo.grpo_learner.GRPOLearner`) is not run. It needs an `RLCluster`
+of actor, reference and rollout roles on meshes; a trial on CPU (tunix 0.1.7, our weights in its Llama 3 as
+`benchmarks/sampling.py` builds it, the id tokenizer of that script, a 1 x 1 mesh whose axes are
+`AxisType.Auto`, since an explicit-axes mesh fails in its embedding gather, and the batch columns as numpy
+arrays, since lists of strings are split by its tree maps) reached its rollout, and was then killed for
+memory (7.7 GB resident) on a shared 23 GB machine before finishing a step at 2 prompts x 2 samples x 16
+tokens. The script says so when it runs.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import resource
 import shutil
@@ -249,7 +254,7 @@ def main():
     parser.add_argument("--samples", type=int, default=None, help="samples per prompt (default: the shape's)")
     parser.add_argument("--max-new-tokens", type=int, default=None, help="default: the shape's")
     parser.add_argument("--trl-micro-batch", type=int, default=None,
-                        help="TRL completions per forward/backward (default: all for demo, 8 for long)")
+                        help="TRL completions per forward/backward (default: all for demo, 8 for long when it divides)")
     parser.add_argument("--skip-trl", action="store_true")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a run config override")
     parser.add_argument("--json", default=None, help="write every figure to this file")
@@ -273,15 +278,17 @@ def main():
     print(f"{args.shape}: {config.data.train} ({config.data.prompt} prompt), {s.prompts_per_step} prompts x "
           f"{s.samples_per_prompt} samples x up to {s.max_new_tokens} new tokens, lr {config.optim.lr}, "
           f"{config.train.steps} steps; load {load_before[0]:.1f} on {os.cpu_count()} cores", flush=True)
-    print("tunix GRPO: not run (its GRPO learner needs an RLCluster of meshed actor / reference / rollout "
-          "models; not brought up on CPU here)", flush=True)
+    print("tunix GRPO: not run (its GRPOLearner did not complete a step on CPU here: see this script's "
+          "docstring)", flush=True)
 
     result = dict(shape=args.shape, overrides=overrides + args.set, cpus=os.cpu_count(), jax=jax.__version__,
                   load_before=load_before)
     result["jaxrl_llm"] = {"steps": run_ours(config, policy)}
     result["jaxrl_llm"]["peak_rss_gib"] = peak_rss_gib()
     if not args.skip_trl:
-        micro = args.trl_micro_batch if args.trl_micro_batch is not None else (8 if args.shape == "long" else 0)
+        completions = config.sampling.prompts_per_step * config.sampling.samples_per_prompt
+        default_micro = math.gcd(8, completions) if args.shape == "long" else 0
+        micro = args.trl_micro_batch if args.trl_micro_batch is not None else default_micro
         trl_steps, info = run_trl(config, (model_config, params, tokenizer), micro)
         result["trl"] = {"steps": trl_steps, **info, "peak_rss_gib_process": peak_rss_gib()}
     result["load_after"] = os.getloadavg()
