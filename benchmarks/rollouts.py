@@ -272,7 +272,7 @@ def main():
 
     ours = results[0]["useful_tok_s"]
     print()
-    print(f"| sampler | rows at once | calls | useful tokens | mean / max length | wall s | useful tok/s | "
+    print("| sampler | rows at once | calls | useful tokens | mean / max length | wall s | useful tok/s | "
           f"slot-steps | occupancy | jaxrl_llm / this |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
