@@ -273,7 +273,7 @@ def main():
     ours = results[0]["useful_tok_s"]
     print()
     print("| sampler | rows at once | calls | useful tokens | mean / max length | wall s | useful tok/s | "
-          f"slot-steps | occupancy | jaxrl_llm / this |")
+          "slot-steps | occupancy | jaxrl_llm / this |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         print(f"| {r['sampler']} | {args.rows} | {r['calls']} | {r['useful_tokens']} | {r['mean_length']:.1f} / "
