@@ -115,8 +115,9 @@ class _IdTokenizer:
         return 0
 
 
-def build_tunix(config, params):
-    """tunix's Llama3 with our weights; its RoPE theta is patched to the config's (it hard-codes 1e6)."""
+def build_tunix(config, params, cache_size: int = PROMPT_LENGTH + 64 + 8):
+    """tunix's Llama3 with our weights; its RoPE theta is patched to the config's (it hard-codes 1e6).
+    `cache_size` bounds max_prompt_length + max_generation_steps of every call."""
     import functools
 
     from flax import nnx
@@ -147,7 +148,7 @@ def build_tunix(config, params):
         layer.mlp.gate_proj.kernel.value = lp["gate_proj"]
         layer.mlp.up_proj.kernel.value = lp["up_proj"]
         layer.mlp.down_proj.kernel.value = lp["down_proj"]
-    cache = tunix_sampler.CacheConfig(cache_size=PROMPT_LENGTH + 64 + 8, num_layers=config.num_layers,
+    cache = tunix_sampler.CacheConfig(cache_size=cache_size, num_layers=config.num_layers,
                                       num_kv_heads=kv, head_dim=hd)
     return tunix_sampler.Sampler(model, _IdTokenizer(), cache)
 

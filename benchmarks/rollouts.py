@@ -1,0 +1,293 @@
+"""Rollout throughput in the RL shape: useful tokens per second and slot occupancy of jaxrl_llm.sampling
+beside google-tunix's Sampler and transformers `generate`, on the same prompts, weights and row limit, in
+the same process, and the machine's roofline measured with JAX in this script.
+
+    .venv/bin/python benchmarks/rollouts.py [--problems 100] [--samples 8] [--max-new-tokens 512] [--rows 64]
+        [--repeats 1] [--skip-peers] [--json OUT]
+
+The workload is a training step's sampling: the bundled SmolLM2-135M-Instruct (float32) on the
+gsm8k-100 problems with the `reasoning` prompt preset (DESIGN's system and user turns through the
+bundled tokenizer's chat template, as the trainer builds them: `data.build_prompts`), `--samples` samples
+per problem, temperature 1 (no top-k / top-p), up to `--max-new-tokens` new tokens, each row ending at
+its first stop id (`tokenizer.stop_ids`), at most `--rows` rows decoding at once (the trainer's
+`sampling.max_rows_per_call`; also measure `--rows 128`). Rows are ordered by problem, then sample, and
+cut into consecutive batches of `--rows`:
+- jaxrl_llm: `generate(..., max_rows_per_call=rows)`, the trainer's call (`train.rollouts.sample_and_score`);
+- tunix: `Sampler(...)` on each batch of `rows` rows (the last batch padded with copies of its last row,
+  so every call has the same shapes; the copies are decoded but their tokens are not counted), with
+  `eos_tokens` = the stop ids and one `max_prompt_length` = the longest prompt;
+- transformers: `model.generate` on each batch (left padding, `eos_token_id` = the stop ids, `top_k=0`).
+
+Useful tokens: each row's tokens up to and including its first stop id (all `max_new_tokens` when none).
+Useful tokens/s = useful tokens of the whole workload / its wall time, end to end (prefill, decode and
+the copy back to the host; tokenisation of the prompts is done once, before). Each JAX sampler first runs
+an untimed warm-up that compiles the programs of the timed calls; the figures are medians over
+`--repeats` timed runs.
+
+Slot occupancy = useful tokens / decoded slot-steps. Every sampler here decodes a fixed batch of rows in
+lock step until its longest row ends (or `max_new_tokens`): a call of B rows whose longest row has L
+tokens decodes B x L token slots, of which a row of length l fills l. So slot-steps = sum over calls of
+rows in the call x the longest row of the call. For jaxrl_llm the rows of a call are its row bucket
+(`generate.call_row_bucket`, padding rows included) and the calls are consecutive runs of `--rows` output
+rows (`generate.call_plans`); its decode loop (`engine.decode_rows`) stops when every row is done, after
+max(lengths) tokens. tunix's loop stops likewise (`any(~done)`), over its padded batch; transformers
+stops when every row has emitted an eos id. Occupancy 1 means no slot decoded past its row's end;
+continuous batching (refilling a slot when its row ends) is what raises it.
+
+The roofline row is `benchmarks/sampling.py`'s: measured f32 matmul FLOP/s / (2 x parameters) per token
+(large batch) and measured read bandwidth / weight bytes (batch 1). google-tunix is installed as
+`benchmarks/sampling.py` says.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import pathlib
+import statistics
+import time
+from typing import Sequence
+
+import numpy as np
+
+
+# ---- pure helpers (tests/test_benchmarks_rollouts.py) ---------------------------------------------------
+
+def useful_lengths(tokens: np.ndarray, stop_ids: Sequence[int]) -> np.ndarray:
+    """Tokens of each row up to and including its first stop id; the row's width when it has none.
+    tokens: [R, T] generated tokens (anything may follow the first stop id)."""
+    tokens = np.asarray(tokens)
+    hit = np.isin(tokens, np.asarray(list(stop_ids)))
+    return np.where(hit.any(axis=1), hit.argmax(axis=1) + 1, tokens.shape[1]).astype(np.int64)
+
+
+def lengths_before_stop(kept: Sequence[int], max_new_tokens: int) -> np.ndarray:
+    """Useful lengths from outputs cut just before the first stop id (tunix's `out.tokens`): a row of k < max_new_tokens
+    kept tokens ended with a stop id (k + 1 useful tokens); a row of max_new_tokens kept tokens had none."""
+    kept = np.asarray(kept, np.int64)
+    return np.where(kept < max_new_tokens, kept + 1, max_new_tokens)
+
+
+def batches(n: int, size: int) -> list[tuple[int, int]]:
+    """Consecutive [start, stop) runs of at most `size` of n rows."""
+    return [(start, min(start + size, n)) for start in range(0, n, size)]
+
+
+def slot_steps(call_lengths: Sequence[np.ndarray], call_rows: Sequence[int]) -> int:
+    """Token slots decoded: sum over calls of rows of the call x its longest row (every row of a call
+    decodes until the longest one ends). call_lengths[c]: lengths of the rows decoded in call c."""
+    if len(call_lengths) != len(call_rows):
+        raise ValueError(f"{len(call_lengths)} calls of lengths but {len(call_rows)} row counts")
+    total = 0
+    for lengths, rows in zip(call_lengths, call_rows):
+        lengths = np.asarray(lengths)
+        if lengths.size > rows:
+            raise ValueError(f"a call of {rows} rows cannot hold {lengths.size} lengths")
+        total += int(rows) * int(lengths.max(initial=0))
+    return total
+
+
+def occupancy(useful_tokens: int, steps: int) -> float:
+    """Useful tokens / decoded slot-steps (1.0 = no slot decoded past its row's end)."""
+    return useful_tokens / steps if steps else 0.0
+
+
+def summary(name: str, useful: np.ndarray, call_lengths, call_rows, seconds: list[float]) -> dict:
+    """One sampler's figures: useful tokens, slot-steps, occupancy, median seconds and useful tokens/s."""
+    tokens = int(np.sum(useful))
+    steps = slot_steps(call_lengths, call_rows)
+    median = statistics.median(seconds)
+    return dict(sampler=name, useful_tokens=tokens, slot_steps=steps, occupancy=occupancy(tokens, steps),
+                seconds=median, all_seconds=seconds, useful_tok_s=tokens / median, calls=len(call_rows),
+                mean_length=float(np.mean(useful)), max_length=int(np.max(useful)))
+
+
+# ---- the workload -----------------------------------------------------------------------------------------
+
+def _sampling_bench():
+    """benchmarks/sampling.py as a module (roofline, tunix builder and its id tokenizer)."""
+    path = pathlib.Path(__file__).with_name("sampling.py")
+    spec = importlib.util.spec_from_file_location("sampling_bench", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def load_workload(problems: int):
+    """(config, params, tokenizer, prompt id lists) of the first `problems` gsm8k-100 problems."""
+    from jaxrl_llm import data
+    from jaxrl_llm.models import load_bundled
+
+    config, params, tokenizer = load_bundled("float32")
+    records = data.load_records("gsm8k-100")[:problems]
+    kept, _ = data.build_prompts(records, tokenizer, "reasoning")
+    return config, params, tokenizer, [r["prompt_ids"] for r in kept]
+
+
+def row_prompts(prompts: list[list[int]], samples: int) -> list[list[int]]:
+    """One prompt per output row, ordered by prompt then sample (the trainer's order)."""
+    return [p for p in prompts for _ in range(samples)]
+
+
+def run_ours(params, config, tokenizer, prompts, samples, new_tokens, rows, repeats) -> dict:
+    import jax
+    import jax.monitoring
+
+    from jaxrl_llm.sampling import decode, generate, make_plan, prefill
+    from jaxrl_llm.sampling.generate import _stop_array, call_plans, call_row_bucket
+
+    stop = tokenizer.stop_ids
+    pad = tokenizer.pad_token_id
+
+    def once(seed):
+        return generate(params, config, prompts, num_samples=samples, max_new_tokens=new_tokens, temperature=1.0,
+                        top_p=1.0, top_k=0, stop_ids=stop, rng=jax.random.key(seed), pad_id=pad,
+                        max_rows_per_call=rows)
+
+    # Warm-up: the first call's plan (the shapes every call shares), decoded for one token only
+    # (max_new_tokens is a traced argument of the decode program).
+    arrays = [np.asarray(p, np.int32) for p in prompts]
+    lengths = np.array([len(p) for p in prompts])
+    plan = make_plan(lengths, np.full(len(prompts), samples), new_tokens)
+    _, first = call_plans(plan, lengths, new_tokens, rows)[0]
+    state, logits = prefill(params, config, arrays, first, pad_id=pad)
+    jax.block_until_ready(decode(params, config, state, logits, max_new_tokens=1, temperature=1.0, top_p=1.0,
+                                 top_k=0, stop_ids=_stop_array(stop, config.vocab_size), rng=jax.random.key(0),
+                                 pad_id=pad))
+    compiles = []  # XLA compilations inside the timed runs: none if the warm-up covered every shape
+
+    def listener(event, duration, **kwargs):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles.append(duration)
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    seconds = []
+    for r in range(repeats):
+        start = time.perf_counter()
+        rollout = once(r + 1)
+        seconds.append(time.perf_counter() - start)
+    jax.monitoring.unregister_event_duration_listener(listener)
+    useful = np.asarray(rollout.lengths, np.int64)  # a stop token is part of the response
+    num_rows = len(useful)
+    call_rows = call_row_bucket(num_rows, rows)
+    runs = batches(num_rows, rows)
+    return dict(summary("jaxrl_llm", useful, [useful[a:b] for a, b in runs], [call_rows] * len(runs), seconds),
+                compiles_in_timed_runs=len(compiles))
+
+
+def run_tunix(sampler, tokenizer, prompts, samples, new_tokens, rows, repeats) -> dict:
+    import jax
+
+    strings = [" ".join(map(str, p)) for p in row_prompts(prompts, samples)]
+    max_prompt = max(len(p) for p in prompts)
+    runs = batches(len(strings), rows)
+
+    def call(batch, seed):
+        out = sampler(batch + [batch[-1]] * (rows - len(batch)), max_generation_steps=new_tokens,
+                      max_prompt_length=max_prompt, temperature=1.0, top_p=1.0, eos_tokens=list(tokenizer.stop_ids),
+                      seed=seed)
+        jax.block_until_ready(out.tokens)
+        return lengths_before_stop([len(t) for t in out.tokens], new_tokens)
+
+    call(strings[:rows], 0)  # warm-up: compiles the one shape of every call
+    seconds = []
+    for r in range(repeats):
+        start = time.perf_counter()
+        call_lengths = [call(strings[a:b], (r + 1) * 100_003 + a) for a, b in runs]
+        seconds.append(time.perf_counter() - start)
+    useful = np.concatenate([lengths[:b - a] for lengths, (a, b) in zip(call_lengths, runs)])
+    return summary("tunix", useful, call_lengths, [rows] * len(runs), seconds)
+
+
+def run_transformers(model, tokenizer, prompts, samples, new_tokens, rows, repeats) -> dict:
+    import torch
+
+    pad = tokenizer.pad_token_id
+    stop = list(tokenizer.stop_ids)
+    row_ids = row_prompts(prompts, samples)
+    runs = batches(len(row_ids), rows)
+
+    def call(batch):
+        width = max(len(p) for p in batch)
+        ids = torch.tensor([[pad] * (width - len(p)) + list(p) for p in batch], dtype=torch.long)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch], dtype=torch.long)
+        with torch.no_grad():
+            out = model.generate(ids, attention_mask=mask, do_sample=True, top_k=0, top_p=1.0, temperature=1.0,
+                                 max_new_tokens=new_tokens, eos_token_id=stop, pad_token_id=pad, use_cache=True)
+        return useful_lengths(out[:, width:].numpy(), stop)
+
+    seconds = []
+    for r in range(repeats):  # eager torch: nothing to compile
+        torch.manual_seed(r + 1)
+        start = time.perf_counter()
+        call_lengths = [call(row_ids[a:b]) for a, b in runs]
+        seconds.append(time.perf_counter() - start)
+    useful = np.concatenate(call_lengths)
+    return summary("transformers", useful, call_lengths, [b - a for a, b in runs], seconds)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--problems", type=int, default=100, help="first N gsm8k-100 problems")
+    parser.add_argument("--samples", type=int, default=8, help="samples per problem")
+    parser.add_argument("--max-new-tokens", type=int, default=512)
+    parser.add_argument("--rows", type=int, default=64, help="rows decoding at once (also measure 128)")
+    parser.add_argument("--repeats", type=int, default=1, help="timed runs per sampler (median reported)")
+    parser.add_argument("--skip-peers", action="store_true")
+    parser.add_argument("--json", default=None, help="write every figure to this file")
+    args = parser.parse_args()
+
+    import jax
+
+    bench = _sampling_bench()
+    config, params, tokenizer, prompts = load_workload(args.problems)
+    num_params = sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(params))
+    roof = bench.machine_roofline(num_params, 4 * num_params)
+    prompt_lengths = [len(p) for p in prompts]
+    load_before = os.getloadavg()
+    print(f"SmolLM2-135M f32, {len(prompts)} gsm8k-100 problems (reasoning prompt, {min(prompt_lengths)}-"
+          f"{max(prompt_lengths)} tokens) x {args.samples} samples, up to {args.max_new_tokens} new tokens, "
+          f"T=1, stop ids {list(tokenizer.stop_ids)}, {args.rows} rows at once; measured "
+          f"{roof['flops'] / 1e9:.0f} GFLOP/s f32 matmul, {roof['bandwidth'] / 1e9:.1f} GB/s read; "
+          f"load {load_before[0]:.1f} on {os.cpu_count()} cores", flush=True)
+
+    shape = (prompts, args.samples, args.max_new_tokens, args.rows, args.repeats)
+    results = [run_ours(params, config, tokenizer, *shape)]
+    print(f"jaxrl_llm done: {results[-1]['useful_tok_s']:.1f} useful tok/s, "
+          f"{results[-1]['compiles_in_timed_runs']} compilations in the timed runs", flush=True)
+    if not args.skip_peers:
+        max_prompt = max(prompt_lengths)
+        sampler = bench.build_tunix(config, params, cache_size=max_prompt + args.max_new_tokens + 8)
+        probe = prompts[0][:bench.PROMPT_LENGTH]
+        print("tunix greedy agrees with jaxrl_llm:", bench.check_tunix_greedy(sampler, config, params, probe),
+              flush=True)
+        results.append(run_tunix(sampler, tokenizer, *shape))
+        print(f"tunix done: {results[-1]['useful_tok_s']:.1f} useful tok/s", flush=True)
+        model = bench.load_transformers(config, params)
+        results.append(run_transformers(model, tokenizer, *shape))
+        print(f"transformers done: {results[-1]['useful_tok_s']:.1f} useful tok/s", flush=True)
+    load_after = os.getloadavg()
+
+    ours = results[0]["useful_tok_s"]
+    print()
+    print("| sampler | rows at once | calls | useful tokens | mean / max length | wall s | useful tok/s | "
+          "slot-steps | occupancy | jaxrl_llm / this |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for r in results:
+        print(f"| {r['sampler']} | {args.rows} | {r['calls']} | {r['useful_tokens']} | {r['mean_length']:.1f} / "
+              f"{r['max_length']} | {r['seconds']:.2f} | {r['useful_tok_s']:.1f} | {r['slot_steps']} | "
+              f"{r['occupancy']:.1%} | {ours / r['useful_tok_s']:.2f}x |")
+    print(f"| roofline (large batch) | | | | | | {roof['large_batch_tok_s']:.0f} | | | jaxrl_llm at "
+          f"{ours / roof['large_batch_tok_s']:.0%} of it |")
+    print(f"load average (1 min) {load_before[0]:.1f} before, {load_after[0]:.1f} after ({os.cpu_count()} cores)")
+    if args.json:
+        out = dict(vars(args), roofline=roof, load_before=load_before, load_after=load_after, cpus=os.cpu_count(),
+                   jax=jax.__version__, prompt_lengths=prompt_lengths, results=results)
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1, default=str)
+
+
+if __name__ == "__main__":
+    main()
