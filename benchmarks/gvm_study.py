@@ -195,7 +195,10 @@ def plot(results: list[dict], path: pathlib.Path, target: float) -> None:
 
     algorithms = sorted({r["algorithm"] for r in results})
     fig, axes = plt.subplots(2, len(algorithms), figsize=(5 * len(algorithms), 7.2), squeeze=False)
-    colors = dict(zip(ARMS, ("tab:blue", "tab:red", "tab:purple", "tab:green", "tab:orange")))
+    palette = ("tab:blue", "tab:red", "tab:purple", "tab:green", "tab:orange", "tab:brown", "tab:pink", "tab:olive",
+               "tab:cyan", "tab:gray", "black")
+    present = [arm for arm in ARMS if any(r["allocation"] == arm for r in results)]
+    colors = dict(zip(present, palette))
     for col, algorithm in enumerate(algorithms):
         for ax, x_key, x_label in ((axes[0][col], "samples", "samples drawn (both GVM stages counted)"),
                                    (axes[1][col], "step", "RL steps")):
