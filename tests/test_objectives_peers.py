@@ -471,3 +471,49 @@ def test_config_accepts_the_new_algorithms_and_rejects_bad_values():
         load_config(None, ["algorithm.cov_low=5", "algorithm.cov_high=1"])
     with pytest.raises(ConfigError, match=r"'algorithm.loss' must be one of"):
         load_config(None, ["algorithm.loss=ppo_critic"])
+
+
+# ---------------------------------------------------------------- the train step
+
+@pytest.mark.parametrize("kind", ["gspo", "cispo", "clip_cov", "kl_cov"])
+def test_train_step_micro_batches_equal_one_batch(kind):
+    """The trainer's update is the same with 4 micro-batches as with one: Clip-Cov / KL-Cov select their
+    tokens over the whole mini-batch before the micro-batch scan."""
+    from jaxrl_llm import models
+    from jaxrl_llm.train.packing import pack_groups
+    import optax
+
+    from jaxrl_llm.train.state import init_state
+    from jaxrl_llm.train.step import cov_tokens, make_train_step
+
+    tiny = models.ModelConfig(vocab_size=61, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=4,
+                              num_kv_heads=2, head_dim=8, tie_word_embeddings=True)
+    cfg = load_config(None, [f"algorithm.loss={kind}", "algorithm.cov_fraction=0.05", "algorithm.cov_low=-10"])
+    rng = np.random.default_rng(0)
+    groups, per_group, resp = 4, 3, 5
+    rows = groups * per_group
+    prompts = [rng.integers(1, 61, size=4).tolist() for _ in range(groups)]
+    responses = rng.integers(1, 61, size=(rows, resp)).astype(np.int32)
+    lengths = rng.integers(2, resp + 1, size=rows)
+    members = [np.arange(g * per_group, (g + 1) * per_group) for g in range(groups)]
+    adv = np.repeat(rng.normal(size=(rows, 1)), resp, axis=1).astype(np.float32)
+    old = rng.normal(-4.0, 1.0, size=(rows, resp)).astype(np.float32)
+    batch = jax.tree_util.tree_map(jnp.asarray, pack_groups(prompts, members, responses, lengths, advantages=adv,
+                                                            old_logp=old))
+    selected = cov_tokens(cfg.algorithm, batch, jax.random.PRNGKey(0))
+    assert kind not in ("clip_cov", "kl_cov") or int(selected.sum()) >= 1
+    denom = aggregate_denominator(batch.mask.reshape(-1, resp), cfg.algorithm.agg)
+    params = models.init_params(tiny, jax.random.PRNGKey(0))
+    opt = optax.sgd(1.0)  # the update is the gradient itself (Adam's first step would be its sign)
+    results = []
+    for micro in (4, 1):
+        step = make_train_step(tiny, cfg.algorithm, opt, micro_batch_size=micro)
+        state, metrics = step(init_state(jax.tree_util.tree_map(jnp.copy, params), opt), batch, denom)  # donated
+        results.append((state.params, metrics))
+    (one, m_one), (many, m_many) = results
+    assert float(m_one["loss"]) == pytest.approx(float(m_many["loss"]), rel=1e-5, abs=1e-7)
+    jax.tree_util.tree_map(lambda a, b, p: np.testing.assert_allclose(np.asarray(p - a), np.asarray(p - b),
+                                                                      rtol=1e-4, atol=1e-7), one, many, params)
+    assert float(m_one["finite"]) == 1.0
+    first_leaf = lambda tree: np.asarray(jax.tree_util.tree_leaves(tree)[0])  # noqa: E731
+    assert not np.allclose(first_leaf(one), first_leaf(params))
