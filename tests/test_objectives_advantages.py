@@ -131,7 +131,8 @@ def test_bad_inputs_raise():
 
 
 def test_registry_names():
-    assert set(ADVANTAGE_ESTIMATORS) == {"grpo", "drgrpo", "rloo", "raft", "reinforce_rej"}
+    assert set(ADVANTAGE_ESTIMATORS) == {"grpo", "drgrpo", "rloo", "raft", "reinforce_rej", "reinforce_pp",
+                                         "reinforce_pp_baseline"}
     np.testing.assert_allclose(np.asarray(ADVANTAGE_ESTIMATORS["drgrpo"](REWARDS, GROUP_IDS)),
                                np.asarray(grpo_advantages(REWARDS, GROUP_IDS, scale_by_std=False)))
     np.testing.assert_array_equal(np.asarray(ADVANTAGE_ESTIMATORS["raft"](REWARDS, GROUP_IDS)),

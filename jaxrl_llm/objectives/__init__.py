@@ -1,5 +1,5 @@
-"""Pure jax.numpy objectives for RL on verifiable rewards: advantages, policy losses, KL,
-aggregation (with GVM's M-step, each prompt weighted equally), PRL shaping, GVM allocation and DAPO
+"""Pure jax.numpy objectives for RL on verifiable rewards: advantages (and GAE), policy and value
+losses, KL, aggregation (with GVM's M-step, each prompt weighted equally), PRL shaping, GVM allocation and DAPO
 shaping.
 
 Arrays in, arrays out: shapes are [B] per sequence and [B, T] per token, and `mask` is the
@@ -13,10 +13,12 @@ from jaxrl_llm.objectives.advantages import (
     mixed_group_mask,
     mixed_groups,
     raft_advantages,
+    reinforce_pp_advantages,
     reinforce_rej_advantages,
     rloo_advantages,
 )
 from jaxrl_llm.objectives.aggregate import AGG_MODES, LossTerms, aggregate, aggregate_denominator, aggregate_terms
+from jaxrl_llm.objectives.cov import COV_LOSS_KINDS, cov_selection, token_covariance
 from jaxrl_llm.objectives.dapo import overlong_penalty
 from jaxrl_llm.objectives.gvm import gvm_allocate
 from jaxrl_llm.objectives.kl import KL_KINDS, entropy_from_logits, kl_penalty
@@ -28,10 +30,12 @@ from jaxrl_llm.objectives.mstep import (
 )
 from jaxrl_llm.objectives.losses import POLICY_LOSS_KINDS, policy_loss, policy_loss_terms
 from jaxrl_llm.objectives.prl import prl_advantages
+from jaxrl_llm.objectives.value import gae_advantages, value_loss, value_loss_terms
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
     "AGG_MODES",
+    "COV_LOSS_KINDS",
     "KL_KINDS",
     "POLICY_LOSS_KINDS",
     "PROMPT_MEAN_MODES",
@@ -39,7 +43,9 @@ __all__ = [
     "aggregate",
     "aggregate_denominator",
     "aggregate_terms",
+    "cov_selection",
     "entropy_from_logits",
+    "gae_advantages",
     "grpo_advantages",
     "gvm_allocate",
     "kl_penalty",
@@ -53,6 +59,10 @@ __all__ = [
     "prompt_mean_terms",
     "prompt_mean_weights",
     "raft_advantages",
+    "reinforce_pp_advantages",
     "reinforce_rej_advantages",
     "rloo_advantages",
+    "token_covariance",
+    "value_loss",
+    "value_loss_terms",
 ]

@@ -138,6 +138,65 @@ def reinforce_rej_advantages(rewards, group_ids, *, num_groups: int | None = Non
     return jnp.where(mixed, rewards, 0.0)
 
 
+def reinforce_pp_advantages(rewards, group_ids=None, *, num_groups: int | None = None,
+                            eps: float = 1e-6) -> jax.Array:
+    """REINFORCE++ advantages (Hu 2025, "REINFORCE++: An Efficient RLHF Algorithm with Robustness to Both
+    Prompt and Reward Models").
+
+    Without group_ids (REINFORCE++): the global batch normalisation that replaces GRPO's per-prompt one,
+
+      A_i = (r_i - mean_B) / (std_B + eps)
+
+    With group_ids (REINFORCE++-baseline): each prompt's mean is subtracted first, then the result is
+    normalised over the whole batch,
+
+      c_i = r_i - mean_g(i),   A_i = (c_i - mean_B(c)) / (std_B(c) + eps)
+
+    where mean_B and std_B are over every sample of the batch, and std_B is the population standard
+    deviation (divisor B, as OpenRLHF's advantage whitening). mean_B(c) is 0 when every sample is in a
+    group; a group of one gets c = 0. Ids outside [0, num_groups) are left out of every statistic and
+    get advantage 0. The batch statistics make the estimator one call over the whole rollout batch:
+    the trainer computes advantages on the host before splitting the batch, so micro-batching does
+    not change them.
+
+    Args:
+      rewards: [B] rewards.
+      group_ids: optional [B] integer group (prompt) index of each sample.
+      num_groups: static number of groups; required under jit/vmap when group_ids is given.
+      eps: added to the batch std.
+
+    Returns:
+      [B] advantages.
+    """
+    if group_ids is None:
+        rewards = jnp.asarray(rewards)
+        if rewards.ndim != 1:
+            raise ValueError(f"reinforce_pp_advantages: rewards must have shape [B], got {rewards.shape}")
+        if not jnp.issubdtype(rewards.dtype, jnp.floating):
+            rewards = rewards.astype(jnp.float32)
+        return _batch_whiten(rewards, jnp.ones(rewards.shape, bool), eps)
+    rewards, group_ids = check_rewards_and_ids(rewards, group_ids, "reinforce_pp_advantages")
+    groups = GroupIndex(group_ids, resolve_num_groups(group_ids, num_groups, "reinforce_pp_advantages"))
+    mean = groups.sum(rewards) / jnp.maximum(groups.count(rewards.dtype), 1.0)
+    return _batch_whiten(rewards - groups.gather(mean), groups.valid, eps)
+
+
+def _batch_whiten(values, valid, eps):
+    """(x - mean) / (population std + eps) over the rows where `valid`; 0 elsewhere."""
+    weight = valid.astype(values.dtype)
+    count = jnp.maximum(weight.sum(), 1.0)
+    centred = values - jnp.sum(jnp.where(valid, values, 0.0)) / count
+    std = jnp.sqrt(jnp.sum(jnp.where(valid, centred * centred, 0.0)) / count)
+    return jnp.where(valid, centred / (std + eps), 0.0)
+
+
+def _reinforce_pp_batch(rewards, group_ids, *, num_groups: int | None = None) -> jax.Array:
+    # REINFORCE++ uses no group statistics; the ids only mark padding rows, which stay out of the batch's.
+    rewards, group_ids = check_rewards_and_ids(rewards, group_ids, "reinforce_pp_advantages")
+    groups = GroupIndex(group_ids, resolve_num_groups(group_ids, num_groups, "reinforce_pp_advantages"))
+    return _batch_whiten(rewards, groups.valid, 1e-6)
+
+
 def _raft_grouped(rewards, group_ids, *, num_groups: int | None = None) -> jax.Array:
     del group_ids, num_groups  # RAFT needs no group statistics
     return raft_advantages(rewards)
@@ -150,4 +209,6 @@ ADVANTAGE_ESTIMATORS = {
     "rloo": rloo_advantages,
     "raft": _raft_grouped,
     "reinforce_rej": reinforce_rej_advantages,
+    "reinforce_pp": _reinforce_pp_batch,
+    "reinforce_pp_baseline": reinforce_pp_advantages,
 }

@@ -105,11 +105,22 @@ class AlgorithmSection:
     """The RL algorithm as data: advantage estimator, policy loss, clipping, KL, filters and reward shaping."""
 
     name: str = "grpo"  # a label for logs and run summaries; behaviour comes from the keys below
-    advantage: str = "grpo"  # raft | grpo | drgrpo | rloo | reinforce_rej (objectives.ADVANTAGE_ESTIMATORS)
-    loss: str = "clip"  # clip (PPO / RAFT++ surrogate) | vanilla (-A log pi, plain RAFT)
-    clip_low: float = 0.2  # the ratio is clipped below at 1 - clip_low
+    # raft | grpo | drgrpo | rloo | reinforce_rej | reinforce_pp | reinforce_pp_baseline
+    # (objectives.ADVANTAGE_ESTIMATORS)
+    advantage: str = "grpo"
+    # clip (PPO / RAFT++ surrogate) | vanilla (-A log pi, plain RAFT) | gspo | gspo_token (GSPO's sequence
+    # ratio) | cispo (clipped, detached importance weight) | clip_cov | kl_cov (covariance-selected tokens)
+    # (objectives.policy_loss)
+    loss: str = "clip"
+    clip_low: float = 0.2  # the ratio is clipped below at 1 - clip_low (cispo: 1.0 removes the floor)
     clip_high: float = 0.2  # the ratio is clipped above at 1 + clip_high (DAPO: 0.28)
     dual_clip: float | None = None  # c > 1 bounds the loss of negative-advantage tokens at -A c; null disables
+    # clip_cov / kl_cov: the fraction of a mini-batch's response tokens selected (objectives.cov_selection),
+    # drawn once per mini-batch from its old log-probs and advantages, so micro-batching does not change it.
+    cov_fraction: float = 2.0e-4
+    cov_low: float = 1.0  # clip_cov: tokens are drawn among those with covariance in (cov_low, cov_high)
+    cov_high: float = 5.0  # clip_cov: the upper end of that window
+    kl_cov_coef: float = 1.0  # kl_cov: weight of the k2 penalty on the selected tokens' log-ratio
     # How per-token losses reduce to a scalar: a mode of objectives.aggregate, or GVM's M-step, every prompt
     # weighted equally and its samples averaged (objectives.prompt_mean; docs/gvm.md): prompt-mean is
     # Algorithm 1 over the samples with a nonzero advantage, prompt-mean-unbiased Lemma 1's 1 / (n_i p_i) with
@@ -194,8 +205,9 @@ _ALLOWED = {
     ("sampling", "allocation"): {"uniform", "gvm"},
     ("sampling", "gvm_weighting"): {"gvm", "solved"},
     ("sampling", "gvm_estimates"): {"stage1", "history"},
-    ("algorithm", "advantage"): {"raft", "grpo", "drgrpo", "rloo", "reinforce_rej"},
-    ("algorithm", "loss"): {"clip", "vanilla"},
+    ("algorithm", "advantage"): {"raft", "grpo", "drgrpo", "rloo", "reinforce_rej", "reinforce_pp",
+                                 "reinforce_pp_baseline"},
+    ("algorithm", "loss"): {"clip", "vanilla", "gspo", "gspo_token", "cispo", "clip_cov", "kl_cov"},
     ("algorithm", "agg"): {"token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm",
                            "prompt-mean", "prompt-mean-unbiased"},
     ("algorithm", "kl_kind"): {"k1", "k2", "k3", "abs"},
@@ -338,11 +350,16 @@ def validate(config: RunConfig) -> None:
         ("optim.epochs", config.optim.epochs >= 1, "must be >= 1"),
         ("optim.micro_batch_size", config.optim.micro_batch_size >= 1, "must be >= 1"),
         ("optim.max_row_tokens", config.optim.max_row_tokens >= 0, "must be >= 0 (0: no limit)"),
-        ("algorithm.clip_low", 0 <= config.algorithm.clip_low < 1, "must be in [0, 1): the ratio floor is 1 - clip_low"),
+        ("algorithm.clip_low", 0 <= config.algorithm.clip_low < 1
+         or (config.algorithm.loss == "cispo" and config.algorithm.clip_low == 1),
+         "must be in [0, 1): the ratio floor is 1 - clip_low (loss cispo also takes 1: no floor)"),
         ("algorithm.clip_high", config.algorithm.clip_high >= 0, "must be >= 0"),
         ("algorithm.dual_clip", config.algorithm.dual_clip is None or config.algorithm.dual_clip > 1,
          "must be > 1 (or null to disable)"),
         ("algorithm.kl_coef", config.algorithm.kl_coef >= 0, "must be >= 0"),
+        ("algorithm.cov_fraction", 0 < config.algorithm.cov_fraction <= 1, "must be in (0, 1]"),
+        ("algorithm.cov_high", config.algorithm.cov_low < config.algorithm.cov_high, "must be > algorithm.cov_low"),
+        ("algorithm.kl_cov_coef", config.algorithm.kl_cov_coef >= 0, "must be >= 0"),
         ("algorithm.prl_eta", config.algorithm.prl_eta is None or config.algorithm.prl_eta > 0, "must be > 0 or null"),
         ("algorithm.max_sampling_rounds", config.algorithm.max_sampling_rounds >= 1, "must be >= 1"),
         ("algorithm.agg_max_len", config.algorithm.agg != "seq-mean-token-sum-norm"

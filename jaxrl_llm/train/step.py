@@ -6,6 +6,8 @@ Loss = policy_loss(logp, old_logp, A, mask, agg)             (objectives.policy_
      - entropy_coef * aggregate(entropy, mask, agg)
 Every term of a micro-batch is normalised by the denominator of the whole mini-batch (computed on the
 host from the real rows), so summing micro-batch gradients gives exactly the mini-batch gradient.
+Clip-Cov and KL-Cov pick their tokens once over the whole mini-batch (`cov_tokens`) before the
+micro-batch scan, for the same reason.
 With agg prompt-mean / prompt-mean-unbiased (GVM's M-step) the host scales each sample's advantages so
 that this token-mean equals the M-step loss (`rollouts.prompt_mean_advantages`).
 """
@@ -26,21 +28,38 @@ from jaxrl_llm.train.packing import TrainBatch
 from jaxrl_llm.train.state import TrainState
 
 
-def split_micro(batch: TrainBatch, micro_batch_size: int) -> TrainBatch:
+def split_micro(batch, micro_batch_size: int):
     """[G, ...] -> [G / micro, micro, ...] for a scan over micro-batches of packed rows.
 
     Row r goes to micro-batch r % (G / micro): when the rows are split over devices in contiguous
     blocks (the batch sharding), every device keeps its own rows in each micro-batch, so the split
     moves no data. The gradient sum does not depend on which rows share a micro-batch.
     """
-    rows = batch.tokens.shape[0]
+    rows = jax.tree_util.tree_leaves(batch)[0].shape[0]
     if rows % micro_batch_size:
         raise ValueError(f"batch of {rows} rows is not a multiple of micro_batch_size={micro_batch_size}")
     return jax.tree_util.tree_map(
         lambda x: jnp.swapaxes(x.reshape(micro_batch_size, rows // micro_batch_size, *x.shape[1:]), 0, 1), batch)
 
 
-def loss_fn(params, model_config, algo: AlgorithmSection, micro: TrainBatch, denom: jax.Array):
+def cov_tokens(algo: AlgorithmSection, batch: TrainBatch, rng: jax.Array) -> jax.Array | None:
+    """[G, S, R] bool: the tokens clip_cov / kl_cov select over the whole mini-batch (None for other losses).
+
+    Selected from the old log-probs, the policy's own before its first update on this rollout batch (with
+    one update per batch they equal the current log-probs that `objectives.cov_selection` centres).
+    """
+    if algo.loss not in objectives.COV_LOSS_KINDS:
+        return None
+    flat = lambda x: x.reshape(-1, x.shape[-1])  # noqa: E731
+    selected = objectives.cov_selection(
+        flat(batch.old_logp), flat(batch.old_logp), flat(batch.advantages), flat(batch.mask), kind=algo.loss,
+        rng=rng, cov_fraction=algo.cov_fraction, cov_low=algo.cov_low, cov_high=algo.cov_high,
+        clip_low=algo.clip_low, clip_high=algo.clip_high)
+    return selected.reshape(batch.mask.shape)
+
+
+def loss_fn(params, model_config, algo: AlgorithmSection, micro: TrainBatch, denom: jax.Array,
+            cov_selected: jax.Array | None = None):
     """Loss of one micro-batch, normalised by the whole mini-batch's `denom`; returns (loss, metrics)."""
     # Without an entropy bonus the entropy is a metric: its gradient term is skipped.
     logp, entropy = response_logprobs(params, model_config, micro, with_entropy=True,
@@ -54,7 +73,8 @@ def loss_fn(params, model_config, algo: AlgorithmSection, micro: TrainBatch, den
     mode = "token-mean" if algo.agg in objectives.PROMPT_MEAN_MODES else algo.agg
     loss, pg_metrics = objectives.policy_loss(
         logp, micro.old_logp, micro.advantages, micro.mask, kind=algo.loss, clip_low=algo.clip_low,
-        clip_high=algo.clip_high, dual_clip=algo.dual_clip, agg=mode, max_len=algo.agg_max_len, denom=denom)
+        clip_high=algo.clip_high, dual_clip=algo.dual_clip, agg=mode, max_len=algo.agg_max_len, denom=denom,
+        cov_selected=None if cov_selected is None else flat(cov_selected), kl_cov_coef=algo.kl_cov_coef)
     agg = dict(mode=mode, max_len=algo.agg_max_len, denom=denom)
     ent = objectives.aggregate(entropy, micro.mask, **agg)
     total = loss - algo.entropy_coef * ent
@@ -69,9 +89,10 @@ def loss_fn(params, model_config, algo: AlgorithmSection, micro: TrainBatch, den
 
 
 def make_train_step(model_config, algo: AlgorithmSection, optimizer: optax.GradientTransformation, *,
-                    micro_batch_size: int, state_sharding: Any = None, batch_sharding: Any = None):
+                    micro_batch_size: int, state_sharding: Any = None, batch_sharding: Any = None, seed: int = 0):
     """Build `step(state, batch, denom) -> (state, metrics)`: one optimizer update on a mini-batch.
 
+    Clip-Cov draws its tokens with `fold_in(PRNGKey(seed), state.step)`: a new draw each update.
     The batch is scanned in micro-batches of `micro_batch_size` rows; gradients are summed (each
     micro-batch already carries the 1/denom of the mini-batch). When the loss or the gradient norm is
     not finite, the parameters and optimizer state are returned unchanged and metrics["finite"] = 0.
@@ -91,18 +112,19 @@ def make_train_step(model_config, algo: AlgorithmSection, optimizer: optax.Gradi
             is_leaf=lambda x: isinstance(x, NamedSharding))
 
     def step(state: TrainState, batch: TrainBatch, denom: jax.Array):
-        micro = split_micro(batch, micro_batch_size)
+        selected = cov_tokens(algo, batch, jax.random.fold_in(jax.random.PRNGKey(seed), state.step))
+        micro, micro_selected = split_micro((batch, selected), micro_batch_size)
         if micro_sharding is not None:
             micro = jax.lax.with_sharding_constraint(micro, micro_sharding)
         grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
         if micro.tokens.shape[0] == 1:  # one micro-batch: no scan and no zero-filled gradient accumulator
-            (loss, msum), grads = grad_fn(state.params, model_config, algo,
-                                          jax.tree_util.tree_map(lambda x: x[0], micro), denom)
+            first = jax.tree_util.tree_map(lambda x: x[0], (micro, micro_selected))
+            (loss, msum), grads = grad_fn(state.params, model_config, algo, first[0], denom, first[1])
         else:
-            def accumulate(carry, mb):
+            def accumulate(carry, xs):
                 grads, loss_sum, metric_sum = carry
-                (loss, metrics), g = grad_fn(state.params, model_config, algo, mb, denom)
+                (loss, metrics), g = grad_fn(state.params, model_config, algo, xs[0], denom, xs[1])
                 grads = jax.tree_util.tree_map(jnp.add, grads, g)
                 metric_sum = jax.tree_util.tree_map(jnp.add, metric_sum, metrics)
                 return (grads, loss_sum + loss, metric_sum), None
@@ -113,7 +135,7 @@ def make_train_step(model_config, algo: AlgorithmSection, optimizer: optax.Gradi
             metric_zeros = {k: jnp.zeros((), jnp.float32)
                             for k in ("policy_loss", "kl", "entropy", "clip_fraction", "tokens")}
             (grads, loss, msum), _ = jax.lax.scan(accumulate, (zeros, jnp.zeros((), jnp.float32), metric_zeros),
-                                                  micro)
+                                                  (micro, micro_selected))
         grads = jax.tree_util.tree_map(lambda g, p: g.astype(p.dtype), grads, state.params)
         grad_norm = optax.tree.norm(grads)
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
