@@ -13,7 +13,6 @@ forward, the log-prob pass, the KV-cache and sampler paths, under scan or unroll
 from __future__ import annotations
 
 import dataclasses
-import functools
 import re
 
 import jax
@@ -111,12 +110,8 @@ def attach(base: Params, adapters: Params, scale: float) -> Params:
 
 
 def merge(base: Params, adapters: Params, scale: float) -> Params:
-    """The base tree with every adapted weight replaced by W + s A B (f32 product, stored in W's dtype)."""
-    return _merge_jit(base, adapters, float(scale))
-
-
-@functools.partial(jax.jit, static_argnums=2)
-def _merge_jit(base: Params, adapters: Params, scale: float) -> Params:
+    """The base tree with every adapted weight replaced by W + s A B (f32 product, stored in W's dtype).
+    Pure: jit it with `scale` static (and the base's shardings out, on a mesh)."""
     layers = dict(base["layers"])
     for key in adapters["layers"]:
         if not key.endswith("_lora_a"):
