@@ -286,13 +286,14 @@ def test_sharded_lora_step_equals_single_device():
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     r = json.loads(next(l for l in proc.stdout.splitlines() if l.startswith("RESULT "))[len("RESULT "):])
     assert r["devices"] == 8
-    assert r["adapter_diff"] < 1e-5 and r["adapter_moved"] > 1e-3, r
+    # Adam amplifies float noise where |g| ~ eps; a gradient of the wrong sign would move an entry by 2 lr = 2e-2.
+    assert r["adapter_diff"] < 1e-4 and r["adapter_moved"] > 1e-2, r
     for name, diff in r["metric_rel_diff"].items():
         assert diff < 1e-5, (name, r)
     assert r["base_unchanged"], r
-    assert r["specs"]["q_proj_lora_a"] == "PartitionSpec(None, 'fsdp', None)", r
-    assert r["specs"]["q_proj_lora_b"] == "PartitionSpec(None, None, 'tensor')", r
-    assert r["specs"]["down_proj_lora_b"] == "PartitionSpec(None, None, 'fsdp')", r
+    assert r["specs"]["q_proj_lora_a"] == "P(None, 'fsdp', None)", r
+    assert r["specs"]["q_proj_lora_b"] == "P(None, None, 'tensor')", r
+    assert r["specs"]["down_proj_lora_b"] == "P(None, None, 'fsdp')", r
 
 
 def _mesh_checks() -> dict:
