@@ -274,6 +274,20 @@ def test_load_peft_names_the_missing_tensor(tmp_path):
         load_peft(tmp_path, config)
 
 
+def test_memory_estimate_counts_adapters_not_base_gradients():
+    from jaxrl_llm.train.config import load_config
+    from jaxrl_llm.train.memory import estimate_memory
+
+    config, _ = _tiny()
+    full = estimate_memory(load_config(None, ["algorithm.kl_coef=0.01"]), config, "", devices=1)
+    low = estimate_memory(load_config(None, ["algorithm.kl_coef=0.01", "lora.rank=4", "lora.targets=q,v"]), config,
+                          "", devices=1)
+    # q: [2, 32, 4] + [2, 4, 32], v: [2, 32, 4] + [2, 4, 16] -> 896 f32 adapter elements.
+    assert low["optimizer"] == 2 * 896 * 4 and low["gradients"] == 2 * 896 * 4 and low["reference"] == 0
+    assert low["params"] == full["params"] + 896 * 4
+    assert low["sampling"] == full["sampling"] + full["params"]  # the merged copy the sampler reads
+
+
 # ---- runs in subprocesses: the 8-device mesh and kill -9 ---------------------------------------------------
 
 def _env(**extra):
