@@ -274,6 +274,24 @@ def test_load_peft_names_the_missing_tensor(tmp_path):
         load_peft(tmp_path, config)
 
 
+def test_run_continues_from_a_peft_adapter_folder(tmp_path):
+    from jaxrl_llm.train.config import ConfigError, load_config
+    from jaxrl_llm.train.setup import lora_adapters
+
+    config, _ = _tiny()
+    spec = lora.LoraSpec(rank=2, alpha=3.0, targets=("k_proj", "up_proj"))
+    adapters = _random_adapters(config, spec)
+    save_peft(tmp_path, spec, adapters)
+    got_spec, got = lora_adapters(load_config(None, [f"lora.adapter={tmp_path}"]), config)
+    assert got_spec == spec
+    for name, value in adapters["layers"].items():
+        np.testing.assert_array_equal(np.asarray(got["layers"][name]), np.asarray(value), err_msg=name)
+    with pytest.raises(ConfigError, match="lora.rank"):
+        lora_adapters(load_config(None, [f"lora.adapter={tmp_path}", "lora.rank=8"]), config)
+    with pytest.raises(ConfigError, match="lora.adapter"):
+        lora_adapters(load_config(None, [f"lora.adapter={tmp_path / 'missing'}"]), config)
+
+
 def test_memory_estimate_counts_adapters_not_base_gradients():
     from jaxrl_llm.train.config import load_config
     from jaxrl_llm.train.memory import estimate_memory
