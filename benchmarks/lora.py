@@ -10,7 +10,8 @@ Each mode runs in a fresh process (peak RSS only grows within one): it loads the
 the frozen base + adapters + their moments), compiles the step and times `repeats` steps after one untimed.
 LoRA's step also merges the adapters into the weights once, as a run does before sampling (timed apart).
 Reported per mode: the median step seconds, the merge seconds (LoRA), resident memory after loading and the
-process's peak RSS (`ru_maxrss`).
+process's peak RSS (`ru_maxrss`). `--sampling` (LoRA only, after the peak is read) also times one demo-sized
+`generate` (8 prompts x 8 samples, `--new-tokens`) from the merged weights against adapters applied on the fly.
 """
 
 from __future__ import annotations
@@ -89,6 +90,35 @@ def measure(mode: str, args) -> dict:
         times.append(time.perf_counter() - start)
     out.update(step_s=statistics.median(times[1:]), first_step_s=times[0], peak_rss_mb=peak_rss_mb(),
                loss=float(metrics["loss"]), rows=int(batch.tokens.shape[0]), row_tokens=int(batch.tokens.shape[1]))
+    if mode == "lora" and args.sampling:
+        out.update(sampling_seconds(config, params, state.params, spec, args))
+    return out
+
+
+def sampling_seconds(config, base, adapters, spec, args) -> dict:
+    """Median seconds of one demo-sized `generate` (after a compiling call) from merged weights and from
+    the base with the adapters applied on the fly (x W + (x A)(s B) in every projection)."""
+    import jax
+
+    from jaxrl_llm.models import lora
+    from jaxrl_llm.sampling import generate
+
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(1, config.vocab_size, size=args.prompt_len).tolist() for _ in range(8)]
+    trained = jax.tree_util.tree_map(lambda x: x + 0.01, adapters)  # B != 0, as after training
+    out = {}
+    for name, params in (("sample_merged_s", lora.merge(base, trained, spec.scale)),
+                         ("sample_on_the_fly_s", lora.attach(base, trained, spec.scale))):
+        def once():
+            jax.block_until_ready(generate(params, config, prompts, num_samples=8, max_new_tokens=args.new_tokens,
+                                           temperature=1.0, rng=jax.random.key(0)).tokens)
+        once()
+        times = []
+        for _ in range(args.repeats):
+            start = time.perf_counter()
+            once()
+            times.append(time.perf_counter() - start)
+        out[name] = statistics.median(times)
     return out
 
 
@@ -100,6 +130,7 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=24)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--base-dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--sampling", action="store_true", help="also time sampling: merged vs on the fly")
     parser.add_argument("--mode", choices=["full", "lora"], help="measure one mode in this process")
     args = parser.parse_args()
     if args.mode:
@@ -115,6 +146,8 @@ def main() -> None:
     print(f"LoRA rank {args.rank} ({args.targets}) / full: step time {low['step_s'] / full['step_s']:.2f}x, "
           f"peak RSS {low['peak_rss_mb'] / full['peak_rss_mb']:.2f}x "
           f"({low['peak_rss_mb']:.0f} / {full['peak_rss_mb']:.0f} MB); merge {low['merge_s'] * 1e3:.0f} ms")
+    if args.sampling:
+        print(f"sampling: merged {low['sample_merged_s']:.2f} s, adapters on the fly {low['sample_on_the_fly_s']:.2f} s")
 
 
 if __name__ == "__main__":
