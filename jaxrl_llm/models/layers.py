@@ -216,9 +216,22 @@ def _dense_bwd(residuals, dy):
 dense.defvjp(_dense_fwd, _dense_bwd)
 
 
-def swiglu_mlp(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array) -> jax.Array:
-    """SwiGLU feed-forward (Shazeer 2020): (silu(x W_gate) * (x W_up)) W_down."""
+def adapted_dense(x: jax.Array, w: jax.Array, adapter: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
+    """x W, plus the low-rank term (x A) B of a LoRA adapter (A, B) when one is given (Hu et al. 2021,
+    y = x W + s (x A) B; the scale s = alpha / r is already folded into B, see `models.lora.attach`).
+    Every operand is computed in x's dtype; without an adapter this is exactly `dense(x, w)`."""
     dtype = x.dtype
-    gate_out = checkpoint_name(dense(x, gate.astype(dtype)), "mlp_gate")
-    hidden = jax.nn.silu(gate_out) * checkpoint_name(dense(x, up.astype(dtype)), "mlp_up")
-    return checkpoint_name(dense(hidden, down.astype(dtype)), "mlp_down")
+    y = dense(x, w.astype(dtype))
+    if adapter is None:
+        return y
+    a, b = adapter
+    return y + dense(dense(x, a.astype(dtype)), b.astype(dtype))
+
+
+def swiglu_mlp(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array, adapters=None) -> jax.Array:
+    """SwiGLU feed-forward (Shazeer 2020): (silu(x W_gate) * (x W_up)) W_down. `adapters` maps "gate",
+    "up", "down" to a LoRA pair (A, B) for the projections that carry one (see `adapted_dense`)."""
+    adapters = adapters or {}
+    gate_out = checkpoint_name(adapted_dense(x, gate, adapters.get("gate")), "mlp_gate")
+    hidden = jax.nn.silu(gate_out) * checkpoint_name(adapted_dense(x, up, adapters.get("up")), "mlp_up")
+    return checkpoint_name(adapted_dense(hidden, down, adapters.get("down")), "mlp_down")

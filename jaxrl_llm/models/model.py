@@ -19,8 +19,8 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxrl_llm.models.config import ModelConfig
-from jaxrl_llm.models.layers import (apply_rope, attention, attention_keep_mask, blocked_attention, dense, rms_norm,
-                                    rope_inv_freq, swiglu_mlp)
+from jaxrl_llm.models.layers import (adapted_dense, apply_rope, attention, attention_keep_mask, blocked_attention,
+                                    rms_norm, rope_inv_freq, swiglu_mlp)
 
 Params = dict
 
@@ -101,7 +101,7 @@ def _project_qkv(lp: Params, config: ModelConfig, h: jax.Array, positions: jax.A
     """q [B,T,H,hd], k, v [B,T,KV,hd] for one layer, with biases, q/k norm and RoPE applied."""
     batch, length, _ = h.shape
     dtype = h.dtype
-    q, k, v = (checkpoint_name(dense(h, lp[f"{n}_proj"].astype(dtype)), f"{n}_proj") for n in "qkv")
+    q, k, v = (checkpoint_name(_project(lp, f"{n}_proj", h), f"{n}_proj") for n in "qkv")
     if config.attention_bias:
         q, k, v = q + lp["q_bias"].astype(dtype), k + lp["k_bias"].astype(dtype), v + lp["v_bias"].astype(dtype)
     q = q.reshape(batch, length, config.num_heads, config.head_dim)
@@ -116,12 +116,26 @@ def _project_qkv(lp: Params, config: ModelConfig, h: jax.Array, positions: jax.A
 
 def _finish_layer(lp: Params, config: ModelConfig, x: jax.Array, attn: jax.Array) -> jax.Array:
     """Output projection + residual, then the pre-norm SwiGLU block + residual."""
-    out = checkpoint_name(dense(attn, lp["o_proj"].astype(x.dtype)), "o_proj")
+    out = checkpoint_name(_project(lp, "o_proj", attn.astype(x.dtype)), "o_proj")
     if config.attention_out_bias:
         out = out + lp["o_bias"].astype(x.dtype)
     x = x + out
     h = rms_norm(x, lp["mlp_norm"], config.rms_norm_eps)
-    return x + swiglu_mlp(h, lp["gate_proj"], lp["up_proj"], lp["down_proj"])
+    adapters = {n: _adapter(lp, f"{n}_proj") for n in ("gate", "up", "down")}
+    return x + swiglu_mlp(h, lp["gate_proj"], lp["up_proj"], lp["down_proj"], adapters)
+
+
+def _adapter(lp: Params, name: str) -> tuple[jax.Array, jax.Array] | None:
+    """The LoRA pair (A [in, r], B [r, out]) the layer dict carries for projection `name`, if any
+    (keys "{name}_lora_a" / "{name}_lora_b", put there by `models.lora.attach`)."""
+    if f"{name}_lora_a" not in lp:
+        return None
+    return lp[f"{name}_lora_a"], lp[f"{name}_lora_b"]
+
+
+def _project(lp: Params, name: str, h: jax.Array) -> jax.Array:
+    """h W_name (+ the adapter's (h A) B when the layer carries one), in h's dtype."""
+    return adapted_dense(h, lp[name], _adapter(lp, name))
 
 
 _REMAT_SAVED = {

@@ -79,6 +79,12 @@ def partition_rules(config: ModelConfig | None = None) -> list[tuple[str, P]]:
         (r"^layers/(q|k|v|gate|up)_proj$", P(None, "fsdp", "tensor")),  # [L, D, out]
         (r"^layers/(o|down)_proj$", P(None, "tensor", "fsdp")),         # [L, in, D]
         (r"^layers/(q|k|v)_bias$", P(None, "tensor")),                  # [L, out]
+        # LoRA adapters (models/lora.py): A [L, in, r] and B [L, r, out] split like their weight's in / out
+        # dimension, the rank replicated, so x A and (x A) B need no more communication than x W.
+        (r"^layers/(q|k|v|gate|up)_proj_lora_a$", P(None, "fsdp", None)),
+        (r"^layers/(q|k|v|gate|up)_proj_lora_b$", P(None, None, "tensor")),
+        (r"^layers/(o|down)_proj_lora_a$", P(None, "tensor", None)),
+        (r"^layers/(o|down)_proj_lora_b$", P(None, None, "fsdp")),
         (r"(norm|o_bias)$", P()),                                       # small vectors: replicate
     ]
 

@@ -17,6 +17,7 @@ from typing import Any
 import yaml
 
 from jaxrl_llm.models.config import REMAT_POLICIES
+from jaxrl_llm.models.lora import resolve_targets
 
 
 # The defaults are the embedded demo (`jaxrl-llm train` with no arguments): GRPO without KL on the
@@ -49,6 +50,25 @@ class ModelSection:
     # Recompute the output logits of each vocabulary chunk in the log-prob backward pass instead of keeping
     # them: saves rows x response tokens x vocabulary x 4 bytes per micro-batch for one more output matmul.
     remat_logits: bool = False
+
+
+@dataclass(frozen=True)
+class LoraSection:
+    """Low-rank adapters (LoRA, Hu et al. 2021): each adapted projection computes x W + (alpha / rank) (x A) B and
+    only A [in, rank] and B [rank, out] are trained; the base stays frozen (stored in model.param_dtype), the
+    reference policy of the KL term is the base itself, and checkpoints hold the adapters and their optimizer
+    state only. `lora.rank=16` turns it on. The run exports the merged model (final/) and the adapters in
+    PEFT's format (final_adapter/)."""
+
+    rank: int = 0  # adapter rank; 0: no adapters, every parameter is trained
+    alpha: float = 16.0  # adapter scale numerator: the low-rank term is multiplied by alpha / rank
+    # Projections that get adapters, comma-separated: names (q_proj or q, k, v, o, gate, up, down), groups
+    # (all, attention = q/k/v/o, mlp = gate/up/down) or regexes matched against the names.
+    targets: str = "all"
+    seed: int = 0  # seed of the adapters' random A (B starts at zero, so training starts from the base)
+    # A PEFT adapter folder (adapter_config.json + adapter_model.safetensors) to continue training from; its r,
+    # lora_alpha and target_modules are used (lora.rank must then be 0 or equal to its r). Empty: new adapters.
+    adapter: str = ""
 
 
 @dataclass(frozen=True)
@@ -187,6 +207,7 @@ class TrainSection:
 @dataclass(frozen=True)
 class RunConfig:
     model: ModelSection = field(default_factory=ModelSection)
+    lora: LoraSection = field(default_factory=LoraSection)
     data: DataSection = field(default_factory=DataSection)
     sampling: SamplingSection = field(default_factory=SamplingSection)
     algorithm: AlgorithmSection = field(default_factory=AlgorithmSection)
@@ -403,3 +424,20 @@ def validate(config: RunConfig) -> None:
         if not ok:
             sec, name = key.split(".")
             raise ConfigError(f"config key '{key}' {reason}, got {d[sec][name]!r}")
+    _validate_lora(config.lora)
+
+
+def _validate_lora(lora: LoraSection) -> None:
+    if lora.rank < 0:
+        raise ConfigError(f"config key 'lora.rank' must be >= 0 (0: no adapters), got {lora.rank!r}")
+    if not lora.alpha > 0:
+        raise ConfigError(f"config key 'lora.alpha' must be > 0, got {lora.alpha!r}")
+    try:
+        resolve_targets(lora.targets)
+    except ValueError as err:
+        raise ConfigError(f"config key 'lora.targets': {err}") from None
+
+
+def lora_enabled(config: RunConfig) -> bool:
+    """Whether the run trains adapters (a rank or an adapter folder to continue from) instead of every weight."""
+    return config.lora.rank > 0 or bool(config.lora.adapter)

@@ -30,7 +30,7 @@ import optax
 from jaxrl_llm import objectives
 from jaxrl_llm.models import ModelConfig
 from jaxrl_llm.sampling import SampledTokens, sample_tokens
-from jaxrl_llm.train.config import AlgorithmSection, RunConfig, SamplingSection
+from jaxrl_llm.train.config import AlgorithmSection, RunConfig, SamplingSection, lora_enabled
 from jaxrl_llm.train.device_reward import TokenBytes, boxed_integer_reward, gold_integers
 from jaxrl_llm.train.logprobs import response_logprobs
 from jaxrl_llm.train.packing import TrainBatch
@@ -87,6 +87,7 @@ def check_fused_config(config: RunConfig) -> None:
         ("optim.micro_batch_size", config.sampling.prompts_per_step % optim.micro_batch_size == 0,
          f"must divide sampling.prompts_per_step={config.sampling.prompts_per_step}"),
         ("train.mesh", not config.train.mesh, "must be empty (the fused loop runs on one device)"),
+        ("lora.rank", not lora_enabled(config), "must be 0 with no lora.adapter (the fused loop trains every weight)"),
         ("sampling.max_rows_per_call", config.sampling.max_rows_per_call == 0,
          "must be 0 (the fused loop samples every row of an iteration in one call)"),
     ]

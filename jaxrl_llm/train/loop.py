@@ -25,6 +25,7 @@ from tqdm.auto import tqdm
 
 from jaxrl_llm import models
 from jaxrl_llm.eval import evaluate
+from jaxrl_llm.models.peft_io import save_peft
 from jaxrl_llm.train.algorithms import mixed_groups, needs_reference, sequence_advantages, token_advantages
 from jaxrl_llm.train.config import RunConfig
 from jaxrl_llm.train.gvm import gvm_rollouts
@@ -111,9 +112,13 @@ def _train(run: Run, resume: bool, log) -> dict[str, Any]:
         run.metrics.write(cfg.train.steps, {"eval_accuracy": summary["eval_after"]["accuracy"]})
     save(run, cfg.train.steps, books, summary.get("eval_after", {}).get("accuracy"))
     export_dir = run.out_dir / "final"
-    params = host_values(run.state.params)  # a collective: every process takes part
+    params = host_values(run.policy_params())  # a collective: every process takes part
+    adapters = host_values(run.state.params) if run.lora_spec is not None else None
     if jax.process_index() == 0:
         models.save_hf(export_dir, run.model_config, params, tokenizer=run.tokenizer)
+        if adapters is not None:  # beside, not inside, final/: transformers would apply an adapter it finds there
+            save_peft(run.out_dir / "final_adapter", run.lora_spec, adapters, base_model=cfg.model.source)
+            summary["adapter_dir"] = str(run.out_dir / "final_adapter")
     summary.update(status="done", export_dir=str(export_dir), **books["counters"])
     report(summary, log)
     return summary
@@ -134,10 +139,11 @@ def collect_rollouts(run: Run, step: int, books: dict) -> tuple[ScoredRollouts, 
     per_prompt = cfg.sampling.gvm_samples_per_prompt if gvm else cfg.sampling.samples_per_prompt
     kept_parts, info = [], {"rounds": 0, "drawn": 0, "prompts": 0, "filtered": 0, "sample_s": 0.0, "score_s": 0.0}
     need = cfg.sampling.prompts_per_step
+    policy = run.policy_params()  # under LoRA: the adapters merged into the weights once for all rounds
     while True:
         records = next(run.data)
         t0 = time.perf_counter()
-        scored = sample_and_score(run.state.params, run.model_config, run.tokenizer, records,
+        scored = sample_and_score(policy, run.model_config, run.tokenizer, records,
                                   per_prompt, cfg.sampling, run.scorer,
                                   jax.random.fold_in(key, info["rounds"]), mesh=run.mesh)
         info["sample_s"] += time.perf_counter() - t0  # scoring time is measured inside the scorer
@@ -171,7 +177,7 @@ def collect_gvm_rollouts(run: Run, key: jax.Array, books: dict, step: int) -> tu
     history = None
     if cfg.sampling.gvm_estimates == "history":
         history = books.setdefault("gvm_history", GvmHistory(decay=cfg.sampling.gvm_history_decay))
-    scored, info = gvm_rollouts(run.state.params, run.model_config, run.tokenizer, next(run.data), cfg.sampling,
+    scored, info = gvm_rollouts(run.policy_params(), run.model_config, run.tokenizer, next(run.data), cfg.sampling,
                                 run.scorer, key, rows_per_chunk=cfg.optim.micro_batch_size, mesh=run.mesh,
                                 history=history, visit=step)
     if cfg.algorithm.group_filter == "mixed" and not info.get("skip_update"):
@@ -196,7 +202,7 @@ def update_policy(run: Run, scored: ScoredRollouts, step: int) -> dict[str, Any]
     seq_adv = sequence_advantages(algo, scored.rewards, scored.prompt_index, len(scored.records))
     use_sampler = algo.old_logp == "sampler" or (
         algo.old_logp == "auto" and cfg.optim.epochs * cfg.optim.mini_batches == 1)
-    old_logp = scored.logprobs if use_sampler else token_logprobs(run, run.state.params, scored)
+    old_logp = scored.logprobs if use_sampler else token_logprobs(run, run.policy_params(), scored)
     ref_logp = token_logprobs(run, run.ref_params, scored) if needs_reference(algo) else np.zeros_like(old_logp)
     advantages = token_advantages(algo, seq_adv, old_logp, ref_logp, scored.mask)
     rng = np.random.default_rng([cfg.train.seed, step])
@@ -229,7 +235,7 @@ def token_logprobs(run: Run, params, scored: ScoredRollouts) -> np.ndarray:
 def evaluate_policy(run: Run, label: str, log) -> dict[str, Any]:
     """avg@k on the held-out set, with its sampling noise (see `sampling_sd`)."""
     cfg = run.config
-    metrics = evaluate(run.state.params, run.model_config, run.tokenizer, run.eval_records,
+    metrics = evaluate(run.policy_params(), run.model_config, run.tokenizer, run.eval_records,
                        k=cfg.train.eval_samples, max_new_tokens=cfg.sampling.max_new_tokens,
                        temperature=cfg.train.eval_temperature, top_p=cfg.sampling.top_p, top_k=cfg.sampling.top_k,
                        template=cfg.data.prompt, seed=cfg.train.seed + 1000, return_samples=True, mesh=run.mesh,

@@ -49,6 +49,11 @@ Every term counts what jaxrl_llm itself allocates, per device of a `data x fsdp 
 
   peak = params + optimizer + reference + max(train step, sampling, gvm norms)
 
+With LoRA (`lora.rank` > 0) the base is frozen and only adapters train (a = the adapters' elements per
+device, sharded by the same rules, float32): params = base in p + a x 4; optimizer = 2 a x 4; reference = 0
+(the base is the reference policy); the gradients are the adapters' (a x 4 x 2); and sampling also holds
+the merged copy of the base (W + s A B) the sampler reads, local x p.
+
 H_t = heads / tensor when tensor divides the heads, else all heads. Rows per device = ceil(rows /
 (data x fsdp)). Lengths are the worst case: every response reaches max_new_tokens (set
 `response_fill` below 1 for an average fill). XLA's temporaries and fragmentation are not counted:
@@ -65,12 +70,13 @@ import re
 from typing import Any
 
 from jaxrl_llm.models.config import ModelConfig
+from jaxrl_llm.models.lora import LoraSpec, adapter_shapes, resolve_targets
 from jaxrl_llm.models.model import param_shapes
 from jaxrl_llm.models.sharding import MESH_AXES, partition_rules
 from jaxrl_llm.sampling.buckets import bucket_size, round_up
 from jaxrl_llm.sampling.generate import call_row_bucket
 from jaxrl_llm.train.algorithms import needs_reference
-from jaxrl_llm.train.config import RunConfig
+from jaxrl_llm.train.config import RunConfig, lora_enabled
 from jaxrl_llm.train.packing import bucket, length_bucket
 
 GIB = 1024 ** 3
@@ -153,11 +159,12 @@ def _leaf_paths(tree, prefix=()):
             yield "/".join(prefix + (key,)), value
 
 
-def _local_elements(model_config: ModelConfig, mesh: dict[str, int]) -> dict[str, int]:
-    """{parameter path: elements one device holds} under the model's partition rules."""
+def _local_elements(model_config: ModelConfig, mesh: dict[str, int], shapes=None) -> dict[str, int]:
+    """{parameter path: elements one device holds} under the model's partition rules (of the model's
+    parameters, or of the tree of `shapes` given, e.g. LoRA adapters)."""
     rules = [(re.compile(pattern), spec) for pattern, spec in partition_rules(model_config)]
     local = {}
-    for name, shape in _leaf_paths(param_shapes(model_config)):
+    for name, shape in _leaf_paths(param_shapes(model_config) if shapes is None else shapes):
         spec = next(s for pattern, s in rules if pattern.search(name))
         per_device = 1
         for dim, axes in zip(shape, tuple(spec) + (None,) * (len(shape) - len(spec))):
@@ -272,6 +279,11 @@ def estimate_memory(config: RunConfig, model_config: ModelConfig, mesh: dict[str
     params = local * p
     optimizer = 2 * local * p
     reference = params if needs_reference(cfg.algorithm) else 0
+    trained, trained_bytes, merged_copy = local, p, 0
+    if lora_enabled(cfg):  # frozen base; f32 adapters, their moments and gradients; merged base for sampling
+        spec = LoraSpec(rank=max(cfg.lora.rank, 1), alpha=cfg.lora.alpha, targets=resolve_targets(cfg.lora.targets))
+        trained, trained_bytes = sum(_local_elements(mc, mesh, adapter_shapes(mc, spec)).values()), 4
+        params, optimizer, reference, merged_copy = params + trained * 4, 2 * trained * 4, 0, local * p
 
     gvm = cfg.sampling.allocation == "gvm"
     block = cfg.model.attention_block_size
@@ -286,7 +298,7 @@ def estimate_memory(config: RunConfig, model_config: ModelConfig, mesh: dict[str
     else:
         row_length = length_bucket(prompt_len + responses_per_row * response_len, ROW_SEQ_MULTIPLE)
     rows = -(-cfg.optim.micro_batch_size // batch_split)
-    gradients = local * 4 + local * p
+    gradients = trained * 4 + trained * trained_bytes
     activations = _activation_bytes(mc, rows, row_length, heads, c, remat, policy, block)
     output_copy = _output_matrix_copy_bytes(mc, mesh, c, p)
     keep_logits = not cfg.model.remat_logits
@@ -303,7 +315,7 @@ def estimate_memory(config: RunConfig, model_config: ModelConfig, mesh: dict[str
     cache_len = bucket_size(cfg.data.max_prompt_tokens, minimum=16) + bucket_size(cfg.sampling.max_new_tokens,
                                                                                  minimum=16)
     kv_cache = mc.num_layers * local_rows * cache_len * mc.num_kv_heads * mc.head_dim * 2 * c
-    sampling = kv_cache + 2 * local_rows * mc.vocab_size * 4
+    sampling = kv_cache + 2 * local_rows * mc.vocab_size * 4 + merged_copy
 
     gvm_norms = 0
     if gvm:

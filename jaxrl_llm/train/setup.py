@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import functools
 import pathlib
 import time
 from typing import Any
@@ -38,10 +39,12 @@ from jax.sharding import NamedSharding
 
 from jaxrl_llm import data as data_lib
 from jaxrl_llm import models
+from jaxrl_llm.models import lora
+from jaxrl_llm.models.peft_io import load_peft
 from jaxrl_llm.models.sharding import BATCH_SPEC, make_mesh, param_shardings
 from jaxrl_llm.train.algorithms import needs_reference
 from jaxrl_llm.train.checkpoint import Checkpointer
-from jaxrl_llm.train.config import ConfigError, RunConfig
+from jaxrl_llm.train.config import ConfigError, RunConfig, lora_enabled
 from jaxrl_llm.train.metrics import MetricsWriter
 from jaxrl_llm.train.packing import TrainBatch
 from jaxrl_llm.train.rollouts import RewardScorer
@@ -68,6 +71,16 @@ class Run:
     mesh: Any = None
     state_sharding: Any = None  # TrainState of NamedShardings (None: one device)
     batch_sharding: Any = None  # TrainBatch of NamedShardings
+    base_params: Any = None  # LoRA: the frozen base (state.params are then the adapters); None: full training
+    lora_spec: Any = None  # LoRA: the adapters' models.lora.LoraSpec
+    merge_fn: Any = None  # LoRA: jitted (base, adapters) -> base + s A B, on the base's shardings
+
+    def policy_params(self):
+        """The policy's full parameter tree: the state's params, or under LoRA the base with the adapters
+        merged into its weights (W + s A B, computed once per call; what sampling and evaluation read)."""
+        if self.base_params is None:
+            return self.state.params
+        return self.merge_fn(self.base_params, self.state.params)
 
     def place_batch(self, batch: TrainBatch) -> TrainBatch:
         """A host-side packed batch (the same on every process) as arrays on the run's batch sharding."""
@@ -148,21 +161,32 @@ def setup_run(config: RunConfig, *, policy=None) -> Run:
     model_config, params, tokenizer = policy or load_policy(cfg.model.source, param_dtype=cfg.model.param_dtype)
     model_config = runtime_model_config(model_config, cfg.model)
     optimizer = make_optimizer(cfg.optim)
-    mesh = param_sharding = state_sharding = batch_sharding = None
+    lora_spec, adapters = lora_adapters(cfg, model_config) if lora_enabled(cfg) else (None, None)
+    mesh = param_sharding = trained_sharding = state_sharding = batch_sharding = None
     if cfg.train.mesh:
         mesh = make_mesh(cfg.train.mesh)
         check_mesh_fits(mesh, cfg)
         param_sharding, batch_sharding = param_shardings(params, mesh), batch_shardings(mesh)
+        trained_sharding = param_sharding if adapters is None else param_shardings(adapters, mesh)
     params = place(params, param_sharding)
-    # An independent copy: the train step donates (and so frees) the state's parameter buffers.
-    ref_params = place(jax.tree_util.tree_map(jnp.copy, params), param_sharding) if needs_reference(
-        cfg.algorithm) else None
+    if lora_spec is None:
+        trained = params
+        # An independent copy: the train step donates (and so frees) the state's parameter buffers.
+        ref_params = place(jax.tree_util.tree_map(jnp.copy, params), param_sharding) if needs_reference(
+            cfg.algorithm) else None
+    else:  # the base is never donated nor updated: it is the reference policy itself, not a copy
+        trained = place(adapters, trained_sharding)
+        ref_params = params if needs_reference(cfg.algorithm) else None
     if mesh is None:
-        state = init_state(params, optimizer)
+        state = init_state(trained, optimizer)
     else:  # the optimizer state is created in place, already sharded like its parameters (one program)
         make_state = lambda p: init_state(p, optimizer)  # noqa: E731
-        state_sharding = state_shardings(jax.eval_shape(make_state, params), optimizer, param_sharding)
-        state = jax.jit(make_state, out_shardings=state_sharding)(params)
+        state_sharding = state_shardings(jax.eval_shape(make_state, trained), optimizer, trained_sharding)
+        state = jax.jit(make_state, out_shardings=state_sharding)(trained)
+    lora_kwargs, merge_fn = {}, None
+    if lora_spec is not None:
+        lora_kwargs = dict(frozen=params, frozen_sharding=param_sharding, lora_scale=lora_spec.scale)
+        merge_fn = jax.jit(functools.partial(lora.merge, scale=lora_spec.scale), out_shardings=param_sharding)
     out_dir = pathlib.Path(cfg.train.out_dir)
     train_records = load_prompts(cfg.data.train, tokenizer, cfg)
     eval_records = load_prompts(cfg.data.eval, tokenizer, cfg)[:cfg.train.eval_problems]
@@ -176,13 +200,31 @@ def setup_run(config: RunConfig, *, policy=None) -> Run:
         optimizer=optimizer,
         train_step=make_train_step(model_config, cfg.algorithm, optimizer, micro_batch_size=cfg.optim.micro_batch_size,
                                    state_sharding=state_sharding, batch_sharding=batch_sharding,
-                                   seed=cfg.train.seed),
+                                   seed=cfg.train.seed, **lora_kwargs),
         logprob_fn=make_logprob_fn(model_config, param_sharding=param_sharding, batch_sharding=batch_sharding),
         data=data_lib.RecordBatches(train_records, loader), eval_records=eval_records,
         scorer=ProcessShareScorer(scorer) if jax.process_count() > 1 else scorer,
         checkpointer=Checkpointer(out_dir / "checkpoints", keep=cfg.train.keep_checkpoints),
         metrics=MetricsWriter(out_dir), out_dir=out_dir, mesh=mesh, state_sharding=state_sharding,
-        batch_sharding=batch_sharding)
+        batch_sharding=batch_sharding, base_params=None if lora_spec is None else params, lora_spec=lora_spec,
+        merge_fn=merge_fn)
+
+
+def lora_adapters(cfg: RunConfig, model_config) -> tuple[lora.LoraSpec, Any]:
+    """(LoraSpec, adapters) of a LoRA run: read from the PEFT folder `lora.adapter`, else new ones of
+    `lora.rank`, `lora.alpha`, `lora.targets` (A random from `lora.seed`, B = 0)."""
+    section = cfg.lora
+    if not section.adapter:
+        spec = lora.LoraSpec(rank=section.rank, alpha=section.alpha, targets=lora.resolve_targets(section.targets))
+        return spec, lora.init_adapters(model_config, spec, jax.random.PRNGKey(section.seed))
+    try:
+        spec, adapters = load_peft(section.adapter, model_config)
+    except (OSError, ValueError) as err:
+        raise ConfigError(f"config key 'lora.adapter': {err}") from None
+    if section.rank not in (0, spec.rank):
+        raise ConfigError(f"config key 'lora.rank'={section.rank} differs from the rank r={spec.rank} of the adapter "
+                          f"in lora.adapter={section.adapter!r}; set lora.rank=0 or {spec.rank}")
+    return spec, adapters
 
 
 def check_mesh_fits(mesh, cfg: RunConfig) -> None:

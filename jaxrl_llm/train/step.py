@@ -22,6 +22,7 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxrl_llm import objectives
+from jaxrl_llm.models import lora
 from jaxrl_llm.train.config import AlgorithmSection
 from jaxrl_llm.train.logprobs import response_logprobs
 from jaxrl_llm.train.packing import TrainBatch
@@ -89,7 +90,8 @@ def loss_fn(params, model_config, algo: AlgorithmSection, micro: TrainBatch, den
 
 
 def make_train_step(model_config, algo: AlgorithmSection, optimizer: optax.GradientTransformation, *,
-                    micro_batch_size: int, state_sharding: Any = None, batch_sharding: Any = None, seed: int = 0):
+                    micro_batch_size: int, state_sharding: Any = None, batch_sharding: Any = None, seed: int = 0,
+                    frozen: Any = None, frozen_sharding: Any = None, lora_scale: float = 1.0):
     """Build `step(state, batch, denom) -> (state, metrics)`: one optimizer update on a mini-batch.
 
     Clip-Cov draws its tokens with `fold_in(PRNGKey(seed), state.step)`: a new draw each update.
@@ -103,6 +105,11 @@ def make_train_step(model_config, algo: AlgorithmSection, optimizer: optax.Gradi
     step is compiled for that mesh: the state keeps its sharding across updates (so donation reuses
     its buffers), each micro-batch keeps the batch's row split, the gradient accumulator is sharded
     like the parameters, and metrics come back replicated.
+
+    LoRA: with `frozen` (the base parameters, placed by `frozen_sharding` on a mesh) the state's params are
+    adapters (`models.lora`) and the loss reads the policy `lora.attach(frozen, adapters, lora_scale)`:
+    gradients, their clipping and the optimizer state cover the adapters alone, and the base is only read
+    (never donated, so it can also serve as the reference policy).
     """
     replicated = _replicated(state_sharding, batch_sharding)
     micro_sharding = None
@@ -111,20 +118,25 @@ def make_train_step(model_config, algo: AlgorithmSection, optimizer: optax.Gradi
             lambda s: NamedSharding(s.mesh, P(None, *s.spec)), batch_sharding,
             is_leaf=lambda x: isinstance(x, NamedSharding))
 
-    def step(state: TrainState, batch: TrainBatch, denom: jax.Array):
+    def step(state: TrainState, batch: TrainBatch, denom: jax.Array, base: Any = None):
         selected = cov_tokens(algo, batch, jax.random.fold_in(jax.random.PRNGKey(seed), state.step))
         micro, micro_selected = split_micro((batch, selected), micro_batch_size)
         if micro_sharding is not None:
             micro = jax.lax.with_sharding_constraint(micro, micro_sharding)
-        grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+
+        def trained_loss(params, mb, mb_selected):  # differentiated in the state's params only (LoRA: adapters)
+            policy = params if base is None else lora.attach(base, params, lora_scale)
+            return loss_fn(policy, model_config, algo, mb, denom, mb_selected)
+
+        grad_fn = jax.value_and_grad(trained_loss, has_aux=True)
 
         if micro.tokens.shape[0] == 1:  # one micro-batch: no scan and no zero-filled gradient accumulator
             first = jax.tree_util.tree_map(lambda x: x[0], (micro, micro_selected))
-            (loss, msum), grads = grad_fn(state.params, model_config, algo, first[0], denom, first[1])
+            (loss, msum), grads = grad_fn(state.params, *first)
         else:
             def accumulate(carry, xs):
                 grads, loss_sum, metric_sum = carry
-                (loss, metrics), g = grad_fn(state.params, model_config, algo, xs[0], denom, xs[1])
+                (loss, metrics), g = grad_fn(state.params, *xs)
                 grads = jax.tree_util.tree_map(jnp.add, grads, g)
                 metric_sum = jax.tree_util.tree_map(jnp.add, metric_sum, metrics)
                 return (grads, loss_sum + loss, metric_sum), None
@@ -154,10 +166,23 @@ def make_train_step(model_config, algo: AlgorithmSection, optimizer: optax.Gradi
                    "finite": finite.astype(jnp.float32)}
         return new_state, metrics
 
+    if frozen is None:
+        if replicated is None:
+            return jax.jit(step, donate_argnums=(0,))
+        return jax.jit(step, donate_argnums=(0,), in_shardings=(state_sharding, batch_sharding, replicated),
+                       out_shardings=(state_sharding, replicated))
     if replicated is None:
-        return jax.jit(step, donate_argnums=(0,))
-    return jax.jit(step, donate_argnums=(0,), in_shardings=(state_sharding, batch_sharding, replicated),
-                   out_shardings=(state_sharding, replicated))
+        jitted = jax.jit(step, donate_argnums=(0,))
+    else:
+        jitted = jax.jit(step, donate_argnums=(0,), in_shardings=(state_sharding, batch_sharding, replicated,
+                                                                  frozen_sharding),
+                         out_shardings=(state_sharding, replicated))
+
+    def lora_step(state: TrainState, batch: TrainBatch, denom: jax.Array):
+        return jitted(state, batch, denom, frozen)
+
+    lora_step.jitted = jitted
+    return lora_step
 
 
 def make_logprob_fn(model_config, *, param_sharding: Any = None, batch_sharding: Any = None):
