@@ -417,3 +417,23 @@ def test_lora_kill9_then_resume_is_bitwise_equal_to_uninterrupted(tmp_path):
 
 if __name__ == "__main__":
     print("RESULT", json.dumps({"mesh": _mesh_checks}[sys.argv[1]]()), flush=True)
+
+
+def test_resume_with_other_lora_settings_names_the_keys(tmp_path):
+    """The checkpoint's JSON record is read alone, and a changed rank names the key instead of failing in orbax."""
+    import jax.numpy as jnp
+
+    from jaxrl_llm.train.checkpoint import Checkpointer
+    from jaxrl_llm.train.config import load_config
+    from jaxrl_llm.train.loop import check_state_layout
+
+    saved_config = load_config(None, ["lora.rank=16"])
+    checkpointer = Checkpointer(tmp_path / "checkpoints")
+    checkpointer.save(3, {"w": jnp.ones(2)}, {"config": saved_config.to_dict()})
+    saved = checkpointer.read_extra()["config"]
+    checkpointer.close()
+    check_state_layout(load_config(None, ["lora.rank=16", "lora.alpha=8"]), saved, tmp_path)  # alpha: no layout
+    with pytest.raises(ValueError, match=r"lora\.rank: checkpoint 16, this run 8"):
+        check_state_layout(load_config(None, ["lora.rank=8"]), saved, tmp_path)
+    with pytest.raises(ValueError, match=r"lora\.rank: checkpoint 16, this run 0.*lora\.targets"):
+        check_state_layout(load_config(None, ["lora.targets=q,v"]), saved, tmp_path)

@@ -53,5 +53,13 @@ class Checkpointer:
             state=ocp.args.StandardRestore(target), extra=ocp.args.JsonRestore()))
         return step, restored["state"], dict(restored["extra"])
 
+    def read_extra(self, step: int | None = None) -> dict[str, Any]:
+        """The JSON record of checkpoint `step` (default: the latest) alone, without reading the state."""
+        step = self.latest_step() if step is None else step
+        if step is None:
+            raise FileNotFoundError(f"no checkpoint to resume from in {self.directory}")
+        restored = self.manager.restore(step, args=ocp.args.Composite(extra=ocp.args.JsonRestore()))
+        return dict(restored["extra"])
+
     def close(self) -> None:
         self.manager.close()

@@ -307,12 +307,29 @@ def restore(run: Run) -> tuple[int, dict]:
     """Continue from the latest checkpoint: state, data position and counters (a fresh start if none)."""
     if run.checkpointer.latest_step() is None:
         return 0, new_books()
+    check_state_layout(run.config, run.checkpointer.read_extra().get("config", {}), run.checkpointer.directory)
     step, run.state, extra = run.checkpointer.restore(run.state)
     run.data.set_state(extra["data"])
     books = {"counters": extra["counters"], "summary": extra["summary"]}
     if "gvm_history" in extra:
         books["gvm_history"] = GvmHistory.from_json(extra["gvm_history"])
     return step, books
+
+
+# Keys that shape the saved train state: a resumed run must hold the same ones.
+STATE_LAYOUT_KEYS = (("lora", "rank"), ("lora", "targets"))
+
+
+def check_state_layout(config, saved: dict, directory) -> None:
+    """A clear error when the checkpoint's train state was laid out by other settings (LoRA on or off, its
+    rank or targets) than this run's, instead of orbax's tree mismatch."""
+    current = config.to_dict()
+    changed = [f"{section}.{key}: checkpoint {saved[section][key]!r}, this run {current[section][key]!r}"
+               for section, key in STATE_LAYOUT_KEYS
+               if section in saved and key in saved[section] and saved[section][key] != current[section][key]]
+    if changed:
+        raise ValueError(f"cannot resume from {directory}: its train state was saved with other settings ("
+                         + "; ".join(changed) + "); resume with the checkpoint's values or use a new train.out_dir")
 
 
 def any_process(flag: bool) -> bool:
