@@ -15,9 +15,11 @@ from jaxrl_llm.train.gvm import (
     allocate_samples,
     cap_counts,
     gvm_rollouts,
+    mean_norms,
     parse_param_subset,
     per_sample_grad_norms,
     prompt_grad_norms,
+    rank_within_prompt,
     reuse_stage1,
 )
 from jaxrl_llm.train.rollouts import ScoredRollouts
@@ -158,6 +160,18 @@ def test_cap_redistributes_the_excess():
     capped = allocate_samples(np.array([0.05, 0.9, 0.9, 0.9]), np.ones(4), SamplingSection(
         gvm_samples_per_prompt=4, gvm_max_samples=6))
     assert capped.sum() == 16 and capped.max() <= 6 and capped[0] == 6
+
+
+def test_rank_within_prompt_counts_earlier_rows_of_the_same_prompt():
+    np.testing.assert_array_equal(rank_within_prompt(np.array([3, 1, 3, 3, 0, 1])), [0, 0, 1, 2, 0, 1])
+    index = np.random.default_rng(0).integers(0, 5, size=40)
+    loop = [sum(index[j] == index[k] for j in range(k)) for k in range(index.size)]
+    np.testing.assert_array_equal(rank_within_prompt(index), loop)
+    assert rank_within_prompt(np.array([], np.int64)).size == 0
+
+
+def test_mean_norms_is_zero_where_nothing_was_measured():
+    np.testing.assert_allclose(mean_norms(np.array([3.0, 0.0, 5.0]), np.array([2, 0, 4])), [1.5, 0.0, 1.25])
 
 
 def test_reuse_stage1_builds_groups_of_exactly_n():

@@ -140,9 +140,23 @@ def prompt_grad_norms(params, model_config, scored: ScoredRollouts, *, param_sub
                       rows_per_chunk: int = 8, pad_id: int = 0, mesh=None) -> np.ndarray:
     """G_i [P]: the mean per-sample gradient norm over prompt i's accepted samples (0 when none is accepted).
     Only accepted rows are differentiated (on `mesh`: split over its batch axes)."""
-    total, count = prompt_grad_norm_sums(params, model_config, scored, param_subset=param_subset,
-                                         rows_per_chunk=rows_per_chunk, pad_id=pad_id, mesh=mesh)
+    return mean_norms(*prompt_grad_norm_sums(params, model_config, scored, param_subset=param_subset,
+                                             rows_per_chunk=rows_per_chunk, pad_id=pad_id, mesh=mesh))
+
+
+def mean_norms(total: np.ndarray, count: np.ndarray) -> np.ndarray:
+    """total / count where count > 0, else 0 (float32): G_i from prompt_grad_norm_sums."""
     return np.where(count > 0, total / np.maximum(count, 1), 0.0).astype(np.float32)
+
+
+def rank_within_prompt(prompt_index: np.ndarray) -> np.ndarray:
+    """Each row's position among the rows of its prompt, in row order: [3, 1, 3, 3] -> [0, 0, 1, 2]."""
+    prompt_index = np.asarray(prompt_index)
+    order = np.argsort(prompt_index, kind="stable")
+    grouped = prompt_index[order]
+    rank = np.empty(prompt_index.size, np.int64)
+    rank[order] = np.arange(prompt_index.size) - np.searchsorted(grouped, grouped, side="left")
+    return rank
 
 
 def prompt_grad_norm_sums(params, model_config, scored: ScoredRollouts, *, param_subset: str | Sequence[str] = "embed",
@@ -153,9 +167,7 @@ def prompt_grad_norm_sums(params, model_config, scored: ScoredRollouts, *, param
     num_prompts = len(scored.records)
     accepted = np.flatnonzero(scored.correct)
     if max_rows_per_prompt > 0 and accepted.size:
-        index = scored.prompt_index[accepted]
-        rank = np.array([np.sum(index[:k] == index[k]) for k in range(index.size)])
-        accepted = accepted[rank < max_rows_per_prompt]
+        accepted = accepted[rank_within_prompt(scored.prompt_index[accepted]) < max_rows_per_prompt]
     if accepted.size == 0:
         return np.zeros(num_prompts, np.float64), np.zeros(num_prompts, np.int64)
     batch = all_rows_batch(_take_rows(scored, accepted), rows_per_chunk, pad_id)
@@ -273,8 +285,7 @@ def gvm_rollouts(params, model_config, tokenizer, records: list[dict], sampling:
     accepted = np.bincount(stage1.prompt_index, weights=stage1.correct.astype(np.float64), minlength=len(records))
     if history is None:
         accept_rate = accepted / n1
-        total, count = norm_sums(stage1)
-        grad_norm = np.where(count > 0, total / np.maximum(count, 1), 0.0).astype(np.float32)
+        grad_norm = mean_norms(*norm_sums(stage1))
     else:
         observe(stage1, probe)
         _, accept_rate, grad_norm = history.estimates(records)
@@ -310,10 +321,7 @@ def reuse_stage1(stage1: ScoredRollouts, fresh: ScoredRollouts, counts: np.ndarr
     """Groups of exactly counts[i] rows: prompt i's first min(counts[i], m_i) stage-1 rows (m_i of them were
     drawn), then its fresh rows (`fresh` holds max(counts[i] - m_i, 0) rows of prompt i). Rows come out ordered by prompt; the records are
 `fresh`'s."""
-    rank = np.zeros(stage1.num_samples, np.int64)
-    for i in np.unique(stage1.prompt_index):  # position of each row among its prompt's samples
-        rows = np.flatnonzero(stage1.prompt_index == i)
-        rank[rows] = np.arange(rows.size)
+    rank = rank_within_prompt(stage1.prompt_index)
     kept = _take_rows(stage1, np.flatnonzero(rank < np.asarray(counts)[stage1.prompt_index]))
     merged = ScoredRollouts(records=fresh.records, **{f: np.concatenate([getattr(kept, f), getattr(fresh, f)])
                                                        for f in _ROW_FIELDS})
