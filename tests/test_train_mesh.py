@@ -44,6 +44,9 @@ def test_sharded_step_equals_single_device():
     assert r["specs"]["count"] == "P()" and r["specs"]["step"] == "P()", r
     assert r["donated"] and r["compiles"] == 1, r
     assert r["bad_micro_error"] and "micro_batch_size" in r["bad_micro_error"], r
+    assert r["cov_live"], r  # Clip-Cov detached some tokens: its gradient differs from plain clipping
+    for name, diff in r["cov_rel_diff"].items():
+        assert diff < 1e-5, (name, r)
 
 
 def test_train_loop_on_mesh_equals_single_device():
@@ -132,7 +135,7 @@ def _step_checks() -> dict:
     algo = AlgorithmSection(loss="clip", kl_coef=0.1, entropy_coef=0.01)
     denom = np.float32(aggregate_denominator(mask, algo.agg))
 
-    def run(optimizer, sharded: bool, steps: int = 2):
+    def run(optimizer, sharded: bool, steps: int = 2, algo=algo):
         state = init_state(jax.tree_util.tree_map(jnp.array, params), optimizer)  # fresh buffers: donated
         s_sharding = state_shardings(state, optimizer, p_sharding) if sharded else None
         step = make_train_step(config, algo, optimizer, micro_batch_size=4, state_sharding=s_sharding,
@@ -168,6 +171,14 @@ def _step_checks() -> dict:
         "count": _spec_name(adam_mesh.count.sharding),
         "step": _spec_name(a_mesh.step.sharding),
     }
+    # Clip-Cov: the token choice is made over the whole batch, then split into micro-batches like the mask.
+    cov = AlgorithmSection(loss="clip_cov", cov_fraction=0.3, cov_low=-10.0, cov_high=10.0)
+    _, cov_single, _, _ = run(adamw, False, steps=1, algo=cov)
+    _, cov_mesh, _, _ = run(adamw, True, steps=1, algo=cov)
+    _, plain, _, _ = run(adamw, False, steps=1, algo=AlgorithmSection(loss="clip"))
+    cov_diff = {k: abs(cov_single[0][k] - cov_mesh[0][k]) / max(abs(cov_single[0][k]), 1e-8)
+                for k in ("loss", "grad_norm")}
+    cov_live = abs(cov_single[0]["grad_norm"] - plain[0]["grad_norm"]) > 1e-3 * plain[0]["grad_norm"]
     bad_micro = None
     try:
         check_mesh_fits(mesh, load_config(None, [f"train.mesh={MESH}", "optim.micro_batch_size=2"]))
@@ -176,7 +187,8 @@ def _step_checks() -> dict:
     return {"adam_param_diff": adam_param_diff, "adam_moment_rel_diff": moment_diff, "metric_rel_diff": metric_diff,
             "metrics": m_single[0], "logprob_diff": float(np.abs(np.asarray(logp_mesh) - logp_single).max()),
             "logprob_replicated": bool(logp_mesh.sharding.is_fully_replicated), "specs": specs,
-            "donated": donated, "compiles": compiles, "bad_micro_error": bad_micro}
+            "donated": donated, "compiles": compiles, "bad_micro_error": bad_micro, "cov_rel_diff": cov_diff,
+            "cov_live": bool(cov_live)}
 
 
 def _loop_checks() -> dict:

@@ -123,6 +123,8 @@ def make_train_step(model_config, algo: AlgorithmSection, optimizer: optax.Gradi
         micro, micro_selected = split_micro((batch, selected), micro_batch_size)
         if micro_sharding is not None:
             micro = jax.lax.with_sharding_constraint(micro, micro_sharding)
+            if micro_selected is not None:  # the Clip-Cov / KL-Cov token choice is split like the mask
+                micro_selected = jax.lax.with_sharding_constraint(micro_selected, micro_sharding.mask)
 
         def trained_loss(params, mb, mb_selected):  # differentiated in the state's params only (LoRA: adapters)
             policy = params if base is None else lora.attach(base, params, lora_scale)
