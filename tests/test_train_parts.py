@@ -6,9 +6,10 @@ import numpy as np
 import pytest
 
 from jaxrl_llm.train.checkpoint import Checkpointer
-from jaxrl_llm.train.config import OptimSection
+from jaxrl_llm.train.config import ConfigError, OptimSection, load_config
 from jaxrl_llm.train.logprobs import chunked_logprobs, gather_response_hidden
 from jaxrl_llm.train.metrics import MetricsWriter, plot_run, read_metrics
+from jaxrl_llm.train.setup import write_bound_gb
 from jaxrl_llm.train.state import init_state, learning_rate, make_optimizer
 
 
@@ -69,6 +70,23 @@ def test_checkpoint_roundtrip_keeps_latest_and_best(tmp_path):
     ckpt.close()
     with pytest.raises(FileNotFoundError, match="no checkpoint"):
         Checkpointer(tmp_path / "empty").restore(tree)
+
+
+def test_checkpoint_with_a_write_bound_smaller_than_one_array_restores_it_exactly(tmp_path):
+    # 66 kB in flight while a 64 kB array and a 4 kB one are written: the writes queue, nothing is dropped.
+    tree = {"big": jnp.arange(16384.0).reshape(128, 128), "small": jnp.arange(1024, dtype=jnp.int32)}
+    assert write_bound_gb(1e-6, tree) == 65536 / 1e9 and write_bound_gb(0.25, tree) == 0.25
+    ckpt = Checkpointer(tmp_path / "ckpt", save_concurrent_gb=66e-6)
+    ckpt.save(1, tree, {"step": 1})
+    _, state, extra = ckpt.restore(jax.tree_util.tree_map(jnp.zeros_like, tree))
+    np.testing.assert_array_equal(state["big"], np.arange(16384.0).reshape(128, 128))
+    np.testing.assert_array_equal(state["small"], np.arange(1024))
+    assert extra == {"step": 1}
+    ckpt.close()
+    with pytest.raises(ValueError, match=r"train.save_concurrent_gb=1e-06 .* largest array \(6.55e-05 GB\)"):
+        Checkpointer(tmp_path / "tight", save_concurrent_gb=1e-6).save(1, tree, {})
+    with pytest.raises(ConfigError, match="train.save_concurrent_gb"):
+        load_config(None, ["train.save_concurrent_gb=0"])
 
 
 def test_metrics_jsonl_tensorboard_and_plot(tmp_path):

@@ -197,6 +197,7 @@ class TrainSection:
     eval_temperature: float = 1.0  # sampling temperature of evaluations
     save_every: int = 10  # checkpoint every k steps (0: only at the end and at evaluations)
     keep_checkpoints: int = 2  # most recent checkpoints kept (the best by held-out accuracy is kept too)
+    save_concurrent_gb: float = 0.25  # host memory a checkpoint write may fill at once (raise for faster remote saves)
     out_dir: str = "runs/default"  # run directory: metrics.jsonl, TensorBoard, checkpoints, final/
     max_bad_steps: int = 3  # consecutive non-finite updates before the run stops
     verifier_timeout: float = 5.0  # seconds allowed to check one answer
@@ -418,6 +419,7 @@ def validate(config: RunConfig) -> None:
         ("train.eval_problems", config.train.eval_problems >= 0, "must be >= 0"),
         ("train.eval_samples", config.train.eval_samples >= 1, "must be >= 1"),
         ("train.keep_checkpoints", config.train.keep_checkpoints >= 1, "must be >= 1"),
+        ("train.save_concurrent_gb", config.train.save_concurrent_gb > 0, "must be > 0"),
         ("train.max_bad_steps", config.train.max_bad_steps >= 1, "must be >= 1"),
     ]
     for key, ok, reason in checks:

@@ -112,6 +112,13 @@ def load_policy(source: str, *, param_dtype: str = "float32", compute_dtype: str
     return model_config, params, tokenizer
 
 
+def write_bound_gb(configured_gb: float, state) -> float:
+    """The checkpoint write bound: `train.save_concurrent_gb`, raised to the state's largest array if smaller
+    (the writer holds at least one array at a time)."""
+    largest = max((x.nbytes for x in jax.tree_util.tree_leaves(state)), default=0)
+    return max(configured_gb, largest / 1e9)
+
+
 def release_free_host_memory() -> None:
     """Hand freed heap pages back to the OS (glibc's `malloc_trim`). Loading dequantizes, transposes and stacks
     every weight in host memory; glibc would otherwise keep about the model's size again of freed pages resident
@@ -204,7 +211,8 @@ def setup_run(config: RunConfig, *, policy=None) -> Run:
         logprob_fn=make_logprob_fn(model_config, param_sharding=param_sharding, batch_sharding=batch_sharding),
         data=data_lib.RecordBatches(train_records, loader), eval_records=eval_records,
         scorer=ProcessShareScorer(scorer) if jax.process_count() > 1 else scorer,
-        checkpointer=Checkpointer(out_dir / "checkpoints", keep=cfg.train.keep_checkpoints),
+        checkpointer=Checkpointer(out_dir / "checkpoints", keep=cfg.train.keep_checkpoints,
+                                  save_concurrent_gb=write_bound_gb(cfg.train.save_concurrent_gb, state)),
         metrics=MetricsWriter(out_dir), out_dir=out_dir, mesh=mesh, state_sharding=state_sharding,
         batch_sharding=batch_sharding, base_params=None if lora_spec is None else params, lora_spec=lora_spec,
         merge_fn=merge_fn)
