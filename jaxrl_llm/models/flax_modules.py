@@ -38,6 +38,8 @@ LAYER_AXES = {
     "o_bias": ("embed_bias",),  # the regex rules replicate it, unlike the matrices' model dimension
     "q_norm": ("head_dim",),
     "k_norm": ("head_dim",),
+    "post_attn_norm": ("norm",),
+    "post_mlp_norm": ("norm",),
 }
 TOP_AXES = {"embed": ("vocab", "embed"), "final_norm": ("norm",), "lm_head": ("embed", "vocab")}
 LAYER_AXIS = "layers"

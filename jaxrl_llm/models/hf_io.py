@@ -41,6 +41,14 @@ _LAYER_NAMES = {
     "up_proj": ("mlp.up_proj.weight", True),
     "down_proj": ("mlp.down_proj.weight", True),
 }
+# Gemma names its four norms after their place: post_attention_layernorm is the norm *on* the attention
+# output there, and the norm before the MLP is pre_feedforward_layernorm.
+_GEMMA_LAYER_NAMES = {
+    **_LAYER_NAMES,
+    "mlp_norm": ("pre_feedforward_layernorm.weight", False),
+    "post_attn_norm": ("post_attention_layernorm.weight", False),
+    "post_mlp_norm": ("post_feedforward_layernorm.weight", False),
+}
 # Tensors some checkpoints carry that the model recomputes.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -62,9 +70,10 @@ def _hf_layout(config: ModelConfig) -> dict[str, tuple[tuple[str, ...], bool]]:
     layout = {"model.embed_tokens.weight": (("embed",), False), "model.norm.weight": (("final_norm",), False)}
     if "lm_head" in shapes:
         layout["lm_head.weight"] = (("lm_head",), True)
+    names = _GEMMA_LAYER_NAMES if config.is_gemma else _LAYER_NAMES
     for i in range(config.num_layers):
         for name in shapes["layers"]:
-            suffix, transposed = _LAYER_NAMES[name]
+            suffix, transposed = names[name]
             layout[f"model.layers.{i}.{suffix}"] = (("layers", name, i), transposed)
     return layout
 
@@ -185,7 +194,7 @@ def _get_tensor(handle, path: pathlib.Path, name: str) -> np.ndarray:
 
 
 def load_hf(path, dtype=None) -> tuple[ModelConfig, Params]:
-    """Load a Llama / Qwen2 / Qwen3 checkpoint directory: config.json plus model.safetensors or
+    """Load a Llama / Qwen2 / Qwen3 / Mistral / Gemma 2 / Gemma 3 (text) checkpoint directory: config.json plus model.safetensors or
     model.safetensors.index.json with its shards. `dtype` ("float32" | "bfloat16") sets both
     param_dtype and compute_dtype (default float32). Errors name the file and tensor at fault."""
     directory = pathlib.Path(path)

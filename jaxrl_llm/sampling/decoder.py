@@ -23,8 +23,8 @@ import jax
 import jax.numpy as jnp
 
 from jaxrl_llm.models import ModelConfig, output_logits
-from jaxrl_llm.models.layers import attention, rms_norm
-from jaxrl_llm.models.model import _embed, _finish_layer, _project_qkv
+from jaxrl_llm.models.layers import soft_cap
+from jaxrl_llm.models.model import _embed, _finish_layer, _project_qkv, attend, layer_constants, norm
 
 
 class RowCache(NamedTuple):
@@ -69,34 +69,48 @@ def prefill_cache(params, config: ModelConfig, tokens: jax.Array, lengths: jax.A
     """
     count, length = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (count, length))
-    causal = positions[:, None, :] <= positions[:, :, None]
+    distance = positions[:, :, None] - positions[:, None, :]
+    causal = distance >= 0
     cache_dtype = jnp.dtype(cache_dtype or config.compute_dtype)
 
-    def layer(x, lp):
-        h = rms_norm(x, lp["attn_norm"], config.rms_norm_eps)
-        q, k, v = _project_qkv(lp, config, h, positions)  # k, v [C, P, KV, d]
-        x = _finish_layer(lp, config, x, attention(q, k, v, causal))
+    def layer(x, layer_in):
+        lp, const = layer_in
+        h = norm(x, lp["attn_norm"], config)
+        q, k, v = _project_qkv(lp, config, h, positions, const.get("inv_freq"))  # k, v [C, P, KV, d]
+        keep = causal if "window" not in const else causal & (distance < const["window"])
+        x = _finish_layer(lp, config, x, attend(q, k, v, keep, config))
         return x, (jnp.transpose(k, (0, 2, 3, 1)).astype(cache_dtype),
                    jnp.transpose(v, (0, 2, 1, 3)).astype(cache_dtype))
 
-    x, (keys, values) = jax.lax.scan(layer, _embed(params, config, tokens), params["layers"])
+    x, (keys, values) = jax.lax.scan(layer, _embed(params, config, tokens),
+                                     (params["layers"], layer_constants(config)))
     last = jnp.take_along_axis(x, (lengths - 1)[:, None, None], axis=1)[:, 0]  # [C, D]
-    hidden = rms_norm(last, params["final_norm"], config.rms_norm_eps)
+    hidden = norm(last, params["final_norm"], config)
     return output_logits(params, config, hidden), keys, values
 
 
-def _attend(q, prompt_k, prompt_v, response_k, response_v, prompt_lengths, step):
-    """softmax(q k^T / sqrt(d)) v of one query per row over prompt slots s < prompt_length and
-    response slots j <= step. q [B, H, d] (head h reads KV head h // (H / KV)); returns [B, H*d]."""
+def _attend(q, prompt_k, prompt_v, response_k, response_v, prompt_lengths, step, config: ModelConfig,
+            window: int | None = None):
+    """softmax(cap(scale q k^T)) v (scale and cap as `models.attend`) of one query per row over prompt
+    slots s < prompt_length and response slots j <= step; with a sliding `window` w, only keys fewer than
+    w positions back (prompt slot s: prompt_length + step - s < w; response slot j: step - j < w).
+    q [B, H, d] (head h reads KV head h // (H / KV)); returns [B, H*d]."""
     batch, num_heads, head_dim = q.shape
     num_kv = prompt_k.shape[1]
-    q = q.reshape(batch, num_kv, num_heads // num_kv, head_dim) * jnp.asarray(head_dim ** -0.5, q.dtype)
+    q = q.reshape(batch, num_kv, num_heads // num_kv, head_dim) * jnp.asarray(config.attention_scale, q.dtype)
     f32 = jnp.float32
-    prompt_scores = jnp.einsum("bkgd,bkds->bkgs", q, prompt_k.astype(q.dtype), preferred_element_type=f32)
-    response_scores = jnp.einsum("bkgd,bkdn->bkgn", q, response_k.astype(q.dtype), preferred_element_type=f32)
-    prompt_ok = jnp.arange(prompt_k.shape[-1])[None, :] < prompt_lengths[:, None]
+    cap = config.attn_logit_softcapping
+    prompt_scores = soft_cap(jnp.einsum("bkgd,bkds->bkgs", q, prompt_k.astype(q.dtype), preferred_element_type=f32),
+                             cap)
+    response_scores = soft_cap(
+        jnp.einsum("bkgd,bkdn->bkgn", q, response_k.astype(q.dtype), preferred_element_type=f32), cap)
+    prompt_slots, response_slots = jnp.arange(prompt_k.shape[-1]), jnp.arange(response_k.shape[-1])
+    prompt_ok = prompt_slots[None, :] < prompt_lengths[:, None]
+    response_ok = response_slots <= step
+    if window is not None:
+        prompt_ok = prompt_ok & ((prompt_lengths + step)[:, None] - prompt_slots[None, :] < window)
+        response_ok = response_ok & (step - response_slots < window)
     prompt_scores = jnp.where(prompt_ok[:, None, None, :], prompt_scores, -jnp.inf)
-    response_ok = jnp.arange(response_k.shape[-1]) <= step
     response_scores = jnp.where(response_ok, response_scores, -jnp.inf)
     top = jnp.maximum(prompt_scores.max(-1, keepdims=True), response_scores.max(-1, keepdims=True))
     prompt_w, response_w = jnp.exp(prompt_scores - top), jnp.exp(response_scores - top)
@@ -116,17 +130,18 @@ def decode_step(params, layers: list, config: ModelConfig, tokens: jax.Array, pr
     x = _embed(params, config, tokens[:, None])
     new = {name: [] for name in RowCache._fields}
     for i, lp in enumerate(layers):
-        h = rms_norm(x, lp["attn_norm"], config.rms_norm_eps)
-        q, k, v = _project_qkv(lp, config, h, positions)  # q [B,1,H,d], k, v [B,1,KV,d]
+        const = layer_constants(config, i)
+        h = norm(x, lp["attn_norm"], config)
+        q, k, v = _project_qkv(lp, config, h, positions, const["inv_freq"])  # q [B,1,H,d], k, v [B,1,KV,d]
         response_k = jax.lax.dynamic_update_slice_in_dim(
             cache.response_k[i], jnp.transpose(k, (0, 2, 3, 1)).astype(cache.response_k[i].dtype), step, axis=3)
         response_v = jax.lax.dynamic_update_slice_in_dim(
             cache.response_v[i], jnp.transpose(v, (0, 2, 1, 3)).astype(cache.response_v[i].dtype), step, axis=2)
         attn = _attend(q[:, 0], cache.prompt_k[i], cache.prompt_v[i], response_k, response_v,
-                       prompt_lengths, step)
+                       prompt_lengths, step, config, const["window"])
         x = _finish_layer(lp, config, x, attn[:, None].astype(x.dtype))
         new["response_k"].append(response_k)
         new["response_v"].append(response_v)
-    hidden = rms_norm(x[:, 0], params["final_norm"], config.rms_norm_eps)
+    hidden = norm(x[:, 0], params["final_norm"], config)
     cache = cache._replace(response_k=tuple(new["response_k"]), response_v=tuple(new["response_v"]))
     return output_logits(params, config, hidden), cache
