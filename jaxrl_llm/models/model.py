@@ -79,7 +79,7 @@ def param_shapes(config: ModelConfig) -> Params:
 
 def init_params(config: ModelConfig, rng: jax.Array) -> Params:
     """Random parameters as transformers initialises these models: weights ~ N(0, 0.02^2),
-    norm weights 1, biases 0; stored in `config.param_dtype`."""
+    norm weights 1 (0 for Gemma, whose norms scale by 1 + w), biases 0; stored in `config.param_dtype`."""
     return _init_params_jit(config, rng)
 
 
@@ -95,7 +95,7 @@ def _init_params_jit(config: ModelConfig, rng: jax.Array) -> Params:
     for (path, shape), size in zip(flat, sizes):
         name = path[-1].key
         if name.endswith("norm"):
-            leaves.append(jnp.ones(shape, dtype))
+            leaves.append((jnp.zeros if config.is_gemma else jnp.ones)(shape, dtype))
         elif name.endswith("bias"):
             leaves.append(jnp.zeros(shape, dtype))
         else:
