@@ -239,3 +239,45 @@ def test_bad_family_settings_raise_clear_errors():
                                       intermediate_size=8, num_hidden_layers=2, num_attention_heads=2))
     with pytest.raises(ValueError, match="cannot be expressed for model_type 'llama'"):
         ModelConfig(**base, final_logit_softcapping=30.0).to_hf_dict()
+
+
+def test_image_text_gemma3_checkpoint_loads_its_text_model(tmp_path):
+    """A Gemma3ForConditionalGeneration folder (model_type "gemma3": text_config, tensors under
+    language_model.model., a vision tower and projector beside them) loads as its text model, with the
+    conditional model's logits on text."""
+    import torch
+    import transformers
+    from tiny_models import make_tiny_torch_model, tiny_hf_config
+
+    text = tiny_hf_config("gemma3_text")
+    vision = transformers.SiglipVisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                             num_attention_heads=2, image_size=28, patch_size=14)
+    config = transformers.Gemma3Config(text_config=text.to_dict(), vision_config=vision.to_dict(),
+                                       mm_tokens_per_image=1, image_token_index=127, boi_token_index=125,
+                                       eoi_token_index=126)
+    model = transformers.Gemma3ForConditionalGeneration(config).eval()
+    text_model = make_tiny_torch_model("gemma3_text", seed=3)
+    model.model.language_model.load_state_dict(text_model.model.state_dict())
+    model.save_pretrained(tmp_path / "gemma3")
+    ours_config, params = load_hf(tmp_path / "gemma3")
+    assert ours_config.model_type == "gemma3_text" and ours_config.layer_types == tuple(text.layer_types)
+    tokens = _tokens(1, LENGTH, seed=11)
+    reloaded = transformers.Gemma3ForConditionalGeneration.from_pretrained(tmp_path / "gemma3", dtype=torch.float32,
+                                                                          attn_implementation="eager").eval()
+    ref = torch_logits(reloaded, tokens)
+    assert np.abs(np.asarray(forward_jit(params, ours_config, tokens, _arange(1, LENGTH))) - ref).max() <= TOL
+
+
+def test_sparse_hub_gemma3_config_gives_the_4b_text_model():
+    """google/gemma-3-4b-it's config.json writes only what differs from Gemma3TextConfig's defaults."""
+    from jaxrl_llm.train.memory import KNOWN_MODELS
+
+    raw = {"model_type": "gemma3", "eos_token_id": [1, 106],
+           "text_config": {"hidden_size": 2560, "intermediate_size": 10240, "model_type": "gemma3_text",
+                           "num_hidden_layers": 34, "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+                           "sliding_window": 1024}}
+    config = ModelConfig.from_hf_dict(raw)
+    assert config.eos_token_id == (1, 106)
+    assert config.replace(eos_token_id=None) == KNOWN_MODELS["gemma-3-4b-it"]
+    with pytest.raises(ValueError, match="text_config"):
+        ModelConfig.from_hf_dict({"model_type": "gemma3"})

@@ -32,6 +32,15 @@ _ARCHITECTURES = {
 }
 
 
+# Gemma3TextConfig's defaults: the image-text Gemma 3 checkpoints (model_type "gemma3") write a text_config
+# holding only the values that differ from them.
+_GEMMA3_TEXT_DEFAULTS = dict(vocab_size=262208, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
+                             num_attention_heads=8, num_key_value_heads=4, head_dim=256, query_pre_attn_scalar=256,
+                             sliding_window=4096, max_position_embeddings=131072, rope_theta=1000000.0,
+                             rope_local_base_freq=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=True,
+                             hidden_activation="gelu_pytorch_tanh")
+
+
 def _hashable(value: Any) -> Any:
     """Turn lists / dicts from JSON into tuples so the config stays hashable (a jit static arg)."""
     if isinstance(value, dict):
@@ -175,8 +184,17 @@ class ModelConfig:
 
     @classmethod
     def from_hf_dict(cls, d: dict, **overrides) -> "ModelConfig":
-        """Build from a transformers config.json dict; `overrides` replace any field afterwards."""
+        """Build from a transformers config.json dict; `overrides` replace any field afterwards. An
+        image-text Gemma 3 config ("gemma3") gives its text model's ("gemma3_text", from text_config)."""
         model_type = d.get("model_type")
+        if model_type == "gemma3":
+            text = d.get("text_config")
+            if not isinstance(text, dict):
+                raise ValueError("a gemma3 config needs a text_config mapping (the text model's settings)")
+            tokens = {k: d[k] for k in ("bos_token_id", "eos_token_id") if k in d}
+            # newer files write the whole text_config (rope_parameters instead of rope_theta): no defaults then
+            defaults = {} if "rope_parameters" in text else _GEMMA3_TEXT_DEFAULTS
+            return cls.from_hf_dict({**defaults, **tokens, **text, "model_type": "gemma3_text"}, **overrides)
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(
                 f"unsupported model_type {model_type!r} in config; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"

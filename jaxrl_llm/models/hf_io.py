@@ -51,6 +51,24 @@ _GEMMA_LAYER_NAMES = {
 }
 # Tensors some checkpoints carry that the model recomputes.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# Image-text Gemma 3 checkpoints: the text model's tensors under this prefix (for "model."), beside the
+# vision tower and projector, which the text model does not use.
+_TEXT_MODEL_PREFIX = "language_model.model."
+
+
+def _text_model_files(files: dict[str, pathlib.Path]) -> dict[str, tuple[pathlib.Path, str]]:
+    """HF tensor name -> (file, name stored there). For an image-text checkpoint, the text model's tensors
+    renamed to a text-only checkpoint's ("language_model.model.x" -> "model.x", "language_model.lm_head.weight"
+    -> "lm_head.weight"), every other tensor left out."""
+    if not any(name.startswith(_TEXT_MODEL_PREFIX) for name in files):
+        return {name: (file, name) for name, file in files.items()}
+    out = {}
+    for name, file in files.items():
+        if name.startswith(_TEXT_MODEL_PREFIX):
+            out["model." + name[len(_TEXT_MODEL_PREFIX):]] = (file, name)
+        elif name == "language_model.lm_head.weight":
+            out["lm_head.weight"] = (file, name)
+    return out
 
 
 def _dtype_name(dtype) -> str:
@@ -194,25 +212,27 @@ def _get_tensor(handle, path: pathlib.Path, name: str) -> np.ndarray:
 
 
 def load_hf(path, dtype=None) -> tuple[ModelConfig, Params]:
-    """Load a Llama / Qwen2 / Qwen3 / Mistral / Gemma 2 / Gemma 3 (text) checkpoint directory: config.json plus model.safetensors or
+    """Load a Llama / Qwen2 / Qwen3 / Mistral / Gemma 2 / Gemma 3 checkpoint directory (of an image-text
+    Gemma 3, its text model): config.json plus model.safetensors or
     model.safetensors.index.json with its shards. `dtype` ("float32" | "bfloat16") sets both
     param_dtype and compute_dtype (default float32). Errors name the file and tensor at fault."""
     directory = pathlib.Path(path)
     config = _read_config(directory, dtype)
-    files = _weight_files(directory)
+    files = _text_model_files(_weight_files(directory))
     _check_names(config, files.keys(), str(directory))
     names_by_file: dict[pathlib.Path, list[str]] = {}
     for name in hf_tensor_shapes(config):
-        names_by_file.setdefault(files[name], []).append(name)
+        names_by_file.setdefault(files[name][0], []).append(name)
     tensors = {}
     for file, names in names_by_file.items():
         with _open_safetensors(file) as handle:
             present = set(handle.keys())
             for name in names:
-                if name not in present:
-                    raise ValueError(f"{file}: missing tensor {name!r} listed in {INDEX_FILE}")
-                _check_shape(config, name, handle.get_slice(name).get_shape(), str(file))
-                tensors[name] = _get_tensor(handle, file, name)
+                stored = files[name][1]
+                if stored not in present:
+                    raise ValueError(f"{file}: missing tensor {stored!r} listed in {INDEX_FILE}")
+                _check_shape(config, name, handle.get_slice(stored).get_shape(), str(file))
+                tensors[name] = _get_tensor(handle, file, stored)
     return config, params_from_hf(config, tensors)
 
 
