@@ -54,13 +54,15 @@ def test_published_model_sizes():
     assert count_7 == 7_615_616_512  # "7.61B" on the Qwen2.5-7B model card (untied head)
 
 
-@pytest.mark.parametrize("name,published", [
-    ("gemma-2-2b", 2_614_341_888),  # the safetensors total of google/gemma-2-2b ("2.61B")
-    ("gemma-3-1b-it", 999_885_952),  # google/gemma-3-1b-it ("1B": 999.9M)
-    ("mistral-7b-v0.1", 7_241_732_096),  # mistralai/Mistral-7B-v0.1 ("7.24B")
-    ("gemma-3-4b-it", 3_880_263_168),  # the text model of google/gemma-3-4b-it (its 4.30B less the vision tower)
+@pytest.mark.parametrize("name,published,cache_slots", [
+    # published: the safetensors totals; cache_slots: sum over layers of the slots one row's cache keeps,
+    # 1024 prompt + 3072 response slots, or 1024 + window on a sliding layer whose window is shorter
+    ("gemma-2-2b", 2_614_341_888, 26 * 4096),  # "2.61B"; window 4096: no ring
+    ("gemma-3-1b-it", 999_885_952, 4 * 4096 + 22 * (1024 + 512)),  # "1B"; layers 5, 11, 17, 23 full
+    ("mistral-7b-v0.1", 7_241_732_096, 32 * 4096),  # "7.24B"
+    ("gemma-3-4b-it", 3_880_263_168, 5 * 4096 + 29 * (1024 + 1024)),  # the 4.30B less the vision tower
 ])
-def test_model_presets_and_their_memory_estimate(name, published):
+def test_model_presets_and_their_memory_estimate(name, published, cache_slots):
     cfg = load_config(ROOT / "configs" / "models" / f"{name}.yaml")
     mc = model_config_for(cfg.model.source)
     est = estimate_memory(cfg, mc, "fsdp=8", devices=8)
@@ -69,9 +71,8 @@ def test_model_presets_and_their_memory_estimate(name, published):
         # gate/up/down 3 x 2304 x 9216, four norms 4 x 2304) + final norm
         assert published == 256000 * 2304 + 26 * (2 * 2304 * 2048 + 2 * 2304 * 1024 + 3 * 2304 * 9216
                                                   + 4 * 2304) + 2304
-    # The sampler keeps every layer's keys and values for the whole row (no window-sized cache): L x rows per
-    # device (512 / 8) x (1024 prompt + 3072 response slots) x kv_heads x head_dim x (k, v) x 2 bytes.
-    assert est["kv_cache"] == mc.num_layers * 64 * (1024 + 3072) * mc.num_kv_heads * mc.head_dim * 2 * 2
+    # rows per device (512 / 8) x slots x kv_heads x head_dim x (k, v) x 2 bytes
+    assert est["kv_cache"] == 64 * cache_slots * mc.num_kv_heads * mc.head_dim * 2 * 2
 
 
 def test_shards_match_a_real_placement_on_8_devices():

@@ -120,8 +120,9 @@ def test_kv_cache_token_by_token_matches_transformers(family_model):
 
 
 def test_sampler_cache_token_by_token_matches_transformers(family_model):
-    """The sampler's split cache (prompt bucket 8, response slots by step): prompts of 3 and 7 tokens,
-    then 8 teacher-forced decode steps, each step's logits against the reference on the whole row."""
+    """The sampler's split cache (prompt bucket 8, response slots by step, a ring of `window` slots on the
+    sliding layers, which 8 steps wrap around): prompts of 3 and 7 tokens, then 8 teacher-forced decode
+    steps, each step's logits against the reference on the whole row."""
     config, params, torch_model = family_model
     lengths = np.array([3, 7], np.int32)
     rows = _tokens(2, 7 + 8, seed=8)
@@ -129,6 +130,8 @@ def test_sampler_cache_token_by_token_matches_transformers(family_model):
     logits, keys, values = jax.jit(prefill_cache, static_argnums=1)(params, config, jnp.asarray(prompts),
                                                                     jnp.asarray(lengths))
     cache = empty_row_cache(config, 2, 8, 8)._replace(prompt_k=tuple(keys), prompt_v=tuple(values))
+    assert [k.shape[-1] for k in cache.response_k] == [
+        config.sliding_window if sliding else 8 for sliding in config.sliding_layers()]
     layers = unstack_layers(params)
     decode = jax.jit(lambda c, tok, s: decode_step(params, layers, config, tok, jnp.asarray(lengths), s, c))
     ours = [np.asarray(logits)]  # [rows, V] at each row's last prompt token, then after each decoded token

@@ -40,7 +40,8 @@ Every term counts what jaxrl_llm itself allocates, per device of a `data x fsdp 
                 plus the output matrix cast to c when c != p (V x D, sharded as its parameter)
   sampling    KV cache of the rows of one sampler call: all of a step's rows, or `sampling.max_rows_per_call`
               of them (the row bucket of `sampling.generate.call_plans`), rows split over data x fsdp:
-              layers x rows x (P_bucket + R_bucket) x kv_heads x head_dim x 2 x c; plus two [rows, V]
+              layers x rows x (P_bucket + R_bucket) x kv_heads x head_dim x 2 x c, where a sliding-window
+              layer (Mistral, Gemma) keeps min(R_bucket, window) response slots; plus two [rows, V]
               f32 logits buffers
   gvm norms   (GVM only) per-sample gradients of the subset (default the embedding) for
               `sampling.gvm_rows_per_chunk` (0: `optim.micro_batch_size`) unpacked rows at a time, in p,
@@ -74,6 +75,7 @@ from jaxrl_llm.models.lora import LoraSpec, adapter_shapes, resolve_targets
 from jaxrl_llm.models.model import param_shapes
 from jaxrl_llm.models.sharding import MESH_AXES, partition_rules
 from jaxrl_llm.sampling.buckets import bucket_size, round_up
+from jaxrl_llm.sampling.decoder import response_slots
 from jaxrl_llm.sampling.generate import call_row_bucket
 from jaxrl_llm.train.algorithms import needs_reference
 from jaxrl_llm.train.config import RunConfig, lora_enabled
@@ -342,9 +344,10 @@ def estimate_memory(config: RunConfig, model_config: ModelConfig, mesh: dict[str
     sample_rows = call_row_bucket(cfg.sampling.prompts_per_step * samples, cfg.sampling.max_rows_per_call,
                                   batch_split)
     local_rows = sample_rows // batch_split
-    cache_len = bucket_size(cfg.data.max_prompt_tokens, minimum=16) + bucket_size(cfg.sampling.max_new_tokens,
-                                                                                 minimum=16)
-    kv_cache = mc.num_layers * local_rows * cache_len * mc.num_kv_heads * mc.head_dim * 2 * c
+    prompt_bucket = bucket_size(cfg.data.max_prompt_tokens, minimum=16)
+    response_bucket = bucket_size(cfg.sampling.max_new_tokens, minimum=16)
+    kv_cache = sum(local_rows * (prompt_bucket + slots) * mc.num_kv_heads * mc.head_dim * 2 * c
+                   for slots in response_slots(mc, response_bucket))
     sampling = kv_cache + 2 * local_rows * mc.vocab_size * 4 + merged_copy
 
     gvm_norms = 0
