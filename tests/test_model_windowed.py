@@ -17,7 +17,8 @@ from tiny_models import (VOCAB_SIZE, WINDOWED_FAMILIES, load_torch_model, torch_
 from jaxrl_llm.models import (ModelConfig, forward, forward_cached, hidden_states, init_cache, load_hf,  # noqa: E402
                               save_hf)
 from jaxrl_llm.sampling import FINISH_LENGTH, generate  # noqa: E402
-from jaxrl_llm.sampling.decoder import RowCache, decode_step, empty_row_cache, prefill_cache, unstack_layers  # noqa: E402
+from jaxrl_llm.sampling.decoder import (RowCache, decode_step, empty_row_cache, prefill_cache,  # noqa: E402
+                                        unstack_layers)
 from jaxrl_llm.train.logprobs import chunked_logprobs, row_logprobs  # noqa: E402
 
 pytestmark = pytest.mark.reference

@@ -66,9 +66,11 @@ class ModelConfig:
     `final_logit_softcapping` does the same to the output logits (None: off). `sliding_window` w lets a
     query at position p see keys at positions p - w < q <= p on the sliding layers: those named
     "sliding_attention" in `layer_types` (one entry per layer), or every layer when `layer_types` is None
-    (Mistral). `rope_local_theta` is the RoPE base of the sliding layers (Gemma 3; None: `rope_theta`, and
-    `rope_scaling` applies to the full-attention layers only when it is set). `remat` recomputes each layer in the backward pass
-    (`jax.checkpoint`); `remat_policy` (one of REMAT_POLICIES) says what the layer saves.
+    (Mistral). `rope_local_theta` (Gemma 3) is the RoPE base of the sliding layers, which then take no
+    `rope_scaling`; None: the sliding layers rotate as the full ones.
+
+    `remat` recomputes each layer in the backward pass (`jax.checkpoint`); `remat_policy` (one of
+    REMAT_POLICIES) says what the layer saves.
     `attention_block_size` (None or a positive int) computes full-sequence attention in tiles of that
     many queries x keys with an online softmax, so no [B, H, T, T] scores are held (long packed rows);
     the KV-cache path is unaffected. `scan_layers` runs the training forward's layers as one `lax.scan`
