@@ -71,8 +71,8 @@ def test_full_forward_matches_transformers(family_model):
     assert np.abs(unwindowed - ref)[:, 6:].max() > 1e-2
 
 
-@pytest.mark.parametrize("variant", [dict(scan_layers=False, remat=True), dict(attention_block_size=4),
-                                     dict(remat=True, remat_policy="dots")])
+@pytest.mark.parametrize("variant", [dict(scan_layers=False, remat=True),
+                                     dict(attention_block_size=4, remat=True, remat_policy="dots")])
 def test_unrolled_remat_and_blocked_forward_match_transformers(family_model, variant):
     config, params, torch_model = family_model
     tokens = _tokens(2, LENGTH, seed=2)
