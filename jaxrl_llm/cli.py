@@ -1,7 +1,7 @@
 """Command line: `jaxrl-llm train | eval | sample | convert | plot`.
 
     jaxrl-llm sample --prompt "What is 7 + 5?"            # bundled SmolLM2-135M-Instruct, greedy
-    jaxrl-llm sample --gguf model.gguf --temperature 0.7  # any Llama / Qwen2 / Qwen3 GGUF
+    jaxrl-llm sample --gguf model.gguf --temperature 0.7  # a Llama / Qwen2 / Qwen3 / Gemma 2 / Gemma 3 GGUF
     jaxrl-llm sample --model hf_folder                    # a Hugging Face checkpoint folder
     jaxrl-llm convert out_dir [--gguf model.gguf]         # GGUF -> HF folder (config, safetensors, tokenizer)
     jaxrl-llm train                                       # the embedded RL demo on the bundled model

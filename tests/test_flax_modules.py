@@ -20,6 +20,14 @@ CONFIGS = {
     "qwen2-tied-bias": ModelConfig(**TINY, model_type="qwen2", tie_word_embeddings=True, attention_bias=True),
     "qwen3-qknorm-outbias": ModelConfig(**TINY, model_type="qwen3", qk_norm=True, attention_bias=True,
                                         attention_out_bias=True),
+    "mistral-window": ModelConfig(**TINY, model_type="mistral", sliding_window=3),
+    "gemma2-softcap-window": ModelConfig(**TINY, model_type="gemma2", tie_word_embeddings=True, sliding_window=3,
+                                         layer_types=("sliding_attention", "full_attention"),
+                                         query_pre_attn_scalar=24, attn_logit_softcapping=5.0,
+                                         final_logit_softcapping=4.0),
+    "gemma3-qknorm-local-rope": ModelConfig(**TINY, model_type="gemma3_text", tie_word_embeddings=True, qk_norm=True,
+                                            sliding_window=3, layer_types=("full_attention", "sliding_attention"),
+                                            rope_theta=1e6, rope_local_theta=1e4),
 }
 forward_jit = jax.jit(forward, static_argnums=1)
 hidden_jit = jax.jit(hidden_states, static_argnums=1)
@@ -59,7 +67,7 @@ def test_apply_equals_functional_forward_bitwise(name):
     assert not np.array_equal(np.asarray(apply(params, tokens, positions, np.ones_like(mask)))[1], ref[1])
 
 
-@pytest.mark.parametrize("name", ["llama-untied", "qwen2-tied-bias"])
+@pytest.mark.parametrize("name", ["llama-untied", "qwen2-tied-bias", "gemma2-softcap-window"])
 def test_trunk_equals_functional_hidden_states_with_segments(name):
     config = CONFIGS[name]
     params = _random_params(config, seed=3)
@@ -74,7 +82,7 @@ def test_trunk_equals_functional_hidden_states_with_segments(name):
 
 
 @pytest.mark.parametrize("name,dtype", [("llama-untied", "float32"), ("qwen2-tied-bias", "bfloat16"),
-                                        ("qwen3-qknorm-outbias", "float32")])
+                                        ("qwen3-qknorm-outbias", "float32"), ("gemma3-qknorm-local-rope", "float32")])
 def test_module_init_gives_the_init_params_tree(name, dtype):
     config = CONFIGS[name].replace(param_dtype=dtype)
     tokens, positions, _ = _inputs()
@@ -88,9 +96,11 @@ def test_module_init_gives_the_init_params_tree(name, dtype):
     # The boxed variables apply as they are, giving forward's logits on the unboxed tree.
     boxed_logits = jax.jit(lambda v: Decoder(config).apply(v, tokens, positions))(variables)
     np.testing.assert_array_equal(np.asarray(boxed_logits), np.asarray(forward_jit(ours, config, tokens, positions)))
-    # The initialisers of init_params: norms 1, biases 0, weights N(0, 0.02^2), layers drawn independently.
+    # The initialisers of init_params: norms 1 (Gemma's (1 + w) norms 0), biases 0, weights N(0, 0.02^2),
+    # layers drawn independently.
     layers = ours["layers"]
-    assert all(np.all(np.asarray(v) == 1) for k, v in layers.items() if k.endswith("norm"))
+    unit = 0 if config.is_gemma else 1
+    assert all(np.all(np.asarray(v) == unit) for k, v in layers.items() if k.endswith("norm"))
     assert all(np.all(np.asarray(v) == 0) for k, v in layers.items() if k.endswith("bias"))
     assert np.std(np.asarray(ours["embed"], np.float32)) == pytest.approx(0.02, rel=0.05)
     q = np.asarray(layers["q_proj"], np.float32)

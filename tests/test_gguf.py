@@ -359,3 +359,82 @@ def test_load_bundled_is_smollm2_135m_and_cached():
     assert config.rope_theta == 1e5 and config.tie_word_embeddings and config.eos_token_id == 2
     assert sum(x.size for x in jax.tree_util.tree_leaves(params)) == 134_515_008
     assert tokenizer.stop_ids == (2, 0)
+
+
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
+def test_gemma_gguf_logits_match_transformers_on_the_original_weights(tmp_path, arch):
+    """A Gemma file as llama.cpp lays it out: norms stored as 1 + w, Gemma's norm names, soft-capping and the
+    window in the metadata (Gemma 3: linear RoPE scaling, a sliding-window pattern of 2 over 3 layers), no
+    output.weight (tied). The loaded model gives transformers' logits on the original weights."""
+    torch = pytest.importorskip("torch")
+    import gguf
+    import transformers
+    from tiny_gguf import _add_byte_level_vocab, tiny_vocab
+    from tiny_models import tiny_hf_config
+
+    from jaxrl_llm.models import forward
+
+    family = {"gemma2": "gemma2", "gemma3": "gemma3_text"}[arch]
+    hf_config = tiny_hf_config(family)
+    hf_config.vocab_size = len(tiny_vocab())
+    hf_config.query_pre_attn_scalar = hf_config.head_dim  # GGUF keeps no query_pre_attn_scalar
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32,
+                                                          attn_implementation="eager").eval()
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            noise = torch.randn(param.shape, generator=generator)
+            param.copy_(0.2 * noise if "norm" in name else 0.15 * noise)
+    gguf_names = {"input_layernorm": "attn_norm", "post_attention_layernorm": "post_attention_norm",
+                  "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm",
+                  "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+                  "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
+                  "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+                  "mlp.down_proj": "ffn_down"}
+    writer = gguf.GGUFWriter(str(tmp_path / "m.gguf"), arch)
+    _add_byte_level_vocab(writer, pre="default", add_bos=False)
+    writer.add_block_count(hf_config.num_hidden_layers)
+    writer.add_context_length(256)
+    writer.add_embedding_length(hf_config.hidden_size)
+    writer.add_feed_forward_length(hf_config.intermediate_size)
+    writer.add_head_count(hf_config.num_attention_heads)
+    writer.add_head_count_kv(hf_config.num_key_value_heads)
+    writer.add_key_length(hf_config.head_dim)
+    writer.add_value_length(hf_config.head_dim)
+    writer.add_layer_norm_rms_eps(1e-6)
+    writer.add_sliding_window(hf_config.sliding_window)
+    if arch == "gemma2":
+        writer.add_attn_logit_softcapping(hf_config.attn_logit_softcapping)
+        writer.add_final_logit_softcapping(hf_config.final_logit_softcapping)
+    else:
+        writer.add_rope_freq_base(1000000.0)
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(2.0)
+        writer.add_sliding_window_pattern(2)
+    for name, value in model.state_dict().items():
+        value = value.numpy()
+        if name == "lm_head.weight":
+            continue  # tied
+        if name == "model.embed_tokens.weight":
+            out = "token_embd.weight"
+        elif name == "model.norm.weight":
+            out = "output_norm.weight"
+        else:
+            _, _, layer, rest = name.split(".", 3)
+            out = f"blk.{layer}.{gguf_names[rest.rsplit('.', 1)[0]]}.weight"
+        writer.add_tensor(out, np.ascontiguousarray(value + 1.0 if out.endswith("norm.weight") else value))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+    config, params, _ = load_gguf(tmp_path / "m.gguf")
+    assert config.model_type == family and config.sliding_layers() == tuple(
+        t == "sliding_attention" for t in hf_config.layer_types)
+    tokens = np.random.default_rng(0).integers(0, hf_config.vocab_size, size=(2, 11))
+    with torch.no_grad():
+        want = model(torch.from_numpy(tokens)).logits.numpy()
+    got = forward(params, config, tokens, np.broadcast_to(np.arange(11), (2, 11)))
+    assert np.abs(want).max() > 1.0
+    np.testing.assert_allclose(np.asarray(got), want, atol=1e-4, rtol=0)

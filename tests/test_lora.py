@@ -86,7 +86,11 @@ def test_new_adapters_give_the_base_logits():
 
 
 @pytest.mark.parametrize("variant", [dict(), dict(scan_layers=False), dict(remat=True, remat_policy="dots"),
-                                     dict(attention_block_size=4)])
+                                     dict(attention_block_size=4),
+                                     dict(model_type="gemma3_text", qk_norm=True, sliding_window=3,
+                                          rope_local_theta=1e4, layer_types=("sliding_attention", "full_attention")),
+                                     dict(model_type="gemma2", sliding_window=3, attn_logit_softcapping=5.0,
+                                          final_logit_softcapping=4.0, scan_layers=False)])
 def test_every_forward_path_applies_the_adapters_as_the_merged_weight(variant):
     config, params = _tiny(**variant)
     spec = lora.LoraSpec(rank=4, alpha=8.0)

@@ -54,6 +54,27 @@ def test_published_model_sizes():
     assert count_7 == 7_615_616_512  # "7.61B" on the Qwen2.5-7B model card (untied head)
 
 
+@pytest.mark.parametrize("name,published,cache_slots", [
+    # published: the safetensors totals; cache_slots: sum over layers of the slots one row's cache keeps,
+    # 1024 prompt + 3072 response slots, or 1024 + window on a sliding layer whose window is shorter
+    ("gemma-2-2b", 2_614_341_888, 26 * 4096),  # "2.61B"; window 4096: no ring
+    ("gemma-3-1b-it", 999_885_952, 4 * 4096 + 22 * (1024 + 512)),  # "1B"; layers 5, 11, 17, 23 full
+    ("mistral-7b-v0.1", 7_241_732_096, 32 * 4096),  # "7.24B"
+    ("gemma-3-4b-it", 3_880_263_168, 5 * 4096 + 29 * (1024 + 1024)),  # the 4.30B less the vision tower
+])
+def test_model_presets_and_their_memory_estimate(name, published, cache_slots):
+    cfg = load_config(ROOT / "configs" / "models" / f"{name}.yaml")
+    mc = model_config_for(cfg.model.source)
+    est = estimate_memory(cfg, mc, "fsdp=8", devices=8)
+    assert est["param_count"] == published
+    if name == "gemma-2-2b":  # hand count: embed (tied) + 26 x (q/o 2 x 2304 x 2048, k/v 2 x 2304 x 1024,
+        # gate/up/down 3 x 2304 x 9216, four norms 4 x 2304) + final norm
+        assert published == 256000 * 2304 + 26 * (2 * 2304 * 2048 + 2 * 2304 * 1024 + 3 * 2304 * 9216
+                                                  + 4 * 2304) + 2304
+    # rows per device (512 / 8) x slots x kv_heads x head_dim x (k, v) x 2 bytes
+    assert est["kv_cache"] == 64 * cache_slots * mc.num_kv_heads * mc.head_dim * 2 * 2
+
+
 def test_shards_match_a_real_placement_on_8_devices():
     """Per-device elements of shard_params on a simulated data=2, fsdp=2, tensor=2 mesh equal the estimate's
     (vocab 61 is not divisible by tensor=2: that dimension replicates, in both)."""

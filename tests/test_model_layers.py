@@ -5,7 +5,7 @@ import numpy as np
 from numpy_reference import numpy_attention
 
 from jaxrl_llm.models import ModelConfig
-from jaxrl_llm.models.layers import apply_rope, attention, rms_norm, rope_inv_freq, swiglu_mlp
+from jaxrl_llm.models.layers import apply_rope, attention, rms_norm, rope_inv_freq, gated_mlp
 
 
 def test_rms_norm_by_hand():
@@ -51,7 +51,7 @@ def test_swiglu_by_hand():
     up = jnp.array([[0.0], [1.0]])     # x @ up = -2
     down = jnp.array([[3.0, 1.0]])
     silu_1 = 1.0 / (1.0 + np.exp(-1.0))
-    np.testing.assert_allclose(np.asarray(swiglu_mlp(x, gate, up, down)), [[-6 * silu_1, -2 * silu_1]], rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(gated_mlp(x, gate, up, down)), [[-6 * silu_1, -2 * silu_1]], rtol=1e-6)
 
 
 def test_dense_gradients_are_the_textbook_products():

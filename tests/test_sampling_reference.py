@@ -11,15 +11,7 @@ from jaxrl_llm.sampling import FINISH_LENGTH, generate
 torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.reference
 
-
-def transformers_greedy(model, prompt, max_new_tokens):
-    """Greedy continuation of one prompt (batch 1: no padding) with every stop token disabled."""
-    model.generation_config.eos_token_id = None
-    with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                             do_sample=False, max_new_tokens=max_new_tokens, pad_token_id=0, top_k=None,
-                             top_p=None, temperature=None)
-    return out[0, len(prompt):].tolist()
+from tiny_models import transformers_greedy  # noqa: E402
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])

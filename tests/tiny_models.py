@@ -5,8 +5,12 @@
     model = load_torch_model(path)   # the transformers reference
 
 Families: "llama" (GQA 4/2 heads, untied lm_head, Llama-3 RoPE scaling), "qwen2" (q/k/v biases,
-tied embeddings), "qwen3" (q/k norm, head_dim 24 != hidden/heads, untied). Weights are drawn wider
-than the default init and norms/biases are randomised too, so every path moves the logits.
+tied embeddings), "qwen3" (q/k norm, head_dim 24 != hidden/heads, untied). WINDOWED_FAMILIES:
+"mistral" (sliding window 5 on every layer), "gemma2" (window 4 on alternate layers, attention and final
+logit soft-capping, query_pre_attn_scalar != head_dim), "gemma3_text" (window 4 on layers 0 and 2, q/k
+norms, local RoPE base 10^4 and a linearly scaled global base 10^6). Their references run transformers'
+eager attention. Weights are drawn wider than the default init and norms/biases are randomised too, so
+every path moves the logits.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from __future__ import annotations
 import pathlib
 
 FAMILIES = ("llama", "qwen2", "qwen3")
+WINDOWED_FAMILIES = ("mistral", "gemma2", "gemma3_text")
 VOCAB_SIZE = 128
 
 _COMMON = dict(
@@ -47,7 +52,25 @@ def tiny_hf_config(family: str):
         return transformers.Qwen2Config(**_COMMON, tie_word_embeddings=True, rope_theta=1000000.0)
     if family == "qwen3":
         return transformers.Qwen3Config(**_COMMON, head_dim=24, tie_word_embeddings=False, rope_theta=50000.0)
-    raise ValueError(f"unknown family {family!r}; expected one of {FAMILIES}")
+    if family == "mistral":
+        return transformers.MistralConfig(**_COMMON, tie_word_embeddings=False, rope_theta=10000.0, sliding_window=5)
+    if family == "gemma2":
+        return transformers.Gemma2Config(**_COMMON, head_dim=16, query_pre_attn_scalar=24, sliding_window=4,
+                                         attn_logit_softcapping=5.0, final_logit_softcapping=4.0,
+                                         tie_word_embeddings=True, pad_token_id=0)
+    if family == "gemma3_text":
+        return transformers.Gemma3TextConfig(
+            **{**_COMMON, "num_hidden_layers": 3}, head_dim=24, query_pre_attn_scalar=16, sliding_window=4,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000000.0},
+                             "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}},
+            tie_word_embeddings=True, pad_token_id=0)
+    raise ValueError(f"unknown family {family!r}; expected one of {FAMILIES + WINDOWED_FAMILIES}")
+
+
+def _attn_kwargs(family: str) -> dict:
+    """Eager attention for the windowed families: soft-capping and windows as the modeling code writes them."""
+    return {"attn_implementation": "eager"} if family in WINDOWED_FAMILIES else {}
 
 
 def make_tiny_torch_model(family: str, seed: int = 0):
@@ -57,7 +80,7 @@ def make_tiny_torch_model(family: str, seed: int = 0):
 
     config = tiny_hf_config(family)
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32, **_attn_kwargs(family))
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -84,10 +107,26 @@ def make_tiny_hf_checkpoint(tmp_path, family: str, seed: int = 0, max_shard_size
 
 def load_torch_model(path):
     """transformers' float32 reference model for a checkpoint directory."""
+    import json
+
     import torch
     import transformers
 
-    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    family = json.loads((pathlib.Path(path) / "config.json").read_text())["model_type"]
+    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
+                                                             **_attn_kwargs(family)).eval()
+
+
+def transformers_greedy(model, prompt, max_new_tokens):
+    """Greedy continuation of one prompt (batch 1: no padding) with every stop token disabled."""
+    import torch
+
+    model.generation_config.eos_token_id = None
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                             do_sample=False, max_new_tokens=max_new_tokens, pad_token_id=0, top_k=None,
+                             top_p=None, temperature=None)
+    return out[0, len(prompt):].tolist()
 
 
 def torch_logits(model, tokens, positions=None, attention_mask=None):

@@ -1,4 +1,5 @@
-"""ModelConfig: one frozen description of the Llama 3 / SmolLM2, Qwen2 / Qwen2.5 and Qwen3 decoders.
+"""ModelConfig: one frozen description of the Llama 3 / SmolLM2, Qwen2 / Qwen2.5, Qwen3, Mistral, Gemma 2
+and Gemma 3 (text) decoders.
 
 The fields mirror the `transformers` config.json keys of those families; `from_hf_dict` and
 `to_hf_dict` translate between the two so checkpoints round-trip through `transformers`.
@@ -9,8 +10,12 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
-SUPPORTED_ROPE_TYPES = ("default", "llama3")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3_text")
+# Gemma's layer: RMSNorm scaling by (1 + w), embeddings times sqrt(hidden), GeGLU (tanh GELU) MLP, and
+# norms after attention and after the MLP as well as before them.
+GEMMA_MODEL_TYPES = ("gemma2", "gemma3_text")
+SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
+LAYER_TYPES = ("full_attention", "sliding_attention")
 _DTYPES = ("float32", "bfloat16")
 # What a rematerialised layer keeps for the backward pass: "full" keeps only its input (recomputes
 # everything), "dots" also keeps the outputs of matmuls without batch dimensions (the projections),
@@ -21,7 +26,19 @@ _ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
 }
+
+
+# Gemma3TextConfig's defaults: the image-text Gemma 3 checkpoints (model_type "gemma3") write a text_config
+# holding only the values that differ from them.
+_GEMMA3_TEXT_DEFAULTS = dict(vocab_size=262208, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
+                             num_attention_heads=8, num_key_value_heads=4, head_dim=256, query_pre_attn_scalar=256,
+                             sliding_window=4096, max_position_embeddings=131072, rope_theta=1000000.0,
+                             rope_local_base_freq=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=True,
+                             hidden_activation="gelu_pytorch_tanh")
 
 
 def _hashable(value: Any) -> Any:
@@ -42,8 +59,18 @@ class ModelConfig:
      ("original_max_position_embeddings", 8192), ("rope_type", "llama3")).
     `attention_bias` adds q/k/v biases (always on for Qwen2); `attention_out_bias` adds an o_proj
     bias (Llama / Qwen3 with `attention_bias: true` in config.json); `qk_norm` is Qwen3's RMSNorm
-    over head_dim applied to q and k before RoPE. `remat` recomputes each layer in the backward pass
-    (`jax.checkpoint`); `remat_policy` (one of REMAT_POLICIES) says what the layer saves.
+    over head_dim applied to q and k before RoPE (also Gemma 3's).
+
+    Gemma 2 / 3 and Mistral: `query_pre_attn_scalar` sets the attention scale to its inverse square root
+    (None: 1/sqrt(head_dim)); `attn_logit_softcapping` c maps attention scores s to c tanh(s / c) and
+    `final_logit_softcapping` does the same to the output logits (None: off). `sliding_window` w lets a
+    query at position p see keys at positions p - w < q <= p on the sliding layers: those named
+    "sliding_attention" in `layer_types` (one entry per layer), or every layer when `layer_types` is None
+    (Mistral). `rope_local_theta` (Gemma 3) is the RoPE base of the sliding layers, which then take no
+    `rope_scaling`; None: the sliding layers rotate as the full ones.
+
+    `remat` recomputes each layer in the backward pass (`jax.checkpoint`); `remat_policy` (one of
+    REMAT_POLICIES) says what the layer saves.
     `attention_block_size` (None or a positive int) computes full-sequence attention in tiles of that
     many queries x keys with an online softmax, so no [B, H, T, T] scores are held (long packed rows);
     the KV-cache path is unaffected. `scan_layers` runs the training forward's layers as one `lax.scan`
@@ -68,6 +95,12 @@ class ModelConfig:
     attention_out_bias: bool = False
     qk_norm: bool = False
     max_position_embeddings: int = 2048
+    query_pre_attn_scalar: float | None = None
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
+    sliding_window: int | None = None
+    layer_types: tuple[str, ...] | None = None
+    rope_local_theta: float | None = None
     bos_token_id: int | None = None
     eos_token_id: int | tuple[int, ...] | None = None
     param_dtype: str = "float32"
@@ -102,6 +135,21 @@ class ModelConfig:
         # Normalise JSON containers so equal configs hash equally.
         object.__setattr__(self, "rope_scaling", _hashable(self.rope_scaling))
         object.__setattr__(self, "eos_token_id", _hashable(self.eos_token_id))
+        object.__setattr__(self, "layer_types", _hashable(self.layer_types))
+        window = self.sliding_window
+        if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+            raise ValueError(f"sliding_window must be a positive int or None, got {window!r}")
+        if self.layer_types is not None:
+            if len(self.layer_types) != self.num_layers or any(t not in LAYER_TYPES for t in self.layer_types):
+                raise ValueError(f"layer_types must list one of {LAYER_TYPES} for each of the {self.num_layers} "
+                                 f"layers, got {self.layer_types!r}")
+            if window is None and "sliding_attention" in self.layer_types:
+                raise ValueError("layer_types names sliding_attention layers but sliding_window is None")
+        for name in ("query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping",
+                     "rope_local_theta"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"{name} must be positive or None, got {value!r}")
         rope_type = self.rope_scaling_dict().get("rope_type", "default")
         if rope_type not in SUPPORTED_ROPE_TYPES:
             raise ValueError(
@@ -118,10 +166,37 @@ class ModelConfig:
     def architecture(self) -> str:
         return _ARCHITECTURES[self.model_type]
 
+    @property
+    def is_gemma(self) -> bool:
+        """Gemma's layer: (1 + w) RMSNorm, sqrt(hidden)-scaled embeddings, GeGLU, sandwich norms."""
+        return self.model_type in GEMMA_MODEL_TYPES
+
+    @property
+    def attention_scale(self) -> float:
+        """The factor on q k^T: query_pre_attn_scalar^-1/2, else head_dim^-1/2."""
+        return float(self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    def sliding_layers(self) -> tuple[bool, ...]:
+        """Per layer, whether it attends within `sliding_window` only."""
+        if self.sliding_window is None:
+            return (False,) * self.num_layers
+        if self.layer_types is None:
+            return (True,) * self.num_layers
+        return tuple(t == "sliding_attention" for t in self.layer_types)
+
     @classmethod
     def from_hf_dict(cls, d: dict, **overrides) -> "ModelConfig":
-        """Build from a transformers config.json dict; `overrides` replace any field afterwards."""
+        """Build from a transformers config.json dict; `overrides` replace any field afterwards. An
+        image-text Gemma 3 config ("gemma3") gives its text model's ("gemma3_text", from text_config)."""
         model_type = d.get("model_type")
+        if model_type == "gemma3":
+            text = d.get("text_config")
+            if not isinstance(text, dict):
+                raise ValueError("a gemma3 config needs a text_config mapping (the text model's settings)")
+            tokens = {k: d[k] for k in ("bos_token_id", "eos_token_id") if k in d}
+            # newer files write the whole text_config (rope_parameters instead of rope_theta): no defaults then
+            defaults = {} if "rope_parameters" in text else _GEMMA3_TEXT_DEFAULTS
+            return cls.from_hf_dict({**defaults, **tokens, **text, "model_type": "gemma3_text"}, **overrides)
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(
                 f"unsupported model_type {model_type!r} in config; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
@@ -134,7 +209,18 @@ class ModelConfig:
         if missing:
             raise ValueError(f"config is missing required keys: {', '.join(missing)}")
         num_heads = d["num_attention_heads"]
+        activation = d.get("hidden_activation") or d.get("hidden_act")
+        expected_activation = ("gelu_pytorch_tanh", "gelu_tanh") if model_type in GEMMA_MODEL_TYPES else ("silu",)
+        if activation is not None and activation not in expected_activation:
+            raise ValueError(f"hidden activation {activation!r} is not supported for {model_type}; "
+                             f"expected {expected_activation[0]!r}")
+        if d.get("use_bidirectional_attention"):
+            raise ValueError(f"config option use_bidirectional_attention=true is not supported for {model_type}")
         rope_params = d.get("rope_parameters") or {}  # newer transformers nest RoPE settings here
+        local_rope = {}
+        if "full_attention" in rope_params:  # Gemma 3 in newer transformers: one entry per layer type
+            local_rope = rope_params.get("sliding_attention") or {}
+            rope_params = rope_params["full_attention"] or {}
         rope_theta = d.get("rope_theta", rope_params.get("rope_theta", 10000.0))
         rope_scaling = d.get("rope_scaling")
         if rope_scaling is None and rope_params.get("rope_type", "default") != "default":
@@ -145,13 +231,26 @@ class ModelConfig:
             rope_scaling.pop("type", None)
             if rope_scaling["rope_type"] == "default":
                 rope_scaling = None
+        rope_local_theta = None
+        if model_type == "gemma3_text":
+            rope_local_theta = float(d.get("rope_local_base_freq", local_rope.get("rope_theta", 10000.0)))
+        sliding_window = d.get("sliding_window") if model_type in ("mistral", *GEMMA_MODEL_TYPES) else None
+        layer_types = d.get("layer_types")
+        num_layers = d["num_hidden_layers"]
+        if sliding_window is None:
+            layer_types = None
+        elif layer_types is None and model_type == "gemma2":  # older config.json: every other layer, from 0
+            layer_types = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)]
+        elif layer_types is None and model_type == "gemma3_text":  # older config.json: a global layer every n
+            pattern = d.get("sliding_window_pattern", d.get("_sliding_window_pattern", 6))
+            layer_types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers)]
         has_bias = bool(d.get("attention_bias", False))
         fields = dict(
             model_type=model_type,
             vocab_size=d["vocab_size"],
             hidden_size=d["hidden_size"],
             intermediate_size=d["intermediate_size"],
-            num_layers=d["num_hidden_layers"],
+            num_layers=num_layers,
             num_heads=num_heads,
             num_kv_heads=d.get("num_key_value_heads") or num_heads,
             head_dim=d.get("head_dim") or d["hidden_size"] // num_heads,
@@ -162,8 +261,14 @@ class ModelConfig:
             # Qwen2 always has q/k/v biases and never an o_proj bias; Llama/Qwen3 put both behind one flag.
             attention_bias=True if model_type == "qwen2" else has_bias,
             attention_out_bias=False if model_type == "qwen2" else has_bias,
-            qk_norm=model_type == "qwen3",
+            qk_norm=model_type in ("qwen3", "gemma3_text"),
             max_position_embeddings=d.get("max_position_embeddings", 2048),
+            query_pre_attn_scalar=d.get("query_pre_attn_scalar") if model_type in GEMMA_MODEL_TYPES else None,
+            attn_logit_softcapping=d.get("attn_logit_softcapping"),
+            final_logit_softcapping=d.get("final_logit_softcapping"),
+            sliding_window=sliding_window,
+            layer_types=layer_types,
+            rope_local_theta=rope_local_theta,
             bos_token_id=d.get("bos_token_id"),
             eos_token_id=d.get("eos_token_id"),
         )
@@ -183,7 +288,7 @@ class ModelConfig:
             "num_attention_heads": self.num_heads,
             "num_key_value_heads": self.num_kv_heads,
             "head_dim": self.head_dim,
-            "hidden_act": "silu",
+            "hidden_act": "gelu_pytorch_tanh" if self.is_gemma else "silu",
             "rope_theta": self.rope_theta,
             "rope_scaling": self.rope_scaling_dict() or None,
             "rms_norm_eps": self.rms_norm_eps,
@@ -194,7 +299,17 @@ class ModelConfig:
         }
         if self.model_type == "qwen2":
             d["use_sliding_window"] = False
-        else:
+        if self.model_type in ("mistral", *GEMMA_MODEL_TYPES):
+            d["sliding_window"] = self.sliding_window
+        if self.is_gemma:
+            d["hidden_activation"] = d["hidden_act"]
+            d["query_pre_attn_scalar"] = self.query_pre_attn_scalar or self.head_dim
+            d["attn_logit_softcapping"] = self.attn_logit_softcapping
+            d["final_logit_softcapping"] = self.final_logit_softcapping
+            d["layer_types"] = ["sliding_attention" if s else "full_attention" for s in self.sliding_layers()]
+        if self.model_type == "gemma3_text":
+            d["rope_local_base_freq"] = self.rope_local_theta or self.rope_theta
+        if self.model_type != "qwen2":
             d["attention_bias"] = self.attention_out_bias
             d["mlp_bias"] = False
         if self.bos_token_id is not None:
@@ -206,7 +321,7 @@ class ModelConfig:
 
     def _check_hf_representable(self) -> None:
         """transformers ties some options to the family; refuse combinations it cannot express."""
-        if self.qk_norm != (self.model_type == "qwen3"):
+        if self.qk_norm != (self.model_type in ("qwen3", "gemma3_text")):
             raise ValueError(f"qk_norm={self.qk_norm} cannot be expressed for model_type {self.model_type!r}")
         if self.model_type == "qwen2":
             ok = self.attention_bias and not self.attention_out_bias
@@ -217,3 +332,12 @@ class ModelConfig:
                 f"attention_bias={self.attention_bias}, attention_out_bias={self.attention_out_bias} "
                 f"cannot be expressed for model_type {self.model_type!r}"
             )
+        gemma_only = ("query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping")
+        if not self.is_gemma and any(getattr(self, name) is not None for name in gemma_only):
+            raise ValueError(f"{', '.join(gemma_only)} cannot be expressed for model_type {self.model_type!r}")
+        if self.model_type not in ("mistral", *GEMMA_MODEL_TYPES) and self.sliding_window is not None:
+            raise ValueError(f"sliding_window cannot be expressed for model_type {self.model_type!r}")
+        if self.model_type == "mistral" and len(set(self.sliding_layers())) > 1:
+            raise ValueError("model_type 'mistral' slides the window on every layer or none; layer_types mixes them")
+        if self.rope_local_theta is not None and self.model_type != "gemma3_text":
+            raise ValueError(f"rope_local_theta cannot be expressed for model_type {self.model_type!r}")

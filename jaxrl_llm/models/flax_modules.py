@@ -38,22 +38,26 @@ LAYER_AXES = {
     "o_bias": ("embed_bias",),  # the regex rules replicate it, unlike the matrices' model dimension
     "q_norm": ("head_dim",),
     "k_norm": ("head_dim",),
+    "post_attn_norm": ("norm",),
+    "post_mlp_norm": ("norm",),
 }
 TOP_AXES = {"embed": ("vocab", "embed"), "final_norm": ("norm",), "lm_head": ("embed", "vocab")}
 LAYER_AXIS = "layers"
 
 
-def _initialiser(name: str):
-    """As `init_params` (transformers' init): norm weights 1, biases 0, other weights N(0, 0.02^2)."""
+def _initialiser(name: str, config: ModelConfig):
+    """As `init_params` (transformers' init): norm weights 1 (0 for Gemma's (1 + w) norms), biases 0,
+    other weights N(0, 0.02^2)."""
     if name.endswith("norm"):
-        return nn.initializers.ones
+        return nn.initializers.zeros if config.is_gemma else nn.initializers.ones
     if name.endswith("bias"):
         return nn.initializers.zeros
     return nn.initializers.normal(stddev=0.02)
 
 
 def _declare(module: nn.Module, name: str, shape: tuple[int, ...], axes: tuple[str, ...], dtype) -> jax.Array:
-    return module.param(name, nn.with_logical_partitioning(_initialiser(name), axes), shape, dtype)
+    init = _initialiser(name, module.config)
+    return module.param(name, nn.with_logical_partitioning(init, axes), shape, dtype)
 
 
 def param_logical_axes(config: ModelConfig) -> dict:

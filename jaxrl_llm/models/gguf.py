@@ -10,6 +10,14 @@ Hugging Face name and layout ([out, in]) and writes the matching transformers co
 llama.cpp's converter (convert_hf_to_gguf.py, LlamaModel) reorders the rows of Llama's q and k
 projections per head from HF's "rotate half" RoPE layout to the interleaved one; `unpermute_qk`
 undoes it. Qwen2 and Qwen3 files are written without that permutation.
+
+Gemma 2 and Gemma 3 files (text models) store every norm weight as 1 + w, the scale llama.cpp multiplies
+by, where HF stores w: 1 is subtracted back. They name the four norms of a layer attn_norm,
+post_attention_norm, ffn_norm (before the MLP) and post_ffw_norm, and record no query_pre_attn_scalar: as
+llama.cpp does, the attention scale is head_dim^-1/2, except for the 27B models (Gemma 2: 46 layers,
+Gemma 3: 62) whose scale is (hidden / heads)^-1/2. Without `attention.sliding_window_pattern`, Gemma 2
+alternates sliding and full layers from layer 0 and Gemma 3 makes every sixth layer full, with a local RoPE
+base of 10^4 (`rope.freq_base_swa` when present).
 """
 
 from __future__ import annotations
@@ -21,9 +29,13 @@ from typing import Any
 
 import numpy as np
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3")
 _MAGIC = b"GGUF"
-_HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+_HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                     "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
+_MODEL_TYPES = {"gemma3": "gemma3_text"}  # GGUF architecture -> HF model_type, where they differ
+_GEMMA = ("gemma2", "gemma3")
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 
 # llama.cpp tensor name -> HF name; per-layer names follow "blk.{layer}." / "model.layers.{layer}.".
 _GLOBAL_TENSORS = {
@@ -47,6 +59,12 @@ _LAYER_TENSORS = {
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
+}
+_GEMMA_LAYER_TENSORS = {
+    **_LAYER_TENSORS,
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
 }
 _LAYER_NAME = re.compile(r"blk\.(\d+)\.(.+)")
 
@@ -228,8 +246,9 @@ def _hf_config(file: pathlib.Path, meta: dict[str, Any], tensor_shapes: dict[str
             raise ValueError(f"{file}: GGUF metadata key {arch}.{key!s} is missing")
         return value
 
-    if meta.get(f"{arch}.rope.scaling.type", "none") != "none":
-        raise ValueError(f"{file}: RoPE scaling type {meta[f'{arch}.rope.scaling.type']!r} is not supported")
+    scaling_type = meta.get(f"{arch}.rope.scaling.type", "none")
+    if scaling_type != "none" and not (arch == "gemma3" and scaling_type == "linear"):
+        raise ValueError(f"{file}: RoPE scaling type {scaling_type!r} is not supported")
     num_heads = get("attention.head_count")
     hidden = get("embedding_length")
     head_dim = meta.get(f"{arch}.attention.key_length", hidden // num_heads)
@@ -241,7 +260,7 @@ def _hf_config(file: pathlib.Path, meta: dict[str, Any], tensor_shapes: dict[str
         raise ValueError(f"{file}: tensor token_embd.weight is missing")
     config = {
         "architectures": [_HF_ARCHITECTURES[arch]],
-        "model_type": arch,
+        "model_type": _MODEL_TYPES.get(arch, arch),
         "vocab_size": int(tensor_shapes["token_embd.weight"][0]),
         "hidden_size": hidden,
         "intermediate_size": get("feed_forward_length"),
@@ -249,9 +268,9 @@ def _hf_config(file: pathlib.Path, meta: dict[str, Any], tensor_shapes: dict[str
         "num_attention_heads": num_heads,
         "num_key_value_heads": meta.get(f"{arch}.attention.head_count_kv", num_heads),
         "head_dim": head_dim,
-        "hidden_act": "silu",
+        "hidden_act": "gelu_pytorch_tanh" if arch in _GEMMA else "silu",
         "max_position_embeddings": get("context_length", 2048),
-        "rope_theta": float(get("rope.freq_base", 10000.0)),
+        "rope_theta": float(get("rope.freq_base", 1000000.0 if arch == "gemma3" else 10000.0)),
         "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon")),
         # llama.cpp leaves output.weight out when the output projection is the embedding.
         "tie_word_embeddings": "output.weight" not in tensor_shapes,
@@ -261,6 +280,8 @@ def _hf_config(file: pathlib.Path, meta: dict[str, Any], tensor_shapes: dict[str
         config["use_sliding_window"] = False
     else:
         config["attention_bias"] = "blk.0.attn_q.bias" in tensor_shapes
+    if arch in _GEMMA:
+        config.update(_gemma_config(arch, meta, config))
     for hf_key, gguf_key in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
                              ("pad_token_id", "padding_token_id")):
         if f"tokenizer.ggml.{gguf_key}" in meta:
@@ -268,13 +289,45 @@ def _hf_config(file: pathlib.Path, meta: dict[str, Any], tensor_shapes: dict[str
     return config
 
 
-def _hf_name(file: pathlib.Path, gguf_name: str) -> str:
+def _maybe(cast, value):
+    return None if value is None else cast(value)
+
+
+def _gemma_config(arch: str, meta: dict[str, Any], config: dict) -> dict:
+    """The Gemma config.json entries llama.cpp's metadata implies (see the module docstring)."""
+    def opt(key, default=None):
+        return meta.get(f"{arch}.{key}", default)
+
+    layers = config["num_hidden_layers"]
+    out = {
+        "hidden_activation": "gelu_pytorch_tanh",
+        "query_pre_attn_scalar": (config["hidden_size"] // config["num_attention_heads"]
+                                  if layers == _GEMMA_27B_LAYERS[arch] else config["head_dim"]),
+        "attn_logit_softcapping": _maybe(float, opt("attn_logit_softcapping")),
+        "final_logit_softcapping": _maybe(float, opt("final_logit_softcapping")),
+        "sliding_window": _maybe(int, opt("attention.sliding_window")),
+    }
+    pattern = opt("attention.sliding_window_pattern")
+    if isinstance(pattern, (list, tuple, np.ndarray)):  # one flag per layer: true = sliding
+        out["layer_types"] = ["sliding_attention" if p else "full_attention" for p in pattern]
+    elif pattern is not None:
+        out["layer_types"] = ["sliding_attention" if (i + 1) % int(pattern) else "full_attention"
+                              for i in range(layers)]
+    if arch == "gemma3":
+        out["rope_local_base_freq"] = float(opt("rope.freq_base_swa", 10000.0))
+        if opt("rope.scaling.type", "none") == "linear":
+            out["rope_scaling"] = {"rope_type": "linear", "factor": float(opt("rope.scaling.factor"))}
+    return out
+
+
+def _hf_name(file: pathlib.Path, gguf_name: str, arch: str) -> str:
     if gguf_name in _GLOBAL_TENSORS:
         return _GLOBAL_TENSORS[gguf_name]
     match = _LAYER_NAME.fullmatch(gguf_name)
-    if match and match.group(2) in _LAYER_TENSORS:
-        return f"model.layers.{match.group(1)}.{_LAYER_TENSORS[match.group(2)]}"
-    raise ValueError(f"{file}: unexpected tensor {gguf_name!r} (no Llama/Qwen2/Qwen3 equivalent)")
+    names = _GEMMA_LAYER_TENSORS if arch in _GEMMA else _LAYER_TENSORS
+    if match and match.group(2) in names:
+        return f"model.layers.{match.group(1)}.{names[match.group(2)]}"
+    raise ValueError(f"{file}: unexpected tensor {gguf_name!r} (no Llama/Qwen2/Qwen3/Gemma equivalent)")
 
 
 def _convert(file: _GGUFFile) -> tuple[dict, dict[str, np.ndarray]]:
@@ -290,17 +343,20 @@ def _convert(file: _GGUFFile) -> tuple[dict, dict[str, np.ndarray]]:
             if scaling is not None:
                 config["rope_scaling"] = scaling
             continue
-        name = _hf_name(file.path, gguf_name)
+        arch = file.metadata.get("general.architecture")
+        name = _hf_name(file.path, gguf_name, arch)
         values = file.dequantize(gguf_name)
         kind = gguf_name.split(".")[-2]
         if permuted and kind in heads:
             values = unpermute_qk(values, heads[kind])
+        if arch in _GEMMA and gguf_name.endswith("norm.weight"):  # stored as the scale 1 + w
+            values = values - np.float32(1.0)
         tensors[name] = values
     return config, tensors
 
 
 def gguf_to_hf(path) -> tuple[dict, dict[str, np.ndarray]]:
-    """Read a Llama / Qwen2 / Qwen3 GGUF file into (transformers config.json dict, tensors).
+    """Read a Llama / Qwen2 / Qwen3 / Gemma 2 / Gemma 3 GGUF file into (transformers config.json dict, tensors).
 
     Tensors are float32 numpy arrays with Hugging Face names and layout ("model.layers.0.self_attn.
     q_proj.weight" as [out, in]); quantized blocks (Q4_1, Q8_0, ...) are dequantized, F16 is widened,

@@ -41,8 +41,34 @@ _LAYER_NAMES = {
     "up_proj": ("mlp.up_proj.weight", True),
     "down_proj": ("mlp.down_proj.weight", True),
 }
+# Gemma names its four norms after their place: post_attention_layernorm is the norm *on* the attention
+# output there, and the norm before the MLP is pre_feedforward_layernorm.
+_GEMMA_LAYER_NAMES = {
+    **_LAYER_NAMES,
+    "mlp_norm": ("pre_feedforward_layernorm.weight", False),
+    "post_attn_norm": ("post_attention_layernorm.weight", False),
+    "post_mlp_norm": ("post_feedforward_layernorm.weight", False),
+}
 # Tensors some checkpoints carry that the model recomputes.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# Image-text Gemma 3 checkpoints: the text model's tensors under this prefix (for "model."), beside the
+# vision tower and projector, which the text model does not use.
+_TEXT_MODEL_PREFIX = "language_model.model."
+
+
+def _text_model_files(files: dict[str, pathlib.Path]) -> dict[str, tuple[pathlib.Path, str]]:
+    """HF tensor name -> (file, name stored there). For an image-text checkpoint, the text model's tensors
+    renamed to a text-only checkpoint's ("language_model.model.x" -> "model.x", "language_model.lm_head.weight"
+    -> "lm_head.weight"), every other tensor left out."""
+    if not any(name.startswith(_TEXT_MODEL_PREFIX) for name in files):
+        return {name: (file, name) for name, file in files.items()}
+    out = {}
+    for name, file in files.items():
+        if name.startswith(_TEXT_MODEL_PREFIX):
+            out["model." + name[len(_TEXT_MODEL_PREFIX):]] = (file, name)
+        elif name == "language_model.lm_head.weight":
+            out["lm_head.weight"] = (file, name)
+    return out
 
 
 def _dtype_name(dtype) -> str:
@@ -62,9 +88,10 @@ def _hf_layout(config: ModelConfig) -> dict[str, tuple[tuple[str, ...], bool]]:
     layout = {"model.embed_tokens.weight": (("embed",), False), "model.norm.weight": (("final_norm",), False)}
     if "lm_head" in shapes:
         layout["lm_head.weight"] = (("lm_head",), True)
+    names = _GEMMA_LAYER_NAMES if config.is_gemma else _LAYER_NAMES
     for i in range(config.num_layers):
         for name in shapes["layers"]:
-            suffix, transposed = _LAYER_NAMES[name]
+            suffix, transposed = names[name]
             layout[f"model.layers.{i}.{suffix}"] = (("layers", name, i), transposed)
     return layout
 
@@ -185,25 +212,27 @@ def _get_tensor(handle, path: pathlib.Path, name: str) -> np.ndarray:
 
 
 def load_hf(path, dtype=None) -> tuple[ModelConfig, Params]:
-    """Load a Llama / Qwen2 / Qwen3 checkpoint directory: config.json plus model.safetensors or
+    """Load a Llama / Qwen2 / Qwen3 / Mistral / Gemma 2 / Gemma 3 checkpoint directory (of an image-text
+    Gemma 3, its text model): config.json plus model.safetensors or
     model.safetensors.index.json with its shards. `dtype` ("float32" | "bfloat16") sets both
     param_dtype and compute_dtype (default float32). Errors name the file and tensor at fault."""
     directory = pathlib.Path(path)
     config = _read_config(directory, dtype)
-    files = _weight_files(directory)
+    files = _text_model_files(_weight_files(directory))
     _check_names(config, files.keys(), str(directory))
     names_by_file: dict[pathlib.Path, list[str]] = {}
     for name in hf_tensor_shapes(config):
-        names_by_file.setdefault(files[name], []).append(name)
+        names_by_file.setdefault(files[name][0], []).append(name)
     tensors = {}
     for file, names in names_by_file.items():
         with _open_safetensors(file) as handle:
             present = set(handle.keys())
             for name in names:
-                if name not in present:
-                    raise ValueError(f"{file}: missing tensor {name!r} listed in {INDEX_FILE}")
-                _check_shape(config, name, handle.get_slice(name).get_shape(), str(file))
-                tensors[name] = _get_tensor(handle, file, name)
+                stored = files[name][1]
+                if stored not in present:
+                    raise ValueError(f"{file}: missing tensor {stored!r} listed in {INDEX_FILE}")
+                _check_shape(config, name, handle.get_slice(stored).get_shape(), str(file))
+                tensors[name] = _get_tensor(handle, file, stored)
     return config, params_from_hf(config, tensors)
 
 

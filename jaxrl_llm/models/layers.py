@@ -1,7 +1,8 @@
-"""Building blocks of the decoder: RMSNorm, rotary embeddings, grouped-query attention, SwiGLU.
+"""Building blocks of the decoder: RMSNorm, rotary embeddings, grouped-query attention, gated MLPs.
 
-Each follows the `transformers` PyTorch implementation of Llama / Qwen2 / Qwen3 (modeling_llama.py,
-modeling_rope_utils.py) so logits match it to float32 rounding.
+Each follows the `transformers` PyTorch implementation of Llama / Qwen2 / Qwen3 / Mistral / Gemma 2 /
+Gemma 3 (modeling_llama.py, modeling_gemma2.py, modeling_rope_utils.py) so logits match it to float32
+rounding.
 """
 
 from __future__ import annotations
@@ -16,19 +17,26 @@ import numpy as np
 from jaxrl_llm.models.config import ModelConfig
 
 
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float, *, unit_offset: bool = False) -> jax.Array:
     """RMSNorm (Zhang & Sennrich 2019): y = w * x / sqrt(mean(x^2) + eps), statistics in float32.
 
     As in transformers' LlamaRMSNorm, the normalised value is cast back to x's dtype before the
-    weight multiplies it.
+    weight multiplies it. With `unit_offset` (Gemma) the scale is (1 + w) and, as in GemmaRMSNorm,
+    the product is taken in float32 and cast afterwards.
     """
     x32 = x.astype(jnp.float32)
     normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    if unit_offset:
+        return (normed * (1.0 + weight.astype(jnp.float32))).astype(x.dtype)
     return weight.astype(x.dtype) * normed.astype(x.dtype)
 
 
-def rope_inv_freq(config: ModelConfig) -> np.ndarray:
+def rope_inv_freq(config: ModelConfig, local: bool = False) -> np.ndarray:
     """Rotary inverse frequencies inv_freq_i = theta^(-2i/d), i < d/2 (RoFormer, Su et al. 2021).
+
+    `local=True` gives those of the sliding-window layers: with `config.rope_local_theta` set (Gemma 3),
+    theta is that base and no scaling applies; otherwise they are the full layers'.
+    With linear scaling (rope_type "linear") every inv_freq is divided by `factor`.
 
     With Llama-3 scaling (rope_type "llama3", as transformers' `_compute_llama3_parameters`):
     wavelengths 2*pi/inv_freq longer than L/low_freq_factor are divided by `factor`, shorter than
@@ -37,9 +45,13 @@ def rope_inv_freq(config: ModelConfig) -> np.ndarray:
     where L = original_max_position_embeddings. Computed in float32 like the reference.
     """
     dim = config.head_dim
+    local = local and config.rope_local_theta is not None
+    theta = config.rope_local_theta if local else config.rope_theta
     exponents = np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / np.float32(dim)
-    inv_freq = (np.float32(1.0) / (np.float32(config.rope_theta) ** exponents)).astype(np.float32)
-    scaling = config.rope_scaling_dict()
+    inv_freq = (np.float32(1.0) / (np.float32(theta) ** exponents)).astype(np.float32)
+    scaling = {} if local else config.rope_scaling_dict()
+    if scaling.get("rope_type", "default") == "linear":
+        return (inv_freq / np.float32(scaling["factor"])).astype(np.float32)
     if scaling.get("rope_type", "default") != "llama3":
         return inv_freq
     factor = float(scaling["factor"])
@@ -56,7 +68,7 @@ def rope_inv_freq(config: ModelConfig) -> np.ndarray:
     return np.where(is_medium, smoothed, scaled).astype(np.float32)
 
 
-def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray | jax.Array) -> jax.Array:
     """Rotate x [B, T, heads, d] by angle positions * inv_freq, rotate-half layout as in HF:
     x * cos + concat(-x2, x1) * sin, where x1, x2 are the two halves of the head dimension."""
     angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)  # [B, T, d/2]
@@ -68,23 +80,26 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.
     return (x32 * cos + rotated * sin).astype(x.dtype)
 
 
-def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
-    """Grouped-query attention softmax(q k^T / sqrt(d) + mask) v (Ainslie et al. 2023).
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, *, scale: float | None = None,
+              softcap: float | None = None) -> jax.Array:
+    """Grouped-query attention softmax(cap(scale q k^T) + mask) v (Ainslie et al. 2023).
 
     q [B, T, H, d]; k, v [B, S, KV, d] with H a multiple of KV; query head h reads KV head
     h // (H / KV), as transformers' repeat_kv. mask [B, T, S] bool (True = may attend).
+    scale defaults to 1/sqrt(d); cap(s) = softcap tanh(s / softcap) with `softcap` set (Gemma 2), else s.
     Scores and softmax run in float32. Returns [B, T, H * d].
     """
     batch, length, num_heads, head_dim = q.shape
     num_kv, keys = k.shape[2], k.shape[1]
     group = num_heads // num_kv
+    scale = head_dim ** -0.5 if scale is None else scale
     # Heads first, a KV head's query group and positions merged into one axis: both products become
     # plain batched matmuls [B*KV] x [G*T, d] x [d, S] (faster on CPU than a 5-D dot_general), and the
     # scale goes on q, which is d/S times smaller than the scores.
-    q = (q * jnp.asarray(head_dim ** -0.5, q.dtype)).reshape(batch, length, num_kv, group, head_dim)
+    q = (q * jnp.asarray(scale, q.dtype)).reshape(batch, length, num_kv, group, head_dim)
     q = q.transpose(0, 2, 3, 1, 4).reshape(batch, num_kv, group * length, head_dim)
     scores = jnp.einsum("bkqd,bksd->bkqs", q, k.transpose(0, 2, 1, 3), preferred_element_type=jnp.float32)
-    scores = scores.reshape(batch, num_kv, group, length, keys)
+    scores = soft_cap(scores.reshape(batch, num_kv, group, length, keys), softcap)
     # A finite floor keeps fully-masked rows (padding queries) NaN-free.
     scores = jnp.where(mask[:, None, None, :, :], scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype).reshape(batch, num_kv, group * length, keys)
@@ -93,12 +108,23 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.
     return out.transpose(0, 3, 1, 2, 4).reshape(batch, length, num_heads * head_dim)
 
 
+def soft_cap(x: jax.Array, cap: float | None) -> jax.Array:
+    """cap * tanh(x / cap) (Gemma 2's logit soft-capping), or x itself when cap is None."""
+    if cap is None:
+        return x
+    return jnp.tanh(x / cap) * cap
+
+
 def attention_keep_mask(q_positions: jax.Array, k_positions: jax.Array, *, q_segments: jax.Array | None = None,
-                        k_segments: jax.Array | None = None, key_mask: jax.Array | None = None) -> jax.Array:
+                        k_segments: jax.Array | None = None, key_mask: jax.Array | None = None,
+                        window: jax.Array | int | None = None) -> jax.Array:
     """Which keys each query may attend to, [B, Tq, Tk] bool: key j is visible to query i iff
-    k_positions[j] <= q_positions[i] (causal by position), key_mask[j] != 0 (when given) and, with
-    segments, k_segments[j] is q_segments[i] or 0 (packed rows: segment 0 is a shared prefix)."""
+    k_positions[j] <= q_positions[i] (causal by position), key_mask[j] != 0 (when given), with
+    segments, k_segments[j] is q_segments[i] or 0 (packed rows: segment 0 is a shared prefix) and, with
+    a `window` w, q_positions[i] - k_positions[j] < w (sliding-window attention)."""
     keep = k_positions[:, None, :] <= q_positions[:, :, None]
+    if window is not None:
+        keep = keep & (q_positions[:, :, None] - k_positions[:, None, :] < window)
     if key_mask is not None:
         keep = keep & (key_mask[:, None, :] != 0)
     if q_segments is not None:
@@ -117,8 +143,11 @@ def _pad_time(x: jax.Array, length: int) -> jax.Array:
 
 
 def blocked_attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array, block_size: int, *,
-                      segment_ids: jax.Array | None = None, key_mask: jax.Array | None = None) -> jax.Array:
-    """Self-attention equal to `attention(q, k, v, attention_keep_mask(positions, positions, ...))`
+                      segment_ids: jax.Array | None = None, key_mask: jax.Array | None = None,
+                      window: jax.Array | int | None = None, scale: float | None = None,
+                      softcap: float | None = None) -> jax.Array:
+    """Self-attention equal to `attention(q, k, v, attention_keep_mask(positions, positions, ...), scale=...,
+    softcap=...)`
     without materialising the [B, H, T, T] scores: FlashAttention's online softmax (Dao et al. 2022;
     Milakov & Gimelshein 2018) over tiles of `block_size` queries x `block_size` keys.
 
@@ -140,7 +169,7 @@ def blocked_attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.A
     num_blocks = -(-length // block)
     padded = num_blocks * block
     real_key = jnp.arange(padded) < length  # padded keys are excluded outright (-inf), not floored
-    q = q * jnp.asarray(head_dim ** -0.5, q.dtype)
+    q = q * jnp.asarray(head_dim ** -0.5 if scale is None else scale, q.dtype)
     q, k, v, positions = (_pad_time(x, padded) for x in (q, k, v, positions))
     segments = None if segment_ids is None else _pad_time(segment_ids, padded)
     valid = None if key_mask is None else _pad_time(key_mask, padded)
@@ -160,9 +189,10 @@ def blocked_attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.A
         def key_tile(carry, key_in):
             m_prev, denom_prev, acc_prev = carry
             kb, vb, k_pos, k_real, k_seg, k_valid = key_in
-            keep = attention_keep_mask(q_pos, k_pos, q_segments=q_seg, k_segments=k_seg, key_mask=k_valid)
+            keep = attention_keep_mask(q_pos, k_pos, q_segments=q_seg, k_segments=k_seg, key_mask=k_valid,
+                                       window=window)
             scores = jnp.einsum("bkqd,bksd->bkqs", qb, kb, preferred_element_type=jnp.float32)
-            scores = scores.reshape(batch, num_kv, group, block, block)
+            scores = soft_cap(scores.reshape(batch, num_kv, group, block, block), softcap)
             scores = jnp.where(keep[:, None, None], scores, floor)
             scores = jnp.where(k_real, scores, -jnp.inf).reshape(batch, num_kv, group * block, block)
             m = jax.lax.stop_gradient(jnp.maximum(m_prev, scores.max(axis=-1)))
@@ -228,10 +258,15 @@ def adapted_dense(x: jax.Array, w: jax.Array, adapter: tuple[jax.Array, jax.Arra
     return y + dense(dense(x, a.astype(dtype)), b.astype(dtype))
 
 
-def swiglu_mlp(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array, adapters=None) -> jax.Array:
-    """SwiGLU feed-forward (Shazeer 2020): (silu(x W_gate) * (x W_up)) W_down. `adapters` maps "gate",
-    "up", "down" to a LoRA pair (A, B) for the projections that carry one (see `adapted_dense`)."""
+_ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True)}
+
+
+def gated_mlp(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array, adapters=None,
+              activation: str = "silu") -> jax.Array:
+    """Gated feed-forward (Shazeer 2020): (act(x W_gate) * (x W_up)) W_down, act = silu (SwiGLU) or
+    "gelu_tanh", GELU's tanh approximation (GeGLU, Gemma). `adapters` maps "gate", "up", "down" to a
+    LoRA pair (A, B) for the projections that carry one (see `adapted_dense`)."""
     adapters = adapters or {}
     gate_out = checkpoint_name(adapted_dense(x, gate, adapters.get("gate")), "mlp_gate")
-    hidden = jax.nn.silu(gate_out) * checkpoint_name(adapted_dense(x, up, adapters.get("up")), "mlp_up")
+    hidden = _ACTIVATIONS[activation](gate_out) * checkpoint_name(adapted_dense(x, up, adapters.get("up")), "mlp_up")
     return checkpoint_name(adapted_dense(hidden, down, adapters.get("down")), "mlp_down")

@@ -1,4 +1,5 @@
-"""Pure-functional decoder for the Llama / Qwen2 / Qwen3 families, with a static KV cache.
+"""Pure-functional decoder for the Llama / Qwen2 / Qwen3 / Mistral / Gemma 2 / Gemma 3 families, with a
+static KV cache.
 
 Parameters are a plain nested dict (see `init_params` for the key names). Transformer layers are
 stacked on a leading `num_layers` axis and run by `jax.lax.scan`, so one layer is compiled whatever
@@ -6,6 +7,9 @@ the depth (`config.scan_layers=False` unrolls them in the training forward); `co
 wraps the layer in `jax.checkpoint` (saving what `config.remat_policy` names: the forward pass tags
 its projection outputs, q, k, v and the attention output with `checkpoint_name`). Every function takes
 the config as a plain argument: jit with `static_argnums=1` (ModelConfig is hashable).
+
+Layers that differ (Gemma's sliding-window layers with their own RoPE base) stay one stacked, scanned
+layer: the differences are per-layer arrays (`layer_constants`) scanned alongside the parameters.
 """
 
 from __future__ import annotations
@@ -16,11 +20,12 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.layers import (adapted_dense, apply_rope, attention, attention_keep_mask, blocked_attention,
-                                    rms_norm, rope_inv_freq, swiglu_mlp)
+                                    gated_mlp, rms_norm, rope_inv_freq, soft_cap)
 
 Params = dict
 
@@ -54,6 +59,8 @@ def _layer_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         shapes["o_bias"] = (d,)
     if config.qk_norm:
         shapes.update(q_norm=(hd,), k_norm=(hd,))
+    if config.is_gemma:  # sandwich norms: on the attention output and on the MLP output
+        shapes.update(post_attn_norm=(d,), post_mlp_norm=(d,))
     return shapes
 
 
@@ -72,7 +79,7 @@ def param_shapes(config: ModelConfig) -> Params:
 
 def init_params(config: ModelConfig, rng: jax.Array) -> Params:
     """Random parameters as transformers initialises these models: weights ~ N(0, 0.02^2),
-    norm weights 1, biases 0; stored in `config.param_dtype`."""
+    norm weights 1 (0 for Gemma, whose norms scale by 1 + w), biases 0; stored in `config.param_dtype`."""
     return _init_params_jit(config, rng)
 
 
@@ -88,7 +95,7 @@ def _init_params_jit(config: ModelConfig, rng: jax.Array) -> Params:
     for (path, shape), size in zip(flat, sizes):
         name = path[-1].key
         if name.endswith("norm"):
-            leaves.append(jnp.ones(shape, dtype))
+            leaves.append((jnp.zeros if config.is_gemma else jnp.ones)(shape, dtype))
         elif name.endswith("bias"):
             leaves.append(jnp.zeros(shape, dtype))
         else:
@@ -97,8 +104,40 @@ def _init_params_jit(config: ModelConfig, rng: jax.Array) -> Params:
     return jax.tree_util.tree_unflatten(treedef, leaves)
 
 
-def _project_qkv(lp: Params, config: ModelConfig, h: jax.Array, positions: jax.Array):
-    """q [B,T,H,hd], k, v [B,T,KV,hd] for one layer, with biases, q/k norm and RoPE applied."""
+_NO_WINDOW = np.iinfo(np.int32).max  # the window of a full-attention layer among sliding ones
+
+
+def layer_constants(config: ModelConfig, layer: int | None = None) -> dict:
+    """What distinguishes the layers besides their parameters. With `layer`, that layer's static values:
+    {"window": sliding window or None, "inv_freq": its RoPE inverse frequencies}. Without, the arrays to
+    scan with the stacked layers: "window" int32 [L] (a full layer's is int32 max) when some layer slides,
+    "inv_freq" [L, head_dim/2] when the sliding layers have their own RoPE base; absent keys mean the
+    config's defaults (no window, `rope_inv_freq(config)`)."""
+    sliding = config.sliding_layers()
+    if layer is not None:
+        return {"window": config.sliding_window if sliding[layer] else None,
+                "inv_freq": rope_inv_freq(config, local=sliding[layer])}
+    out = {}
+    if any(sliding):
+        out["window"] = np.array([config.sliding_window if s else _NO_WINDOW for s in sliding], np.int32)
+        if config.rope_local_theta is not None:
+            out["inv_freq"] = np.stack([rope_inv_freq(config, local=s) for s in sliding])
+    return out
+
+
+def norm(x: jax.Array, weight: jax.Array, config: ModelConfig) -> jax.Array:
+    """The family's RMSNorm: w * x / rms(x), or (1 + w) * x / rms(x) for Gemma (`layers.rms_norm`)."""
+    return rms_norm(x, weight, config.rms_norm_eps, unit_offset=config.is_gemma)
+
+
+def attend(q: jax.Array, k: jax.Array, v: jax.Array, keep: jax.Array, config: ModelConfig) -> jax.Array:
+    """`layers.attention` with the family's score scale and soft-cap."""
+    return attention(q, k, v, keep, scale=config.attention_scale, softcap=config.attn_logit_softcapping)
+
+
+def _project_qkv(lp: Params, config: ModelConfig, h: jax.Array, positions: jax.Array, inv_freq=None):
+    """q [B,T,H,hd], k, v [B,T,KV,hd] for one layer, with biases, q/k norm and RoPE (`inv_freq`,
+    default the full layers' `rope_inv_freq(config)`) applied."""
     batch, length, _ = h.shape
     dtype = h.dtype
     q, k, v = (checkpoint_name(_project(lp, f"{n}_proj", h), f"{n}_proj") for n in "qkv")
@@ -107,22 +146,29 @@ def _project_qkv(lp: Params, config: ModelConfig, h: jax.Array, positions: jax.A
     q = q.reshape(batch, length, config.num_heads, config.head_dim)
     k = k.reshape(batch, length, config.num_kv_heads, config.head_dim)
     v = v.reshape(batch, length, config.num_kv_heads, config.head_dim)
-    if config.qk_norm:  # Qwen3: RMSNorm over head_dim before the rotation
-        q = rms_norm(q, lp["q_norm"], config.rms_norm_eps)
-        k = rms_norm(k, lp["k_norm"], config.rms_norm_eps)
-    inv_freq = rope_inv_freq(config)
+    if config.qk_norm:  # Qwen3, Gemma 3: RMSNorm over head_dim before the rotation
+        q = norm(q, lp["q_norm"], config)
+        k = norm(k, lp["k_norm"], config)
+    inv_freq = rope_inv_freq(config) if inv_freq is None else inv_freq
     return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
 
 
 def _finish_layer(lp: Params, config: ModelConfig, x: jax.Array, attn: jax.Array) -> jax.Array:
-    """Output projection + residual, then the pre-norm SwiGLU block + residual."""
+    """Output projection + residual, then the pre-norm gated MLP block + residual (SwiGLU; for Gemma
+    GeGLU, and each block's output normalised again before its residual)."""
     out = checkpoint_name(_project(lp, "o_proj", attn.astype(x.dtype)), "o_proj")
     if config.attention_out_bias:
         out = out + lp["o_bias"].astype(x.dtype)
+    if config.is_gemma:
+        out = norm(out, lp["post_attn_norm"], config)
     x = x + out
-    h = rms_norm(x, lp["mlp_norm"], config.rms_norm_eps)
+    h = norm(x, lp["mlp_norm"], config)
     adapters = {n: _adapter(lp, f"{n}_proj") for n in ("gate", "up", "down")}
-    return x + swiglu_mlp(h, lp["gate_proj"], lp["up_proj"], lp["down_proj"], adapters)
+    mlp = gated_mlp(h, lp["gate_proj"], lp["up_proj"], lp["down_proj"], adapters,
+                    activation="gelu_tanh" if config.is_gemma else "silu")
+    if config.is_gemma:
+        mlp = norm(mlp, lp["post_mlp_norm"], config)
+    return x + mlp
 
 
 def _adapter(lp: Params, name: str) -> tuple[jax.Array, jax.Array] | None:
@@ -158,13 +204,19 @@ def _maybe_remat(fn, config: ModelConfig):
 
 
 def _embed(params: Params, config: ModelConfig, tokens: jax.Array) -> jax.Array:
-    return jnp.take(params["embed"], tokens, axis=0).astype(jnp.dtype(config.compute_dtype))
+    """embed[tokens] in the compute dtype; Gemma multiplies by sqrt(hidden) in the embedding's dtype."""
+    x = jnp.take(params["embed"], tokens, axis=0)
+    if config.is_gemma:
+        x = x * jnp.asarray(config.hidden_size ** 0.5, x.dtype)
+    return x.astype(jnp.dtype(config.compute_dtype))
 
 
 def hidden_states(params: Params, config: ModelConfig, tokens: jax.Array, positions: jax.Array,
                   *, attention_mask: jax.Array | None = None, segment_ids: jax.Array | None = None) -> jax.Array:
-    """Final-norm hidden states [B, T, D] of the pre-norm decoder (Llama / Qwen2 / Qwen3):
+    """Final-norm hidden states [B, T, D] of the pre-norm decoder (Llama / Qwen2 / Qwen3 / Mistral):
     x_0 = embed[tokens]; per layer x += Attn(RMSNorm(x)); x += SwiGLU(RMSNorm(x)); out = RMSNorm(x).
+    Gemma: x_0 = sqrt(D) embed[tokens]; x += RMSNorm(Attn(RMSNorm(x))); x += RMSNorm(GeGLU(RMSNorm(x))).
+    A sliding layer also drops keys at positions <= query position - `config.sliding_window`.
 
     Attention is causal by position: query i sees key j iff positions[j] <= positions[i] and
     attention_mask[j] != 0 (when a mask is given) and, with `segment_ids`, segment[j] is segment[i] or
@@ -181,22 +233,27 @@ def hidden_states(params: Params, config: ModelConfig, tokens: jax.Array, positi
         keep = attention_keep_mask(positions, positions, q_segments=segment_ids, k_segments=segment_ids,
                                    key_mask=attention_mask)  # [B, T(query), T(key)]
 
-    def layer(x, lp):
-        h = rms_norm(x, lp["attn_norm"], config.rms_norm_eps)
-        q, k, v = (checkpoint_name(a, n) for a, n in zip(_project_qkv(lp, config, h, positions), "qkv"))
+    def layer(x, layer_in):
+        lp, const = layer_in
+        window = const.get("window")
+        h = norm(x, lp["attn_norm"], config)
+        qkv = _project_qkv(lp, config, h, positions, const.get("inv_freq"))
+        q, k, v = (checkpoint_name(a, n) for a, n in zip(qkv, "qkv"))
         if block_size is None:
-            attn = attention(q, k, v, keep)
+            layer_keep = keep if window is None else keep & (positions[:, :, None] - positions[:, None, :] < window)
+            attn = attend(q, k, v, layer_keep, config)
         else:
             attn = blocked_attention(q, k, v, positions, block_size, segment_ids=segment_ids,
-                                     key_mask=attention_mask)
+                                     key_mask=attention_mask, window=window, scale=config.attention_scale,
+                                     softcap=config.attn_logit_softcapping)
         return _finish_layer(lp, config, x, checkpoint_name(attn, "attn")), None
 
-    x = _run_layers(_maybe_remat(layer, config), _embed(params, config, tokens), params["layers"],
-                    config.scan_layers)
-    return rms_norm(x, params["final_norm"], config.rms_norm_eps)
+    x = _run_layers(_maybe_remat(layer, config), _embed(params, config, tokens),
+                    (params["layers"], layer_constants(config)), config.scan_layers)
+    return norm(x, params["final_norm"], config)
 
 
-def _run_layers(layer, x: jax.Array, layers: Params, scan: bool = True) -> jax.Array:
+def _run_layers(layer, x: jax.Array, layers, scan: bool = True) -> jax.Array:
     """x after every stacked layer in turn: a `lax.scan` (one compiled layer) or unrolled (each layer
     compiled on its own: longer compiles; on CPU about as fast at 12 layers and 10% slower at SmolLM2's 30,
     measured on the train step, benchmarks/README.md)."""
@@ -209,14 +266,17 @@ def _run_layers(layer, x: jax.Array, layers: Params, scan: bool = True) -> jax.A
 
 def output_logits(params: Params, config: ModelConfig, hidden: jax.Array) -> jax.Array:
     """Logits hidden @ W_out in float32, W_out = embed^T when the output embedding is tied,
-    else lm_head [D, V]. hidden: [..., D] -> [..., V]."""
+    else lm_head [D, V]; soft-capped to c tanh(l / c) with `config.final_logit_softcapping` c (Gemma 2).
+    hidden: [..., D] -> [..., V]."""
     dtype = jnp.dtype(config.compute_dtype)
     hidden = hidden.astype(dtype)
     if config.tie_word_embeddings:
-        return jnp.einsum("...d,vd->...v", hidden, params["embed"].astype(dtype),
-                          preferred_element_type=jnp.float32)
-    return jnp.einsum("...d,dv->...v", hidden, params["lm_head"].astype(dtype),
-                      preferred_element_type=jnp.float32)
+        logits = jnp.einsum("...d,vd->...v", hidden, params["embed"].astype(dtype),
+                            preferred_element_type=jnp.float32)
+    else:
+        logits = jnp.einsum("...d,dv->...v", hidden, params["lm_head"].astype(dtype),
+                            preferred_element_type=jnp.float32)
+    return soft_cap(logits, config.final_logit_softcapping)
 
 
 def forward(params: Params, config: ModelConfig, tokens: jax.Array, positions: jax.Array,
@@ -250,16 +310,20 @@ def forward_cached(params: Params, config: ModelConfig, tokens: jax.Array, posit
     rows = jnp.arange(batch)[:, None]
 
     def layer(x, layer_in):
-        lp, k_cache, v_cache = layer_in
-        h = rms_norm(x, lp["attn_norm"], config.rms_norm_eps)
-        q, k, v = _project_qkv(lp, config, h, positions)
+        lp, const, k_cache, v_cache = layer_in
+        h = norm(x, lp["attn_norm"], config)
+        q, k, v = _project_qkv(lp, config, h, positions, const.get("inv_freq"))
         k_cache = k_cache.at[rows, positions].set(k.astype(k_cache.dtype), mode="drop")
         v_cache = v_cache.at[rows, positions].set(v.astype(v_cache.dtype), mode="drop")
-        attn = attention(q, k_cache.astype(q.dtype), v_cache.astype(q.dtype), keep)
+        layer_keep = keep
+        if "window" in const:
+            layer_keep = keep & (positions[:, :, None] - jnp.arange(max_len)[None, None, :] < const["window"])
+        attn = attend(q, k_cache.astype(q.dtype), v_cache.astype(q.dtype), layer_keep, config)
         return _finish_layer(lp, config, x, attn), (k_cache, v_cache)
 
     x, (k_new, v_new) = jax.lax.scan(
-        _maybe_remat(layer, config), _embed(params, config, tokens), (params["layers"], cache.k, cache.v)
+        _maybe_remat(layer, config), _embed(params, config, tokens),
+        (params["layers"], layer_constants(config), cache.k, cache.v)
     )
-    hidden = rms_norm(x, params["final_norm"], config.rms_norm_eps)
+    hidden = norm(x, params["final_norm"], config)
     return output_logits(params, config, hidden), KVCache(k_new, v_new)

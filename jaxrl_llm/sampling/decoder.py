@@ -9,6 +9,8 @@ data flow differs from `models.forward_cached`, for speed on a decode loop:
   same index for every row: an in-place dynamic_update_slice instead of a scatter.
 - Keys are stored transposed, [rows, kv_heads, head_dim, slots], so q k^T is a plain batched
   matmul (no per-step transpose of the cache); values are [rows, kv_heads, slots, head_dim].
+- A sliding-window layer (Mistral, Gemma) keeps min(new-token bucket, window) response slots, a ring:
+  generated token t goes to slot t mod that size, overwriting a token the window no longer sees.
 - Caches and layer weights are tuples with one entry per layer and the decode step loops over
   layers in Python: a scan over stacked layers would copy every layer's weights and cache slice
   out of the stacked arrays at every step (the dominant cost of a memory-bound decode on CPU).
@@ -23,8 +25,8 @@ import jax
 import jax.numpy as jnp
 
 from jaxrl_llm.models import ModelConfig, output_logits
-from jaxrl_llm.models.layers import attention, rms_norm
-from jaxrl_llm.models.model import _embed, _finish_layer, _project_qkv
+from jaxrl_llm.models.layers import soft_cap
+from jaxrl_llm.models.model import _embed, _finish_layer, _project_qkv, attend, layer_constants, norm
 
 
 class RowCache(NamedTuple):
@@ -32,7 +34,7 @@ class RowCache(NamedTuple):
 
     prompt_k [R, KV, d, P], prompt_v [R, KV, P, d]: keys/values of the prompt at positions 0..P-1;
     response_k [R, KV, d, N], response_v [R, KV, N, d]: of generated token t (position
-    prompt_length + t) in slot t.
+    prompt_length + t) in slot t; on a sliding layer N is min(N, window) and the slot t mod N.
     """
 
     prompt_k: tuple
@@ -44,13 +46,18 @@ class RowCache(NamedTuple):
 def empty_row_cache(config: ModelConfig, rows: int, prompt_bucket: int, new_token_bucket: int,
                     dtype=None) -> RowCache:
     dtype = jnp.dtype(dtype or config.compute_dtype)
-    kv, d, layers = config.num_kv_heads, config.head_dim, config.num_layers
+    kv, d = config.num_kv_heads, config.head_dim
+    slots = response_slots(config, new_token_bucket)
+    prompt_k = tuple(jnp.zeros((rows, kv, d, prompt_bucket), dtype) for _ in slots)
+    prompt_v = tuple(jnp.zeros((rows, kv, prompt_bucket, d), dtype) for _ in slots)
+    return RowCache(prompt_k, prompt_v, tuple(jnp.zeros((rows, kv, d, n), dtype) for n in slots),
+                    tuple(jnp.zeros((rows, kv, n, d), dtype) for n in slots))
 
-    def zeros(shape):
-        return tuple(jnp.zeros(shape, dtype) for _ in range(layers))
 
-    return RowCache(zeros((rows, kv, d, prompt_bucket)), zeros((rows, kv, prompt_bucket, d)),
-                    zeros((rows, kv, d, new_token_bucket)), zeros((rows, kv, new_token_bucket, d)))
+def response_slots(config: ModelConfig, new_token_bucket: int) -> tuple[int, ...]:
+    """Response slots of each layer's cache: the bucket, or min(bucket, window) on a sliding layer."""
+    return tuple(min(new_token_bucket, config.sliding_window) if sliding else new_token_bucket
+                 for sliding in config.sliding_layers())
 
 
 def unstack_layers(params) -> list:
@@ -69,34 +76,49 @@ def prefill_cache(params, config: ModelConfig, tokens: jax.Array, lengths: jax.A
     """
     count, length = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (count, length))
-    causal = positions[:, None, :] <= positions[:, :, None]
+    distance = positions[:, :, None] - positions[:, None, :]
+    causal = distance >= 0
     cache_dtype = jnp.dtype(cache_dtype or config.compute_dtype)
 
-    def layer(x, lp):
-        h = rms_norm(x, lp["attn_norm"], config.rms_norm_eps)
-        q, k, v = _project_qkv(lp, config, h, positions)  # k, v [C, P, KV, d]
-        x = _finish_layer(lp, config, x, attention(q, k, v, causal))
+    def layer(x, layer_in):
+        lp, const = layer_in
+        h = norm(x, lp["attn_norm"], config)
+        q, k, v = _project_qkv(lp, config, h, positions, const.get("inv_freq"))  # k, v [C, P, KV, d]
+        keep = causal if "window" not in const else causal & (distance < const["window"])
+        x = _finish_layer(lp, config, x, attend(q, k, v, keep, config))
         return x, (jnp.transpose(k, (0, 2, 3, 1)).astype(cache_dtype),
                    jnp.transpose(v, (0, 2, 1, 3)).astype(cache_dtype))
 
-    x, (keys, values) = jax.lax.scan(layer, _embed(params, config, tokens), params["layers"])
+    x, (keys, values) = jax.lax.scan(layer, _embed(params, config, tokens),
+                                     (params["layers"], layer_constants(config)))
     last = jnp.take_along_axis(x, (lengths - 1)[:, None, None], axis=1)[:, 0]  # [C, D]
-    hidden = rms_norm(last, params["final_norm"], config.rms_norm_eps)
+    hidden = norm(last, params["final_norm"], config)
     return output_logits(params, config, hidden), keys, values
 
 
-def _attend(q, prompt_k, prompt_v, response_k, response_v, prompt_lengths, step):
-    """softmax(q k^T / sqrt(d)) v of one query per row over prompt slots s < prompt_length and
-    response slots j <= step. q [B, H, d] (head h reads KV head h // (H / KV)); returns [B, H*d]."""
+def _attend(q, prompt_k, prompt_v, response_k, response_v, prompt_lengths, step, config: ModelConfig,
+            window: int | None = None):
+    """softmax(cap(scale q k^T)) v (scale and cap as `models.attend`) of one query per row over prompt
+    slots s < prompt_length and response slots j <= step; with a sliding `window` w, only keys fewer than
+    w positions back (prompt slot s: prompt_length + step - s < w; response slot j, holding generated token
+    step - ((step - j) mod n) of a ring of n slots: (step - j) mod n < w).
+    q [B, H, d] (head h reads KV head h // (H / KV)); returns [B, H*d]."""
     batch, num_heads, head_dim = q.shape
     num_kv = prompt_k.shape[1]
-    q = q.reshape(batch, num_kv, num_heads // num_kv, head_dim) * jnp.asarray(head_dim ** -0.5, q.dtype)
+    q = q.reshape(batch, num_kv, num_heads // num_kv, head_dim) * jnp.asarray(config.attention_scale, q.dtype)
     f32 = jnp.float32
-    prompt_scores = jnp.einsum("bkgd,bkds->bkgs", q, prompt_k.astype(q.dtype), preferred_element_type=f32)
-    response_scores = jnp.einsum("bkgd,bkdn->bkgn", q, response_k.astype(q.dtype), preferred_element_type=f32)
-    prompt_ok = jnp.arange(prompt_k.shape[-1])[None, :] < prompt_lengths[:, None]
+    cap = config.attn_logit_softcapping
+    prompt_scores = soft_cap(jnp.einsum("bkgd,bkds->bkgs", q, prompt_k.astype(q.dtype), preferred_element_type=f32),
+                             cap)
+    response_scores = soft_cap(
+        jnp.einsum("bkgd,bkdn->bkgn", q, response_k.astype(q.dtype), preferred_element_type=f32), cap)
+    prompt_index, response_index = jnp.arange(prompt_k.shape[-1]), jnp.arange(response_k.shape[-1])
+    prompt_ok = prompt_index[None, :] < prompt_lengths[:, None]
+    response_ok = response_index <= step
+    if window is not None:
+        prompt_ok = prompt_ok & ((prompt_lengths + step)[:, None] - prompt_index[None, :] < window)
+        response_ok = response_ok & ((step - response_index) % response_k.shape[-1] < window)
     prompt_scores = jnp.where(prompt_ok[:, None, None, :], prompt_scores, -jnp.inf)
-    response_ok = jnp.arange(response_k.shape[-1]) <= step
     response_scores = jnp.where(response_ok, response_scores, -jnp.inf)
     top = jnp.maximum(prompt_scores.max(-1, keepdims=True), response_scores.max(-1, keepdims=True))
     prompt_w, response_w = jnp.exp(prompt_scores - top), jnp.exp(response_scores - top)
@@ -116,17 +138,19 @@ def decode_step(params, layers: list, config: ModelConfig, tokens: jax.Array, pr
     x = _embed(params, config, tokens[:, None])
     new = {name: [] for name in RowCache._fields}
     for i, lp in enumerate(layers):
-        h = rms_norm(x, lp["attn_norm"], config.rms_norm_eps)
-        q, k, v = _project_qkv(lp, config, h, positions)  # q [B,1,H,d], k, v [B,1,KV,d]
+        const = layer_constants(config, i)
+        h = norm(x, lp["attn_norm"], config)
+        q, k, v = _project_qkv(lp, config, h, positions, const["inv_freq"])  # q [B,1,H,d], k, v [B,1,KV,d]
+        slot = step % cache.response_k[i].shape[-1]  # = step, except on a sliding layer's ring
         response_k = jax.lax.dynamic_update_slice_in_dim(
-            cache.response_k[i], jnp.transpose(k, (0, 2, 3, 1)).astype(cache.response_k[i].dtype), step, axis=3)
+            cache.response_k[i], jnp.transpose(k, (0, 2, 3, 1)).astype(cache.response_k[i].dtype), slot, axis=3)
         response_v = jax.lax.dynamic_update_slice_in_dim(
-            cache.response_v[i], jnp.transpose(v, (0, 2, 1, 3)).astype(cache.response_v[i].dtype), step, axis=2)
+            cache.response_v[i], jnp.transpose(v, (0, 2, 1, 3)).astype(cache.response_v[i].dtype), slot, axis=2)
         attn = _attend(q[:, 0], cache.prompt_k[i], cache.prompt_v[i], response_k, response_v,
-                       prompt_lengths, step)
+                       prompt_lengths, step, config, const["window"])
         x = _finish_layer(lp, config, x, attn[:, None].astype(x.dtype))
         new["response_k"].append(response_k)
         new["response_v"].append(response_v)
-    hidden = rms_norm(x[:, 0], params["final_norm"], config.rms_norm_eps)
+    hidden = norm(x[:, 0], params["final_norm"], config)
     cache = cache._replace(response_k=tuple(new["response_k"]), response_v=tuple(new["response_v"]))
     return output_logits(params, config, hidden), cache

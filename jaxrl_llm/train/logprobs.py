@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrl_llm import models
+from jaxrl_llm.models.layers import soft_cap
 
 
 _FLOOR = -1e30
@@ -28,8 +29,11 @@ def gather_response_hidden(hidden: jax.Array, prompt_lens: jax.Array, response_l
 
 
 def chunked_logprobs(hidden: jax.Array, head: jax.Array, targets: jax.Array, *, chunk: int = 8192,
-                     with_entropy: bool = False, entropy_grad: bool = True, keep_logits: bool = True):
+                     with_entropy: bool = False, entropy_grad: bool = True, keep_logits: bool = True,
+                     softcap: float | None = None):
     """log softmax(hidden @ head.T)[targets] (and the softmax entropy), chunked over the vocabulary.
+    With `softcap` c the logits are c tanh(hidden @ head.T / c) (Gemma 2's final soft-capping); the
+    backward pass multiplies d/dl by the cap's derivative 1 - (l / c)^2.
 
     hidden [B, R, D], head [V, D], targets [B, R] int. Online log-sum-exp: with m the running max,
     s = sum exp(l - m) and u = sum exp(l - m) * l, logZ = m + log s and H = logZ - u / s.
@@ -47,7 +51,7 @@ def chunked_logprobs(hidden: jax.Array, head: jax.Array, targets: jax.Array, *, 
     `jax.lax.stop_gradient`), and the backward pass skips its term.
     Returns logp [B, R] f32 (and entropy [B, R] f32 when with_entropy).
     """
-    logp, entropy = _logprobs_entropy(hidden, head, targets, chunk, entropy_grad, keep_logits)
+    logp, entropy = _logprobs_entropy(hidden, head, targets, chunk, entropy_grad, keep_logits, softcap)
     return (logp, entropy) if with_entropy else logp
 
 
@@ -78,7 +82,7 @@ def _update_stats(stats, logits, start, targets):
     return m_new, s, u, jnp.where(in_chunk, picked, target_logit)
 
 
-def _forward_stats(hidden, head, targets, chunk, keep_logits):
+def _forward_stats(hidden, head, targets, chunk, keep_logits, softcap):
     """(logp, entropy, logZ, E_p[l]) [B, R] each, by an online log-sum-exp over vocabulary chunks, and
     every chunk's logits [B, R, width] f32 (`keep_logits`; else None).
 
@@ -93,7 +97,7 @@ def _forward_stats(hidden, head, targets, chunk, keep_logits):
     stats = (jnp.full(shape, _FLOOR, jnp.float32), *(jnp.zeros(shape, jnp.float32) for _ in range(3)))
 
     def logits_of(block):
-        return jnp.einsum("brd,vd->brv", hidden, block, preferred_element_type=jnp.float32)
+        return soft_cap(jnp.einsum("brd,vd->brv", hidden, block, preferred_element_type=jnp.float32), softcap)
 
     chunk_logits = None
     if keep_logits:
@@ -118,17 +122,18 @@ def _forward_stats(hidden, head, targets, chunk, keep_logits):
     return target_logit - log_z, log_z - mean_logit, log_z, mean_logit, chunk_logits
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def _logprobs_entropy(hidden, head, targets, chunk, entropy_grad, keep_logits):
-    return _forward_stats(hidden, head, targets, chunk, keep_logits)[:2]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+def _logprobs_entropy(hidden, head, targets, chunk, entropy_grad, keep_logits, softcap):
+    return _forward_stats(hidden, head, targets, chunk, keep_logits, softcap)[:2]
 
 
-def _logprobs_entropy_fwd(hidden, head, targets, chunk, entropy_grad, keep_logits):
-    logp, entropy, log_z, mean_logit, chunk_logits = _forward_stats(hidden, head, targets, chunk, keep_logits)
+def _logprobs_entropy_fwd(hidden, head, targets, chunk, entropy_grad, keep_logits, softcap):
+    logp, entropy, log_z, mean_logit, chunk_logits = _forward_stats(hidden, head, targets, chunk, keep_logits,
+                                                                    softcap)
     return (logp, entropy), (hidden, head, targets, log_z, mean_logit, chunk_logits)
 
 
-def _logprobs_entropy_bwd(chunk, entropy_grad, keep_logits, residuals, cotangents):
+def _logprobs_entropy_bwd(chunk, entropy_grad, keep_logits, softcap, residuals, cotangents):
     hidden, head, targets, log_z, mean_logit, chunk_logits = residuals
     g_logp, g_entropy = cotangents
     dtype = head.dtype
@@ -146,14 +151,17 @@ def _logprobs_entropy_bwd(chunk, entropy_grad, keep_logits, residuals, cotangent
         weight = g_logp
         if entropy_grad:
             weight = g_logp + g_entropy * (logits - mean_logit)
-        d_logits = (jnp.where(onehot, g_logp, 0.0) - p * weight).astype(dtype)
+        d_logits = jnp.where(onehot, g_logp, 0.0) - p * weight
+        if softcap is not None:  # through l = c tanh(z / c): dl/dz = 1 - tanh^2 = 1 - (l / c)^2
+            d_logits = d_logits * (1.0 - jnp.square(logits / softcap))
+        d_logits = d_logits.astype(dtype)
         # hidden^T d_logits reads d_logits in the layout it was written (d_logits^T hidden would copy it
         # transposed, a [N, chunk] pass as slow as the product itself on CPU).
         return (jnp.dot(d_logits, block, preferred_element_type=jnp.float32),
                 jnp.dot(hidden_c.T, d_logits, preferred_element_type=jnp.float32).astype(dtype))
 
     def logits_of(block):  # the forward pass's product, recomputed
-        return jnp.dot(hidden_c, block.T, preferred_element_type=jnp.float32)
+        return soft_cap(jnp.dot(hidden_c, block.T, preferred_element_type=jnp.float32), softcap)
 
     if keep_logits:
         d_hidden = jnp.zeros(hidden_c.shape, jnp.float32)
@@ -202,7 +210,7 @@ def response_logprobs(params, config, batch, *, chunk: int = 8192, with_entropy:
     hidden = jnp.take_along_axis(hidden, batch.pred_index.reshape(rows, slots * resp_len)[..., None], axis=1)
     out = chunked_logprobs(hidden, output_matrix(params, config), batch.response_tokens.reshape(rows, -1),
                            chunk=chunk, with_entropy=with_entropy, entropy_grad=entropy_grad,
-                           keep_logits=not config.remat_logits)
+                           keep_logits=not config.remat_logits, softcap=config.final_logit_softcapping)
     if with_entropy:
         return tuple(x.reshape(rows, slots, resp_len) for x in out)
     return out.reshape(rows, slots, resp_len)
@@ -215,7 +223,7 @@ def row_logprobs(params, config, tokens, prompt_lens, response_tokens, *, chunk:
     hidden = models.hidden_states(params, config, tokens, positions)
     hidden = gather_response_hidden(hidden, prompt_lens, response_tokens.shape[1])
     return chunked_logprobs(hidden, output_matrix(params, config), response_tokens, chunk=chunk,
-                            keep_logits=not config.remat_logits)
+                            keep_logits=not config.remat_logits, softcap=config.final_logit_softcapping)
 
 
 def output_matrix(params, config) -> jax.Array:

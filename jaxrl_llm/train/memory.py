@@ -40,7 +40,8 @@ Every term counts what jaxrl_llm itself allocates, per device of a `data x fsdp 
                 plus the output matrix cast to c when c != p (V x D, sharded as its parameter)
   sampling    KV cache of the rows of one sampler call: all of a step's rows, or `sampling.max_rows_per_call`
               of them (the row bucket of `sampling.generate.call_plans`), rows split over data x fsdp:
-              layers x rows x (P_bucket + R_bucket) x kv_heads x head_dim x 2 x c; plus two [rows, V]
+              layers x rows x (P_bucket + R_bucket) x kv_heads x head_dim x 2 x c, where a sliding-window
+              layer (Mistral, Gemma) keeps min(R_bucket, window) response slots; plus two [rows, V]
               f32 logits buffers
   gvm norms   (GVM only) per-sample gradients of the subset (default the embedding) for
               `sampling.gvm_rows_per_chunk` (0: `optim.micro_batch_size`) unpacked rows at a time, in p,
@@ -74,6 +75,7 @@ from jaxrl_llm.models.lora import LoraSpec, adapter_shapes, resolve_targets
 from jaxrl_llm.models.model import param_shapes
 from jaxrl_llm.models.sharding import MESH_AXES, partition_rules
 from jaxrl_llm.sampling.buckets import bucket_size, round_up
+from jaxrl_llm.sampling.decoder import response_slots
 from jaxrl_llm.sampling.generate import call_row_bucket
 from jaxrl_llm.train.algorithms import needs_reference
 from jaxrl_llm.train.config import RunConfig, lora_enabled
@@ -114,6 +116,36 @@ KNOWN_MODELS = {
         num_heads=28, num_kv_heads=4, head_dim=128, rope_theta=10000.0, tie_word_embeddings=False,
         attention_bias=True, max_position_embeddings=4096, rms_norm_eps=1e-6),
 }
+# The config.json values of google/gemma-2-2b, google/gemma-3-1b-pt, the text model of google/gemma-3-4b-pt
+# and mistralai/Mistral-7B-v0.1 (instruction-tuned versions share them).
+_GEMMA3_LAYERS = lambda n: tuple("full_attention" if (i + 1) % 6 == 0 else "sliding_attention"  # noqa: E731
+                                 for i in range(n))
+KNOWN_MODELS.update({
+    "gemma-2-2b": ModelConfig(
+        model_type="gemma2", vocab_size=256000, hidden_size=2304, intermediate_size=9216, num_layers=26,
+        num_heads=8, num_kv_heads=4, head_dim=256, rope_theta=10000.0, tie_word_embeddings=True,
+        max_position_embeddings=8192, rms_norm_eps=1e-6, query_pre_attn_scalar=256, attn_logit_softcapping=50.0,
+        final_logit_softcapping=30.0, sliding_window=4096,
+        layer_types=tuple("sliding_attention" if i % 2 == 0 else "full_attention" for i in range(26))),
+    "gemma-3-1b-pt": ModelConfig(
+        model_type="gemma3_text", vocab_size=262144, hidden_size=1152, intermediate_size=6912, num_layers=26,
+        num_heads=4, num_kv_heads=1, head_dim=256, rope_theta=1000000.0, rope_local_theta=10000.0, qk_norm=True,
+        tie_word_embeddings=True, max_position_embeddings=32768, rms_norm_eps=1e-6, query_pre_attn_scalar=256,
+        sliding_window=512, layer_types=_GEMMA3_LAYERS(26)),
+    "gemma-3-4b-pt": ModelConfig(
+        model_type="gemma3_text", vocab_size=262208, hidden_size=2560, intermediate_size=10240, num_layers=34,
+        num_heads=8, num_kv_heads=4, head_dim=256, rope_theta=1000000.0, rope_local_theta=10000.0, qk_norm=True,
+        rope_scaling=(("factor", 8.0), ("rope_type", "linear")), tie_word_embeddings=True,
+        max_position_embeddings=131072, rms_norm_eps=1e-6, query_pre_attn_scalar=256, sliding_window=1024,
+        layer_types=_GEMMA3_LAYERS(34)),
+    "mistral-7b-v0.1": ModelConfig(
+        model_type="mistral", vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_layers=32,
+        num_heads=32, num_kv_heads=8, head_dim=128, rope_theta=10000.0, tie_word_embeddings=False,
+        max_position_embeddings=32768, rms_norm_eps=1e-5, sliding_window=4096),
+})
+for _name, _alias in (("gemma-2-2b", "gemma-2-2b-it"), ("gemma-3-1b-pt", "gemma-3-1b-it"),
+                      ("gemma-3-4b-pt", "gemma-3-4b-it"), ("mistral-7b-v0.1", "mistral-7b-instruct-v0.1")):
+    KNOWN_MODELS[_alias] = KNOWN_MODELS[_name]
 
 
 def model_config_for(source: str) -> ModelConfig:
@@ -312,9 +344,10 @@ def estimate_memory(config: RunConfig, model_config: ModelConfig, mesh: dict[str
     sample_rows = call_row_bucket(cfg.sampling.prompts_per_step * samples, cfg.sampling.max_rows_per_call,
                                   batch_split)
     local_rows = sample_rows // batch_split
-    cache_len = bucket_size(cfg.data.max_prompt_tokens, minimum=16) + bucket_size(cfg.sampling.max_new_tokens,
-                                                                                 minimum=16)
-    kv_cache = mc.num_layers * local_rows * cache_len * mc.num_kv_heads * mc.head_dim * 2 * c
+    prompt_bucket = bucket_size(cfg.data.max_prompt_tokens, minimum=16)
+    response_bucket = bucket_size(cfg.sampling.max_new_tokens, minimum=16)
+    kv_cache = sum(local_rows * (prompt_bucket + slots) * mc.num_kv_heads * mc.head_dim * 2 * c
+                   for slots in response_slots(mc, response_bucket))
     sampling = kv_cache + 2 * local_rows * mc.vocab_size * 4 + merged_copy
 
     gvm_norms = 0
