@@ -17,6 +17,7 @@ from __future__ import annotations
 import pathlib
 import re
 import struct
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -277,11 +278,33 @@ def _hf_name(file: pathlib.Path, gguf_name: str) -> str:
     raise ValueError(f"{file}: unexpected tensor {gguf_name!r} (no Llama/Qwen2/Qwen3 equivalent)")
 
 
-def _convert(file: _GGUFFile) -> tuple[dict, dict[str, np.ndarray]]:
+class _DequantizedTensors(Mapping):
+    """HF name -> float32 tensor, dequantized (and for Llama q/k un-permuted) when read, so a loader
+    holds one dequantized tensor at a time rather than the whole model."""
+
+    def __init__(self, file: _GGUFFile, names: dict[str, str], heads: dict[str, int]):
+        self._file, self._names, self._heads = file, names, heads
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        gguf_name = self._names[name]
+        values = self._file.dequantize(gguf_name)
+        kind = gguf_name.split(".")[-2]
+        return unpermute_qk(values, self._heads[kind]) if kind in self._heads else values
+
+    def __iter__(self):
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+
+def _convert(file: _GGUFFile) -> tuple[dict, Mapping[str, np.ndarray]]:
+    """(HF config dict, lazily dequantized HF-named tensors) of a GGUF file."""
     config = _hf_config(file.path, file.metadata, file.shapes())
-    permuted = config["model_type"] == "llama"
-    heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
-    tensors = {}
+    heads = {}
+    if config["model_type"] == "llama":  # llama.cpp permutes the q/k rows of Llama checkpoints
+        heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
+    names = {}
     for gguf_name in file.tensors:
         if gguf_name == "rope_freqs.weight":  # a config value in HF checkpoints, not a weight
             if config["model_type"] != "llama":
@@ -290,13 +313,8 @@ def _convert(file: _GGUFFile) -> tuple[dict, dict[str, np.ndarray]]:
             if scaling is not None:
                 config["rope_scaling"] = scaling
             continue
-        name = _hf_name(file.path, gguf_name)
-        values = file.dequantize(gguf_name)
-        kind = gguf_name.split(".")[-2]
-        if permuted and kind in heads:
-            values = unpermute_qk(values, heads[kind])
-        tensors[name] = values
-    return config, tensors
+        names[_hf_name(file.path, gguf_name)] = gguf_name
+    return config, _DequantizedTensors(file, names, heads)
 
 
 def gguf_to_hf(path) -> tuple[dict, dict[str, np.ndarray]]:
@@ -308,7 +326,8 @@ def gguf_to_hf(path) -> tuple[dict, dict[str, np.ndarray]]:
     Llama 3.1+ rope_freqs divisors become rope_scaling {"rope_type": "llama3", ...}.
     Raises FileNotFoundError / ValueError naming the file and the problem.
     """
-    return _convert(_GGUFFile(path))
+    config, tensors = _convert(_GGUFFile(path))
+    return config, dict(tensors)
 
 
 def load_gguf(path, dtype=None):
