@@ -206,3 +206,27 @@ def test_an_adapter_for_another_model_is_one_clear_error(converted, tmp_path, ca
     assert "jaxrl-llm sample: error: " in err and "q_proj.lora_A.weight" in err and "expected" in err
     assert main(["sample", "--model", str(converted), "--adapter", str(tmp_path / "nowhere")]) == 2
     assert "adapter_config.json: missing" in capsys.readouterr().err
+
+
+def test_train_with_an_int8_base_exports_the_quantized_base_plus_adapters(converted, tmp_path):
+    from jaxrl_llm.models import lora, quant
+    from jaxrl_llm.models.peft_io import load_peft
+
+    run_dir = tmp_path / "run"
+    overrides = [f"model.source={converted}", "data.prompt=raw", "train.steps=1", "train.eval_problems=0",
+                 "sampling.prompts_per_step=2", "sampling.samples_per_prompt=2", "sampling.max_new_tokens=4",
+                 "optim.micro_batch_size=4", "optim.lr=1e-2", "algorithm.entropy_coef=1.0", "lora.rank=2",
+                 "lora.base_dtype=int8",
+                 f"train.out_dir={run_dir}"]
+    assert main(["train", *overrides]) == 0
+    config, base = load_hf(converted)
+    spec, adapters = load_peft(run_dir / "final_adapter", config)
+    assert np.abs(np.asarray(adapters["layers"]["q_proj_lora_b"])).max() > 0  # the entropy bonus moved them
+    # final/ is the int8-coded base, dequantized, plus s A B: not the float32 base plus s A B.
+    want = lora.merge(quant.quantize_base(base, "int8"), adapters, spec.scale)
+    _, exported = load_hf(run_dir / "final")
+    for name in lora.PROJECTIONS:
+        np.testing.assert_allclose(np.asarray(exported["layers"][name]), np.asarray(want["layers"][name]),
+                                   atol=1e-6, err_msg=name)
+    unquantized = lora.merge(base, adapters, spec.scale)["layers"]["gate_proj"]
+    assert np.abs(np.asarray(exported["layers"]["gate_proj"]) - np.asarray(unquantized)).max() > 1e-5

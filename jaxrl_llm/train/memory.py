@@ -52,7 +52,9 @@ Every term counts what jaxrl_llm itself allocates, per device of a `data x fsdp 
 With LoRA (`lora.rank` > 0) the base is frozen and only adapters train (a = the adapters' elements per
 device, sharded by the same rules, float32): params = base in p + a x 4; optimizer = 2 a x 4; reference = 0
 (the base is the reference policy); the gradients are the adapters' (a x 4 x 2); and sampling also holds
-the merged copy of the base (W + s A B) the sampler reads, local x p.
+the merged copy of the base (W + s A B) the sampler reads, local x p. A quantized base (`lora.base_dtype`
+int8 / int4) stores each projection in 1 / 0.5 bytes per element plus float32 scales [L, 1, out]; the
+merged copy is still in p.
 
 H_t = heads / tensor when tensor divides the heads, else all heads. Rows per device = ceil(rows /
 (data x fsdp)). Lengths are the worst case: every response reaches max_new_tokens (set
@@ -175,6 +177,21 @@ def _local_elements(model_config: ModelConfig, mesh: dict[str, int], shapes=None
     return local
 
 
+_CODE_BYTES = {"int8": 1.0, "int4": 0.5}
+
+
+def quantized_base_savings(model_config: ModelConfig, mesh: dict[str, int], p: int, kind: str) -> int:
+    """Bytes per device saved by storing every projection ("*_proj") as `kind` codes plus float32 scales
+    [L, 1, out] instead of `p`-byte values (scales counted unsharded: they are small)."""
+    shapes = param_shapes(model_config)["layers"]
+    saved = 0
+    for name, elements in _local_elements(model_config, mesh).items():
+        if re.fullmatch(r"layers/\w+_proj", name):
+            layers, _, out = shapes[name.split("/")[1]]
+            saved += elements * (p - _CODE_BYTES[kind]) - layers * out * 4
+    return int(saved)
+
+
 def sharded_param_elements(model_config: ModelConfig, mesh: dict[str, int]) -> tuple[int, int]:
     """(total parameter count, elements held by one device) under the model's partition rules."""
     total = sum(math.prod(shape) for _, shape in _leaf_paths(param_shapes(model_config)))
@@ -284,6 +301,8 @@ def estimate_memory(config: RunConfig, model_config: ModelConfig, mesh: dict[str
         spec = LoraSpec(rank=max(cfg.lora.rank, 1), alpha=cfg.lora.alpha, targets=resolve_targets(cfg.lora.targets))
         trained, trained_bytes = sum(_local_elements(mc, mesh, adapter_shapes(mc, spec)).values()), 4
         params, optimizer, reference, merged_copy = params + trained * 4, 2 * trained * 4, 0, local * p
+        if cfg.lora.base_dtype:  # projections as int8 / packed int4 codes + f32 per-output-channel scales
+            params -= quantized_base_savings(mc, mesh, p, cfg.lora.base_dtype)
 
     gvm = cfg.sampling.allocation == "gvm"
     block = cfg.model.attention_block_size
