@@ -103,6 +103,8 @@ TARGETS = {
     "v4-32": Target("v4-32", 16, 32 * GIB, "16 chips x 32 GiB HBM, 4 hosts"),
     "v5e-64": Target("v5e-64", 64, 16 * GIB, "64 chips x 16 GiB HBM, 16 hosts"),
     "8xH100": Target("8xH100", 8, 81559 * 1024 ** 2, "8 GPUs x 80 GB HBM3, 1 node"),
+    "1x16GB": Target("1x16GB", 1, 16 * GIB, "one 16 GiB accelerator: a TPU v5e chip (a T4 has 15 GiB)"),
+    "1xH100": Target("1xH100", 1, 81559 * 1024 ** 2, "one GPU x 80 GB HBM3"),
 }
 
 # The paper models' transformers config.json values (Qwen/Qwen2.5-Math-1.5B and -7B on the HF Hub).
@@ -372,8 +374,11 @@ def fit_rows_per_call(config: RunConfig, model_config: ModelConfig, mesh: dict[s
     split = mesh["data"] * mesh["fsdp"]
     while est["peak"] > budget_bytes and est["sampling"] > max(est["train_step"], est["gvm_norms"]) \
             and est["sample_rows"] > split:
-        rows = bucket_size(est["sample_rows"]) // 2  # halves the rows of one call
-        est = estimate_memory(_with_rows_per_call(config, rows), model_config, mesh)
+        halved = bucket_size(est["sample_rows"]) // 2  # halves the rows of one call
+        smaller = estimate_memory(_with_rows_per_call(config, halved), model_config, mesh)
+        if smaller["sample_rows"] >= est["sample_rows"]:  # the row bucket's floor: no fewer rows per call
+            break
+        est, rows = smaller, halved
     return est, rows
 
 
