@@ -65,8 +65,8 @@ def measure(mode: str, args) -> dict:
 
     map_large_host_allocations()  # as a run does
     quantized = mode == "lora" and args.base_dtype in ("int8", "int4")
-    config, params, _ = load_policy("bundled", param_dtype="float32" if mode == "full" or quantized else args.base_dtype,
-                                    remat=True, remat_logits=args.remat_logits)
+    base_dtype = "float32" if mode == "full" or quantized else args.base_dtype
+    config, params, _ = load_policy("bundled", param_dtype=base_dtype, remat=True, remat_logits=args.remat_logits)
     if quantized:  # as a run with lora.base_dtype does: the projections become codes + scales
         from jaxrl_llm.models.quant import quantize_base
 

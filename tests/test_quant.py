@@ -81,7 +81,8 @@ def test_quantized_forward_is_the_dequantized_model_and_near_float32(kind, toler
     layers = dict(params["layers"])
     for name in lora.PROJECTIONS:
         stacked = np.asarray(params["layers"][name])
-        layers[name] = jnp.asarray(np.stack([codes * scale for codes, scale in (_reference(w, q_max) for w in stacked)]))
+        references = (_reference(w, q_max) for w in stacked)
+        layers[name] = jnp.asarray(np.stack([codes * scale for codes, scale in references]))
     want = np.asarray(models.forward({**params, "layers": layers}, config, tokens, positions))
     np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-5)
     exact = np.asarray(models.forward(params, config, tokens, positions))

@@ -56,8 +56,8 @@ class ModelSection:
 class LoraSection:
     """Low-rank adapters (LoRA, Hu et al. 2021): each adapted projection computes x W + (alpha / rank) (x A) B and
     only A [in, rank] and B [rank, out] are trained; the base stays frozen (stored in model.param_dtype, or
-    quantized: lora.base_dtype), the reference policy of the KL term is the base itself, and checkpoints hold the adapters and their optimizer
-    state only. `lora.rank=16` turns it on. The run exports the merged model (final/) and the adapters in
+    quantized: lora.base_dtype), the reference policy of the KL term is the base itself, and checkpoints hold
+    the adapters and their optimizer state only. `lora.rank=16` turns it on. The run exports the merged model (final/) and the adapters in
     PEFT's format (final_adapter/)."""
 
     rank: int = 0  # adapter rank; 0: no adapters, every parameter is trained
