@@ -95,7 +95,7 @@ def test_lora_step_on_an_int8_base_leaves_the_codes_bitwise_and_matches_the_dequ
     from jaxrl_llm.train.config import AlgorithmSection, OptimSection
     from jaxrl_llm.train.packing import pack_groups
     from jaxrl_llm.train.state import init_state, make_optimizer
-    from jaxrl_llm.train.step import make_train_step
+    from jaxrl_llm.train.step import make_logprob_fn, make_train_step
 
     config, params = _tiny()
     quantized = quant.quantize_base(params, "int8")
@@ -119,6 +119,10 @@ def test_lora_step_on_an_int8_base_leaves_the_codes_bitwise_and_matches_the_dequ
                               np.float32(mask.sum()))
         outs.append((float(metrics["loss"]), state.params))
     assert outs[0][0] == pytest.approx(outs[1][0], abs=1e-6)
+    # The KL reference's log-probs read the quantized base as the dequantized one.
+    logprob_fn = make_logprob_fn(config)
+    np.testing.assert_allclose(np.asarray(logprob_fn(quantized, batch)), np.asarray(logprob_fn(dequantized, batch)),
+                               atol=1e-5)
     for name in adapters["layers"]:
         np.testing.assert_allclose(np.asarray(outs[0][1]["layers"][name]), np.asarray(outs[1][1]["layers"][name]),
                                    atol=1e-6, err_msg=name)
