@@ -3,14 +3,16 @@ the demo's update workload: 8 prompts x 8 samples per step, one micro-batch of 8
 its 8 responses each), layer remat "full", GRPO's clipped loss, AdamW.
 
     .venv/bin/python benchmarks/lora.py [--rank 16] [--targets all] [--prompt-len 128] [--new-tokens 24]
-        [--repeats 3] [--base-dtype float32|bfloat16]
+        [--repeats 3] [--base-dtype float32|bfloat16|int8|int4] [--remat-logits]
 
 Each mode runs in a fresh process (peak RSS only grows within one): it loads the policy as a run does
 (`train.setup.load_policy`), builds the train state (full: parameters + AdamW moments of every weight; LoRA:
 the frozen base + adapters + their moments), compiles the step and times `repeats` steps after one untimed.
 LoRA's step also merges the adapters into the weights once, as a run does before sampling (timed apart).
 Reported per mode: the median step seconds, the merge seconds (LoRA), resident memory after loading and the
-process's peak RSS (`ru_maxrss`). `--sampling` (LoRA only, after the peak is read) also times one demo-sized
+process's peak RSS (`ru_maxrss`), also as read after loading and after the merge, to tell where the peak is.
+`--remat-logits` turns on `model.remat_logits` in both modes (the backward pass recomputes each vocabulary
+chunk's logits instead of keeping them). `--sampling` (LoRA only, after the peak is read) also times one demo-sized
 `generate` (8 prompts x 8 samples, `--new-tokens`) from the merged weights against adapters applied on the fly.
 """
 
@@ -57,17 +59,23 @@ def measure(mode: str, args) -> dict:
 
     from jaxrl_llm.models import lora
     from jaxrl_llm.train.config import AlgorithmSection, OptimSection
-    from jaxrl_llm.train.setup import load_policy
+    from jaxrl_llm.train.setup import load_policy, map_large_host_allocations
     from jaxrl_llm.train.state import init_state, make_optimizer
     from jaxrl_llm.train.step import make_train_step
 
-    config, params, _ = load_policy("bundled", param_dtype=args.base_dtype if mode == "lora" else "float32",
-                                    remat=True)
+    map_large_host_allocations()  # as a run does
+    quantized = mode == "lora" and args.base_dtype in ("int8", "int4")
+    base_dtype = "float32" if mode == "full" or quantized else args.base_dtype
+    config, params, _ = load_policy("bundled", param_dtype=base_dtype, remat=True, remat_logits=args.remat_logits)
+    if quantized:  # as a run with lora.base_dtype does: the projections become codes + scales
+        from jaxrl_llm.models.quant import quantize_base
+
+        params = jax.jit(quantize_base, static_argnums=1)(params, args.base_dtype)
     loaded = rss_mb()
     algo, optimizer = AlgorithmSection(), make_optimizer(OptimSection())
     batch, denom = demo_batch(config, args.prompt_len, args.new_tokens)
     batch = jax.device_put(batch)
-    out = {"mode": mode, "rss_after_load_mb": loaded}
+    out = {"mode": mode, "rss_after_load_mb": loaded, "peak_after_load_mb": peak_rss_mb()}
     if mode == "full":
         state = init_state(params, optimizer)
         step = make_train_step(config, algo, optimizer, micro_batch_size=8)
@@ -80,6 +88,7 @@ def measure(mode: str, args) -> dict:
         start = time.perf_counter()
         merged = jax.block_until_ready(merge(params, state.params))
         out["merge_s"] = time.perf_counter() - start
+        out["peak_after_merge_mb"] = peak_rss_mb()
         del merged
         out["trained_params"] = sum(x.size for x in jax.tree_util.tree_leaves(state.params))
     times = []
@@ -129,7 +138,9 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=24)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--base-dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--base-dtype", default="float32", choices=["float32", "bfloat16", "int8", "int4"],
+                        help="LoRA's frozen base: a parameter dtype or quantized codes (lora.base_dtype)")
+    parser.add_argument("--remat-logits", action="store_true", help="model.remat_logits on, in both modes")
     parser.add_argument("--sampling", action="store_true", help="also time sampling: merged vs on the fly")
     parser.add_argument("--mode", choices=["full", "lora"], help="measure one mode in this process")
     args = parser.parse_args()

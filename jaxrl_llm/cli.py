@@ -4,6 +4,7 @@
     jaxrl-llm sample --gguf model.gguf --temperature 0.7  # a Llama / Qwen2 / Qwen3 / Gemma 2 / Gemma 3 GGUF
     jaxrl-llm sample --model hf_folder                    # a Hugging Face checkpoint folder
     jaxrl-llm convert out_dir [--gguf model.gguf]         # GGUF -> HF folder (config, safetensors, tokenizer)
+    jaxrl-llm convert out_dir --model hf_folder --adapter peft_folder   # base + LoRA adapter -> merged HF folder
     jaxrl-llm train                                       # the embedded RL demo on the bundled model
     jaxrl-llm train --config configs/grpo.yaml optim.lr=1e-5 train.steps=50 [--resume]
     jaxrl-llm train --distributed --config ...            # one process per host (TPU pod, SLURM): docs/launch.md
@@ -47,7 +48,22 @@ def _load(args):
     count = sum(x.size for x in jax.tree_util.tree_leaves(params))
     _say(f"loaded {source}: {config.model_type}, {config.num_layers} layers, {count:,} parameters "
          f"({config.param_dtype}) in {time.perf_counter() - start:.1f} s")
+    if args.adapter:
+        params = _merge_adapter(config, params, args.adapter)
     return config, params, tokenizer
+
+
+def _merge_adapter(config, params, adapter_dir):
+    """`params` with the PEFT LoRA adapter in `adapter_dir` merged into its weights (W + s A B)."""
+    import jax
+
+    from jaxrl_llm.models.lora import merge
+    from jaxrl_llm.models.peft_io import load_peft
+
+    spec, adapters = load_peft(adapter_dir, config)
+    merged = jax.jit(merge, static_argnums=2)(params, adapters, spec.scale)
+    _say(f"merged adapter {adapter_dir}: rank {spec.rank}, alpha {spec.alpha:g}, {', '.join(spec.targets)}")
+    return merged
 
 
 def _sample(config, params, tokenizer, messages, args) -> list[str]:
@@ -157,6 +173,9 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     source.add_argument("--gguf", metavar="FILE", help="a GGUF file (default: the bundled SmolLM2-135M-Instruct)")
     source.add_argument("--model", metavar="DIR", help="a Hugging Face checkpoint folder")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default=None, help="parameter dtype")
+    parser.add_argument("--adapter", metavar="DIR", default=None,
+                        help="a PEFT LoRA adapter folder (adapter_config.json + adapter_model.safetensors, ours or "
+                             "peft's) for this base model, merged into its weights")
 
 
 def _add_sampling_args(parser: argparse.ArgumentParser, max_new_tokens: int, temperature: float = 0.0) -> None:
@@ -177,7 +196,8 @@ def build_parser() -> argparse.ArgumentParser:
     sample.add_argument("--system", default=None, help="optional system message")
     sample.add_argument("--num-samples", type=int, default=1)
     sample.set_defaults(run=_cmd_sample)
-    convert = commands.add_parser("convert", help="write a GGUF model as a Hugging Face folder")
+    convert = commands.add_parser(
+        "convert", help="write a model (a GGUF file, or a base and a LoRA adapter merged) as a Hugging Face folder")
     convert.add_argument("out", help="output folder")
     _add_model_args(convert)
     convert.set_defaults(run=_cmd_convert)

@@ -1,5 +1,7 @@
 """jaxrl-llm CLI: convert (GGUF -> HF folder loadable by transformers), sample, train demo, errors."""
 
+import json
+
 import jax
 import numpy as np
 import pytest
@@ -127,3 +129,104 @@ def test_bad_inputs_give_one_clear_error(tmp_path, capsys):
     assert "notes.txt: not a GGUF file" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["sample", "--gguf", "a.gguf", "--model", "dir"])  # the two sources exclude each other
+
+
+@pytest.fixture(scope="module")
+def peft_adapter(converted, tmp_path_factory):
+    """An adapter written by `peft` itself (A and B random, so it changes the logits) on the converted model."""
+    torch = pytest.importorskip("torch")
+    peft = pytest.importorskip("peft")
+    from tiny_models import load_torch_model
+
+    torch.manual_seed(5)
+    config = peft.LoraConfig(r=4, lora_alpha=6, target_modules=["q_proj", "v_proj", "down_proj"],
+                             init_lora_weights=False)
+    model = peft.get_peft_model(load_torch_model(str(converted)), config)
+    with torch.no_grad():
+        for name, weight in model.named_parameters():
+            if "lora_B" in name:
+                weight.mul_(3.0)  # peft's random B is small; make the adapter's effect on the logits clear
+    out = tmp_path_factory.mktemp("adapter") / "peft"
+    model.save_pretrained(str(out))
+    return out
+
+
+def test_convert_with_a_peft_adapter_writes_the_merged_model_peft_computes(converted, peft_adapter, tmp_path):
+    peft = pytest.importorskip("peft")
+    from tiny_models import load_torch_model, torch_logits
+
+    out = tmp_path / "merged"
+    assert main(["convert", str(out), "--model", str(converted), "--adapter", str(peft_adapter)]) == 0
+    tokens = np.random.default_rng(2).integers(0, 64, size=(2, 9))
+    want = torch_logits(peft.PeftModel.from_pretrained(load_torch_model(str(converted)), str(peft_adapter)), tokens)
+    base = torch_logits(load_torch_model(str(converted)), tokens)
+    assert np.abs(want - base).max() > 1e-2  # the adapter is live
+    np.testing.assert_allclose(torch_logits(load_torch_model(str(out)), tokens), want, atol=1e-4, rtol=0)
+    assert (out / "tokenizer.json").is_file()
+
+
+def test_sample_and_eval_with_an_adapter_read_the_adapted_model(converted, peft_adapter, capsys, monkeypatch):
+    from jaxrl_llm.models import lora
+    from jaxrl_llm.models.peft_io import load_peft
+
+    args = ["sample", "--model", str(converted), "--prompt", "the 12", "--max-new-tokens", "8"]
+    assert main(args + ["--adapter", str(peft_adapter)]) == 0
+    out = capsys.readouterr().out
+    assert "merged adapter" in out and "rank 4, alpha 6" in out
+    config, params = load_hf(converted)
+    spec, adapters = load_peft(peft_adapter, config)
+    tokenizer = Tokenizer.from_pretrained(converted)
+    prompt = tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": "the 12"}]))
+    # Reference: the adapters applied on the fly (x W + (x A)(s B)), not merged, with a cache-free decoder.
+    expected = _greedy_by_full_forward(lora.attach(params, adapters, spec.scale), config, prompt, 8,
+                                       tokenizer.stop_ids)
+    assert _completion(out) == tokenizer.decode(expected)
+    assert expected != _greedy_by_full_forward(params, config, prompt, 8, tokenizer.stop_ids)
+    # eval hands evaluate_benchmarks the adapted model: its logits are the on-the-fly adapters' logits.
+    seen = {}
+    monkeypatch.setattr("jaxrl_llm.eval.evaluate_benchmarks", lambda params, *a, **k: seen.update(params=params))
+    assert main(["eval", "--model", str(converted), "--adapter", str(peft_adapter)]) == 0
+    tokens = np.random.default_rng(3).integers(0, config.vocab_size, size=(2, 9))
+    positions = np.broadcast_to(np.arange(9), (2, 9))
+    want = np.asarray(forward(lora.attach(params, adapters, spec.scale), config, tokens, positions))
+    assert np.abs(want - np.asarray(forward(params, config, tokens, positions))).max() > 1e-2
+    np.testing.assert_allclose(np.asarray(forward(seen["params"], config, tokens, positions)), want, atol=1e-5)
+
+
+def test_an_adapter_for_another_model_is_one_clear_error(converted, tmp_path, capsys):
+    from jaxrl_llm.models import ModelConfig, lora
+    from jaxrl_llm.models.peft_io import save_peft
+
+    other = ModelConfig(vocab_size=64, hidden_size=16, intermediate_size=24, num_layers=2, num_heads=2,
+                        num_kv_heads=1, head_dim=8)
+    spec = lora.LoraSpec(rank=2, alpha=2.0, targets=("q_proj",))
+    save_peft(tmp_path / "other", spec, lora.init_adapters(other, spec, jax.random.PRNGKey(0)))
+    assert main(["sample", "--model", str(converted), "--adapter", str(tmp_path / "other")]) == 2
+    err = capsys.readouterr().err
+    assert "jaxrl-llm sample: error: " in err and "q_proj.lora_A.weight" in err and "expected" in err
+    assert main(["sample", "--model", str(converted), "--adapter", str(tmp_path / "nowhere")]) == 2
+    assert "adapter_config.json: missing" in capsys.readouterr().err
+
+
+def test_train_with_an_int8_base_exports_the_quantized_base_plus_adapters(converted, tmp_path):
+    from jaxrl_llm.models import lora, quant
+    from jaxrl_llm.models.peft_io import load_peft
+
+    run_dir = tmp_path / "run"
+    overrides = [f"model.source={converted}", "data.prompt=raw", "train.steps=1", "train.eval_problems=0",
+                 "sampling.prompts_per_step=2", "sampling.samples_per_prompt=2", "sampling.max_new_tokens=4",
+                 "optim.micro_batch_size=4", "optim.lr=1e-2", "algorithm.entropy_coef=1.0", "lora.rank=2",
+                 "lora.base_dtype=int8",
+                 f"train.out_dir={run_dir}"]
+    assert main(["train", *overrides]) == 0
+    config, base = load_hf(converted)
+    spec, adapters = load_peft(run_dir / "final_adapter", config)
+    assert np.abs(np.asarray(adapters["layers"]["q_proj_lora_b"])).max() > 0  # the entropy bonus moved them
+    # final/ is the int8-coded base, dequantized, plus s A B: not the float32 base plus s A B.
+    want = lora.merge(quant.quantize_base(base, "int8"), adapters, spec.scale)
+    _, exported = load_hf(run_dir / "final")
+    for name in lora.PROJECTIONS:
+        np.testing.assert_allclose(np.asarray(exported["layers"][name]), np.asarray(want["layers"][name]),
+                                   atol=1e-6, err_msg=name)
+    unquantized = lora.merge(base, adapters, spec.scale)["layers"]["gate_proj"]
+    assert np.abs(np.asarray(exported["layers"]["gate_proj"]) - np.asarray(unquantized)).max() > 1e-5

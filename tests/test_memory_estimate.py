@@ -287,9 +287,32 @@ def test_docs_table_is_the_scripts_output():
     doc = (ROOT / "docs/launch.md").read_text()
     presets = sorted((ROOT / "configs/paper").glob("*.yaml"))
     assert len(presets) == 8
-    expected = memory_estimate.table(presets, list(memory_estimate.TARGETS), [])
+    expected = memory_estimate.table(presets, list(memory_estimate.PAPER_TARGETS), [])
     inside = doc.split(memory_estimate.START)[1].split(memory_estimate.END)[0].strip()
     assert inside == expected, "docs/launch.md is stale: run python scripts/memory_estimate.py --write docs/launch.md"
+
+
+def test_lora_presets_table_is_the_scripts_output_on_the_smallest_fitting_hardware():
+    doc = (ROOT / "docs/launch.md").read_text()
+    presets = sorted((ROOT / "configs/paper/lora").glob("*.yaml"))
+    assert [p.stem for p in presets] == [f"qwen2.5-math-{s}_{a}_lora" for s in ("1.5b", "7b")
+                                         for a in ("grpo", "gvm_raftpp")]
+    expected = memory_estimate.smallest_fit_table(presets)
+    inside = doc.split(memory_estimate.LORA_START)[1].split(memory_estimate.LORA_END)[0].strip()
+    assert inside == expected, "docs/launch.md is stale: run python scripts/memory_estimate.py --write docs/launch.md"
+    rows = {line.split(" | ")[0].strip("| "): line.split(" | ") for line in expected.splitlines()[2:]}
+    for path in presets:
+        cfg = load_config(path)
+        assert cfg.lora.rank == 32 and cfg.model.param_dtype == "bfloat16", path.stem
+        # Each row fits, and its target is the first of the ladder that does: the one before it does not.
+        target = rows[path.stem][1]
+        assert rows[path.stem][9] == "yes", rows[path.stem]
+        ladder = memory_estimate.LORA_LADDER
+        if target != ladder[0]:
+            smaller = memory_estimate.TARGETS[ladder[ladder.index(target) - 1]]
+            est, _ = suggest_layout(cfg, model_config_for(cfg.model.source), smaller.devices,
+                                    int(memory_estimate.HEADROOM * smaller.hbm_bytes))
+            assert est["peak"] > memory_estimate.HEADROOM * smaller.hbm_bytes, path.stem
 
 
 def test_fit_rows_per_call_lowers_the_sampler_rows_until_they_fit():
@@ -365,3 +388,15 @@ def test_paper_presets_fit_their_8_gpus_as_configured(size):
         est = estimate_memory(cfg, model_config_for(cfg.model.source), cfg.train.mesh, devices=8)
         assert est["peak"] <= 0.85 * memory_estimate.TARGETS["8xH100"].hbm_bytes, (path.stem, est["peak"] / 2 ** 30)
         assert est["sample_rows"] == 1024 and est["row_length"] == 28672  # 1024 + 8 x 3072 = 25,600 on the packer's grid
+
+
+def test_fit_rows_per_call_stops_at_the_smallest_row_bucket_on_one_device():
+    # 7B LoRA on one 16 GiB device never fits (the merged bf16 copy alone is 14 GiB): the sampler's rows per call
+    # halve down to its smallest row bucket, 2, and stop there (they once looped for ever at that floor).
+    cfg = load_config(ROOT / "configs/paper/lora/qwen2.5-math-7b_grpo_lora.yaml",
+                      ["optim.micro_batch_size=1", "optim.max_row_tokens=4096"])
+    one = {"data": 1, "fsdp": 1, "tensor": 1}
+    est, rows = fit_rows_per_call(cfg, KNOWN_MODELS["qwen2.5-math-7b"], one, budget_bytes=int(0.85 * 16 * 2 ** 30))
+    floor = estimate_memory(dataclasses.replace(cfg, sampling=dataclasses.replace(cfg.sampling, max_rows_per_call=2)),
+                            KNOWN_MODELS["qwen2.5-math-7b"], one)
+    assert rows == 2 and est["sample_rows"] == 2 and est["peak"] == floor["peak"] > 0.85 * 16 * 2 ** 30

@@ -25,6 +25,7 @@ from __future__ import annotations
 import pathlib
 import re
 import struct
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -330,11 +331,38 @@ def _hf_name(file: pathlib.Path, gguf_name: str, arch: str) -> str:
     raise ValueError(f"{file}: unexpected tensor {gguf_name!r} (no Llama/Qwen2/Qwen3/Gemma equivalent)")
 
 
-def _convert(file: _GGUFFile) -> tuple[dict, dict[str, np.ndarray]]:
+class _DequantizedTensors(Mapping):
+    """HF name -> float32 tensor, dequantized (and for Llama q/k un-permuted) when read, so a loader
+    holds one dequantized tensor at a time rather than the whole model."""
+
+    def __init__(self, file: _GGUFFile, names: dict[str, str], heads: dict[str, int], *, norm_offset: bool = False):
+        self._file, self._names, self._heads, self._norm_offset = file, names, heads, norm_offset
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        gguf_name = self._names[name]
+        values = self._file.dequantize(gguf_name)
+        kind = gguf_name.split(".")[-2]
+        if kind in self._heads:
+            values = unpermute_qk(values, self._heads[kind])
+        if self._norm_offset and gguf_name.endswith("norm.weight"):  # Gemma files store the scale 1 + w
+            values = values - np.float32(1.0)
+        return values
+
+    def __iter__(self):
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+
+def _convert(file: _GGUFFile) -> tuple[dict, Mapping[str, np.ndarray]]:
+    """(HF config dict, lazily dequantized HF-named tensors) of a GGUF file."""
     config = _hf_config(file.path, file.metadata, file.shapes())
-    permuted = config["model_type"] == "llama"
-    heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
-    tensors = {}
+    heads = {}
+    if config["model_type"] == "llama":  # llama.cpp permutes the q/k rows of Llama checkpoints
+        heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
+    names = {}
+    arch = file.metadata.get("general.architecture")
     for gguf_name in file.tensors:
         if gguf_name == "rope_freqs.weight":  # a config value in HF checkpoints, not a weight
             if config["model_type"] != "llama":
@@ -343,16 +371,8 @@ def _convert(file: _GGUFFile) -> tuple[dict, dict[str, np.ndarray]]:
             if scaling is not None:
                 config["rope_scaling"] = scaling
             continue
-        arch = file.metadata.get("general.architecture")
-        name = _hf_name(file.path, gguf_name, arch)
-        values = file.dequantize(gguf_name)
-        kind = gguf_name.split(".")[-2]
-        if permuted and kind in heads:
-            values = unpermute_qk(values, heads[kind])
-        if arch in _GEMMA and gguf_name.endswith("norm.weight"):  # stored as the scale 1 + w
-            values = values - np.float32(1.0)
-        tensors[name] = values
-    return config, tensors
+        names[_hf_name(file.path, gguf_name, arch)] = gguf_name
+    return config, _DequantizedTensors(file, names, heads, norm_offset=arch in _GEMMA)
 
 
 def gguf_to_hf(path) -> tuple[dict, dict[str, np.ndarray]]:
@@ -364,7 +384,8 @@ def gguf_to_hf(path) -> tuple[dict, dict[str, np.ndarray]]:
     Llama 3.1+ rope_freqs divisors become rope_scaling {"rope_type": "llama3", ...}.
     Raises FileNotFoundError / ValueError naming the file and the problem.
     """
-    return _convert(_GGUFFile(path))
+    config, tensors = _convert(_GGUFFile(path))
+    return config, dict(tensors)
 
 
 def load_gguf(path, dtype=None):

@@ -132,17 +132,25 @@ def params_from_hf(config: ModelConfig, tensors: Mapping[str, np.ndarray], dtype
     (default config.param_dtype). Raises ValueError naming a missing, unexpected or mis-shaped tensor."""
     np_dtype = _np_dtype(_dtype_name(dtype or config.param_dtype))
     _check_names(config, tensors.keys(), "tensors")
-    layer_parts: dict[str, list] = {}
-    params: Params = {}
-    for hf_name, (path, transposed) in _hf_layout(config).items():
+    shapes = param_shapes(config)
+    params: Params = {"layers": {}}
+    stacked: dict[str, np.ndarray] = {}
+    # One stacked weight at a time, layer by layer into its final buffer: host memory holds the parameters
+    # plus one weight's stack, not a second (transposed, cast) copy of the whole model.
+    layout = sorted(_hf_layout(config).items(), key=lambda item: (item[1][0][0] == "layers", item[1][0][1:]))
+    for hf_name, (path, transposed) in layout:
         array = np.asarray(tensors[hf_name])
         _check_shape(config, hf_name, array.shape, "tensors")
-        array = (array.T if transposed else array).astype(np_dtype)
-        if path[0] == "layers":
-            layer_parts.setdefault(path[1], []).append(array)
-        else:
-            params[path[0]] = jnp.asarray(array)
-    params["layers"] = {name: jnp.asarray(np.stack(parts)) for name, parts in layer_parts.items()}
+        array = array.T if transposed else array
+        if path[0] != "layers":
+            params[path[0]] = jnp.asarray(array.astype(np_dtype))
+            continue
+        name, layer = path[1], path[2]
+        if name not in stacked:
+            stacked[name] = np.empty(shapes["layers"][name], np_dtype)
+        stacked[name][layer] = array
+        if layer == config.num_layers - 1:
+            params["layers"][name] = jnp.asarray(stacked.pop(name))
     return params
 
 

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.model import Params, param_shapes
+from jaxrl_llm.models.quant import dequantize_base
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 _GROUPS = {"all": PROJECTIONS, "attention": PROJECTIONS[:4], "mlp": PROJECTIONS[4:]}
@@ -110,8 +111,10 @@ def attach(base: Params, adapters: Params, scale: float) -> Params:
 
 
 def merge(base: Params, adapters: Params, scale: float) -> Params:
-    """The base tree with every adapted weight replaced by W + s A B (f32 product, stored in W's dtype).
+    """The base tree with every adapted weight replaced by W + s A B (f32 product, stored in W's dtype;
+    a quantized W, see `models.quant`, is dequantized and every quantized projection comes out float32).
     Pure: jit it with `scale` static (and the base's shardings out, on a mesh)."""
+    base = dequantize_base(base)
     layers = dict(base["layers"])
     for key in adapters["layers"]:
         if not key.endswith("_lora_a"):

@@ -26,6 +26,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.layers import (adapted_dense, apply_rope, attention, attention_keep_mask, blocked_attention,
                                     gated_mlp, rms_norm, rope_inv_freq, soft_cap)
+from jaxrl_llm.models.quant import layer_weight
 
 Params = dict
 
@@ -164,8 +165,8 @@ def _finish_layer(lp: Params, config: ModelConfig, x: jax.Array, attn: jax.Array
     x = x + out
     h = norm(x, lp["mlp_norm"], config)
     adapters = {n: _adapter(lp, f"{n}_proj") for n in ("gate", "up", "down")}
-    mlp = gated_mlp(h, lp["gate_proj"], lp["up_proj"], lp["down_proj"], adapters,
-                    activation="gelu_tanh" if config.is_gemma else "silu")
+    gate, up, down = (layer_weight(lp, f"{n}_proj", h.dtype) for n in ("gate", "up", "down"))
+    mlp = gated_mlp(h, gate, up, down, adapters, activation="gelu_tanh" if config.is_gemma else "silu")
     if config.is_gemma:
         mlp = norm(mlp, lp["post_mlp_norm"], config)
     return x + mlp
@@ -180,8 +181,9 @@ def _adapter(lp: Params, name: str) -> tuple[jax.Array, jax.Array] | None:
 
 
 def _project(lp: Params, name: str, h: jax.Array) -> jax.Array:
-    """h W_name (+ the adapter's (h A) B when the layer carries one), in h's dtype."""
-    return adapted_dense(h, lp[name], _adapter(lp, name))
+    """h W_name (+ the adapter's (h A) B when the layer carries one), in h's dtype; a quantized W
+    (`models.quant`) is dequantized here, one layer at a time."""
+    return adapted_dense(h, layer_weight(lp, name, h.dtype), _adapter(lp, name))
 
 
 _REMAT_SAVED = {

@@ -55,9 +55,9 @@ class ModelSection:
 @dataclass(frozen=True)
 class LoraSection:
     """Low-rank adapters (LoRA, Hu et al. 2021): each adapted projection computes x W + (alpha / rank) (x A) B and
-    only A [in, rank] and B [rank, out] are trained; the base stays frozen (stored in model.param_dtype), the
-    reference policy of the KL term is the base itself, and checkpoints hold the adapters and their optimizer
-    state only. `lora.rank=16` turns it on. The run exports the merged model (final/) and the adapters in
+    only A [in, rank] and B [rank, out] are trained; the base stays frozen (stored in model.param_dtype, or
+    quantized: lora.base_dtype), the reference policy of the KL term is the base itself, and checkpoints hold
+    the adapters and their optimizer state only. `lora.rank=16` turns it on. The run exports the merged model (final/) and the adapters in
     PEFT's format (final_adapter/)."""
 
     rank: int = 0  # adapter rank; 0: no adapters, every parameter is trained
@@ -69,6 +69,9 @@ class LoraSection:
     # A PEFT adapter folder (adapter_config.json + adapter_model.safetensors) to continue training from; its r,
     # lora_alpha and target_modules are used (lora.rank must then be 0 or equal to its r). Empty: new adapters.
     adapter: str = ""
+    # Storage of the frozen base's projections: "" (model.param_dtype), "int8" or "int4" (per-output-channel
+    # symmetric scales, dequantized layer by layer inside the model; embeddings and norms keep model.param_dtype).
+    base_dtype: str = ""
 
 
 @dataclass(frozen=True)
@@ -237,6 +240,7 @@ _ALLOWED = {
     ("algorithm", "group_filter"): {"none", "mixed"},
     ("algorithm", "old_logp"): {"auto", "recompute", "sampler"},
     ("model", "param_dtype"): {"float32", "bfloat16"},
+    ("lora", "base_dtype"): {"", "int8", "int4"},
     ("model", "compute_dtype"): {"float32", "bfloat16"},
     ("model", "remat_policy"): set(REMAT_POLICIES),
 }
@@ -427,6 +431,9 @@ def validate(config: RunConfig) -> None:
             sec, name = key.split(".")
             raise ConfigError(f"config key '{key}' {reason}, got {d[sec][name]!r}")
     _validate_lora(config.lora)
+    if config.lora.base_dtype and config.train.mesh:
+        raise ConfigError(f"config key 'lora.base_dtype'={config.lora.base_dtype!r} (a quantized base) runs on one "
+                          f"device only for now: leave train.mesh empty ({config.train.mesh!r} given)")
 
 
 def _validate_lora(lora: LoraSection) -> None:
@@ -438,6 +445,9 @@ def _validate_lora(lora: LoraSection) -> None:
         resolve_targets(lora.targets)
     except ValueError as err:
         raise ConfigError(f"config key 'lora.targets': {err}") from None
+    if lora.base_dtype and not (lora.rank > 0 or lora.adapter):
+        raise ConfigError(f"config key 'lora.base_dtype'={lora.base_dtype!r} quantizes the frozen base of a LoRA "
+                          f"run: set lora.rank > 0 (or lora.adapter) too, or leave it empty")
 
 
 def lora_enabled(config: RunConfig) -> bool:

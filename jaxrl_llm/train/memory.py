@@ -53,7 +53,9 @@ Every term counts what jaxrl_llm itself allocates, per device of a `data x fsdp 
 With LoRA (`lora.rank` > 0) the base is frozen and only adapters train (a = the adapters' elements per
 device, sharded by the same rules, float32): params = base in p + a x 4; optimizer = 2 a x 4; reference = 0
 (the base is the reference policy); the gradients are the adapters' (a x 4 x 2); and sampling also holds
-the merged copy of the base (W + s A B) the sampler reads, local x p.
+the merged copy of the base (W + s A B) the sampler reads, local x p. A quantized base (`lora.base_dtype`
+int8 / int4) stores each projection in 1 / 0.5 bytes per element plus float32 scales [L, 1, out]; the
+merged copy is still in p.
 
 H_t = heads / tensor when tensor divides the heads, else all heads. Rows per device = ceil(rows /
 (data x fsdp)). Lengths are the worst case: every response reaches max_new_tokens (set
@@ -103,6 +105,8 @@ TARGETS = {
     "v4-32": Target("v4-32", 16, 32 * GIB, "16 chips x 32 GiB HBM, 4 hosts"),
     "v5e-64": Target("v5e-64", 64, 16 * GIB, "64 chips x 16 GiB HBM, 16 hosts"),
     "8xH100": Target("8xH100", 8, 81559 * 1024 ** 2, "8 GPUs x 80 GB HBM3, 1 node"),
+    "1x16GB": Target("1x16GB", 1, 16 * GIB, "one 16 GiB accelerator: a TPU v5e chip (a T4 has 15 GiB)"),
+    "1xH100": Target("1xH100", 1, 81559 * 1024 ** 2, "one GPU x 80 GB HBM3"),
 }
 
 # The paper models' transformers config.json values (Qwen/Qwen2.5-Math-1.5B and -7B on the HF Hub).
@@ -205,6 +209,21 @@ def _local_elements(model_config: ModelConfig, mesh: dict[str, int], shapes=None
             per_device *= dim // split if names and dim % split == 0 else dim
         local[name] = per_device
     return local
+
+
+_CODE_BYTES = {"int8": 1.0, "int4": 0.5}
+
+
+def quantized_base_savings(model_config: ModelConfig, mesh: dict[str, int], p: int, kind: str) -> int:
+    """Bytes per device saved by storing every projection ("*_proj") as `kind` codes plus float32 scales
+    [L, 1, out] instead of `p`-byte values (scales counted unsharded: they are small)."""
+    shapes = param_shapes(model_config)["layers"]
+    saved = 0
+    for name, elements in _local_elements(model_config, mesh).items():
+        if re.fullmatch(r"layers/\w+_proj", name):
+            layers, _, out = shapes[name.split("/")[1]]
+            saved += elements * (p - _CODE_BYTES[kind]) - layers * out * 4
+    return int(saved)
 
 
 def sharded_param_elements(model_config: ModelConfig, mesh: dict[str, int]) -> tuple[int, int]:
@@ -316,6 +335,8 @@ def estimate_memory(config: RunConfig, model_config: ModelConfig, mesh: dict[str
         spec = LoraSpec(rank=max(cfg.lora.rank, 1), alpha=cfg.lora.alpha, targets=resolve_targets(cfg.lora.targets))
         trained, trained_bytes = sum(_local_elements(mc, mesh, adapter_shapes(mc, spec)).values()), 4
         params, optimizer, reference, merged_copy = params + trained * 4, 2 * trained * 4, 0, local * p
+        if cfg.lora.base_dtype:  # projections as int8 / packed int4 codes + f32 per-output-channel scales
+            params -= quantized_base_savings(mc, mesh, p, cfg.lora.base_dtype)
 
     gvm = cfg.sampling.allocation == "gvm"
     block = cfg.model.attention_block_size
@@ -386,8 +407,11 @@ def fit_rows_per_call(config: RunConfig, model_config: ModelConfig, mesh: dict[s
     split = mesh["data"] * mesh["fsdp"]
     while est["peak"] > budget_bytes and est["sampling"] > max(est["train_step"], est["gvm_norms"]) \
             and est["sample_rows"] > split:
-        rows = bucket_size(est["sample_rows"]) // 2  # halves the rows of one call
-        est = estimate_memory(_with_rows_per_call(config, rows), model_config, mesh)
+        halved = bucket_size(est["sample_rows"]) // 2  # halves the rows of one call
+        smaller = estimate_memory(_with_rows_per_call(config, halved), model_config, mesh)
+        if smaller["sample_rows"] >= est["sample_rows"]:  # the row bucket's floor: no fewer rows per call
+            break
+        est, rows = smaller, halved
     return est, rows
 
 

@@ -39,7 +39,7 @@ from jax.sharding import NamedSharding
 
 from jaxrl_llm import data as data_lib
 from jaxrl_llm import models
-from jaxrl_llm.models import lora
+from jaxrl_llm.models import lora, quant
 from jaxrl_llm.models.peft_io import load_peft
 from jaxrl_llm.models.sharding import BATCH_SPEC, make_mesh, param_shardings
 from jaxrl_llm.train.algorithms import needs_reference
@@ -169,6 +169,8 @@ def setup_run(config: RunConfig, *, policy=None) -> Run:
     model_config = runtime_model_config(model_config, cfg.model)
     optimizer = make_optimizer(cfg.optim)
     lora_spec, adapters = lora_adapters(cfg, model_config) if lora_enabled(cfg) else (None, None)
+    if lora_spec is not None and cfg.lora.base_dtype:  # the frozen base's projections as int8 / int4 codes
+        params = jax.jit(quant.quantize_base, static_argnums=1)(params, cfg.lora.base_dtype)
     mesh = param_sharding = trained_sharding = state_sharding = batch_sharding = None
     if cfg.train.mesh:
         mesh = make_mesh(cfg.train.mesh)
@@ -193,7 +195,8 @@ def setup_run(config: RunConfig, *, policy=None) -> Run:
     lora_kwargs, merge_fn = {}, None
     if lora_spec is not None:
         lora_kwargs = dict(frozen=params, frozen_sharding=param_sharding, lora_scale=lora_spec.scale)
-        merge_fn = jax.jit(functools.partial(lora.merge, scale=lora_spec.scale), out_shardings=param_sharding)
+        merge_fn = jax.jit(functools.partial(merge_policy, scale=lora_spec.scale, dtype=cfg.model.param_dtype),
+                           out_shardings=param_sharding)
     out_dir = pathlib.Path(cfg.train.out_dir)
     train_records = load_prompts(cfg.data.train, tokenizer, cfg)
     eval_records = load_prompts(cfg.data.eval, tokenizer, cfg)[:cfg.train.eval_problems]
@@ -216,6 +219,12 @@ def setup_run(config: RunConfig, *, policy=None) -> Run:
         metrics=MetricsWriter(out_dir), out_dir=out_dir, mesh=mesh, state_sharding=state_sharding,
         batch_sharding=batch_sharding, base_params=None if lora_spec is None else params, lora_spec=lora_spec,
         merge_fn=merge_fn)
+
+
+def merge_policy(base, adapters, scale: float, dtype: str):
+    """The policy a LoRA run samples from: W + s A B for every adapted W, with a quantized base's projections
+    dequantized to `dtype` (model.param_dtype) first, so the tree is the one an unquantized base gives."""
+    return lora.merge(quant.dequantize_base(base, jnp.dtype(dtype)), adapters, scale)
 
 
 def lora_adapters(cfg: RunConfig, model_config) -> tuple[lora.LoraSpec, Any]:
