@@ -299,7 +299,7 @@ def _xla_temp_bytes(model_config, cfg, row_length, samples, response_len):
 
     slots = (1, samples, response_len)
     batch = TrainBatch(spec((1, row_length), "int32"), spec((1, row_length), "int32"), spec((1, row_length), "int32"),
-                       spec(slots, "int32"), spec(slots, "int32"), *(spec(slots, "float32") for _ in range(4)))
+                       spec(slots, "int32"), spec(slots, "int32"), *(spec(slots, "float32") for _ in range(6)))
     params = jax.eval_shape(lambda: init_params(model_config, jax.random.PRNGKey(0)))
     grad = jax.jit(jax.grad(lambda p, b, d: loss_fn(p, model_config, cfg.algorithm, b, d)[0]))
     return grad.lower(params, batch, spec((), "float32")).compile().memory_analysis().temp_size_in_bytes
