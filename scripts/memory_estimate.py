@@ -21,7 +21,8 @@ from jaxrl_llm.train.memory import GIB, TARGETS, model_config_for, suggest_layou
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 START, END = "<!-- memory-table:start -->", "<!-- memory-table:end -->"
-_TRANSIENT = {"train_step": "train step", "sampling": "sampling", "gvm_norms": "GVM norms"}
+_TRANSIENT = {"train_step": "train step", "critic_step": "critic step", "sampling": "sampling",
+              "gvm_norms": "GVM norms"}
 
 
 def _gib(n: int) -> str:
@@ -34,6 +35,8 @@ def _largest_term(est: dict) -> str:
         parts = {"attention/activations": est["activations"], "log-prob residuals": est["logprob_residuals"],
                  "gradients": est["gradients"]}
         return f"train step: {max(parts, key=parts.get)}"
+    if phase == "critic_step":
+        return "critic step: its gradients and activations"
     if phase == "sampling":
         return f"sampling: KV cache of {est['sample_rows']} rows per call"
     return "GVM per-sample gradients"
@@ -47,12 +50,12 @@ def rows_that_fit(est: dict, hbm_bytes: int) -> int:
     rows' device split): the largest `sampling.max_rows_per_call` whose KV cache would fit."""
     split = est["mesh"]["data"] * est["mesh"]["fsdp"]
     per_row = est["sampling"] // (est["sample_rows"] // split)
-    free = int(HEADROOM * hbm_bytes) - est["params"] - est["optimizer"] - est["reference"]
+    free = int(HEADROOM * hbm_bytes) - est["params"] - est["optimizer"] - est["reference"] - est["critic"]
     return max(0, free // per_row) * split
 
 
 def table(presets: list[pathlib.Path], targets: list[str], overrides: list[str]) -> str:
-    lines = ["| preset | target | overrides | params + AdamW + ref | train step | sampling (rows per call) "
+    lines = ["| preset | target | overrides | params + AdamW + ref (+ critic) | train step | sampling (rows per call) "
              "| GVM norms | peak | HBM | fits | largest term | sampled rows per call that fit |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for path in presets:
@@ -61,7 +64,7 @@ def table(presets: list[pathlib.Path], targets: list[str], overrides: list[str])
         for name in targets:
             target = TARGETS[name]
             est, layout = suggest_layout(config, model_config, target.devices, int(HEADROOM * target.hbm_bytes))
-            resident = est["params"] + est["optimizer"] + est["reference"]
+            resident = est["params"] + est["optimizer"] + est["reference"] + est["critic"]
             fits = "yes" if est["peak"] <= HEADROOM * target.hbm_bytes else "no"
             chosen = " ".join(f"{key}={value}" for key, value in layout.items())
             lines.append(
