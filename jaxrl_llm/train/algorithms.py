@@ -86,8 +86,10 @@ def gae_token_advantages(algo: AlgorithmSection, rewards: np.ndarray, values: np
 
 
 def explained_variance(returns: np.ndarray, values: np.ndarray, mask: np.ndarray) -> float:
-    """1 - Var(R - V) / Var(R) over the response tokens (1: a perfect critic, 0: no better than a constant; 0
-    when Var(R) = 0), the metric of `objectives.value_loss`."""
-    _, metrics = objectives.value_loss(jnp.asarray(values), jnp.asarray(values), jnp.asarray(returns),
-                                       jnp.asarray(mask), clip=None)
-    return float(metrics["explained_variance"])
+    """1 - Var(R - V) / Var(R) over the response tokens (1: a perfect critic, 0: no better than a constant, < 0:
+    worse; 0 when Var(R) = 0), the metric of `objectives.value_loss` computed in float64 from centred values
+    (returns that barely vary would lose their variance to rounding in float32)."""
+    on = mask != 0
+    r, v = returns[on].astype(np.float64), values[on].astype(np.float64)
+    var_r = r.var() if r.size else 0.0
+    return float(1.0 - (r - v).var() / var_r) if var_r > 0 else 0.0
