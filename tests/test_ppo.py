@@ -2,6 +2,7 @@
 unpacked rows, micro-batching, the host-side token rewards / whitening / GAE against loops, the preset, config
 errors, and a bitwise resume of policy and critic."""
 
+import json
 import pathlib
 import sys
 
@@ -16,7 +17,7 @@ from jaxrl_llm import models
 from jaxrl_llm.models.flax_modules import ValueModel
 from jaxrl_llm.train import ConfigError, load_config
 from jaxrl_llm.train.algorithms import explained_variance, gae_token_advantages, token_rewards, whiten
-from jaxrl_llm.train.config import CriticSection, OptimSection
+from jaxrl_llm.train.config import CriticSection
 from jaxrl_llm.train.critic import critic_trunk, make_critic_step, response_values, value_params
 from jaxrl_llm.train.packing import pack_groups, unpack
 from jaxrl_llm.train.state import init_state
@@ -299,3 +300,11 @@ def test_ppo_resume_is_bitwise_equal_to_uninterrupted(tmp_path):
         np.testing.assert_array_equal(flat_got[path], value, err_msg=jax.tree_util.keystr(path))
     assert int(want["critic"]["step"]) == 6  # 3 steps x 2 mini-batches
     assert np.abs(want["critic"]["params"]["value_head"]["kernel"]).max() > 0  # the critic trained
+    # Every step logs the critic's explained variance, its loss and gradient norm.
+    rows = [json.loads(line) for line in (straight / "metrics.jsonl").read_text().splitlines()]
+    rows = [r for r in rows if "accuracy" in r]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for row in rows:
+        assert {"explained_variance", "value_loss", "value_grad_norm", "value_clip_fraction"} <= set(row)
+        assert row["explained_variance"] <= 1.0
+    assert rows[-1]["value_grad_norm"] > 0
