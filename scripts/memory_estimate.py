@@ -26,7 +26,8 @@ START, END = "<!-- memory-table:start -->", "<!-- memory-table:end -->"
 LORA_START, LORA_END = "<!-- lora-memory-table:start -->", "<!-- lora-memory-table:end -->"
 PAPER_TARGETS = ("v4-32", "v5e-64", "8xH100")
 LORA_LADDER = ("1x16GB", "1xH100", "8xH100")
-_TRANSIENT = {"train_step": "train step", "sampling": "sampling", "gvm_norms": "GVM norms"}
+_TRANSIENT = {"train_step": "train step", "critic_step": "critic step", "sampling": "sampling",
+              "gvm_norms": "GVM norms"}
 
 
 def _gib(n: int) -> str:
@@ -39,6 +40,8 @@ def _largest_term(est: dict) -> str:
         parts = {"attention/activations": est["activations"], "log-prob residuals": est["logprob_residuals"],
                  "gradients": est["gradients"]}
         return f"train step: {max(parts, key=parts.get)}"
+    if phase == "critic_step":
+        return "critic step: its gradients and activations"
     if phase == "sampling":
         return f"sampling: KV cache of {est['sample_rows']} rows per call"
     return "GVM per-sample gradients"
@@ -52,11 +55,11 @@ def rows_that_fit(est: dict, hbm_bytes: int) -> int:
     rows' device split): the largest `sampling.max_rows_per_call` whose KV cache would fit."""
     split = est["mesh"]["data"] * est["mesh"]["fsdp"]
     per_row = est["sampling"] // (est["sample_rows"] // split)
-    free = int(HEADROOM * hbm_bytes) - est["params"] - est["optimizer"] - est["reference"]
+    free = int(HEADROOM * hbm_bytes) - est["params"] - est["optimizer"] - est["reference"] - est["critic"]
     return max(0, free // per_row) * split
 
 
-_HEADER = ["| preset | target | overrides | params + AdamW + ref | train step | sampling (rows per call) "
+_HEADER = ["| preset | target | overrides | params + AdamW + ref (+ critic) | train step | sampling (rows per call) "
            "| GVM norms | peak | HBM | fits | largest term | sampled rows per call that fit |",
            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
 
@@ -67,7 +70,7 @@ def _row(path: pathlib.Path, name: str, config, model_config) -> tuple[str, bool
     est, layout = suggest_layout(config, model_config, target.devices, int(HEADROOM * target.hbm_bytes))
     if target.devices == 1 and not config.train.mesh:
         layout.pop("train.mesh")  # one device needs no mesh (and a quantized base runs without one)
-    resident = est["params"] + est["optimizer"] + est["reference"]
+    resident = est["params"] + est["optimizer"] + est["reference"] + est["critic"]
     fits = est["peak"] <= HEADROOM * target.hbm_bytes
     chosen = " ".join(f"{key}={value}" for key, value in layout.items())
     return (f"| {path.stem} | {name} | `{chosen}` | {_gib(resident)} "

@@ -165,6 +165,26 @@ def test_tiny_run_by_hand():
     assert bf16["logprob_residuals"] == 16 * (64 * 4 + 16 * 2 + 12) + 512 * 2 + 512 * 2
 
 
+def test_critic_by_hand():
+    mesh = {"data": 1, "fsdp": 2, "tensor": 1}
+    base = estimate_memory(load_config(None, TINY_RUN), TINY, mesh)
+    ppo = estimate_memory(load_config(None, TINY_RUN + ["algorithm.advantage=gae", "algorithm.kl_reward_coef=0.01"]),
+                          TINY, mesh)
+    # The tied TINY's trunk is the whole model: 2896 local elements in f32; the head 16 + 1 f32. Parameters and
+    # two AdamW moments of both; the step: the f32 accumulator and one gradient, plus the policy's activations.
+    head = (16 + 1) * 4
+    assert ppo["critic"] == 3 * (2896 * 4 + head) == 34956
+    assert ppo["critic_step"] == 2896 * (4 + 4) + 2 * head + base["activations"] == 186120
+    assert ppo["reference"] == 2896 * 4  # the KL penalty in the rewards reads a reference policy
+    assert ppo["peak"] == base["peak"] + 2896 * 4 + 34956  # the critic step is below the policy's train step
+    assert base["critic"] == base["critic_step"] == 0
+    # Untied: the trunk leaves out lm_head [16, 64], split over fsdp on its first dimension -> 512 local.
+    untied = TINY.replace(tie_word_embeddings=False)
+    ppo_untied = estimate_memory(load_config(None, TINY_RUN + ["algorithm.advantage=gae"]), untied, mesh)
+    assert ppo_untied["critic"] == 3 * (2896 * 4 + head)
+    assert ppo_untied["params"] == (2896 + 512) * 4
+
+
 def test_blockwise_attention_and_rows_per_call():
     mesh = {"data": 1, "fsdp": 2, "tensor": 1}
     cfg = load_config(None, TINY_RUN + ["model.remat=false", "model.attention_block_size=8"])
@@ -343,7 +363,7 @@ def _xla_temp_bytes(model_config, cfg, row_length, samples, response_len):
 
     slots = (1, samples, response_len)
     batch = TrainBatch(spec((1, row_length), "int32"), spec((1, row_length), "int32"), spec((1, row_length), "int32"),
-                       spec(slots, "int32"), spec(slots, "int32"), *(spec(slots, "float32") for _ in range(4)))
+                       spec(slots, "int32"), spec(slots, "int32"), *(spec(slots, "float32") for _ in range(6)))
     params = jax.eval_shape(lambda: init_params(model_config, jax.random.PRNGKey(0)))
     grad = jax.jit(jax.grad(lambda p, b, d: loss_fn(p, model_config, cfg.algorithm, b, d)[0]))
     return grad.lower(params, batch, spec((), "float32")).compile().memory_analysis().temp_size_in_bytes

@@ -40,5 +40,56 @@ def token_advantages(algo: AlgorithmSection, seq_adv: np.ndarray, old_logp: np.n
 
 
 def needs_reference(algo: AlgorithmSection) -> bool:
-    """A frozen reference policy is kept only for the KL term or PRL shaping."""
-    return algo.kl_coef > 0 or algo.prl_eta is not None
+    """A frozen reference policy is kept only for the KL term, the KL penalty in GAE's rewards or PRL shaping."""
+    return algo.kl_coef > 0 or algo.kl_reward_coef > 0 or algo.prl_eta is not None
+
+
+def token_rewards(rewards: np.ndarray, mask: np.ndarray, kl: np.ndarray | None = None,
+                  kl_coef: float = 0.0) -> np.ndarray:
+    """[R, T] rewards of the response tokens: r_t = -kl_coef * kl_t on every response token, plus the outcome
+    reward rewards[i] on the last one (mask != 0); 0 off the mask. A response without tokens gets none."""
+    on = mask != 0
+    out = np.zeros(mask.shape, np.float32)
+    if kl is not None and kl_coef:
+        out -= np.float32(kl_coef) * np.where(on, kl, 0.0).astype(np.float32)
+    rows = np.flatnonzero(on.any(axis=1))
+    last = mask.shape[1] - 1 - np.argmax(on[rows, ::-1], axis=1)
+    out[rows, last] += rewards[rows].astype(np.float32)
+    return out
+
+
+def whiten(values: np.ndarray, mask: np.ndarray, eps: float = 1e-8) -> np.ndarray:
+    """(x - mean) / sqrt(var + eps) over the tokens where mask != 0 (the unbiased variance, as verl's
+    `masked_whiten`); 0 off the mask. One token: x - mean = 0."""
+    on = mask != 0
+    x = values[on].astype(np.float64)
+    if x.size == 0:
+        return np.zeros(values.shape, np.float32)
+    var = x.var(ddof=1) if x.size > 1 else 0.0
+    return np.where(on, (values - x.mean()) / np.sqrt(var + eps), 0.0).astype(np.float32)
+
+
+def gae_token_advantages(algo: AlgorithmSection, rewards: np.ndarray, values: np.ndarray, mask: np.ndarray,
+                         old_logp: np.ndarray, ref_logp: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """PPO with a critic: (advantages, returns) [R, T] from `objectives.gae_advantages` over `token_rewards`
+    (the outcome reward on the last token, minus kl_reward_coef x kl_penalty(old_logp, ref_logp, kl_kind) on
+    each), with algorithm.gamma and lam; the advantages whitened over the batch's tokens when
+    whiten_advantages. The returns, the critic's targets, are never whitened."""
+    kl = None
+    if algo.kl_reward_coef > 0:
+        kl = np.asarray(objectives.kl_penalty(jnp.asarray(old_logp), jnp.asarray(ref_logp), algo.kl_kind))
+    token_r = token_rewards(rewards, mask, kl, algo.kl_reward_coef)
+    adv, ret = objectives.gae_advantages(jnp.asarray(token_r), jnp.asarray(values, jnp.float32), jnp.asarray(mask),
+                                         gamma=algo.gamma, lam=algo.lam)
+    adv, ret = np.asarray(adv, np.float32), np.asarray(ret, np.float32)
+    return (whiten(adv, mask) if algo.whiten_advantages else adv), ret
+
+
+def explained_variance(returns: np.ndarray, values: np.ndarray, mask: np.ndarray) -> float:
+    """1 - Var(R - V) / Var(R) over the response tokens (1: a perfect critic, 0: no better than a constant, < 0:
+    worse; 0 when Var(R) = 0), the metric of `objectives.value_loss` computed in float64 from centred values
+    (returns that barely vary would lose their variance to rounding in float32)."""
+    on = mask != 0
+    r, v = returns[on].astype(np.float64), values[on].astype(np.float64)
+    var_r = r.var() if r.size else 0.0
+    return float(1.0 - (r - v).var() / var_r) if var_r > 0 else 0.0

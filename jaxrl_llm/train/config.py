@@ -129,7 +129,8 @@ class AlgorithmSection:
 
     name: str = "grpo"  # a label for logs and run summaries; behaviour comes from the keys below
     # raft | grpo | drgrpo | rloo | reinforce_rej | reinforce_pp | reinforce_pp_baseline
-    # (objectives.ADVANTAGE_ESTIMATORS)
+    # (objectives.ADVANTAGE_ESTIMATORS), or gae: PPO with a critic (the `critic` section), per-token advantages
+    # from objectives.gae_advantages over the critic's values
     advantage: str = "grpo"
     # clip (PPO / RAFT++ surrogate) | vanilla (-A log pi, plain RAFT) | gspo | gspo_token (GSPO's sequence
     # ratio) | cispo (clipped, detached importance weight) | clip_cov | kl_cov (covariance-selected tokens)
@@ -166,6 +167,32 @@ class AlgorithmSection:
     # a single update per rollout batch (the ratio is then 1 either way), else recompute.
     old_logp: str = "auto"
     prl_step_len: int | None = None  # PRL step length in response tokens; null: a step per token
+    gamma: float = 1.0  # advantage gae: the discount of the token rewards
+    lam: float = 1.0  # advantage gae: GAE's lambda (1: the return minus the value; 0: the one-step TD error)
+    # advantage gae: each token's reward is minus this times the per-token KL penalty of the old log-probs to
+    # the reference policy's (objectives.kl_penalty with kl_kind), plus the outcome reward on the last token.
+    kl_reward_coef: float = 0.0
+    # advantage gae: normalise the per-token advantages to mean 0 and standard deviation 1 over all response
+    # tokens of the rollout batch (verl's and OpenRLHF's whitening of GAE advantages).
+    whiten_advantages: bool = True
+
+
+@dataclass(frozen=True)
+class CriticSection:
+    """The value model of PPO with a critic (used when algorithm.advantage is gae): the policy's decoder trunk
+    with a scalar head (`models.flax_modules.ValueModel`'s parameters), trained on the clipped value loss
+    (objectives.value_loss, token-mean) with an AdamW of its own; optim's b1, b2, mini_batches, epochs and
+    micro_batch_size apply to it too. Checkpoints hold its parameters and optimizer state."""
+
+    # Where the trunk's weights come from: "policy" (a copy of the policy's at the start of the run), or
+    # "bundled", an HF folder or a .gguf file of a model with the policy's vocabulary. The head starts at zero.
+    source: str = "policy"
+    lr: float = 1e-5  # the critic's peak learning rate
+    warmup_steps: int = 0  # linear warmup of the critic's learning rate from 0, in optimizer updates
+    weight_decay: float = 0.01  # AdamW decoupled weight decay of the critic
+    grad_clip: float = 1.0  # global gradient-norm clip of the critic's gradient
+    # c of the clipped value loss: a value moves at most c away from its value at scoring time; null disables
+    value_clip: float | None = 0.5
 
 
 @dataclass(frozen=True)
@@ -215,6 +242,7 @@ class RunConfig:
     data: DataSection = field(default_factory=DataSection)
     sampling: SamplingSection = field(default_factory=SamplingSection)
     algorithm: AlgorithmSection = field(default_factory=AlgorithmSection)
+    critic: CriticSection = field(default_factory=CriticSection)
     optim: OptimSection = field(default_factory=OptimSection)
     train: TrainSection = field(default_factory=TrainSection)
 
@@ -231,7 +259,7 @@ _ALLOWED = {
     ("sampling", "gvm_weighting"): {"gvm", "solved"},
     ("sampling", "gvm_estimates"): {"stage1", "history"},
     ("algorithm", "advantage"): {"raft", "grpo", "drgrpo", "rloo", "reinforce_rej", "reinforce_pp",
-                                 "reinforce_pp_baseline"},
+                                 "reinforce_pp_baseline", "gae"},
     ("algorithm", "loss"): {"clip", "vanilla", "gspo", "gspo_token", "cispo", "clip_cov", "kl_cov"},
     ("algorithm", "agg"): {"token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm",
                            "prompt-mean", "prompt-mean-unbiased"},
@@ -419,6 +447,25 @@ def validate(config: RunConfig) -> None:
          "must name at least one parameter path, e.g. 'embed' or 'embed,layers/q_proj'"),
         ("algorithm.dynamic_sampling", not (config.sampling.allocation == "gvm" and config.algorithm.dynamic_sampling),
          "cannot be combined with sampling.allocation=gvm (GVM already chooses how many samples each prompt gets)"),
+        ("algorithm.gamma", 0 <= config.algorithm.gamma <= 1, "must be in [0, 1]"),
+        ("algorithm.lam", 0 <= config.algorithm.lam <= 1, "must be in [0, 1]"),
+        ("algorithm.kl_reward_coef", config.algorithm.kl_reward_coef >= 0, "must be >= 0"),
+        ("algorithm.kl_reward_coef", config.algorithm.kl_reward_coef == 0 or uses_critic(config),
+         "needs algorithm.advantage=gae (the KL penalty is part of the critic's token rewards)"),
+        ("algorithm.prl_eta", config.algorithm.prl_eta is None or not uses_critic(config),
+         "cannot be combined with algorithm.advantage=gae (both set per-token advantages)"),
+        ("algorithm.agg", config.algorithm.agg not in ("prompt-mean", "prompt-mean-unbiased")
+         or not uses_critic(config), "prompt-mean modes need sequence advantages, not algorithm.advantage=gae"),
+        ("sampling.allocation", config.sampling.allocation != "gvm" or not uses_critic(config),
+         "gvm cannot be combined with algorithm.advantage=gae (GVM allocates by sequence advantages)"),
+        ("critic.source", bool(config.critic.source.strip()),
+         "must be 'policy', 'bundled', an HF folder or a .gguf file"),
+        ("critic.lr", config.critic.lr > 0, "must be > 0"),
+        ("critic.warmup_steps", config.critic.warmup_steps >= 0, "must be >= 0"),
+        ("critic.weight_decay", config.critic.weight_decay >= 0, "must be >= 0"),
+        ("critic.grad_clip", config.critic.grad_clip > 0, "must be > 0"),
+        ("critic.value_clip", config.critic.value_clip is None or config.critic.value_clip > 0,
+         "must be > 0 (or null to disable)"),
         ("train.steps", config.train.steps >= 0, "must be >= 0"),
         ("train.eval_problems", config.train.eval_problems >= 0, "must be >= 0"),
         ("train.eval_samples", config.train.eval_samples >= 1, "must be >= 1"),
@@ -448,6 +495,11 @@ def _validate_lora(lora: LoraSection) -> None:
     if lora.base_dtype and not (lora.rank > 0 or lora.adapter):
         raise ConfigError(f"config key 'lora.base_dtype'={lora.base_dtype!r} quantizes the frozen base of a LoRA "
                           f"run: set lora.rank > 0 (or lora.adapter) too, or leave it empty")
+
+
+def uses_critic(config: RunConfig) -> bool:
+    """Whether the run trains a value model (PPO with a critic: algorithm.advantage gae)."""
+    return config.algorithm.advantage == "gae"
 
 
 def lora_enabled(config: RunConfig) -> bool:

@@ -127,6 +127,8 @@ def pack_on_device(prompts: PromptBatch, sampled: SampledTokens, advantages: jax
         advantages=advantages.reshape(num_prompts, slots, 1) * mask,
         old_logp=old_logp.reshape(num_prompts, slots, steps) * mask,
         ref_logp=jnp.zeros(mask.shape, jnp.float32),
+        old_values=jnp.zeros(mask.shape, jnp.float32),
+        returns=jnp.zeros(mask.shape, jnp.float32),
     )
 
 

@@ -26,8 +26,9 @@ from tqdm.auto import tqdm
 from jaxrl_llm import models
 from jaxrl_llm.eval import evaluate
 from jaxrl_llm.models.peft_io import save_peft
-from jaxrl_llm.train.algorithms import mixed_groups, needs_reference, sequence_advantages, token_advantages
-from jaxrl_llm.train.config import RunConfig
+from jaxrl_llm.train.algorithms import (explained_variance, gae_token_advantages, mixed_groups, needs_reference,
+                                        sequence_advantages, token_advantages)
+from jaxrl_llm.train.config import RunConfig, uses_critic
 from jaxrl_llm.train.gvm import gvm_rollouts
 from jaxrl_llm.train.gvm_history import GvmHistory
 from jaxrl_llm.train.packing import unpack
@@ -195,16 +196,29 @@ def count_samples(books: dict, info: dict) -> None:
 
 
 def update_policy(run: Run, scored: ScoredRollouts, step: int) -> dict[str, Any]:
-    """Advantages -> old / reference log-probs -> `epochs` x `mini_batches` optimizer updates."""
+    """Advantages -> old / reference log-probs -> `epochs` x `mini_batches` optimizer updates. With a critic
+    (PPO): its values of the rollout, GAE's per-token advantages and returns, and a critic update after each
+    policy update, on the same mini-batch."""
     cfg, algo = run.config, run.config.algorithm
     if scored.num_samples == 0:
         return {"finite": True, "updates": 0}
-    seq_adv = sequence_advantages(algo, scored.rewards, scored.prompt_index, len(scored.records))
     use_sampler = algo.old_logp == "sampler" or (
         algo.old_logp == "auto" and cfg.optim.epochs * cfg.optim.mini_batches == 1)
     old_logp = scored.logprobs if use_sampler else token_logprobs(run, run.policy_params(), scored)
     ref_logp = token_logprobs(run, run.ref_params, scored) if needs_reference(algo) else np.zeros_like(old_logp)
-    advantages = token_advantages(algo, seq_adv, old_logp, ref_logp, scored.mask)
+    old_values = returns = None
+    out: dict[str, Any] = {}
+    if run.critic is None:
+        seq_adv = sequence_advantages(algo, scored.rewards, scored.prompt_index, len(scored.records))
+        advantages = token_advantages(algo, seq_adv, old_logp, ref_logp, scored.mask)
+        out["advantage_mean"] = float(seq_adv.mean())
+    else:
+        old_values = token_values(run, scored)
+        advantages, returns = gae_token_advantages(algo, scored.rewards, old_values, scored.mask, old_logp, ref_logp)
+        on = scored.mask != 0
+        out.update(explained_variance=explained_variance(returns, old_values, scored.mask),
+                   value_mean=float(old_values[on].mean()), return_mean=float(returns[on].mean()),
+                   advantage_mean=float(advantages[on].mean()))
     rng = np.random.default_rng([cfg.train.seed, step])
     sums: dict[str, float] = {}
     updates, finite = 0, True
@@ -212,16 +226,29 @@ def update_policy(run: Run, scored: ScoredRollouts, step: int) -> dict[str, Any]
         for batch, denom, _rows in build_train_batches(
                 scored, advantages, old_logp, ref_logp, algo, mini_batches=cfg.optim.mini_batches,
                 micro_batch_size=cfg.optim.micro_batch_size, pad_id=run.tokenizer.pad_token_id, rng=rng,
-                max_row_tokens=cfg.optim.max_row_tokens):
-            run.state, metrics = run.train_step(run.state, run.place_batch(batch), np.float32(denom))
+                max_row_tokens=cfg.optim.max_row_tokens, old_values=old_values, returns=returns):
+            placed = run.place_batch(batch)
+            run.state, metrics = run.train_step(run.state, placed, np.float32(denom))
+            if run.critic is not None:  # the value loss is a token-mean over the mini-batch's response tokens
+                run.critic.state, critic_metrics = run.critic.train_step(run.critic.state, placed,
+                                                                         np.float32(batch.mask.sum()))
+                metrics = {**metrics, **critic_metrics}
             metrics = jax.device_get(metrics)
-            finite = finite and bool(metrics["finite"])
+            finite = finite and bool(metrics["finite"]) and bool(metrics.get("value_finite", True))
             for k, v in metrics.items():
                 sums[k] = sums.get(k, 0.0) + float(v)
             updates += 1
-    out = {k: v / max(updates, 1) for k, v in sums.items()}
-    out.update(finite=finite, updates=updates, advantage_mean=float(seq_adv.mean()))
+    out.update({k: v / max(updates, 1) for k, v in sums.items()})
+    out.update(finite=finite, updates=updates)
     return out
+
+
+def token_values(run: Run, scored: ScoredRollouts) -> np.ndarray:
+    """The critic's values [R, N] of the states before every sampled response token (0 off the mask)."""
+    optim = run.config.optim
+    batch, groups = packed_rollouts(scored, optim.micro_batch_size, run.tokenizer.pad_token_id, optim.max_row_tokens)
+    values = np.asarray(run.critic.value_fn(run.critic.state.params, run.place_batch(batch)))
+    return unpack(values, groups, scored.num_samples) * scored.mask
 
 
 def token_logprobs(run: Run, params, scored: ScoredRollouts) -> np.ndarray:
@@ -282,8 +309,9 @@ def step_metrics(run: Run, scored: ScoredRollouts, round_info: dict, update: dic
         "samples_drawn": books["counters"]["samples_drawn"], "prompts_filtered": books["counters"]["prompts_filtered"],
         "lr": learning_rate(run.config.optim, int(run.state.step)),
         "tokens_per_s": tokens / max(times["sample_s"], 1e-9),
-        **{k: update[k] for k in ("loss", "policy_loss", "kl", "entropy", "clip_fraction", "grad_norm")
-           if k in update},
+        **{k: update[k] for k in ("loss", "policy_loss", "kl", "entropy", "clip_fraction", "grad_norm",
+                                  "value_loss", "value_clip_fraction", "value_grad_norm", "explained_variance",
+                                  "value_mean", "return_mean") if k in update},
         "updates": update["updates"], "skipped_update": 0 if update["finite"] else 1,
         **{f"time_{k}": v for k, v in times.items()},
         **round_info.get("gvm", {}),  # the GVM allocation (n_i against p_i) on steps that ran stage 1
@@ -301,8 +329,13 @@ def save(run: Run, step: int, books: dict, eval_accuracy: float | None) -> None:
              "summary": books["summary"], "config": run.config.to_dict()}
     if "gvm_history" in books:
         extra["gvm_history"] = books["gvm_history"].to_json()
-    run.checkpointer.save(step, run.state, extra, eval_accuracy=eval_accuracy)
+    run.checkpointer.save(step, train_states(run), extra, eval_accuracy=eval_accuracy)
     release_free_host_memory()  # the write's encoded chunks (CPU backend: 1.4 GB of freed heap otherwise stays)
+
+
+def train_states(run: Run):
+    """What a checkpoint's state holds: the policy's train state, and with a critic {"policy", "critic"}."""
+    return run.state if run.critic is None else {"policy": run.state, "critic": run.critic.state}
 
 
 def restore(run: Run) -> tuple[int, dict]:
@@ -310,7 +343,11 @@ def restore(run: Run) -> tuple[int, dict]:
     if run.checkpointer.latest_step() is None:
         return 0, new_books()
     check_state_layout(run.config, run.checkpointer.read_extra().get("config", {}), run.checkpointer.directory)
-    step, run.state, extra = run.checkpointer.restore(run.state)
+    step, states, extra = run.checkpointer.restore(train_states(run))
+    if run.critic is None:
+        run.state = states
+    else:
+        run.state, run.critic.state = states["policy"], states["critic"]
     run.data.set_state(extra["data"])
     books = {"counters": extra["counters"], "summary": extra["summary"]}
     if "gvm_history" in extra:
@@ -324,11 +361,15 @@ STATE_LAYOUT_KEYS = (("lora", "rank"), ("lora", "targets"))
 
 def check_state_layout(config, saved: dict, directory) -> None:
     """A clear error when the checkpoint's train state was laid out by other settings (LoRA on or off, its
-    rank or targets) than this run's, instead of orbax's tree mismatch."""
+    rank or targets; a critic or none) than this run's, instead of orbax's tree mismatch."""
     current = config.to_dict()
     changed = [f"{section}.{key}: checkpoint {saved[section][key]!r}, this run {current[section][key]!r}"
                for section, key in STATE_LAYOUT_KEYS
                if section in saved and key in saved[section] and saved[section][key] != current[section][key]]
+    saved_advantage = saved.get("algorithm", {}).get("advantage")
+    if saved_advantage is not None and (saved_advantage == "gae") != uses_critic(config):
+        changed.append(f"algorithm.advantage: checkpoint {saved_advantage!r}, this run "
+                       f"{current['algorithm']['advantage']!r} (gae trains a critic, saved with the policy)")
     if changed:
         raise ValueError(f"cannot resume from {directory}: its train state was saved with other settings ("
                          + "; ".join(changed) + "); resume with the checkpoint's values or use a new train.out_dir")

@@ -48,7 +48,12 @@ Every term counts what jaxrl_llm itself allocates, per device of a `data x fsdp 
               with those rows' activations and log-prob residuals; a chunk's rows are split over data x fsdp
               (ceil(chunk / (data x fsdp)) rows per device)
 
-  peak = params + optimizer + reference + max(train step, sampling, gvm norms)
+  critic      (PPO with a critic, algorithm.advantage gae) the value model, counted as the policy's trunk (its
+              parameters without lm_head, sharded alike) plus the f32 head: critic = its parameters and AdamW
+              moments, 3 x trunk x p; critic step = its gradients (the f32 accumulator + one in p) and the
+              activations of one micro-batch, as the policy's (no log-prob residuals: a scalar per token)
+
+  peak = params + optimizer + reference + critic + max(train step, critic step, sampling, gvm norms)
 
 With LoRA (`lora.rank` > 0) the base is frozen and only adapters train (a = the adapters' elements per
 device, sharded by the same rules, float32): params = base in p + a x 4; optimizer = 2 a x 4; reference = 0
@@ -80,7 +85,7 @@ from jaxrl_llm.sampling.buckets import bucket_size, round_up
 from jaxrl_llm.sampling.decoder import response_slots
 from jaxrl_llm.sampling.generate import call_row_bucket
 from jaxrl_llm.train.algorithms import needs_reference
-from jaxrl_llm.train.config import RunConfig, lora_enabled
+from jaxrl_llm.train.config import RunConfig, lora_enabled, uses_critic
 from jaxrl_llm.train.packing import bucket, length_bucket
 
 GIB = 1024 ** 3
@@ -308,7 +313,8 @@ def estimate_memory(config: RunConfig, model_config: ModelConfig, mesh: dict[str
 
     `remat` overrides model.remat; `response_fill` scales the response length (1.0: every response
     reaches sampling.max_new_tokens). Returns a dict of byte counts (params, optimizer, reference, gradients,
-    activations, logprob_residuals, train_step, kv_cache, sampling, gvm_norms, peak) plus param_count,
+    activations, logprob_residuals, train_step, kv_cache, sampling, gvm_norms, critic, critic_step, peak) plus
+    param_count,
     row_length (packed training row), sample_rows (rows of one sampler call's state) and gvm_chunk_rows.
     """
     if isinstance(mesh, str):
@@ -381,15 +387,22 @@ def estimate_memory(config: RunConfig, model_config: ModelConfig, mesh: dict[str
                      + _logprob_residual_bytes(mc, chunk_rows, response_len, c, keep_logits, head_elements)
                      + output_copy)
 
-    resident = params + optimizer + reference
+    critic = critic_step = 0
+    if uses_critic(cfg):
+        trunk = local - (_local_elements(mc, mesh)["lm_head"] if not mc.tie_word_embeddings else 0)
+        head = (mc.hidden_size + 1) * 4
+        critic = 3 * (trunk * p + head)
+        critic_step = trunk * (4 + p) + 2 * head + activations
+
+    resident = params + optimizer + reference + critic
     return {
         "mesh": dict(mesh), "micro_batch_size": cfg.optim.micro_batch_size,
         "param_count": count, "row_length": row_length, "sample_rows": sample_rows,
         "gvm_chunk_rows": (cfg.sampling.gvm_rows_per_chunk or cfg.optim.micro_batch_size) if gvm else 0,
         "params": params, "optimizer": optimizer, "reference": reference,
         "gradients": gradients, "activations": activations, "logprob_residuals": logprob, "train_step": train_step,
-        "kv_cache": kv_cache, "sampling": sampling, "gvm_norms": gvm_norms,
-        "peak": resident + max(train_step, sampling, gvm_norms),
+        "kv_cache": kv_cache, "sampling": sampling, "gvm_norms": gvm_norms, "critic": critic,
+        "critic_step": critic_step, "peak": resident + max(train_step, critic_step, sampling, gvm_norms),
     }
 
 
@@ -405,8 +418,8 @@ def fit_rows_per_call(config: RunConfig, model_config: ModelConfig, mesh: dict[s
     est = estimate_memory(config, model_config, mesh)
     rows = config.sampling.max_rows_per_call
     split = mesh["data"] * mesh["fsdp"]
-    while est["peak"] > budget_bytes and est["sampling"] > max(est["train_step"], est["gvm_norms"]) \
-            and est["sample_rows"] > split:
+    while est["peak"] > budget_bytes and est["sample_rows"] > split \
+            and est["sampling"] > max(est["train_step"], est["critic_step"], est["gvm_norms"]):
         halved = bucket_size(est["sample_rows"]) // 2  # halves the rows of one call
         smaller = estimate_memory(_with_rows_per_call(config, halved), model_config, mesh)
         if smaller["sample_rows"] >= est["sample_rows"]:  # the row bucket's floor: no fewer rows per call

@@ -26,6 +26,8 @@ class TrainBatch(NamedTuple):
     advantages: np.ndarray  # [G, S, R] float32
     old_logp: np.ndarray  # [G, S, R] float32: behaviour-policy log-probs
     ref_logp: np.ndarray  # [G, S, R] float32: reference-policy log-probs (zeros when unused)
+    old_values: np.ndarray  # [G, S, R] float32: the critic's values at scoring time (zeros without a critic)
+    returns: np.ndarray  # [G, S, R] float32: the critic's regression targets (zeros without a critic)
 
 
 def round_up(n: int, multiple: int) -> int:
@@ -50,12 +52,14 @@ def length_bucket(n: int, multiple: int) -> int:
 
 def pack_groups(prompts: Sequence[Sequence[int]], groups: Sequence[np.ndarray], responses: np.ndarray,
                 lengths: np.ndarray, *, advantages: np.ndarray | None = None, old_logp: np.ndarray | None = None,
-                ref_logp: np.ndarray | None = None, pad_id: int = 0, row_multiple: int = 1,
+                ref_logp: np.ndarray | None = None, old_values: np.ndarray | None = None,
+                returns: np.ndarray | None = None, pad_id: int = 0, row_multiple: int = 1,
                 seq_multiple: int = 32) -> TrainBatch:
     """Pack samples into rows: row g holds prompts[g] then the responses `groups[g]` (indices into
-    `responses` [N, R] with `lengths` [N]). Per-token arrays [N, R] (advantages, old/ref log-probs) are
-    laid out like the responses; absent ones are zeros. Empty groups are skipped. The row count is
-    padded to `bucket(., row_multiple)`, the response slots to a power of two, the length to
+    `responses` [N, R] with `lengths` [N]). Per-token arrays [N, R] (advantages, old/ref log-probs, the
+    critic's old values and returns) are laid out like the responses; absent ones are zeros. Empty groups
+    are skipped. The row count is padded to `bucket(., row_multiple)`, the response slots to a power of
+    two, the length to
     `length_bucket(., seq_multiple)`.
     """
     resp_len = responses.shape[1]
@@ -66,7 +70,8 @@ def pack_groups(prompts: Sequence[Sequence[int]], groups: Sequence[np.ndarray], 
     slots = bucket(max(len(g) for _, g in rows))
     seq_len = length_bucket(max(len(p) + int(lengths[g].sum()) for p, g in rows), seq_multiple)
     zeros = np.zeros(responses.shape, np.float32)
-    per_token = {"advantages": advantages, "old_logp": old_logp, "ref_logp": ref_logp}
+    per_token = {"advantages": advantages, "old_logp": old_logp, "ref_logp": ref_logp, "old_values": old_values,
+                 "returns": returns}
     per_token = {k: zeros if v is None else np.asarray(v, np.float32) for k, v in per_token.items()}
 
     tokens = np.full((n_rows, seq_len), pad_id, np.int32)

@@ -44,7 +44,8 @@ from jaxrl_llm.models.peft_io import load_peft
 from jaxrl_llm.models.sharding import BATCH_SPEC, make_mesh, param_shardings
 from jaxrl_llm.train.algorithms import needs_reference
 from jaxrl_llm.train.checkpoint import Checkpointer
-from jaxrl_llm.train.config import ConfigError, RunConfig, lora_enabled
+from jaxrl_llm.train.config import ConfigError, RunConfig, lora_enabled, uses_critic
+from jaxrl_llm.train.critic import Critic, critic_trunk, setup_critic
 from jaxrl_llm.train.metrics import MetricsWriter
 from jaxrl_llm.train.packing import TrainBatch
 from jaxrl_llm.train.rollouts import RewardScorer
@@ -74,6 +75,7 @@ class Run:
     base_params: Any = None  # LoRA: the frozen base (state.params are then the adapters); None: full training
     lora_spec: Any = None  # LoRA: the adapters' models.lora.LoraSpec
     merge_fn: Any = None  # LoRA: jitted (base, adapters) -> base + s A B, on the base's shardings
+    critic: Critic | None = None  # PPO with a critic (algorithm.advantage gae): the value model
 
     def policy_params(self):
         """The policy's full parameter tree: the state's params, or under LoRA the base with the adapters
@@ -197,6 +199,7 @@ def setup_run(config: RunConfig, *, policy=None) -> Run:
         lora_kwargs = dict(frozen=params, frozen_sharding=param_sharding, lora_scale=lora_spec.scale)
         merge_fn = jax.jit(functools.partial(merge_policy, scale=lora_spec.scale, dtype=cfg.model.param_dtype),
                            out_shardings=param_sharding)
+    critic = make_critic(cfg, model_config, params, mesh, batch_sharding) if uses_critic(cfg) else None
     out_dir = pathlib.Path(cfg.train.out_dir)
     train_records = load_prompts(cfg.data.train, tokenizer, cfg)
     eval_records = load_prompts(cfg.data.eval, tokenizer, cfg)[:cfg.train.eval_problems]
@@ -215,10 +218,21 @@ def setup_run(config: RunConfig, *, policy=None) -> Run:
         data=data_lib.RecordBatches(train_records, loader), eval_records=eval_records,
         scorer=ProcessShareScorer(scorer) if jax.process_count() > 1 else scorer,
         checkpointer=Checkpointer(out_dir / "checkpoints", keep=cfg.train.keep_checkpoints,
-                                  save_concurrent_gb=write_bound_gb(cfg.train.save_concurrent_gb, state)),
+                                  save_concurrent_gb=write_bound_gb(cfg.train.save_concurrent_gb,
+                                                                     (state, None if critic is None else critic.state))),
         metrics=MetricsWriter(out_dir), out_dir=out_dir, mesh=mesh, state_sharding=state_sharding,
         batch_sharding=batch_sharding, base_params=None if lora_spec is None else params, lora_spec=lora_spec,
-        merge_fn=merge_fn)
+        merge_fn=merge_fn, critic=critic)
+
+
+def make_critic(cfg: RunConfig, model_config, policy_params, mesh, batch_sharding) -> Critic:
+    """The value model of PPO with a critic: its trunk from the policy's parameters (under LoRA the base's) or
+    from `critic.source`, placed like a policy on the run's mesh."""
+    critic_config, trunk = critic_trunk(cfg.critic, model_config, policy_params, param_dtype=cfg.model.param_dtype,
+                                        load=lambda source: load_policy(source, param_dtype=cfg.model.param_dtype))
+    if trunk is not policy_params and mesh is not None:
+        trunk = place(trunk, param_shardings(trunk, mesh))
+    return setup_critic(cfg.critic, cfg.optim, critic_config, trunk, mesh=mesh, batch_sharding=batch_sharding)
 
 
 def merge_policy(base, adapters, scale: float, dtype: str):

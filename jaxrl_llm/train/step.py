@@ -89,6 +89,56 @@ def loss_fn(params, model_config, algo: AlgorithmSection, micro: TrainBatch, den
     return total, metrics
 
 
+def micro_shardings(batch_sharding: Any) -> Any:
+    """The shardings of `split_micro`'s output: the scan axis whole, each micro-batch's rows split like the
+    batch's (None without a mesh)."""
+    if batch_sharding is None:
+        return None
+    return jax.tree_util.tree_map(lambda s: NamedSharding(s.mesh, P(None, *s.spec)), batch_sharding,
+                                  is_leaf=lambda x: isinstance(x, NamedSharding))
+
+
+METRIC_SUMS = ("policy_loss", "kl", "entropy", "clip_fraction", "tokens")  # loss_fn's metrics, summed
+
+
+def summed_grads(grad_fn, params, micro, metric_keys, grad_sharding: Any = None):
+    """(loss, metric sums, gradients) of `grad_fn(params, *xs) -> ((loss, metrics), grads)` summed over the
+    micro-batches xs of `micro` (a tuple of trees with a leading micro-batch axis). Each micro-batch's loss
+    already carries the whole mini-batch's 1/denom, so the sums are the mini-batch's loss and gradient.
+    Gradients come back in the parameters' dtype; `grad_sharding` places the f32 accumulator like them."""
+    if jax.tree_util.tree_leaves(micro)[0].shape[0] == 1:  # one micro-batch: no scan, no zero-filled accumulator
+        (loss, msum), grads = grad_fn(params, *jax.tree_util.tree_map(lambda x: x[0], micro))
+    else:
+        def accumulate(carry, xs):
+            grads, loss_sum, metric_sum = carry
+            (loss, metrics), g = grad_fn(params, *xs)
+            grads = jax.tree_util.tree_map(jnp.add, grads, g)
+            metric_sum = jax.tree_util.tree_map(jnp.add, metric_sum, metrics)
+            return (grads, loss_sum + loss, metric_sum), None
+
+        zeros = jax.tree_util.tree_map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+        if grad_sharding is not None:  # an f32 gradient buffer per device, split like the parameters
+            zeros = jax.lax.with_sharding_constraint(zeros, grad_sharding)
+        metric_zeros = {k: jnp.zeros((), jnp.float32) for k in metric_keys}
+        (grads, loss, msum), _ = jax.lax.scan(accumulate, (zeros, jnp.zeros((), jnp.float32), metric_zeros), micro)
+    return loss, msum, jax.tree_util.tree_map(lambda g, p: g.astype(p.dtype), grads, params)
+
+
+def apply_if_finite(optimizer: optax.GradientTransformation, state: TrainState, grads, loss):
+    """(new state, grad norm, finite): one optimizer update, or the state unchanged when the loss or the
+    gradient norm is not finite."""
+    grad_norm = optax.tree.norm(grads)
+    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+
+    def update(state):
+        updates, new_opt = optimizer.update(grads, state.opt_state, state.params)
+        return TrainState(params=optax.apply_updates(state.params, updates), opt_state=new_opt, step=state.step + 1)
+
+    # A conditional rather than a select over every leaf: the skipped branch reads nothing, and the
+    # taken one updates the donated buffers in place (a select re-reads old and new state).
+    return jax.lax.cond(finite, update, lambda state: state, state), grad_norm, finite
+
+
 def make_train_step(model_config, algo: AlgorithmSection, optimizer: optax.GradientTransformation, *,
                     micro_batch_size: int, state_sharding: Any = None, batch_sharding: Any = None, seed: int = 0,
                     frozen: Any = None, frozen_sharding: Any = None, lora_scale: float = 1.0):
@@ -112,11 +162,7 @@ def make_train_step(model_config, algo: AlgorithmSection, optimizer: optax.Gradi
     (never donated, so it can also serve as the reference policy).
     """
     replicated = _replicated(state_sharding, batch_sharding)
-    micro_sharding = None
-    if batch_sharding is not None:  # the scan axis stays whole; the rows of a micro-batch keep the split
-        micro_sharding = jax.tree_util.tree_map(
-            lambda s: NamedSharding(s.mesh, P(None, *s.spec)), batch_sharding,
-            is_leaf=lambda x: isinstance(x, NamedSharding))
+    micro_sharding = micro_shardings(batch_sharding)
 
     def step(state: TrainState, batch: TrainBatch, denom: jax.Array, base: Any = None):
         selected = cov_tokens(algo, batch, jax.random.fold_in(jax.random.PRNGKey(seed), state.step))
@@ -131,37 +177,9 @@ def make_train_step(model_config, algo: AlgorithmSection, optimizer: optax.Gradi
             return loss_fn(policy, model_config, algo, mb, denom, mb_selected)
 
         grad_fn = jax.value_and_grad(trained_loss, has_aux=True)
-
-        if micro.tokens.shape[0] == 1:  # one micro-batch: no scan and no zero-filled gradient accumulator
-            first = jax.tree_util.tree_map(lambda x: x[0], (micro, micro_selected))
-            (loss, msum), grads = grad_fn(state.params, *first)
-        else:
-            def accumulate(carry, xs):
-                grads, loss_sum, metric_sum = carry
-                (loss, metrics), g = grad_fn(state.params, *xs)
-                grads = jax.tree_util.tree_map(jnp.add, grads, g)
-                metric_sum = jax.tree_util.tree_map(jnp.add, metric_sum, metrics)
-                return (grads, loss_sum + loss, metric_sum), None
-
-            zeros = jax.tree_util.tree_map(lambda p: jnp.zeros(p.shape, jnp.float32), state.params)
-            if state_sharding is not None:  # an f32 gradient buffer per device, split like the parameters
-                zeros = jax.lax.with_sharding_constraint(zeros, state_sharding.params)
-            metric_zeros = {k: jnp.zeros((), jnp.float32)
-                            for k in ("policy_loss", "kl", "entropy", "clip_fraction", "tokens")}
-            (grads, loss, msum), _ = jax.lax.scan(accumulate, (zeros, jnp.zeros((), jnp.float32), metric_zeros),
-                                                  (micro, micro_selected))
-        grads = jax.tree_util.tree_map(lambda g, p: g.astype(p.dtype), grads, state.params)
-        grad_norm = optax.tree.norm(grads)
-        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-
-        def update(state):
-            updates, new_opt = optimizer.update(grads, state.opt_state, state.params)
-            return TrainState(params=optax.apply_updates(state.params, updates), opt_state=new_opt,
-                              step=state.step + 1)
-
-        # A conditional rather than a select over every leaf: the skipped branch reads nothing, and the
-        # taken one updates the donated buffers in place (a select re-reads old and new state).
-        new_state = jax.lax.cond(finite, update, lambda state: state, state)
+        loss, msum, grads = summed_grads(grad_fn, state.params, (micro, micro_selected), METRIC_SUMS,
+                                         None if state_sharding is None else state_sharding.params)
+        new_state, grad_norm, finite = apply_if_finite(optimizer, state, grads, loss)
         tokens = jnp.maximum(msum["tokens"], 1.0)
         metrics = {"loss": loss, "policy_loss": msum["policy_loss"], "kl": msum["kl"], "entropy": msum["entropy"],
                    "clip_fraction": msum["clip_fraction"] / tokens, "grad_norm": grad_norm,
