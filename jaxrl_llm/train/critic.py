@@ -27,7 +27,7 @@ from jaxrl_llm.models.sharding import param_shardings
 from jaxrl_llm.train.config import ConfigError, CriticSection, OptimSection
 from jaxrl_llm.train.packing import TrainBatch
 from jaxrl_llm.train.state import TrainState, init_state, make_optimizer, state_shardings
-from jaxrl_llm.train.step import (_replicated, apply_if_finite, micro_shardings, split_micro,
+from jaxrl_llm.train.step import (_replicated, apply_if_finite, jit_packed_pass, micro_shardings, split_micro,
                                   summed_grads)
 
 CRITIC_METRIC_SUMS = ("value_loss", "value_clip_fraction", "tokens")
@@ -113,13 +113,8 @@ def make_value_fn(model_config, *, param_sharding: Any = None, batch_sharding: A
     """Jitted `(params, batch) -> values [G, S, R]` of a packed batch (the critic's values of a rollout); with
     shardings the values come back replicated."""
 
-    def values(params, batch):
-        return response_values(params, model_config, batch)
-
-    replicated = _replicated(param_sharding, batch_sharding)
-    if replicated is None:
-        return jax.jit(values)
-    return jax.jit(values, in_shardings=(param_sharding, batch_sharding), out_shardings=replicated)
+    return jit_packed_pass(lambda params, batch: response_values(params, model_config, batch),
+                           param_sharding=param_sharding, batch_sharding=batch_sharding)
 
 
 def critic_optimizer(critic: CriticSection, optim: OptimSection) -> optax.GradientTransformation:

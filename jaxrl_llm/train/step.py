@@ -211,13 +211,17 @@ def make_logprob_fn(model_config, *, param_sharding: Any = None, batch_sharding:
     With shardings, params and batch are taken as placed and the log-probs come back replicated (every
     process can read them: they are small, and the host unpacks them)."""
 
-    def logprob(params, batch):
-        return response_logprobs(params, model_config, batch)
+    return jit_packed_pass(lambda params, batch: response_logprobs(params, model_config, batch),
+                           param_sharding=param_sharding, batch_sharding=batch_sharding)
 
+
+def jit_packed_pass(fn, *, param_sharding: Any = None, batch_sharding: Any = None):
+    """`fn(params, batch)` jitted; with shardings, params and batch are taken as placed and the result comes
+    back replicated."""
     replicated = _replicated(param_sharding, batch_sharding)
     if replicated is None:
-        return jax.jit(logprob)
-    return jax.jit(logprob, in_shardings=(param_sharding, batch_sharding), out_shardings=replicated)
+        return jax.jit(fn)
+    return jax.jit(fn, in_shardings=(param_sharding, batch_sharding), out_shardings=replicated)
 
 
 def _replicated(*shardings) -> NamedSharding | None:
