@@ -71,6 +71,12 @@ ARMS = {
     # The update-count control: the authors' verl scripts give the GVM arm about 8x the optimizer updates of
     # the uniform n = 8 arm; this arm gives uniform sampling 8 updates per step.
     "uniform_updates": (False, ["optim.mini_batches=8"]),
+    # The step-size control: one update per step at 8x the learning rate moves the weights about as far as 8
+    # updates at the base rate (AdamW steps are ~lr each), without the extra updates.
+    "uniform_lr8x": (False, ["optim.lr=1.6e-4"]),
+    "gvm_mstep_lr8x": (True, ["algorithm.agg=prompt-mean-unbiased", "optim.lr=1.6e-4"]),
+    # GVM with n_i capped at 32 (4x the mean budget), the excess spread over the other prompts.
+    "gvm_capped": (True, ["sampling.gvm_max_samples=32"]),
     # p_i, G_i from the prompt's earlier visits: stage 1 only for unseen prompts and probes of unsolved ones.
     "gvm_history": (True, ["sampling.gvm_estimates=history"]),
     "gvm_mstep_history": (True, ["sampling.gvm_estimates=history", "algorithm.agg=prompt-mean-unbiased"]),
@@ -84,6 +90,15 @@ ARMS = {
     "gvm_history_reuse_updates_n4": (True, ["sampling.gvm_estimates=history", "optim.mini_batches=8",
                                             "sampling.gvm_samples_per_prompt=4", "sampling.gvm_stage1_samples=4",
                                             "sampling.gvm_reuse_stage1=true"]),
+    "uniform_updates_n2": (False, ["optim.mini_batches=8", "sampling.samples_per_prompt=2"]),
+    # Stage 2's budget only for the prompts with an accepted sample in their history (`gvm_budget: solvable`):
+    # the samples uniform sampling spends on never-solved prompts, which RAFT++ rejects, are not drawn; an
+    # unsolved prompt is probed at its first two visits only. GVM's weights, or even ones (`_even`).
+    **{f"gvm_history_solvable{even}_n{n}": (True, [
+        "sampling.gvm_estimates=history", "optim.mini_batches=8", f"sampling.gvm_samples_per_prompt={n}",
+        f"sampling.gvm_stage1_samples={n}", "sampling.gvm_reuse_stage1=true", "sampling.gvm_budget=solvable",
+        "sampling.gvm_history_probe_visits=2", *(["sampling.gvm_weighting=solved"] if even else [])])
+       for even in ("", "_even") for n in (2, 4)},
 }
 
 
@@ -102,6 +117,8 @@ def run_config(algorithm: str, arm: str | bool, seed: int, args, out_dir: pathli
     # stage-2 budget, so it draws somewhat more than the budget; results compare at equal samples drawn.
     stage1 = s.gvm_stage1_samples if s.gvm_estimates == "stage1" else 0
     per_step = s.prompts_per_step * ((stage1 + s.gvm_samples_per_prompt) if gvm else s.samples_per_prompt)
+    if gvm and s.gvm_budget == "solvable":  # steps counted as if 60% of the prompts were solvable (the hard
+        per_step *= 0.6                     # mix: 50-65%), so the run draws about the budget; compare at samples
     steps = max(1, args.sample_budget // per_step)
     eval_every = max(1, round(args.eval_every_samples / per_step))
     return load_config(preset, [*overrides, f"train.steps={steps}", f"train.eval_every={eval_every}",

@@ -13,6 +13,7 @@ from jaxrl_llm import models
 from jaxrl_llm.train.config import ConfigError, SamplingSection, load_config
 from jaxrl_llm.train.gvm import (
     allocate_samples,
+    stage2_budget,
     cap_counts,
     gvm_rollouts,
     mean_norms,
@@ -147,6 +148,22 @@ def test_allocation_gives_unsolved_prompts_nothing_and_sums_to_budget():
     np.testing.assert_array_equal(allocate_samples(np.array([0.5, 0.0, 0.1, 1.0]), np.ones(4),
                                                    SamplingSection(gvm_samples_per_prompt=4, gvm_weighting="solved")),
                                   [6, 0, 5, 5])
+
+
+def test_solvable_budget_spends_only_on_prompts_with_an_accepted_sample():
+    p = np.array([0.0, 0.25, 0.5, 0.0, 0.125])
+    g = np.array([0.0, 2.0, 1.0, 0.0, 3.0])
+    # 3 prompts with p > 0, N'' = 8: a budget of 24 instead of 40, split by the same GVM weights.
+    assert stage2_budget(p, SamplingSection(gvm_samples_per_prompt=8, gvm_budget="solvable")) == 24
+    assert stage2_budget(p, SamplingSection(gvm_samples_per_prompt=8)) == 40
+    n = allocate_samples(p, g, SamplingSection(gvm_samples_per_prompt=8, gvm_budget="solvable"))
+    w = np.array([0.0, 2 / np.sqrt(0.25 + 4e-3), 1 / np.sqrt(0.5 + 2e-3), 0.0, 3 / np.sqrt(0.125 + 8e-3)])
+    assert n.sum() == 24 and n[0] == n[3] == 0 and np.all(np.abs(n - w / w.sum() * 24) < 1.0)
+    # With even weights it is uniform sampling of the solvable prompts: 8 each.
+    even = allocate_samples(p, g, SamplingSection(gvm_samples_per_prompt=8, gvm_budget="solvable",
+                                                  gvm_weighting="solved"))
+    np.testing.assert_array_equal(even, [0, 8, 8, 0, 8])
+    assert allocate_samples(np.zeros(3), np.zeros(3), SamplingSection(gvm_budget="solvable")).sum() == 0
 
 
 def test_cap_redistributes_the_excess():

@@ -41,6 +41,26 @@ def test_probe_counts_and_json_round_trip():
     assert again == history
     with pytest.raises(ValueError, match="gvm_history is malformed"):
         GvmHistory.from_json({"decay": 0.5, "entries": {"a": [1, 2]}})
+    # A checkpoint written before the visit count (5 numbers per entry) counts one visit.
+    old = GvmHistory.from_json({"decay": 0.5, "entries": {"unsolved": [0, 8, 0, 0, 3]}})
+    assert old.entries["unsolved"] == [0, 8, 0, 0, 3, 1]
+
+
+def test_probes_stop_after_the_configured_unsolved_visits():
+    records = [{"id": "hard"}, {"id": "easy"}, {"id": "late"}]
+    history = GvmHistory(decay=0.5)
+    # Visit 0: stage 1 (4 each); a probe and stage 2 in the same visit count once.
+    history.observe(records, accepted=[0, 2, 0], drawn=[4, 4, 4], norm_sum=[0] * 3, norm_count=[0] * 3, visit=0)
+    history.observe(records, accepted=[0, 1, 0], drawn=[0, 4, 0], norm_sum=[0] * 3, norm_count=[0] * 3, visit=0)
+    assert [history.entries[k][5] for k in ("hard", "easy", "late")] == [1, 1, 1]
+    np.testing.assert_array_equal(history.probe_counts(records, 4, 2, probe_visits=2), [2, 0, 2])
+    # Visit 5: both unsolved prompts probed; "late" is solved at last.
+    history.observe(records, accepted=[0, 0, 1], drawn=[2, 0, 2], norm_sum=[0] * 3, norm_count=[0] * 3, visit=5)
+    assert [history.entries[k][5] for k in ("hard", "easy", "late")] == [2, 1, 2]
+    # "hard": 2 visits, never solved -> no more probes with probe_visits = 2; still probed without a limit.
+    np.testing.assert_array_equal(history.probe_counts(records, 4, 2, probe_visits=2), [0, 0, 0])
+    np.testing.assert_array_equal(history.probe_counts(records, 4, 2, probe_visits=3), [2, 0, 0])
+    np.testing.assert_array_equal(history.probe_counts(records, 4, 2), [2, 0, 0])
 
 
 def test_second_visit_skips_stage1_for_solved_prompts(params):  # noqa: F811 (fixture)
@@ -76,6 +96,10 @@ def test_config_keys_are_checked():
         load_config(None, ["sampling.gvm_history_decay=1.5"])
     with pytest.raises(ConfigError, match=r"'sampling.gvm_history_probe' must be >= 0"):
         load_config(None, ["sampling.gvm_history_probe=-1"])
+    with pytest.raises(ConfigError, match=r"'sampling.gvm_history_probe_visits' must be >= 0"):
+        load_config(None, ["sampling.gvm_history_probe_visits=-1"])
+    with pytest.raises(ConfigError, match="gvm_budget"):
+        load_config(None, ["sampling.gvm_budget=all"])
 
 
 def test_loop_keeps_the_history_across_steps_and_resume(tmp_path, monkeypatch, bundled_policy):  # noqa: F811

@@ -121,6 +121,10 @@ class SamplingSection:
     gvm_estimates: str = "stage1"
     gvm_history_decay: float = 0.5  # weight of a prompt's older visits against its newest one (history)
     gvm_history_probe: int = 2  # stage-1 samples for a prompt unsolved at every visit so far (history); 0: none
+    gvm_history_probe_visits: int = 0  # no more probes once a prompt was drawn at this many visits, never solved; 0: no limit
+    # Stage 2's budget: "prompts", N'' x the step's prompts (the paper); "solvable", N'' x the prompts with
+    # p_i > 0, so the samples a uniform step would spend on prompts never solved are not drawn at all.
+    gvm_budget: str = "prompts"
 
 
 @dataclass(frozen=True)
@@ -258,6 +262,7 @@ _ALLOWED = {
     ("sampling", "allocation"): {"uniform", "gvm"},
     ("sampling", "gvm_weighting"): {"gvm", "solved"},
     ("sampling", "gvm_estimates"): {"stage1", "history"},
+    ("sampling", "gvm_budget"): {"prompts", "solvable"},
     ("algorithm", "advantage"): {"raft", "grpo", "drgrpo", "rloo", "reinforce_rej", "reinforce_pp",
                                  "reinforce_pp_baseline", "gae"},
     ("algorithm", "loss"): {"clip", "vanilla", "gspo", "gspo_token", "cispo", "clip_cov", "kl_cov"},
@@ -441,6 +446,8 @@ def validate(config: RunConfig) -> None:
         ("sampling.gvm_refresh_every", config.sampling.gvm_refresh_every >= 1, "must be >= 1"),
         ("sampling.gvm_history_decay", 0 <= config.sampling.gvm_history_decay <= 1, "must be in [0, 1]"),
         ("sampling.gvm_history_probe", config.sampling.gvm_history_probe >= 0, "must be >= 0 (0: no probe)"),
+        ("sampling.gvm_history_probe_visits", config.sampling.gvm_history_probe_visits >= 0,
+         "must be >= 0 (0: no limit)"),
         ("sampling.gvm_rows_per_chunk", config.sampling.gvm_rows_per_chunk >= 0,
          "must be >= 0 (0: optim.micro_batch_size rows at a time)"),
         ("sampling.gvm_param_subset", bool(config.sampling.gvm_param_subset.strip(", ")),

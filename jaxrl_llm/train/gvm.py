@@ -7,6 +7,7 @@ One GVM iteration over P prompts:
   norms     G_i = mean over prompt i's accepted samples y of || d/dW ( -sum_t log pi(y_t | x, y_<t) ) ||_2,
             W a configurable parameter subset (default the token-embedding matrix); G_i = 0 if none accepted
   allocate  n_i = gvm_allocate(p, G, budget = P x N''), optionally capped at `gvm_max_samples`
+            (`gvm_budget: solvable`: budget = N'' x the prompts with p_i > 0)
   stage 2   draw n_i fresh samples of prompt i (or reuse up to N' stage-1 samples) -> one group per prompt
 
 The prompts with n_i = 0 are dropped from the update. When every n_i is 0 (no prompt has an accepted
@@ -216,12 +217,19 @@ def allocation_weights(accept_rate: np.ndarray, grad_norm: np.ndarray, *, alpha:
     return np.where(usable, g / np.sqrt(safe_p + alpha / safe_p ** (beta - 1.0)), 0.0)
 
 
+def stage2_budget(accept_rate: np.ndarray, sampling: SamplingSection) -> int:
+    """Stage 2's sample budget: gvm_samples_per_prompt x the prompts (`gvm_budget: prompts`) or x the prompts
+    with p_i > 0 (`gvm_budget: solvable`)."""
+    prompts = int(np.sum(np.asarray(accept_rate) > 0)) if sampling.gvm_budget == "solvable" else len(accept_rate)
+    return prompts * sampling.gvm_samples_per_prompt
+
+
 def allocate_samples(accept_rate: np.ndarray, grad_norm: np.ndarray, sampling: SamplingSection) -> np.ndarray:
-    """n_i for stage 2: `gvm_allocate` with budget = P x gvm_samples_per_prompt and the configured alpha, beta
+    """n_i for stage 2: `gvm_allocate` with the budget of `stage2_budget` and the configured alpha, beta
     and filters, then the optional cap `gvm_max_samples` (see `cap_counts`). int64 [P]. With
     `gvm_weighting: solved` the budget is split evenly over the prompts with p_i > 0 instead (GVM's filter
     without its weighting; the other filters and the cap do not apply)."""
-    budget = len(accept_rate) * sampling.gvm_samples_per_prompt
+    budget = stage2_budget(accept_rate, sampling)
     if sampling.gvm_weighting == "solved":  # equal weights on the solved prompts, gvm_allocate's rounding
         solved = (np.asarray(accept_rate) > 0).astype(np.float32)
         return np.asarray(gvm_allocate(solved, solved, budget), np.int64)
@@ -280,7 +288,7 @@ def gvm_rollouts(params, model_config, tokenizer, records: list[dict], sampling:
 
     n1 = sampling.gvm_stage1_samples
     probe = (np.full(len(records), n1, np.int64) if history is None
-             else history.probe_counts(records, n1, sampling.gvm_history_probe))
+             else history.probe_counts(records, n1, sampling.gvm_history_probe, sampling.gvm_history_probe_visits))
     stage1 = draw(n1 if history is None else probe, jax.random.fold_in(rng, 0))
     accepted = np.bincount(stage1.prompt_index, weights=stage1.correct.astype(np.float64), minlength=len(records))
     if history is None:
@@ -335,7 +343,7 @@ def allocation_log(accept_rate, grad_norm, counts, sampling: SamplingSection, st
         "gvm_p": [round(float(p), 6) for p in accept_rate],
         "gvm_grad_norm": [round(float(g), 6) for g in grad_norm],
         "gvm_n": [int(n) for n in counts],
-        "gvm_budget": len(counts) * sampling.gvm_samples_per_prompt,
+        "gvm_budget": stage2_budget(accept_rate, sampling),
         "gvm_n_mean": float(counts.mean()) if counts.size else 0.0,
         "gvm_n_max": int(counts.max()) if counts.size else 0,
         "gvm_zero_fraction": float((counts == 0).mean()) if counts.size else 0.0,

@@ -7,7 +7,9 @@ they are kept per prompt and stage 1 runs only where they are missing or say not
 
   prompt never seen             N' stage-1 samples (as in stage1 mode)
   solved at an earlier visit    no stage-1 sample: p_i, G_i from the history
-  unsolved so far               `gvm_history_probe` samples (0: never drawn again once unsolved)
+  unsolved so far               `gvm_history_probe` samples (0: never drawn again once unsolved), and
+                                none once it has been drawn at `gvm_history_probe_visits` visits
+                                without an accepted sample (0: probed at every visit)
 
 Each visit's counts join the history with the older ones discounted by `gvm_history_decay`:
 p_i = (a + d a_old) / (m + d m_old) over accepted a of m drawn, and G_i the same discounted mean of the
@@ -30,8 +32,9 @@ def prompt_key(record: dict) -> str:
 
 @dataclass
 class GvmHistory:
-    """Per prompt: discounted accepted and drawn counts, and the discounted sum and count of accepted samples'
-    gradient norms. `entries[key] = [accepted, drawn, norm_sum, norm_count, last_visit]`."""
+    """Per prompt: discounted accepted and drawn counts, the discounted sum and count of accepted samples'
+    gradient norms, the last visit that drew it and how many visits drew it.
+    `entries[key] = [accepted, drawn, norm_sum, norm_count, last_visit, visits]`."""
 
     decay: float = 0.5
     entries: dict[str, list[float]] = field(default_factory=dict)
@@ -53,18 +56,22 @@ class GvmHistory:
             if drawn[i] <= 0:
                 continue
             key = prompt_key(record)
-            old = self.entries.get(key)
-            if old is None:
-                old = [0.0, 0.0, 0.0, 0.0, visit]
-            elif old[4] != visit:
-                old = [self.decay * v for v in old[:4]] + [visit]
+            old = self.entries.get(key, [0.0, 0.0, 0.0, 0.0, visit, 0.0])
+            new_visit = old[5] == 0 or old[4] != visit
+            if old[4] != visit:
+                old = [self.decay * v for v in old[:4]] + old[4:]
             self.entries[key] = [old[0] + float(accepted[i]), old[1] + float(drawn[i]),
-                                 old[2] + float(norm_sum[i]), old[3] + float(norm_count[i]), visit]
+                                 old[2] + float(norm_sum[i]), old[3] + float(norm_count[i]), visit,
+                                 old[5] + float(new_visit)]
 
-    def probe_counts(self, records: list[dict], stage1_samples: int, probe_samples: int) -> np.ndarray:
-        """Stage-1 samples per prompt: N' where unseen, 0 where solved before, `probe_samples` where unsolved."""
+    def probe_counts(self, records: list[dict], stage1_samples: int, probe_samples: int,
+                     probe_visits: int = 0) -> np.ndarray:
+        """Stage-1 samples per prompt: N' where unseen, 0 where solved before, `probe_samples` where unsolved
+        at fewer than `probe_visits` visits so far (every visit when 0), else 0."""
         seen, p, _ = self.estimates(records)
-        return np.where(~seen, stage1_samples, np.where(p > 0, 0, probe_samples)).astype(np.int64)
+        visits = np.array([self.entries[prompt_key(r)][5] if s else 0 for r, s in zip(records, seen)])
+        probe = probe_samples * ((probe_visits <= 0) | (visits < probe_visits))
+        return np.where(~seen, stage1_samples, np.where(p > 0, 0, probe)).astype(np.int64)
 
     def to_json(self) -> dict:
         return {"decay": self.decay, "entries": self.entries}
@@ -73,10 +80,12 @@ class GvmHistory:
     def from_json(cls, data: dict) -> "GvmHistory":
         try:
             entries = {str(k): [float(x) for x in v] for k, v in data["entries"].items()}
-            if any(len(v) != 5 for v in entries.values()):
-                raise ValueError("each entry must be [accepted, drawn, norm_sum, norm_count, last_visit]")
+            if any(len(v) not in (5, 6) for v in entries.values()):
+                raise ValueError("each entry must be [accepted, drawn, norm_sum, norm_count, last_visit, visits]")
+            # Checkpoints written before the visit count: at least the one visit that made the entry.
+            entries = {k: v if len(v) == 6 else [*v, 1.0] for k, v in entries.items()}
             return cls(decay=float(data["decay"]), entries=entries)
         except (KeyError, TypeError, ValueError, AttributeError) as error:
             raise ValueError(f"checkpoint's gvm_history is malformed ({error}); expected "
-                             "{'decay': d, 'entries': {prompt_key: [accepted, drawn, norm_sum, norm_count, visit]}}"
+                             "{'decay': d, 'entries': {prompt_key: [accepted, drawn, norm_sum, norm_count, last_visit, visits]}}"
                              ) from error
