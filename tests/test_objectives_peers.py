@@ -8,6 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxrl_llm.train.algorithms import explained_variance
+
 from jaxrl_llm.objectives import (
     ADVANTAGE_ESTIMATORS,
     AGG_MODES,
@@ -201,6 +203,12 @@ def test_value_loss_explained_variance():
     assert float(perfect["explained_variance"]) == pytest.approx(1.0)
     assert float(constant["explained_variance"]) == pytest.approx(0.0, abs=1e-6)
     assert float(half["explained_variance"]) == pytest.approx(1 - 0.25 / 1.25, rel=1e-5)
+    # Returns far from 0 with a small spread (3000 + the values above): E[R^2] - E[R]^2 in float32 loses the
+    # variance of 1.25 to rounding; the centred form keeps the same 0.8 as the float64 reference.
+    offset = returns + 3000.0
+    _, shifted = value_loss(offset + np.array([[0.5, -0.5, 0.5, -0.5]], np.float32), offset, offset, mask)
+    reference = explained_variance(offset.astype(np.float64), offset + np.array([[0.5, -0.5, 0.5, -0.5]]), mask)
+    assert reference == pytest.approx(0.8) and float(shifted["explained_variance"]) == pytest.approx(0.8, abs=1e-3)
 
 
 @pytest.mark.parametrize("mode", AGG_MODES)

@@ -100,8 +100,13 @@ def value_loss_terms(values, old_values, returns, mask, *, clip: float | None = 
         return safe_divide(jnp.sum(jnp.where(on, x, 0.0) * mask), count)
 
     values_sg = jax.lax.stop_gradient(values)
-    residual_var = masked_mean(jnp.square(returns - values_sg)) - jnp.square(masked_mean(returns - values_sg))
-    returns_var = masked_mean(jnp.square(returns)) - jnp.square(masked_mean(returns))
+
+    def masked_var(x):  # centred, in float32 at least: E[x^2] - E[x]^2 loses a small variance to rounding
+        x = x.astype(jnp.promote_types(x.dtype, jnp.float32))
+        return masked_mean(jnp.square(x - masked_mean(x)))
+
+    residual_var = masked_var(returns - values_sg)
+    returns_var = masked_var(returns)
     metrics = {
         "value_clip_frac": masked_mean(clipped_wins.astype(values.dtype)),
         "value_mean": masked_mean(values_sg),
