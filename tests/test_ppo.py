@@ -2,6 +2,7 @@
 unpacked rows, micro-batching, the host-side token rewards / whitening / GAE against loops, the preset, config
 errors, and a bitwise resume of policy and critic."""
 
+import functools
 import json
 import pathlib
 import sys
@@ -243,8 +244,8 @@ def test_config_errors_name_the_key(overrides, message):
 
 def test_critic_source_errors_name_the_key(tmp_path):
     policy = models.init_params(UNTIED, jax.random.PRNGKey(0))
-    config, trunk = critic_trunk(CriticSection(), UNTIED, policy, param_dtype="float32")
-    assert config is UNTIED and trunk is policy
+    config, trunk, head = critic_trunk(CriticSection(), UNTIED, policy, param_dtype="float32")
+    assert config is UNTIED and trunk is policy and head is None
     with pytest.raises(ConfigError, match="'critic.source'='nowhere.bin' is neither 'policy'"):
         critic_trunk(CriticSection(source="nowhere.bin"), UNTIED, policy, param_dtype="float32")
     other = UNTIED.replace(vocab_size=70)
@@ -252,9 +253,9 @@ def test_critic_source_errors_name_the_key(tmp_path):
         critic_trunk(CriticSection(source=str(tmp_path)), UNTIED, policy, param_dtype="float32",
                      load=lambda source: (other, None, None))
     bigger = UNTIED.replace(hidden_size=48, remat=True)
-    config, params = critic_trunk(CriticSection(source=str(tmp_path)), UNTIED, "weights", param_dtype="bfloat16",
-                                  load=lambda source: (bigger, "its weights", None))
-    assert params == "its weights" and config.hidden_size == 48 and config.param_dtype == "bfloat16"
+    config, params, head = critic_trunk(CriticSection(source=str(tmp_path)), UNTIED, "weights",
+                                        param_dtype="bfloat16", load=lambda source: (bigger, "its weights", None))
+    assert params == "its weights" and head is None and config.hidden_size == 48 and config.param_dtype == "bfloat16"
     assert config.remat == UNTIED.remat  # runtime keys follow the policy's
 
 
@@ -265,6 +266,32 @@ def test_resume_with_or_without_critic_names_the_key(tmp_path):
     with pytest.raises(ValueError, match="algorithm.advantage: checkpoint 'gae', this run 'grpo'"):
         check_state_layout(load_config(None, []), saved, tmp_path)
     check_state_layout(load_config(None, ["algorithm.advantage=gae", "critic.lr=1e-3"]), saved, tmp_path)
+
+
+def test_critic_export_is_a_transformers_token_classifier_and_loads_back(tmp_path):
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    params = _critic_params(3)
+    folder = models.save_hf_value(tmp_path / "critic", UNTIED, params)
+    assert models.is_hf_value_model(folder) and not models.is_hf_value_model(tmp_path)
+    tokens = np.array([[5, 17, 3, 40, 22, 9, 1]], np.int32)
+    positions = np.arange(tokens.shape[1], dtype=np.int32)[None]
+    ours = ValueModel(UNTIED).apply({"params": params}, jnp.asarray(tokens), jnp.asarray(positions))
+    reference = transformers.AutoModelForTokenClassification.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        theirs = reference(torch.from_numpy(tokens.astype(np.int64))).logits[..., 0].numpy()
+    assert type(reference).__name__ == "LlamaForTokenClassification"
+    np.testing.assert_allclose(np.asarray(ours).reshape(theirs.shape), theirs, atol=2e-5)
+    config, loaded = models.load_hf_value(folder)
+    for path, value in jax.tree_util.tree_leaves_with_path(params):  # bitwise round trip, head included
+        np.testing.assert_array_equal(np.asarray(value), np.asarray(
+            functools.reduce(lambda tree, key: tree[key.key], path, loaded)), err_msg=jax.tree_util.keystr(path))
+    # critic.source = the folder: its trunk and its trained head, not a zero head.
+    _, trunk, head = critic_trunk(CriticSection(source=str(folder)), UNTIED, None, param_dtype="float32")
+    np.testing.assert_array_equal(np.asarray(head["kernel"]), np.asarray(params["value_head"]["kernel"]))
+    assert "lm_head" not in trunk and config.tie_word_embeddings is False
+    with pytest.raises(ValueError, match="not a one-label token classifier"):
+        models.load_hf_value(models.save_hf(tmp_path / "policy", UNTIED, models.init_params(UNTIED, jax.random.PRNGKey(0))))
 
 
 def _saved_states(out_dir, step):
@@ -308,3 +335,7 @@ def test_ppo_resume_is_bitwise_equal_to_uninterrupted(tmp_path):
         assert {"explained_variance", "value_loss", "value_grad_norm", "value_clip_fraction"} <= set(row)
         assert row["explained_variance"] <= 1.0
     assert rows[-1]["value_grad_norm"] > 0
+    # The trained critic is exported beside the policy, and reads back equal to the last checkpoint's.
+    _, exported = models.load_hf_value(straight / "final_critic")
+    np.testing.assert_array_equal(np.asarray(exported["value_head"]["kernel"]),
+                                  np.asarray(want["critic"]["params"]["value_head"]["kernel"]))

@@ -9,7 +9,8 @@ import importlib
 import importlib.util
 
 from jaxrl_llm.models.config import ModelConfig
-from jaxrl_llm.models.hf_io import load_hf, params_from_hf, params_to_hf, save_hf
+from jaxrl_llm.models.hf_io import (is_hf_value_model, load_hf, load_hf_value, params_from_hf, params_to_hf, save_hf,
+                                    save_hf_value)
 from jaxrl_llm.models.model import (
     KVCache,
     forward,
@@ -34,6 +35,7 @@ _LAZY = {
 __all__ = [
     "ModelConfig", "init_params", "forward", "forward_cached", "hidden_states", "output_logits",
     "KVCache", "init_cache", "params_from_hf", "params_to_hf", "load_hf", "save_hf",
+    "load_hf_value", "save_hf_value", "is_hf_value_model",
     *(name for name, module in _LAZY.items() if importlib.util.find_spec(module) is not None),
 ]
 

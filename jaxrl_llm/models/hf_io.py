@@ -228,8 +228,14 @@ def load_hf(path, dtype=None) -> tuple[ModelConfig, Params]:
     config = _read_config(directory, dtype)
     files = _text_model_files(_weight_files(directory))
     _check_names(config, files.keys(), str(directory))
+    return config, params_from_hf(config, _read_tensors(files, hf_tensor_shapes(config)))
+
+
+def _read_tensors(files: dict[str, tuple[pathlib.Path, str]], shapes: dict[str, tuple[int, ...]]) -> dict:
+    """The tensors named in `shapes` (HF name -> expected shape), one file open at a time; errors name the
+    file and the missing or mis-shaped tensor."""
     names_by_file: dict[pathlib.Path, list[str]] = {}
-    for name in hf_tensor_shapes(config):
+    for name in shapes:
         names_by_file.setdefault(files[name][0], []).append(name)
     tensors = {}
     for file, names in names_by_file.items():
@@ -239,9 +245,12 @@ def load_hf(path, dtype=None) -> tuple[ModelConfig, Params]:
                 stored = files[name][1]
                 if stored not in present:
                     raise ValueError(f"{file}: missing tensor {stored!r} listed in {INDEX_FILE}")
-                _check_shape(config, name, handle.get_slice(stored).get_shape(), str(file))
+                shape = tuple(handle.get_slice(stored).get_shape())
+                if shape != tuple(shapes[name]):
+                    raise ValueError(f"{file}: tensor {name!r} has shape {shape} but the config implies "
+                                     f"{tuple(shapes[name])}")
                 tensors[name] = _get_tensor(handle, file, stored)
-    return config, params_from_hf(config, tensors)
+    return tensors
 
 
 def save_hf(path, config: ModelConfig, params: Params, tokenizer=None) -> pathlib.Path:
@@ -257,3 +266,68 @@ def save_hf(path, config: ModelConfig, params: Params, tokenizer=None) -> pathli
     if tokenizer is not None:
         tokenizer.save_pretrained(str(directory))
     return directory
+
+
+# ---- value models (PPO's critic) as transformers' token classifiers ------------------------------------------
+
+VALUE_HEAD_TENSORS = ("score.weight", "score.bias")  # [1, hidden] and [1]: XForTokenClassification's head
+
+
+def _value_architecture(config: ModelConfig) -> str:
+    return config.architecture.replace("ForCausalLM", "ForTokenClassification")
+
+
+def is_hf_value_model(path) -> bool:
+    """Whether `path` is a folder written by `save_hf_value` (or any one-label XForTokenClassification)."""
+    config_path = pathlib.Path(path) / CONFIG_FILE
+    try:
+        raw = json.loads(config_path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return False
+    return (any(str(a).endswith("ForTokenClassification") for a in raw.get("architectures") or [])
+            and raw.get("num_labels", len(raw.get("id2label") or {0: ""})) == 1)
+
+
+def save_hf_value(path, config: ModelConfig, params: Params, tokenizer=None) -> pathlib.Path:
+    """Write a value model, `{"trunk": decoder parameters without lm_head, "value_head": {"kernel": [D, 1],
+    "bias": [1]}}` (models.flax_modules.ValueModel's parameters), as transformers'
+    `<Family>ForTokenClassification` with one label: the trunk's tensors under "model." as in `save_hf`, the
+    head as "score" (weight [1, D], bias [1]). Its per-token logits are the values, so
+    `AutoModelForTokenClassification.from_pretrained(path)(ids).logits[..., 0]` is V at every position
+    (transformers has no Gemma 3 token classifier; `load_hf_value` reads every family)."""
+    directory = pathlib.Path(path)
+    directory.mkdir(parents=True, exist_ok=True)
+    trunk_config = config.replace(tie_word_embeddings=True)  # the trunk's tree: no lm_head whatever the model
+    tensors = params_to_hf(trunk_config, params["trunk"])
+    head = params["value_head"]
+    tensors["score.weight"] = np.ascontiguousarray(np.asarray(head["kernel"], np.float32).T)
+    tensors["score.bias"] = np.asarray(head["bias"], np.float32).reshape(1)
+    hf_config = {**config.to_hf_dict(), "architectures": [_value_architecture(config)], "num_labels": 1,
+                 "id2label": {"0": "value"}, "label2id": {"value": 0}, "classifier_dropout": 0.0}
+    (directory / CONFIG_FILE).write_text(json.dumps(hf_config, indent=2) + "\n")
+    save_file(tensors, str(directory / WEIGHTS_FILE), metadata={"format": "pt"})
+    if tokenizer is not None:
+        tokenizer.save_pretrained(str(directory))
+    return directory
+
+
+def load_hf_value(path, dtype=None) -> tuple[ModelConfig, Params]:
+    """(ModelConfig, value parameters {"trunk", "value_head"}) from a folder of `save_hf_value` (or a one-label
+    XForTokenClassification of a supported family). The head stays float32; `dtype` sets the trunk's."""
+    directory = pathlib.Path(path)
+    config = _read_config(directory, dtype)
+    if not is_hf_value_model(directory):
+        raise ValueError(f"{directory / CONFIG_FILE}: not a one-label token classifier (architectures "
+                         "<Family>ForTokenClassification, num_labels 1), the form of an exported critic")
+    files = _text_model_files(_weight_files(directory))
+    trunk_config = config.replace(tie_word_embeddings=True)
+    trunk_names = [n for n in files if n not in VALUE_HEAD_TENSORS and n != "lm_head.weight"]
+    _check_names(trunk_config, trunk_names, str(directory))
+    missing = [n for n in VALUE_HEAD_TENSORS if n not in files]
+    if missing:
+        raise ValueError(f"{directory}: missing tensor {missing[0]!r}: the value head of a token classifier")
+    shapes = {**hf_tensor_shapes(trunk_config), "score.weight": (1, config.hidden_size), "score.bias": (1,)}
+    tensors = _read_tensors(files, shapes)
+    head = {"kernel": jnp.asarray(np.asarray(tensors.pop("score.weight"), np.float32).T),
+            "bias": jnp.asarray(np.asarray(tensors.pop("score.bias"), np.float32))}
+    return config, {"trunk": params_from_hf(trunk_config, tensors), "value_head": head}

@@ -189,7 +189,8 @@ class CriticSection:
     micro_batch_size apply to it too. Checkpoints hold its parameters and optimizer state."""
 
     # Where the trunk's weights come from: "policy" (a copy of the policy's at the start of the run), or
-    # "bundled", an HF folder or a .gguf file of a model with the policy's vocabulary. The head starts at zero.
+    # "bundled", an HF folder or a .gguf file of a model with the policy's vocabulary (the head starts at zero),
+    # or a trained critic's folder (a run's final_critic/: its head too).
     source: str = "policy"
     lr: float = 1e-5  # the critic's peak learning rate
     warmup_steps: int = 0  # linear warmup of the critic's learning rate from 0, in optimizer updates

@@ -45,14 +45,15 @@ class Critic:
     state_sharding: Any = None
 
 
-def value_params(trunk_params, model_config) -> dict:
+def value_params(trunk_params, model_config, head=None) -> dict:
     """Value-model parameters on `trunk_params` (a policy's tree; its lm_head is dropped), copied so the
-    critic's update, which donates its state, leaves the source arrays alive. The head starts at zero: every
-    value is 0 at first, and the first advantages are the returns themselves."""
+    critic's update, which donates its state, leaves the source arrays alive. The head is `head` (a trained
+    critic's) or zero: every value is 0 at first, and the first advantages are the returns themselves."""
     trunk = {name: jax.tree_util.tree_map(jnp.copy, value) for name, value in trunk_params.items()
              if name != "lm_head"}
-    head = {"kernel": jnp.zeros((model_config.hidden_size, 1), jnp.float32), "bias": jnp.zeros((1,), jnp.float32)}
-    return {"trunk": trunk, "value_head": head}
+    if head is None:
+        head = {"kernel": jnp.zeros((model_config.hidden_size, 1), jnp.float32), "bias": jnp.zeros((1,), jnp.float32)}
+    return {"trunk": trunk, "value_head": jax.tree_util.tree_map(lambda x: jnp.array(x, jnp.float32), head)}
 
 
 def response_values(params, config, batch: TrainBatch) -> jax.Array:
@@ -124,31 +125,38 @@ def critic_optimizer(critic: CriticSection, optim: OptimSection) -> optax.Gradie
 
 
 def critic_trunk(critic: CriticSection, policy_config, policy_params, *, param_dtype: str, load=None):
-    """(ModelConfig, trunk parameters) of the critic: the policy's own for source "policy", else the model at
-    `critic.source` loaded by `load(source)` -> (ModelConfig, params, tokenizer) (`setup.load_policy`), which
-    must read the policy's tokens (the same vocabulary size)."""
+    """(ModelConfig, trunk parameters, head or None) of the critic: the policy's own for source "policy"; a
+    trained critic's trunk and head for a folder written at the end of a PPO run (`final_critic/`,
+    `models.save_hf_value`); else the model at `critic.source` loaded by `load(source)` -> (ModelConfig,
+    params, tokenizer) (`setup.load_policy`), with a new head. It must read the policy's tokens (the same
+    vocabulary size)."""
     if critic.source == "policy":
-        return policy_config, policy_params
+        return policy_config, policy_params, None
     path = pathlib.Path(critic.source).expanduser()
     if critic.source != "bundled" and not (path.is_dir() or path.suffix == ".gguf"):
         raise ConfigError(f"config key 'critic.source'={critic.source!r} is neither 'policy', 'bundled', an HF "
                           f"model folder nor a .gguf file")
-    config, params, _ = load(critic.source)
+    head = None
+    if path.is_dir() and models.is_hf_value_model(path):
+        config, value = models.load_hf_value(path, dtype=param_dtype)
+        params, head = value["trunk"], value["value_head"]
+    else:
+        config, params, _ = load(critic.source)
     if config.vocab_size != policy_config.vocab_size:
         raise ConfigError(f"config key 'critic.source'={critic.source!r}: its vocabulary has {config.vocab_size} "
                           f"tokens, the policy's {policy_config.vocab_size}; the critic reads the policy's tokens")
     config = config.replace(param_dtype=param_dtype, compute_dtype=policy_config.compute_dtype,
                             remat=policy_config.remat, remat_policy=policy_config.remat_policy,
                             attention_block_size=policy_config.attention_block_size)
-    return config, params
+    return config, params, head
 
 
 def setup_critic(critic: CriticSection, optim: OptimSection, model_config, trunk_params, *, mesh=None,
-                 batch_sharding: Any = None) -> Critic:
+                 batch_sharding: Any = None, head=None) -> Critic:
     """The critic of a run: value parameters on `trunk_params` (already placed on `mesh` by the model's
-    partition rules; the head is replicated), its optimizer state, update and value pass."""
+    partition rules; the head, `head` or zero, is replicated), its optimizer state, update and value pass."""
     optimizer = critic_optimizer(critic, optim)
-    make_state = lambda trunk: init_state(value_params(trunk, model_config), optimizer)  # noqa: E731
+    make_state = lambda trunk: init_state(value_params(trunk, model_config, head), optimizer)  # noqa: E731
     state_sharding = param_sharding = None
     if mesh is None:
         state = make_state(trunk_params)

@@ -115,8 +115,12 @@ def _train(run: Run, resume: bool, log) -> dict[str, Any]:
     export_dir = run.out_dir / "final"
     params = host_values(run.policy_params())  # a collective: every process takes part
     adapters = host_values(run.state.params) if run.lora_spec is not None else None
+    critic = host_values(run.critic.state.params) if run.critic is not None else None
     if jax.process_index() == 0:
         models.save_hf(export_dir, run.model_config, params, tokenizer=run.tokenizer)
+        if critic is not None:  # a token classifier with one label; critic.source takes it to continue
+            models.save_hf_value(run.out_dir / "final_critic", run.critic.model_config, critic)
+            summary["critic_dir"] = str(run.out_dir / "final_critic")
         if adapters is not None:  # beside, not inside, final/: transformers would apply an adapter it finds there
             save_peft(run.out_dir / "final_adapter", run.lora_spec, adapters, base_model=cfg.model.source)
             summary["adapter_dir"] = str(run.out_dir / "final_adapter")

@@ -228,11 +228,13 @@ def setup_run(config: RunConfig, *, policy=None) -> Run:
 def make_critic(cfg: RunConfig, model_config, policy_params, mesh, batch_sharding) -> Critic:
     """The value model of PPO with a critic: its trunk from the policy's parameters (under LoRA the base's) or
     from `critic.source`, placed like a policy on the run's mesh."""
-    critic_config, trunk = critic_trunk(cfg.critic, model_config, policy_params, param_dtype=cfg.model.param_dtype,
-                                        load=lambda source: load_policy(source, param_dtype=cfg.model.param_dtype))
+    critic_config, trunk, head = critic_trunk(
+        cfg.critic, model_config, policy_params, param_dtype=cfg.model.param_dtype,
+        load=lambda source: load_policy(source, param_dtype=cfg.model.param_dtype))
     if trunk is not policy_params and mesh is not None:
         trunk = place(trunk, param_shardings(trunk, mesh))
-    return setup_critic(cfg.critic, cfg.optim, critic_config, trunk, mesh=mesh, batch_sharding=batch_sharding)
+    return setup_critic(cfg.critic, cfg.optim, critic_config, trunk, mesh=mesh, batch_sharding=batch_sharding,
+                        head=head)
 
 
 def merge_policy(base, adapters, scale: float, dtype: str):
