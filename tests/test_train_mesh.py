@@ -1,4 +1,4 @@
-"""The train step, the log-prob pass, the RL loop and GVM's allocation (per-sample gradient norms, n_i,
+"""The train step, the log-prob pass, the RL loop, PPO with its critic and GVM's allocation (per-sample gradient norms, n_i,
 the update) on a simulated 8-device CPU mesh (data=2, fsdp=2, tensor=2) give the single-device results.
 The checks run in a subprocess (this file run as a script) because the device count is fixed when JAX
 starts."""
@@ -62,6 +62,22 @@ def test_train_loop_on_mesh_equals_single_device():
     assert r["final_param_diff"] < 1e-4, r
     assert r["ref_on_mesh"] and r["state_on_mesh"], r
     assert r["restored_step"] == 3 and r["restored_shardings"] and r["restored_equals_export"], r
+
+
+@pytest.mark.slow
+def test_ppo_with_critic_on_mesh_equals_single_device():
+    r = _child("ppo")
+    single, sharded = r["single"], r["mesh"]
+    assert len(single["rows"]) == len(sharded["rows"]) == 2
+    for a, b in zip(single["rows"], sharded["rows"]):
+        for key in ("reward", "accuracy", "response_length"):
+            assert a[key] == b[key], (key, a, b)
+        for key in ("loss", "policy_loss", "grad_norm", "value_loss", "value_grad_norm", "explained_variance"):
+            assert abs(a[key] - b[key]) <= 1e-4 * max(1.0, abs(a[key])), (key, a, b)
+    assert single["rows"][-1]["value_grad_norm"] > 0, single  # the critic trained
+    # The critic's trunk is sharded by the model's rules like the policy's; its exported weights agree.
+    assert r["critic_on_mesh"] and r["critic_spec"] == "P(None, 'fsdp', 'tensor')", r
+    assert r["critic_param_diff"] < 1e-4 and r["policy_param_diff"] < 1e-4, r
 
 
 @pytest.mark.slow
@@ -245,6 +261,53 @@ def _loop_checks() -> dict:
             "restored_equals_export": bool(np.array_equal(np.asarray(final["embed"]), exported))}
 
 
+def _ppo_checks() -> dict:
+    """Two PPO steps with a critic (value pass, GAE, policy and critic updates), single-device and on the mesh."""
+    import jax
+    import numpy as np
+    from safetensors.numpy import load_file
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    from loop_runner import TINY_RUN, tiny_policy
+
+    import jaxrl_llm.train.loop as loop_lib
+    from jaxrl_llm.train import load_config
+    from jaxrl_llm.train import setup as setup_lib
+    from jaxrl_llm.train.loop import train
+
+    original_setup, seen, out = setup_lib.setup_run, {}, {}
+
+    def recording_setup(config, *, policy=None):
+        run = original_setup(config, policy=policy)
+        if run.mesh is None:
+            return run
+        trunk = run.critic.state.params["trunk"]
+        seen["on_mesh"] = all(len(x.sharding.device_set) == 8 for x in jax.tree_util.tree_leaves(run.critic.state))
+        seen["spec"] = _spec_name(trunk["layers"]["q_proj"].sharding)
+        return run
+
+    loop_lib.setup_run = recording_setup
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, extra in (("single", []), ("mesh", [f"train.mesh={MESH}"])):
+            run_dir = pathlib.Path(tmp) / name
+            overrides = TINY_RUN + [f"train.out_dir={run_dir}", "train.steps=2", "train.eval_problems=0",
+                                    "algorithm.advantage=gae", "algorithm.kl_reward_coef=0.05", "critic.lr=1e-3",
+                                    "optim.mini_batches=2", *extra]
+            train(load_config(None, overrides), policy=tiny_policy(), log=lambda *a: None)
+            rows = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines() if l.strip()]
+            out[name] = {"rows": [r for r in rows if "accuracy" in r],
+                         "policy": load_file(str(run_dir / "final" / "model.safetensors")),
+                         "critic": load_file(str(run_dir / "final_critic" / "model.safetensors"))}
+
+    def diff(key):
+        return max(float(np.abs(out["single"][key][k].astype(np.float64) - v).max())
+                   for k, v in out["mesh"][key].items())
+
+    return {"single": {"rows": out["single"]["rows"]}, "mesh": {"rows": out["mesh"]["rows"]},
+            "critic_on_mesh": seen["on_mesh"], "critic_spec": seen["spec"], "critic_param_diff": diff("critic"),
+            "policy_param_diff": diff("policy")}
+
+
 def _gvm_checks() -> dict:
     """One GVM step (stage 1, per-sample gradient norms, allocation, stage 2, update) single-device and on
     the mesh, with a stub verifier whose verdict depends on the prompt's gold answer. top_k=2: the sampler
@@ -308,5 +371,5 @@ def _gvm_checks() -> dict:
 
 
 if __name__ == "__main__":
-    result = {"step": _step_checks, "loop": _loop_checks, "gvm": _gvm_checks}[sys.argv[1]]()
+    result = {"step": _step_checks, "loop": _loop_checks, "gvm": _gvm_checks, "ppo": _ppo_checks}[sys.argv[1]]()
     print("RESULT", json.dumps(result), flush=True)
