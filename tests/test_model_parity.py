@@ -7,7 +7,8 @@ import pytest
 
 pytest.importorskip("torch")
 
-from tiny_models import FAMILIES, VOCAB_SIZE, load_torch_model, tiny_hf_config, torch_logits  # noqa: E402
+from tiny_models import (FAMILIES, load_torch_model, position_ids, random_tokens,  # noqa: E402
+                         tiny_hf_config, torch_logits)
 
 from jaxrl_llm.models import (  # noqa: E402
     forward,
@@ -33,18 +34,10 @@ def family_model(request, tiny_checkpoint):
     return config, params, load_torch_model(path)
 
 
-def _tokens(batch, length, seed=0):
-    return np.random.RandomState(seed).randint(3, VOCAB_SIZE, size=(batch, length)).astype(np.int32)
-
-
-def _arange(batch, length, start=0):
-    return np.tile(np.arange(start, start + length, dtype=np.int32), (batch, 1))
-
-
 def test_full_forward_matches_transformers(family_model):
     config, params, torch_model = family_model
-    tokens = _tokens(2, 13)
-    ours = np.asarray(forward_jit(params, config, tokens, _arange(2, 13)))
+    tokens = random_tokens(2, 13)
+    ours = np.asarray(forward_jit(params, config, tokens, position_ids(2, 13)))
     ref = torch_logits(torch_model, tokens)
     assert np.abs(ref).max() > 1.0  # the random model has logits worth comparing
     assert np.abs(ours - ref).max() <= TOL
@@ -52,7 +45,7 @@ def test_full_forward_matches_transformers(family_model):
 
 def test_left_padded_batch_matches_transformers(family_model):
     config, params, torch_model = family_model
-    tokens = _tokens(2, 10, seed=1)
+    tokens = random_tokens(2, 10, seed=1)
     mask = np.ones_like(tokens)
     mask[1, :4] = 0  # row 1 is left-padded with 4 pads
     positions = np.maximum(np.cumsum(mask, axis=1) - 1, 0).astype(np.int32)
@@ -68,8 +61,8 @@ def test_hidden_states_match_transformers_last_hidden_state(family_model):
     import torch
 
     config, params, torch_model = family_model
-    tokens = _tokens(1, 7, seed=2)
-    hidden = hidden_states(params, config, tokens, _arange(1, 7))
+    tokens = random_tokens(1, 7, seed=2)
+    hidden = hidden_states(params, config, tokens, position_ids(1, 7))
     with torch.no_grad():
         ref = torch_model(torch.as_tensor(tokens, dtype=torch.long), output_hidden_states=True)
     # transformers' last hidden state is taken after the final norm, as ours.
@@ -81,35 +74,35 @@ def test_hidden_states_match_transformers_last_hidden_state(family_model):
 
 def test_token_by_token_decoding_matches_full_forward(family_model):
     config, params, torch_model = family_model
-    tokens = _tokens(2, 9, seed=3)
+    tokens = random_tokens(2, 9, seed=3)
     ref = torch_logits(torch_model, tokens)
     cache = init_cache(config, batch=2, max_len=CACHE_LEN)
     for t in range(tokens.shape[1]):
-        logits, cache = forward_cached_jit(params, config, tokens[:, t:t + 1], _arange(2, 1, start=t), cache)
+        logits, cache = forward_cached_jit(params, config, tokens[:, t:t + 1], position_ids(2, 1, start=t), cache)
         assert np.abs(np.asarray(logits[:, 0]) - ref[:, t]).max() <= TOL, f"step {t}"
 
 
 def test_prefill_chunk_then_decode_matches_full_forward(family_model):
     config, params, torch_model = family_model
-    tokens = _tokens(2, 11, seed=4)
+    tokens = random_tokens(2, 11, seed=4)
     ref = torch_logits(torch_model, tokens)
     cache = init_cache(config, batch=2, max_len=CACHE_LEN)
-    logits, cache = forward_cached_jit(params, config, tokens[:, :6], _arange(2, 6), cache)
+    logits, cache = forward_cached_jit(params, config, tokens[:, :6], position_ids(2, 6), cache)
     assert np.abs(np.asarray(logits) - ref[:, :6]).max() <= TOL
     for t in range(6, 11):
-        logits, cache = forward_cached_jit(params, config, tokens[:, t:t + 1], _arange(2, 1, start=t), cache)
+        logits, cache = forward_cached_jit(params, config, tokens[:, t:t + 1], position_ids(2, 1, start=t), cache)
         assert np.abs(np.asarray(logits[:, 0]) - ref[:, t]).max() <= TOL, f"step {t}"
 
 
 def test_rows_at_different_positions_in_one_batch(family_model):
     """Right-padded prefill of prompts of lengths 3 and 6, then decode with per-row positions."""
     config, params, torch_model = family_model
-    full = _tokens(2, 9, seed=5)
+    full = random_tokens(2, 9, seed=5)
     lengths = [3, 6]
     prompt = full[:, :6].copy()
     prompt[0, 3:] = 0  # pad tokens write slots 3..5 of row 0; decode must overwrite them first
     cache = init_cache(config, batch=2, max_len=CACHE_LEN)
-    logits, cache = forward_cached_jit(params, config, prompt, _arange(2, 6), cache)
+    logits, cache = forward_cached_jit(params, config, prompt, position_ids(2, 6), cache)
     for row, length in enumerate(lengths):
         ref = torch_logits(torch_model, full[row:row + 1, :length])[0]
         assert np.abs(np.asarray(logits[row, :length]) - ref).max() <= TOL
@@ -125,18 +118,18 @@ def test_rows_at_different_positions_in_one_batch(family_model):
 
 def test_cache_slots_beyond_the_position_are_ignored(family_model):
     config, params, _ = family_model
-    tokens = _tokens(2, 6, seed=6)
+    tokens = random_tokens(2, 6, seed=6)
     clean = init_cache(config, batch=2, max_len=CACHE_LEN)
     rng = np.random.RandomState(0)
     dirty = type(clean)(*(jnp.asarray(rng.normal(size=c.shape) * 10, c.dtype) for c in clean))
-    a, cache_a = forward_cached_jit(params, config, tokens, _arange(2, 6), clean)
-    b, cache_b = forward_cached_jit(params, config, tokens, _arange(2, 6), dirty)
+    a, cache_a = forward_cached_jit(params, config, tokens, position_ids(2, 6), clean)
+    b, cache_b = forward_cached_jit(params, config, tokens, position_ids(2, 6), dirty)
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     # the chunk wrote exactly slots 0..5; later slots keep what was there
     np.testing.assert_array_equal(np.asarray(cache_a.k[:, :, :6]), np.asarray(cache_b.k[:, :, :6]))
     np.testing.assert_array_equal(np.asarray(cache_b.k[:, :, 6:]), np.asarray(dirty.k[:, :, 6:]))
     # positions past the cache end are dropped, not wrapped or clamped onto the last slot
-    _, cache_c = forward_cached_jit(params, config, tokens, _arange(2, 6, start=CACHE_LEN - 2), clean)
+    _, cache_c = forward_cached_jit(params, config, tokens, position_ids(2, 6, start=CACHE_LEN - 2), clean)
     written = np.any(np.asarray(cache_c.k) != 0, axis=(0, 3, 4))  # [B, S]
     assert written[:, CACHE_LEN - 2:].all() and not written[:, :CACHE_LEN - 2].any()
 
@@ -160,11 +153,11 @@ def test_llama3_rope_frequencies_match_transformers():
 
 def test_bfloat16_forward_is_close_to_float32(tiny_checkpoint):
     config, params = load_hf(tiny_checkpoint("qwen3"))
-    tokens = _tokens(2, 10, seed=7)
-    f32 = np.asarray(forward_jit(params, config, tokens, _arange(2, 10)))
+    tokens = random_tokens(2, 10, seed=7)
+    f32 = np.asarray(forward_jit(params, config, tokens, position_ids(2, 10)))
     bf16_config = config.replace(param_dtype="bfloat16", compute_dtype="bfloat16")
     bf16_params = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
-    bf16 = forward_jit(bf16_params, bf16_config, tokens, _arange(2, 10))
+    bf16 = forward_jit(bf16_params, bf16_config, tokens, position_ids(2, 10))
     assert bf16.dtype == jnp.float32
     bf16 = np.asarray(bf16)
     assert np.all(np.isfinite(bf16))
@@ -174,10 +167,10 @@ def test_bfloat16_forward_is_close_to_float32(tiny_checkpoint):
 
 def test_remat_gives_same_logits_and_gradients(tiny_checkpoint):
     config, params = load_hf(tiny_checkpoint("llama"))
-    tokens = _tokens(1, 6, seed=8)
+    tokens = random_tokens(1, 6, seed=8)
 
     def loss(p, cfg):
-        return jnp.mean(forward(p, cfg, tokens, _arange(1, 6)) ** 2)
+        return jnp.mean(forward(p, cfg, tokens, position_ids(1, 6)) ** 2)
 
     loss_and_grad = jax.jit(jax.value_and_grad(loss), static_argnums=1)
     plain_loss, plain_grad = loss_and_grad(params, config)

@@ -11,8 +11,8 @@ import pytest
 
 pytest.importorskip("torch")
 
-from tiny_models import (VOCAB_SIZE, WINDOWED_FAMILIES, load_torch_model, torch_logits,  # noqa: E402
-                         transformers_greedy)
+from tiny_models import (WINDOWED_FAMILIES, load_torch_model, position_ids, random_tokens,  # noqa: E402
+                         torch_logits, transformers_greedy)
 
 from jaxrl_llm.models import (ModelConfig, forward, forward_cached, hidden_states, init_cache, load_hf,  # noqa: E402
                               save_hf)
@@ -35,14 +35,6 @@ def family_model(request, tiny_checkpoint):
     return config, params, load_torch_model(path)
 
 
-def _tokens(batch, length, seed=0):
-    return np.random.RandomState(seed).randint(3, VOCAB_SIZE, size=(batch, length)).astype(np.int32)
-
-
-def _arange(batch, length, start=0):
-    return np.tile(np.arange(start, start + length, dtype=np.int32), (batch, 1))
-
-
 def test_config_reads_the_family_settings(family_model):
     config, _, _ = family_model
     expected = {
@@ -60,14 +52,14 @@ def test_config_reads_the_family_settings(family_model):
 
 def test_full_forward_matches_transformers(family_model):
     config, params, torch_model = family_model
-    tokens = _tokens(2, LENGTH)
-    ours = np.asarray(forward_jit(params, config, tokens, _arange(2, LENGTH)))
+    tokens = random_tokens(2, LENGTH)
+    ours = np.asarray(forward_jit(params, config, tokens, position_ids(2, LENGTH)))
     ref = torch_logits(torch_model, tokens)
     assert np.abs(ref).max() > 1.0
     assert np.abs(ours - ref).max() <= TOL
     # The window is in effect: attending to every earlier key gives other logits after position 4.
     unwindowed = np.asarray(forward_jit(params, config.replace(sliding_window=None, layer_types=None), tokens,
-                                        _arange(2, LENGTH)))
+                                        position_ids(2, LENGTH)))
     assert np.abs(unwindowed - ref)[:, 6:].max() > 1e-2
 
 
@@ -75,8 +67,8 @@ def test_full_forward_matches_transformers(family_model):
                                      dict(attention_block_size=4, remat=True, remat_policy="dots")])
 def test_unrolled_remat_and_blocked_forward_match_transformers(family_model, variant):
     config, params, torch_model = family_model
-    tokens = _tokens(2, LENGTH, seed=2)
-    ours = np.asarray(forward_jit(params, config.replace(**variant), tokens, _arange(2, LENGTH)))
+    tokens = random_tokens(2, LENGTH, seed=2)
+    ours = np.asarray(forward_jit(params, config.replace(**variant), tokens, position_ids(2, LENGTH)))
     assert np.abs(ours - torch_logits(torch_model, tokens)).max() <= TOL
 
 
@@ -84,8 +76,8 @@ def test_hidden_states_match_transformers_last_hidden_state(family_model):
     import torch
 
     config, params, torch_model = family_model
-    tokens = _tokens(1, LENGTH, seed=3)
-    ours = np.asarray(hidden_jit(params, config, tokens, _arange(1, LENGTH)))
+    tokens = random_tokens(1, LENGTH, seed=3)
+    ours = np.asarray(hidden_jit(params, config, tokens, position_ids(1, LENGTH)))
     with torch.no_grad():
         ref = torch_model.model(input_ids=torch.as_tensor(tokens, dtype=torch.long)).last_hidden_state.numpy()
     assert np.abs(ours - ref).max() <= TOL * max(1.0, np.abs(ref).max())
@@ -94,28 +86,28 @@ def test_hidden_states_match_transformers_last_hidden_state(family_model):
 def test_packed_row_equals_separate_rows(family_model):
     """A prompt (segment 0) then two responses (segments 1, 2) that restart their positions after it."""
     config, params, _ = family_model
-    prompt, first, second = _tokens(1, 5, 4)[0], _tokens(1, 7, 5)[0], _tokens(1, 6, 6)[0]
+    prompt, first, second = random_tokens(1, 5, 4)[0], random_tokens(1, 7, 5)[0], random_tokens(1, 6, 6)[0]
     tokens = np.concatenate([prompt, first, second])[None]
     segments = np.array([[0] * 5 + [1] * 7 + [2] * 6], np.int32)
     positions = np.array([list(range(5)) + list(range(5, 12)) + list(range(5, 11))], np.int32)
     packed = np.asarray(hidden_states(params, config, tokens, positions, segment_ids=segments))[0]
     for response, start in ((first, 5), (second, 12)):
         row = np.concatenate([prompt, response])[None]
-        alone = np.asarray(hidden_jit(params, config, row, _arange(1, row.shape[1])))[0]
+        alone = np.asarray(hidden_jit(params, config, row, position_ids(1, row.shape[1])))[0]
         np.testing.assert_allclose(packed[start:start + len(response)], alone[5:], atol=1e-5)
     np.testing.assert_allclose(packed[:5], alone[:5], atol=1e-5)
 
 
 def test_kv_cache_token_by_token_matches_transformers(family_model):
     config, params, torch_model = family_model
-    tokens = _tokens(2, LENGTH, seed=7)
+    tokens = random_tokens(2, LENGTH, seed=7)
     ref = torch_logits(torch_model, tokens)
     cache = init_cache(config, 2, 16)
     step = jax.jit(forward_cached, static_argnums=1)
-    logits, cache = step(params, config, tokens[:, :3], _arange(2, 3), cache)  # a prefill chunk first
+    logits, cache = step(params, config, tokens[:, :3], position_ids(2, 3), cache)  # a prefill chunk first
     out = [np.asarray(logits)]
     for t in range(3, LENGTH):
-        logits, cache = step(params, config, tokens[:, t:t + 1], _arange(2, 1, t), cache)
+        logits, cache = step(params, config, tokens[:, t:t + 1], position_ids(2, 1, t), cache)
         out.append(np.asarray(logits))
     assert np.abs(np.concatenate(out, axis=1) - ref).max() <= TOL
 
@@ -126,7 +118,7 @@ def test_sampler_cache_token_by_token_matches_transformers(family_model):
     steps, each step's logits against the reference on the whole row."""
     config, params, torch_model = family_model
     lengths = np.array([3, 7], np.int32)
-    rows = _tokens(2, 7 + 8, seed=8)
+    rows = random_tokens(2, 7 + 8, seed=8)
     prompts = np.where(np.arange(8)[None] < lengths[:, None], np.pad(rows[:, :7], ((0, 0), (0, 1))), 0)
     logits, keys, values = jax.jit(prefill_cache, static_argnums=1)(params, config, jnp.asarray(prompts),
                                                                     jnp.asarray(lengths))
@@ -162,7 +154,7 @@ def test_logprob_pass_matches_transformers(family_model):
     import torch
 
     config, params, torch_model = family_model
-    tokens = _tokens(2, LENGTH, seed=9)
+    tokens = random_tokens(2, LENGTH, seed=9)
     prompt_lens = np.array([4, 6], np.int32)
     response = np.stack([tokens[r, prompt_lens[r]:prompt_lens[r] + 6] for r in range(2)])
     ours = np.asarray(row_logprobs(params, config, jnp.asarray(tokens), jnp.asarray(prompt_lens),
@@ -205,7 +197,7 @@ def test_soft_capped_chunked_logprobs_and_gradients_match_direct_autodiff(keep_l
 def test_save_hf_then_transformers_gives_the_same_logits(family_model, tmp_path):
     config, params, torch_model = family_model
     path = save_hf(tmp_path / config.model_type, config, params)
-    tokens = _tokens(2, LENGTH, seed=10)
+    tokens = random_tokens(2, LENGTH, seed=10)
     reloaded = load_torch_model(path)
     assert np.abs(torch_logits(reloaded, tokens) - torch_logits(torch_model, tokens)).max() <= TOL
     config_again, params_again = load_hf(path)
@@ -265,11 +257,11 @@ def test_image_text_gemma3_checkpoint_loads_its_text_model(tmp_path):
     model.save_pretrained(tmp_path / "gemma3")
     ours_config, params = load_hf(tmp_path / "gemma3")
     assert ours_config.model_type == "gemma3_text" and ours_config.layer_types == tuple(text.layer_types)
-    tokens = _tokens(1, LENGTH, seed=11)
+    tokens = random_tokens(1, LENGTH, seed=11)
     reloaded = transformers.Gemma3ForConditionalGeneration.from_pretrained(tmp_path / "gemma3", dtype=torch.float32,
                                                                           attn_implementation="eager").eval()
     ref = torch_logits(reloaded, tokens)
-    assert np.abs(np.asarray(forward_jit(params, ours_config, tokens, _arange(1, LENGTH))) - ref).max() <= TOL
+    assert np.abs(np.asarray(forward_jit(params, ours_config, tokens, position_ids(1, LENGTH))) - ref).max() <= TOL
 
 
 def test_sparse_hub_gemma3_config_gives_the_4b_text_model():

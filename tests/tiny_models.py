@@ -141,3 +141,17 @@ def torch_logits(model, tokens, positions=None, attention_mask=None):
         kwargs["attention_mask"] = torch.as_tensor(np.asarray(attention_mask), dtype=torch.long)
     with torch.no_grad():
         return model(**kwargs, use_cache=False).logits.float().numpy()
+
+
+def random_tokens(batch: int, length: int, seed: int = 0):
+    """int32 [batch, length] token ids in [3, VOCAB_SIZE) (ids below 3 are left to special tokens)."""
+    import numpy as np
+
+    return np.random.RandomState(seed).randint(3, VOCAB_SIZE, size=(batch, length)).astype(np.int32)
+
+
+def position_ids(batch: int, length: int, start: int = 0):
+    """int32 [batch, length]: start, start + 1, ... on every row."""
+    import numpy as np
+
+    return np.tile(np.arange(start, start + length, dtype=np.int32), (batch, 1))
