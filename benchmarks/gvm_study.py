@@ -90,7 +90,7 @@ ARMS = {
     "gvm_history_reuse_updates_n4": (True, ["sampling.gvm_estimates=history", "optim.mini_batches=8",
                                             "sampling.gvm_samples_per_prompt=4", "sampling.gvm_stage1_samples=4",
                                             "sampling.gvm_reuse_stage1=true"]),
-    "uniform_updates_n2": (False, ["optim.mini_batches=8", "sampling.samples_per_prompt=2"]),
+    **{f"uniform_updates_n{n}": (False, ["optim.mini_batches=8", f"sampling.samples_per_prompt={n}"]) for n in (1, 2)},
     # Stage 2's budget only for the prompts with an accepted sample in their history (`gvm_budget: solvable`):
     # the samples uniform sampling spends on never-solved prompts, which RAFT++ rejects, are not drawn; an
     # unsolved prompt is probed at its first two visits only. GVM's weights, or even ones (`_even`).
@@ -98,7 +98,7 @@ ARMS = {
         "sampling.gvm_estimates=history", "optim.mini_batches=8", f"sampling.gvm_samples_per_prompt={n}",
         f"sampling.gvm_stage1_samples={n}", "sampling.gvm_reuse_stage1=true", "sampling.gvm_budget=solvable",
         "sampling.gvm_history_probe_visits=2", *(["sampling.gvm_weighting=solved"] if even else [])])
-       for even in ("", "_even") for n in (2, 4)},
+       for even in ("", "_even") for n in (1, 2, 4)},
 }
 
 
@@ -166,6 +166,18 @@ def first_reaching(curve: list[dict], target: float) -> dict | None:
     return next((point for point in curve if point["accuracy"] >= target), None)
 
 
+def crossing(curve: list[dict], target: float, field: str = "samples") -> float | None:
+    """`field` where the curve first reaches `target`, linear between the evaluation before it and the first one
+    at or above it (evaluations every k samples otherwise round every arm up to a multiple of k)."""
+    for before, point in zip(curve, curve[1:]):
+        if point["accuracy"] >= target:
+            if before["accuracy"] >= target:
+                return float(before[field])
+            share = (target - before["accuracy"]) / (point["accuracy"] - before["accuracy"])
+            return float(before[field] + share * (point[field] - before[field]))
+    return float(curve[0][field]) if curve and curve[0]["accuracy"] >= target else None
+
+
 def summarise(results: list[dict], target: float, budget: float = float("inf")) -> dict:
     """Per arm: runs reaching `target` and the samples / steps / seconds they took, final accuracy, and the
     accuracy of the last evaluation at or below `budget` samples drawn."""
@@ -180,6 +192,8 @@ def summarise(results: list[dict], target: float, budget: float = float("inf")) 
                      for r in runs]
         table["/".join(key)] = {
             "seeds": len(runs), "reached_target": len(reached), "samples_to_target": mean("samples"),
+            "samples_to_target_interpolated": float(np.mean(
+                [c for c in (crossing(r["curve"], target) for r in runs) if c is not None])) if reached else None,
             "steps_to_target": mean("step"), "train_s_to_target": mean("train_s"),
             "final_accuracy_mean": float(np.mean(finals)), "final_accuracy_std": float(np.std(finals)),
             "samples_drawn": float(np.mean([r["samples_drawn"] for r in runs])),
@@ -187,16 +201,17 @@ def summarise(results: list[dict], target: float, budget: float = float("inf")) 
     return table
 
 
-def best_ratio(table: dict) -> dict:
+def best_ratio(table: dict, field: str = "samples_to_target") -> dict:
     """Per algorithm: samples to target of the best GVM arm (names starting "gvm") over the best other arm
-    (uniform sampling, its controls), with the arms named; None where either never reached the target."""
+    (uniform sampling, its controls), with the arms named; None where either never reached the target. Only
+    arms whose every seed reached the target compete."""
     out = {}
     for algorithm in sorted({key.split("/")[0] for key in table}):
         best = {}
         for family, is_gvm in (("gvm", True), ("uniform", False)):
-            arms = [(row["samples_to_target"], key.split("/")[1]) for key, row in table.items()
+            arms = [(row[field], key.split("/")[1]) for key, row in table.items()
                     if key.startswith(algorithm + "/") and key.split("/")[1].startswith("gvm") == is_gvm
-                    and row["samples_to_target"] is not None]
+                    and row[field] is not None and row["reached_target"] == row["seeds"]]
             best[family] = min(arms) if arms else None
         ratio = best["gvm"][0] / best["uniform"][0] if best["gvm"] and best["uniform"] else None
         out[algorithm] = {"best_gvm": best["gvm"] and best["gvm"][1],
@@ -277,8 +292,11 @@ def main() -> None:
 def report(results: list[dict], args, out: pathlib.Path) -> None:
     table = summarise(results, args.target, args.sample_budget)
     ratio = best_ratio(table)
+    interpolated = best_ratio(table, "samples_to_target_interpolated")
     (out / "results.json").write_text(json.dumps({"args": vars(args), "summary": table,
-                                                  "best_gvm_over_best_uniform": ratio, "runs": results}, indent=1))
+                                                  "best_gvm_over_best_uniform": ratio,
+                                                  "best_gvm_over_best_uniform_interpolated": interpolated,
+                                                  "runs": results}, indent=1))
     plot(results, out / "accuracy_vs_samples.png", args.target)
     for key, row in table.items():
         print(f"{key:16s} reached {row['reached_target']}/{row['seeds']}: samples {row['samples_to_target']}, "

@@ -394,6 +394,9 @@ def test_study_summary_counts_samples_to_target():
     assert table["raftpp/gvm"]["reached_target"] == 2
     assert table["raftpp/gvm"]["samples_to_target"] == 150.0 and table["raftpp/gvm"]["steps_to_target"] == 3.0
     assert table["raftpp/gvm"]["final_accuracy_mean"] == pytest.approx(0.6)
+    # Interpolated between evaluations: 0.1 -> 0.6 over samples 0 -> 100 crosses 0.5 at 80; 0.4 -> 0.5 at 200.
+    assert table["raftpp/gvm"]["samples_to_target_interpolated"] == pytest.approx(140.0)
+    assert study.crossing(curve([0.5, 0.6]), 0.5) == 0.0 and study.crossing(curve([0.1, 0.2]), 0.5) is None
     assert table["raftpp/uniform"]["reached_target"] == 0 and table["raftpp/uniform"]["samples_to_target"] is None
     assert study.best_ratio(table) == {"raftpp": {"best_gvm": "gvm", "best_uniform": None, "samples_ratio": None}}
     table["raftpp/uniform_updates"] = {**table["raftpp/gvm"], "samples_to_target": 100.0}
@@ -432,6 +435,11 @@ def test_study_arms_are_configs(tmp_path):
     assert cfg["gvm_history_updates"].optim.mini_batches == 8
     # The n = 4 arms: 4 x 4 = 16 samples a step, 40 steps in 640.
     assert cfg["uniform_updates_n4"].train.steps == cfg["gvm_history_updates_n4"].train.steps == 40
+    # Solvable-budget arms count steps at 60% of their stage-2 budget: 640 // (4 x 2 x 0.6) = 133 steps.
+    even = cfg["gvm_history_solvable_even_n2"]
+    assert (even.sampling.gvm_budget, even.sampling.gvm_weighting, even.train.steps) == ("solvable", "solved", 133)
+    assert even.sampling.gvm_history_probe_visits == 2 and cfg["gvm_history_solvable_n2"].sampling.gvm_weighting == "gvm"
+    assert cfg["uniform_lr8x"].optim.lr == 1.6e-4 and cfg["gvm_capped"].sampling.gvm_max_samples == 32
 
 
 def test_study_accuracy_at_budget_takes_the_last_evaluation_within_it():
