@@ -205,3 +205,34 @@ def test_two_training_steps_log_the_same_metrics_with_both_engines(tmp_path, mon
     assert calls and set(calls) == {3}  # both training steps and the evaluations used the continuous engine
     assert [r["step"] for r in rows["static"]] == [0, 1, 2, 2] and rows["static"][1]["samples_drawn"] == 4
     assert rows["continuous"] == rows["static"]
+
+
+@pytest.mark.parametrize("window", [None, 4])
+def test_decode_step_with_per_row_steps_and_shared_prompt_cache_matches_forward(window):
+    """Rows at different token steps (row 1 lags 3 steps behind row 0) reading prompt-cache entries 2 and 0 of 3:
+    every step's logits equal the full forward pass at position prompt_length + step (window 4: a ring of 4
+    response slots on every layer, wrapped around by 9 steps)."""
+    import jax.numpy as jnp
+
+    from jaxrl_llm.models import forward
+    from jaxrl_llm.sampling.decoder import RowCache, decode_step, empty_row_cache, prefill_cache, unstack_layers
+
+    extra = {} if window is None else dict(model_type="mistral", sliding_window=window, tie_word_embeddings=False)
+    config, params = _tiny(**extra)
+    lengths = np.array([5, 2, 7], np.int32)
+    sequences = np.random.default_rng(0).integers(0, VOCAB, size=(3, 7 + 9)).astype(np.int32)
+    prompts = np.where(np.arange(8) < lengths[:, None], np.pad(sequences[:, :7], ((0, 0), (0, 1))), 0)
+    _, keys, values = prefill_cache(params, config, jnp.asarray(prompts), jnp.asarray(lengths))
+    rows = np.array([2, 0], np.int32)  # row b continues prompt rows[b]
+    empty = empty_row_cache(config, 2, 1, 16)
+    cache = RowCache(tuple(keys), tuple(values), empty.response_k, empty.response_v)
+    layers = unstack_layers(params)
+    step_fn = jax.jit(lambda c, tok, s: decode_step(params, layers, config, tok, jnp.asarray(lengths[rows]), s, c,
+                                                    prompt_rows=jnp.asarray(rows)))
+    reference = np.asarray(forward(params, config, jnp.asarray(sequences), jnp.arange(16)[None]))
+    for t in range(9):
+        steps = np.array([t, max(t - 3, 0)], np.int32)  # row 1 redoes step 0 three times: same token, same slot
+        fed = sequences[rows, lengths[rows] + steps]
+        logits, cache = step_fn(cache, jnp.asarray(fed), jnp.asarray(steps))
+        want = reference[rows, lengths[rows] + steps]
+        np.testing.assert_allclose(np.asarray(logits), want, atol=1e-5, rtol=0)

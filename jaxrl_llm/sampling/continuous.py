@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 from typing import NamedTuple
 
 import jax
@@ -29,6 +30,8 @@ from jaxrl_llm.models import ModelConfig
 from jaxrl_llm.sampling.buckets import bucket_size, make_plan, round_up
 from jaxrl_llm.sampling.decoder import RowCache, decode_step, empty_row_cache, prefill_cache, unstack_layers
 from jaxrl_llm.sampling.token_selection import select_tokens
+
+logger = logging.getLogger(__name__)
 
 
 class PromptCache(NamedTuple):
@@ -229,5 +232,7 @@ def generate_slots(params, config: ModelConfig, prompts: list[np.ndarray], count
     n = plan.num_rows
     out_lengths = np.asarray(state.lengths)[:n]
     stats = SlotStats(slots=slots, iterations=int(state.iterations), useful_slot_steps=int(out_lengths.sum()))
+    logger.debug("continuous sampler: %d samples on %d slots, %d iterations, slot occupancy %.3f", n, slots,
+                 stats.iterations, stats.occupancy)
     return (np.asarray(state.tokens)[:n, :max_new_tokens], np.asarray(state.logprobs)[:n, :max_new_tokens],
             out_lengths, np.asarray(state.stopped)[:n], plan.row_prompt.astype(np.int32), stats)

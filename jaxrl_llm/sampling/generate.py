@@ -194,7 +194,7 @@ def call_plans(plan: SamplingPlan, prompt_lengths: np.ndarray, max_new_tokens: i
 
 def _continuous_rollout(params, config: ModelConfig, prompts: list[np.ndarray], counts: np.ndarray, *,
                         max_slots: int | None, **kwargs) -> Rollout:
-    slots = int(counts.sum()) if max_slots is None else max_slots
+    slots = bucket_size(int(counts.sum())) if max_slots is None else max_slots  # None: one per sample, bucketed
     tokens, logprobs, lengths, stopped, row_prompt, _ = generate_slots(params, config, prompts, counts,
                                                                        max_slots=slots, **kwargs)
     mask = (np.arange(tokens.shape[1])[None, :] < lengths[:, None]).astype(np.float32)
