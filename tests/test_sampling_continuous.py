@@ -166,8 +166,7 @@ def test_config_selects_and_checks_the_engine():
     assert engine_options(load_config(None, ["sampling.engine=continuous"]).sampling)["max_slots"] is None
     for overrides, key in ([["sampling.engine=paged"], "sampling.engine"],
                            [["sampling.max_slots=-1"], "sampling.max_slots"],
-                           [["sampling.engine=continuous", "sampling.max_rows_per_call=8"], "sampling.max_rows_per_call"],
-                           [["sampling.engine=continuous", "train.mesh=data=1"], "sampling.engine"]):
+                           [["sampling.engine=continuous", "sampling.max_rows_per_call=8"], "sampling.max_rows_per_call"]):
         with pytest.raises(ConfigError, match=key):
             load_config(None, overrides)
 
@@ -236,3 +235,49 @@ def test_decode_step_with_per_row_steps_and_shared_prompt_cache_matches_forward(
         logits, cache = step_fn(cache, jnp.asarray(fed), jnp.asarray(steps))
         want = reference[rows, lengths[rows] + steps]
         np.testing.assert_allclose(np.asarray(logits), want, atol=1e-5, rtol=0)
+
+
+MESH_SCRIPT = """
+import json
+import jax
+import numpy as np
+from jaxrl_llm.models import ModelConfig, init_params
+from jaxrl_llm.models.sharding import make_mesh
+from jaxrl_llm.sampling import generate
+
+assert jax.device_count() == 8, jax.devices()
+config = ModelConfig(vocab_size=32, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+                     num_kv_heads=2, head_dim=8, tie_word_embeddings=False, max_position_embeddings=256)
+params = init_params(config, jax.random.key(0))
+params["embed"] = params["embed"] * 3.0
+params["lm_head"] = params["lm_head"] * 3.0
+mesh = make_mesh("data=2,fsdp=2,tensor=2")
+prompts = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10], [11], [12, 13]]
+kwargs = dict(num_samples=[3, 0, 5, 2], max_new_tokens=12, stop_ids=(5,), rng=jax.random.key(3), temperature=0.8,
+              top_k=8, top_p=0.9)
+single = generate(params, config, prompts, **kwargs)
+multi = generate(params, config, prompts, mesh=mesh, engine="continuous", max_slots=3, **kwargs)
+print("RESULT", json.dumps(dict(
+    tokens_equal=bool(np.array_equal(single.tokens, multi.tokens)),
+    lengths=single.lengths.tolist(), lengths_equal=bool(np.array_equal(single.lengths, multi.lengths)),
+    finish_equal=bool(np.array_equal(single.finish_reason, multi.finish_reason)),
+    logprob_diff=float(np.abs(single.logprobs - multi.logprobs).max()))))
+"""
+
+
+def test_mesh_continuous_equals_single_device_static():
+    """On a simulated 8-device mesh (data=2, fsdp=2, tensor=2: 4 slots, split over data x fsdp)."""
+    import json
+    import os
+    import pathlib
+    import subprocess
+    import sys
+
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    root = pathlib.Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, "-c", MESH_SCRIPT], capture_output=True, text=True, env=env, cwd=root,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = json.loads(next(l for l in proc.stdout.splitlines() if l.startswith("RESULT "))[len("RESULT "):])
+    assert result["tokens_equal"] and result["lengths_equal"] and result["finish_equal"], result
+    assert result["logprob_diff"] < 1e-5 and min(result["lengths"]) < 12, result

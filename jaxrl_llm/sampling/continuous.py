@@ -25,10 +25,12 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh
 
 from jaxrl_llm.models import ModelConfig
 from jaxrl_llm.sampling.buckets import bucket_size, make_plan, round_up
 from jaxrl_llm.sampling.decoder import RowCache, decode_step, empty_row_cache, prefill_cache, unstack_layers
+from jaxrl_llm.sampling.engine import _constrain, row_axes, row_sharding, to_host
 from jaxrl_llm.sampling.token_selection import select_tokens
 
 logger = logging.getLogger(__name__)
@@ -97,12 +99,13 @@ def empty_prompt_cache(config: ModelConfig, prompts: int, prompt_bucket: int) ->
                        jnp.ones((prompts,), jnp.int32), jnp.zeros((prompts, config.vocab_size), jnp.float32))
 
 
-@functools.partial(jax.jit, static_argnames=("config",), donate_argnames=("cache",))
-def prefill_prompts(params, config: ModelConfig, tokens: jax.Array, lengths: jax.Array, offset: jax.Array,
-                    cache: PromptCache) -> PromptCache:
+@functools.partial(jax.jit, static_argnames=("config", "mesh"), donate_argnames=("cache",))
+def prefill_prompts(params, config: ModelConfig, mesh: Mesh | None, tokens: jax.Array, lengths: jax.Array,
+                    offset: jax.Array, cache: PromptCache) -> PromptCache:
     """Run prompts tokens [c, P] (right-padded) through the model and write their keys, values, lengths
-    and last-position logits to entries offset .. offset + c - 1 of the prompt cache."""
-    last_logits, keys, values = prefill_cache(params, config, tokens, lengths, cache.keys[0].dtype)
+    and last-position logits to entries offset .. offset + c - 1 of the prompt cache. With `mesh` the c
+    prompts are split over its row axes and every device receives the whole cache."""
+    last_logits, keys, values = prefill_cache(params, config, _constrain(tokens, mesh), lengths, cache.keys[0].dtype)
 
     def put(old, new):
         return jax.lax.dynamic_update_slice_in_dim(old, new.astype(old.dtype), offset, axis=0)
@@ -118,8 +121,9 @@ def _uniforms(rng: jax.Array, rows: jax.Array, steps: jax.Array) -> jax.Array:
     return jax.vmap(jax.random.uniform)(keys)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "slots", "new_token_bucket", "greedy", "top_k", "use_top_p"))
-def decode_slots(params, config: ModelConfig, prompts: PromptCache, sample_prompt: jax.Array,
+@functools.partial(jax.jit, static_argnames=("config", "mesh", "slots", "new_token_bucket", "greedy", "top_k",
+                                             "use_top_p"))
+def decode_slots(params, config: ModelConfig, mesh: Mesh | None, prompts: PromptCache, sample_prompt: jax.Array,
                  num_samples: jax.Array, rng: jax.Array, temperature: jax.Array, top_p: jax.Array,
                  max_new_tokens: jax.Array, stop_ids: jax.Array, pad_id: jax.Array, *, slots: int,
                  new_token_bucket: int, greedy: bool, top_k: int, use_top_p: bool) -> SlotState:
@@ -129,11 +133,18 @@ def decode_slots(params, config: ModelConfig, prompts: PromptCache, sample_promp
     A sample ends after a token in `stop_ids` (-1 entries are padding) or after `max_new_tokens` tokens;
     its slot then takes the lowest pending sample (slots in index order), which picks its token 0 from
     its prompt's last logits at the next iteration. Idle slots (no sample left) flow through the step
-    and write nothing.
+    and write nothing. With `mesh`, the slots are split over its row axes.
     """
     queue = sample_prompt.shape[0]
     layers = unstack_layers(params)  # sliced once, outside the loop
     empty = empty_row_cache(config, slots, 1, new_token_bucket)
+
+    def constrain(state: SlotState) -> SlotState:
+        per_slot = ("slot_sample", "slot_step", "logits")
+        return dataclasses.replace(
+            state, **{name: _constrain(getattr(state, name), mesh) for name in per_slot},
+            response_k=tuple(_constrain(x, mesh) for x in state.response_k),
+            response_v=tuple(_constrain(x, mesh) for x in state.response_v))
 
     def refill(state: SlotState, free: jax.Array) -> SlotState:
         candidate = state.next_sample + jnp.cumsum(free) - 1
@@ -170,7 +181,7 @@ def decode_slots(params, config: ModelConfig, prompts: PromptCache, sample_promp
             stopped=state.stopped.at[row].set(hit_stop, mode="drop"),
             slot_step=jnp.where(active, t + 1, t), logits=logits, iterations=state.iterations + 1,
             response_k=cache.response_k, response_v=cache.response_v)
-        return refill(state, ended)
+        return constrain(refill(state, ended))
 
     state = SlotState(
         tokens=jnp.full((queue, new_token_bucket), pad_id, jnp.int32),
@@ -180,15 +191,15 @@ def decode_slots(params, config: ModelConfig, prompts: PromptCache, sample_promp
         logits=jnp.zeros((slots, config.vocab_size), jnp.float32),
         next_sample=jnp.zeros((), jnp.int32), iterations=jnp.zeros((), jnp.int32),
         response_k=empty.response_k, response_v=empty.response_v)
-    state = refill(state, jnp.ones((slots,), bool))
+    state = constrain(refill(state, jnp.ones((slots,), bool)))
     return jax.lax.while_loop(busy, step, state)
 
 
-def slot_count(max_slots: int, num_rows: int) -> int:
-    """Slots of a call: max_slots, at most the row bucket of its samples (more would never be busy), and at
+def slot_count(max_slots: int, num_rows: int, row_multiple: int = 1) -> int:
+    """Slots of a call: max_slots, at most the row bucket of its samples (more would never be busy), at
     least 2 (XLA's matrix-vector products round differently from its matrix products; 2 slots keep the
-    static engine's arithmetic)."""
-    return max(2, min(int(max_slots), bucket_size(num_rows)))
+    static engine's arithmetic), rounded up to a multiple of `row_multiple` (the devices they are split over)."""
+    return round_up(max(2, min(int(max_slots), bucket_size(num_rows))), row_multiple)
 
 
 def check_max_slots(max_slots) -> None:
@@ -198,14 +209,18 @@ def check_max_slots(max_slots) -> None:
 
 def generate_slots(params, config: ModelConfig, prompts: list[np.ndarray], counts: np.ndarray, *,
                    max_new_tokens: int, temperature: float, top_p: float, top_k: int, stop_ids: np.ndarray,
-                   rng: jax.Array, pad_id: int, max_slots: int, prefill_tokens_per_call: int = 4096):
+                   rng: jax.Array, pad_id: int, max_slots: int, prefill_tokens_per_call: int = 4096,
+                   mesh: Mesh | None = None):
     """The continuous engine behind `generate(..., engine="continuous")` on checked inputs (prompts as
     int32 arrays, counts [len(prompts)] with a positive sum, stop_ids padded by `generate._stop_array`).
     Returns (tokens [R, max_new_tokens], logprobs, lengths [R], stopped [R], row_prompt [R], SlotStats)
-    as numpy arrays, R = counts.sum(), rows ordered by prompt then sample."""
+    as numpy arrays, R = counts.sum(), rows ordered by prompt then sample. `params` must already be placed
+    on `mesh` when one is given (`models.sharding.shard_params`)."""
     check_max_slots(max_slots)
     lengths = np.array([len(p) for p in prompts])
-    plan = make_plan(lengths, counts, max_new_tokens, prefill_tokens_per_call=prefill_tokens_per_call)
+    row_multiple = 1 if mesh is None else int(np.prod([mesh.shape[a] for a in row_axes(mesh)]))
+    plan = make_plan(lengths, counts, max_new_tokens, row_multiple=row_multiple,
+                     prefill_tokens_per_call=prefill_tokens_per_call)
     active = plan.prefill_prompts
     per_call = plan.prompts_per_prefill
     cache = empty_prompt_cache(config, round_up(bucket_size(len(active)), per_call), plan.prompt_bucket)
@@ -216,23 +231,23 @@ def generate_slots(params, config: ModelConfig, prompts: list[np.ndarray], count
         for j, p in enumerate(chunk):
             tokens[j, : lengths[p]] = prompts[p]
             chunk_lengths[j] = lengths[p]
-        cache = prefill_prompts(params, config, jnp.asarray(tokens), jnp.asarray(chunk_lengths), jnp.int32(start),
-                                cache)
+        tokens = jnp.asarray(tokens) if mesh is None else jax.device_put(tokens, row_sharding(mesh, 2))
+        cache = prefill_prompts(params, config, mesh, tokens, jnp.asarray(chunk_lengths), jnp.int32(start), cache)
     entry = np.zeros(len(prompts), np.int32)
     entry[active] = np.arange(len(active), dtype=np.int32)
     sample_prompt = np.zeros(plan.row_bucket, np.int32)
     sample_prompt[: plan.num_rows] = entry[plan.row_prompt]
-    slots = slot_count(max_slots, plan.num_rows)
+    slots = slot_count(max_slots, plan.num_rows, row_multiple)
     greedy = temperature == 0.0
-    state = decode_slots(params, config, cache, jnp.asarray(sample_prompt), jnp.int32(plan.num_rows), rng,
+    state = decode_slots(params, config, mesh, cache, jnp.asarray(sample_prompt), jnp.int32(plan.num_rows), rng,
                          jnp.float32(1.0 if greedy else temperature), jnp.float32(top_p), jnp.int32(max_new_tokens),
                          jnp.asarray(stop_ids), jnp.int32(pad_id), slots=slots,
                          new_token_bucket=plan.new_token_bucket, greedy=greedy, top_k=0 if greedy else int(top_k),
                          use_top_p=not greedy and top_p < 1.0)
     n = plan.num_rows
-    out_lengths = np.asarray(state.lengths)[:n]
+    out_lengths = to_host(state.lengths)[:n]
     stats = SlotStats(slots=slots, iterations=int(state.iterations), useful_slot_steps=int(out_lengths.sum()))
     logger.debug("continuous sampler: %d samples on %d slots, %d iterations, slot occupancy %.3f", n, slots,
                  stats.iterations, stats.occupancy)
-    return (np.asarray(state.tokens)[:n, :max_new_tokens], np.asarray(state.logprobs)[:n, :max_new_tokens],
-            out_lengths, np.asarray(state.stopped)[:n], plan.row_prompt.astype(np.int32), stats)
+    return (to_host(state.tokens)[:n, :max_new_tokens], to_host(state.logprobs)[:n, :max_new_tokens],
+            out_lengths, to_host(state.stopped)[:n], plan.row_prompt.astype(np.int32), stats)

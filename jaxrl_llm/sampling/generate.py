@@ -20,6 +20,7 @@ from jaxrl_llm.sampling.engine import (
     prefill_rows,
     row_axes,
     row_sharding,
+    to_host,
 )
 
 ENGINES = ("static", "continuous")
@@ -141,25 +142,18 @@ def decode(params, config: ModelConfig, state: SamplingState, first_logits: jax.
                        greedy=greedy, top_k=0 if greedy else int(top_k), use_top_p=not greedy and top_p < 1.0)
 
 
-def _fetch(x: jax.Array) -> np.ndarray:
-    if jax.process_count() > 1 and not x.is_fully_addressable:
-        from jax.experimental import multihost_utils
-        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
-    return np.asarray(x)
-
-
 def collect(state: SamplingState, plan: SamplingPlan, max_new_tokens: int) -> Rollout:
     """Copy the first plan.num_rows rows of a decoded state to a `Rollout`."""
     n = plan.num_rows
-    lengths = _fetch(state.lengths)[:n]
+    lengths = to_host(state.lengths)[:n]
     mask = (np.arange(max_new_tokens)[None, :] < lengths[:, None]).astype(np.float32)
     return Rollout(
         prompt_index=plan.row_prompt.astype(np.int32),
-        tokens=_fetch(state.tokens)[:n, :max_new_tokens],
+        tokens=to_host(state.tokens)[:n, :max_new_tokens],
         mask=mask,
-        logprobs=_fetch(state.logprobs)[:n, :max_new_tokens],
+        logprobs=to_host(state.logprobs)[:n, :max_new_tokens],
         lengths=lengths,
-        finish_reason=np.where(_fetch(state.stopped)[:n], FINISH_STOP, FINISH_LENGTH).astype(np.int32),
+        finish_reason=np.where(to_host(state.stopped)[:n], FINISH_STOP, FINISH_LENGTH).astype(np.int32),
     )
 
 
@@ -241,15 +235,14 @@ def generate(params, config: ModelConfig, prompts: Sequence[Sequence[int]], *, n
     `engine="continuous"` decodes on `max_slots` slots (None: one per sample, up to the row bucket) that
     take the next pending sample as soon as theirs ends, with one prompt cache per prompt
     (`sampling.continuous`); it returns the same rollout as the static engine (same tokens, log-probs
-    to f32 rounding). It runs without a mesh and without `max_rows_per_call` (the slots bound the cache).
+    to f32 rounding). It takes no `max_rows_per_call` (the slots bound the cache); with `mesh`, slots are
+    split over its ('data', 'fsdp') axes and every device keeps the whole prompt cache.
     """
     if engine not in ENGINES:
         raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
     if engine == "continuous":
         if max_slots is not None:
             check_max_slots(max_slots)
-        if mesh is not None:
-            raise ValueError("the continuous sampling engine does not take a mesh yet; use engine='static'")
         if max_rows_per_call:
             raise ValueError("max_rows_per_call applies to the static engine; the continuous engine bounds "
                              "its cache with max_slots")
@@ -278,7 +271,8 @@ def generate(params, config: ModelConfig, prompts: Sequence[Sequence[int]], *, n
     if engine == "continuous":
         return _continuous_rollout(params, config, prompt_arrays, counts, max_new_tokens=max_new_tokens,
                                    temperature=temperature, top_p=top_p, top_k=top_k, stop_ids=stop, rng=rng,
-                                   pad_id=pad_id, max_slots=max_slots, prefill_tokens_per_call=prefill_tokens_per_call)
+                                   pad_id=pad_id, max_slots=max_slots, prefill_tokens_per_call=prefill_tokens_per_call,
+                                   mesh=mesh)
     lengths = np.array([len(p) for p in prompt_arrays])
     plan = make_plan(lengths, counts, max_new_tokens, row_multiple=row_multiple,
                      prefill_tokens_per_call=prefill_tokens_per_call)

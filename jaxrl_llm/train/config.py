@@ -443,8 +443,6 @@ def validate(config: RunConfig) -> None:
          "must be >= 0 (0: one decode slot per sample of a sampler call)"),
         ("sampling.max_rows_per_call", config.sampling.engine == "static" or config.sampling.max_rows_per_call == 0,
          "applies to sampling.engine=static; the continuous engine bounds its cache with sampling.max_slots"),
-        ("sampling.engine", config.sampling.engine == "static" or not config.train.mesh,
-         "continuous runs without a device mesh (train.mesh must be empty); use static on a mesh"),
         ("sampling.gvm_stage1_samples", config.sampling.gvm_stage1_samples >= 1, "must be >= 1"),
         ("sampling.gvm_samples_per_prompt", config.sampling.gvm_samples_per_prompt >= 1, "must be >= 1"),
         ("sampling.gvm_alpha", config.sampling.gvm_alpha >= 0, "must be >= 0"),
