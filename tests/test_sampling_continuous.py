@@ -86,6 +86,14 @@ def test_slots_turn_over_with_hand_counted_iterations(tiny):
     assert stats.occupancy == pytest.approx(25 / 30)
 
 
+def test_slot_count_hand_values():
+    from jaxrl_llm.sampling.continuous import slot_count
+
+    # (max_slots, samples, devices): capped by the samples' row bucket, at least 2, a multiple of the devices
+    cases = {(3, 14, 1): 3, (64, 14, 1): 16, (1, 5, 1): 2, (3, 10, 4): 4, (5, 100, 4): 8, (8, 3, 1): 4}
+    assert {case: slot_count(*case) for case in cases} == cases
+
+
 @pytest.mark.parametrize("family", ["mistral", "gemma2", "gemma3_text"])
 def test_sliding_window_models_equal_static_engine(family):
     """Windows of 4 tokens, shorter than prompt + response, so the response ring wraps around."""
