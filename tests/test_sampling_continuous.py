@@ -156,6 +156,8 @@ def test_bad_engine_options_raise_clear_errors(tiny):
     with pytest.raises(ValueError, match="max_slots must be an int >= 1"):
         generate_slots(params, config, [np.array([1], np.int32)], np.array([1]), max_new_tokens=2, temperature=1.0,
                        top_p=1.0, top_k=0, stop_ids=_stop_array((), VOCAB), rng=key, pad_id=0, max_slots=0)
+    with pytest.raises(ValueError, match="max_slots applies to engine='continuous'"):
+        generate(params, config, [[1]], num_samples=1, max_new_tokens=2, rng=key, max_slots=4)
     with pytest.raises(ValueError, match="engine must be one of"):
         generate(params, config, [[1]], num_samples=1, max_new_tokens=2, rng=key, engine="paged")
     with pytest.raises(ValueError, match="max_rows_per_call applies to the static engine"):
@@ -173,7 +175,8 @@ def test_config_selects_and_checks_the_engine():
     assert engine_options(chosen) == {"engine": "continuous", "max_slots": 6}
     assert engine_options(load_config(None, ["sampling.engine=continuous"]).sampling)["max_slots"] is None
     for overrides, key in ([["sampling.engine=paged"], "sampling.engine"],
-                           [["sampling.max_slots=-1"], "sampling.max_slots"],
+                           [["sampling.engine=continuous", "sampling.max_slots=-1"], "sampling.max_slots"],
+                           [["sampling.max_slots=4"], "sampling.max_slots"],
                            [["sampling.engine=continuous", "sampling.max_rows_per_call=8"], "sampling.max_rows_per_call"]):
         with pytest.raises(ConfigError, match=key):
             load_config(None, overrides)

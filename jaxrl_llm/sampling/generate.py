@@ -246,6 +246,9 @@ def generate(params, config: ModelConfig, prompts: Sequence[Sequence[int]], *, n
         if max_rows_per_call:
             raise ValueError("max_rows_per_call applies to the static engine; the continuous engine bounds "
                              "its cache with max_slots")
+    elif max_slots is not None:
+        raise ValueError("max_slots applies to engine='continuous'; the static engine bounds its cache with "
+                         "max_rows_per_call")
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     if temperature < 0:

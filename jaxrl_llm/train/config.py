@@ -441,6 +441,8 @@ def validate(config: RunConfig) -> None:
          "must be >= 0 (0: all of a step's rows in one sampler call)"),
         ("sampling.max_slots", config.sampling.max_slots >= 0,
          "must be >= 0 (0: one decode slot per sample of a sampler call)"),
+        ("sampling.max_slots", config.sampling.engine == "continuous" or config.sampling.max_slots == 0,
+         "applies to sampling.engine=continuous; the static engine bounds its cache with sampling.max_rows_per_call"),
         ("sampling.max_rows_per_call", config.sampling.engine == "static" or config.sampling.max_rows_per_call == 0,
          "applies to sampling.engine=static; the continuous engine bounds its cache with sampling.max_slots"),
         ("sampling.gvm_stage1_samples", config.sampling.gvm_stage1_samples >= 1, "must be >= 1"),

@@ -65,7 +65,7 @@ def engine_options(sampling: SamplingSection) -> dict:
 def sample_and_score(params, model_config, tokenizer, records: list[dict], counts, sampling: SamplingSection,
                      scorer: "RewardScorer", rng: jax.Array, *, mesh=None) -> ScoredRollouts:
     """Draw counts[i] (or `counts` each) samples of every prompt and score them; at most
-    `sampling.max_rows_per_call` rows are decoded per sampler call (0: all in one)."""
+    `sampling.max_rows_per_call` rows are decoded per sampler call (0: all in one), by `sampling.engine`."""
     rollout = generate(params, model_config, [r["prompt_ids"] for r in records], num_samples=counts,
                        max_new_tokens=sampling.max_new_tokens, temperature=sampling.temperature,
                        top_p=sampling.top_p, top_k=sampling.top_k, stop_ids=tokenizer.stop_ids, rng=rng,
