@@ -64,8 +64,9 @@ def test_greedy_rollouts_equal_static_engine_with_early_stops(tiny):
     free = generate(params, config, PROMPTS, num_samples=1, max_new_tokens=12, temperature=0.0,
                     rng=jax.random.key(0))
     stop = (int(free.tokens[0, 1]), int(free.tokens[3, 6]))  # prompt 0 ends after <= 2 tokens, prompt 3 later
+    # 32 prompt tokens per prefill call: the 4 prompts with samples are prefilled one at a time
     kwargs = dict(num_samples=[2, 3, 1, 0, 2], max_new_tokens=12, temperature=0.0, stop_ids=stop,
-                  rng=jax.random.key(0), pad_id=VOCAB - 1)
+                  rng=jax.random.key(0), pad_id=VOCAB - 1, prefill_tokens_per_call=32)
     static = generate(params, config, PROMPTS, **kwargs)
     continuous = generate(params, config, PROMPTS, engine="continuous", max_slots=2, **kwargs)
     assert_same_rollout(static, continuous)
