@@ -12,7 +12,8 @@ row, feeds it through the decoder at the slot's own position, and hands every sl
 (stop id or max_new_tokens) the next pending sample, all inside the jitted loop: slots turn over
 without a host round trip or a recompile. A sample's token t uses the uniform number
 fold_in(fold_in(rng, k), t) of the static engine's row k (`engine._row_uniforms`), so both engines draw
-the same rollouts.
+the same rollouts. On a mesh the slots are split over its ('data', 'fsdp') axes and every device holds the
+whole prompt cache, so a slot's gather by prompt id stays on its device.
 """
 
 from __future__ import annotations
