@@ -165,6 +165,19 @@ def test_tiny_run_by_hand():
     assert bf16["logprob_residuals"] == 16 * (64 * 4 + 16 * 2 + 12) + 512 * 2 + 512 * 2
 
 
+def test_continuous_sampler_by_hand():
+    """2 prompt caches of 16 slots and 2 decode slots of 16 response slots, 2 layers, 2 kv heads x 4, k and v,
+    f32: (2 x 16 + 2 x 16) x 64 x 2 = 8192; one layer's prompt keys/values gathered for 2 slots, 2 x 16 x 64;
+    logits of 2 prompts and twice 2 slots, 6 x 64 x 4. The static engine holds 4 rows of 16 + 16 slots."""
+    mesh = {"data": 1, "fsdp": 1, "tensor": 1}
+    cfg = load_config(None, TINY_RUN + ["sampling.engine=continuous", "sampling.max_slots=2"])
+    est = estimate_memory(cfg, TINY, mesh)
+    assert est["kv_cache"] == 8192 and est["sampling"] == 8192 + 2048 + 1536
+    static = estimate_memory(load_config(None, TINY_RUN), TINY, mesh)
+    assert static["kv_cache"] == 4 * 32 * 64 * 2 == 16384 and static["sampling"] == 16384 + 2 * 4 * 64 * 4
+    assert fit_rows_per_call(cfg, TINY, mesh, 1)[1] == 0  # slots, not rows per call, bound it
+
+
 def test_critic_by_hand():
     mesh = {"data": 1, "fsdp": 2, "tensor": 1}
     base = estimate_memory(load_config(None, TINY_RUN), TINY, mesh)

@@ -1,9 +1,9 @@
 """Two local processes x 4 simulated CPU devices, joined by `jax.distributed.initialize` on localhost
 (cross-process CPU collectives over gloo), train a tiny policy on one data=2,fsdp=2,tensor=2 mesh and
 match a single-process, single-device run: same rewards, and losses and final parameters to float
-tolerance. Only process 0 writes metrics, TensorBoard events, log lines and the exported model;
+tolerance, with either sampling engine on the mesh (the reference samples with the static one). Only process 0 writes metrics, TensorBoard events, log lines and the exported model;
 checkpoints are written through orbax by both. This file is also the worker script
-(`python tests/test_multihost.py ID COUNT PORT DIR MESH`)."""
+(`python tests/test_multihost.py ID COUNT PORT DIR MESH [KEY=VALUE ...]`)."""
 
 import json
 import os
@@ -20,11 +20,11 @@ MESH = "data=2,fsdp=2,tensor=2"
 STEPS = 2
 
 
-def _launch(process_id: int, num_processes: int, port: int, out_dir: pathlib.Path, devices: int):
+def _launch(process_id: int, num_processes: int, port: int, out_dir: pathlib.Path, devices: int, *extra: str):
     env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu")
     mesh = MESH if num_processes > 1 else ""  # the reference: one process, one device
     return subprocess.Popen([sys.executable, __file__, str(process_id), str(num_processes), str(port), str(out_dir),
-                             mesh],
+                             mesh, *extra],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
 
 
@@ -37,12 +37,13 @@ def _rows(run_dir: pathlib.Path) -> list[dict]:
 
 
 @pytest.mark.slow
-def test_two_processes_match_one_process(tmp_path):
+@pytest.mark.parametrize("engine", ["static", "continuous"])
+def test_two_processes_match_one_process(tmp_path, engine):
     from safetensors.numpy import load_file
 
     one, two = tmp_path / "one", tmp_path / "two"
     port = free_port()
-    procs = [_launch(0, 1, 0, one, 1)] + [_launch(i, 2, port, two, 4) for i in range(2)]
+    procs = [_launch(0, 1, 0, one, 1)] + [_launch(i, 2, port, two, 4, f"sampling.engine={engine}") for i in range(2)]
     (ref_out, _), (out0, _), (out1, _) = finish(procs, timeout=400)
 
     for out, index in ((out0, 0), (out1, 1)):
@@ -74,7 +75,7 @@ def test_two_processes_match_one_process(tmp_path):
         np.testing.assert_allclose(params[name], value, atol=1e-4, err_msg=name)
 
 
-def _worker(process_id: int, num_processes: int, port: int, out_dir: str, mesh: str) -> None:
+def _worker(process_id: int, num_processes: int, port: int, out_dir: str, mesh: str, extra: list[str]) -> None:
     import jax
 
     if num_processes > 1:
@@ -91,7 +92,7 @@ def _worker(process_id: int, num_processes: int, port: int, out_dir: str, mesh: 
 
     # No evaluation (it compiles the sampler for a second shape); kl_coef > 0 keeps a reference policy.
     overrides = TINY_RUN + [f"train.out_dir={out_dir}", f"train.mesh={mesh}", f"train.steps={STEPS}",
-                            "train.eval_problems=0", "algorithm.kl_coef=0.01"]
+                            "train.eval_problems=0", "algorithm.kl_coef=0.01", *extra]
     summary = train(load_config(None, overrides), policy=tiny_policy())
 
     seen = []
@@ -108,4 +109,4 @@ def _worker(process_id: int, num_processes: int, port: int, out_dir: str, mesh: 
 
 
 if __name__ == "__main__":
-    _worker(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5])
+    _worker(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5], sys.argv[6:])

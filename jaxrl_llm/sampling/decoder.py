@@ -15,6 +15,10 @@ data flow differs from `models.forward_cached`, for speed on a decode loop:
   layers in Python: a scan over stacked layers would copy every layer's weights and cache slice
   out of the stacked arrays at every step (the dominant cost of a memory-bound decode on CPU).
 - Prefill computes logits only at each prompt's last position.
+- The continuous-batching engine (`sampling.continuous`) runs the same decode step with one step per
+  row (rows at different token positions: per-row RoPE positions, cache slots and masks, the cache
+  written by a scatter) and reads each row's prompt keys/values from a cache of one entry per prompt
+  (`prompt_rows`), shared by all the rows that continue that prompt.
 """
 
 from __future__ import annotations
@@ -101,7 +105,7 @@ def _attend(q, prompt_k, prompt_v, response_k, response_v, prompt_lengths, step,
     """softmax(cap(scale q k^T)) v (scale and cap as `models.attend`) of one query per row over prompt
     slots s < prompt_length and response slots j <= step; with a sliding `window` w, only keys fewer than
     w positions back (prompt slot s: prompt_length + step - s < w; response slot j, holding generated token
-    step - ((step - j) mod n) of a ring of n slots: (step - j) mod n < w).
+    step - ((step - j) mod n) of a ring of n slots: (step - j) mod n < w). step is [] or one per row [B].
     q [B, H, d] (head h reads KV head h // (H / KV)); returns [B, H*d]."""
     batch, num_heads, head_dim = q.shape
     num_kv = prompt_k.shape[1]
@@ -114,11 +118,13 @@ def _attend(q, prompt_k, prompt_v, response_k, response_v, prompt_lengths, step,
         jnp.einsum("bkgd,bkdn->bkgn", q, response_k.astype(q.dtype), preferred_element_type=f32), cap)
     prompt_index, response_index = jnp.arange(prompt_k.shape[-1]), jnp.arange(response_k.shape[-1])
     prompt_ok = prompt_index[None, :] < prompt_lengths[:, None]
-    response_ok = response_index <= step
+    row_step = step[:, None] if step.ndim else step  # one step per row, or one for all rows
+    response_ok = response_index <= row_step
     if window is not None:
         prompt_ok = prompt_ok & ((prompt_lengths + step)[:, None] - prompt_index[None, :] < window)
-        response_ok = response_ok & ((step - response_index) % response_k.shape[-1] < window)
+        response_ok = response_ok & ((row_step - response_index) % response_k.shape[-1] < window)
     prompt_scores = jnp.where(prompt_ok[:, None, None, :], prompt_scores, -jnp.inf)
+    response_ok = response_ok[:, None, None, :] if step.ndim else response_ok
     response_scores = jnp.where(response_ok, response_scores, -jnp.inf)
     top = jnp.maximum(prompt_scores.max(-1, keepdims=True), response_scores.max(-1, keepdims=True))
     prompt_w, response_w = jnp.exp(prompt_scores - top), jnp.exp(response_scores - top)
@@ -129,11 +135,25 @@ def _attend(q, prompt_k, prompt_v, response_k, response_v, prompt_lengths, step,
     return (out / total).reshape(batch, num_heads * head_dim)
 
 
+def _write_slot(buffer: jax.Array, new: jax.Array, slot: jax.Array, axis: int) -> jax.Array:
+    """buffer with new (size 1 on `axis`) written at index `slot` of `axis`: one index for every row
+    (an in-place dynamic_update_slice) or one per row [B] (a scatter)."""
+    if slot.ndim == 0:
+        return jax.lax.dynamic_update_slice_in_dim(buffer, new, slot, axis=axis)
+    index = (jnp.arange(buffer.shape[0]),) + (slice(None),) * (axis - 1) + (slot,)
+    return buffer.at[index].set(jnp.squeeze(new, axis))
+
+
 def decode_step(params, layers: list, config: ModelConfig, tokens: jax.Array, prompt_lengths: jax.Array,
-                step: jax.Array, cache: RowCache) -> tuple[jax.Array, RowCache]:
+                step: jax.Array, cache: RowCache, prompt_rows: jax.Array | None = None) -> tuple[jax.Array, RowCache]:
     """Feed generated token `step` of every row (tokens [B], at position prompt_length + step):
     write its keys/values to response slot `step` and return (logits [B, V] f32 for the next
-    token, cache). Matches `models.forward` over the full sequence (tested to 1e-5 in f32)."""
+    token, cache). Matches `models.forward` over the full sequence (tested to 1e-5 in f32).
+
+    `step` is one int for all rows or one per row [B]. With `prompt_rows` [B], the cache's prompt part
+    holds one entry per prompt [C, ...] and row b attends to entry prompt_rows[b] (gathered layer by
+    layer); prompt_lengths are then the rows' own [B]."""
+    step = jnp.asarray(step)
     positions = (prompt_lengths + step)[:, None]
     x = _embed(params, config, tokens[:, None])
     new = {name: [] for name in RowCache._fields}
@@ -142,11 +162,14 @@ def decode_step(params, layers: list, config: ModelConfig, tokens: jax.Array, pr
         h = norm(x, lp["attn_norm"], config)
         q, k, v = _project_qkv(lp, config, h, positions, const["inv_freq"])  # q [B,1,H,d], k, v [B,1,KV,d]
         slot = step % cache.response_k[i].shape[-1]  # = step, except on a sliding layer's ring
-        response_k = jax.lax.dynamic_update_slice_in_dim(
-            cache.response_k[i], jnp.transpose(k, (0, 2, 3, 1)).astype(cache.response_k[i].dtype), slot, axis=3)
-        response_v = jax.lax.dynamic_update_slice_in_dim(
-            cache.response_v[i], jnp.transpose(v, (0, 2, 1, 3)).astype(cache.response_v[i].dtype), slot, axis=2)
-        attn = _attend(q[:, 0], cache.prompt_k[i], cache.prompt_v[i], response_k, response_v,
+        response_k = _write_slot(cache.response_k[i],
+                                 jnp.transpose(k, (0, 2, 3, 1)).astype(cache.response_k[i].dtype), slot, axis=3)
+        response_v = _write_slot(cache.response_v[i],
+                                 jnp.transpose(v, (0, 2, 1, 3)).astype(cache.response_v[i].dtype), slot, axis=2)
+        prompt_k, prompt_v = cache.prompt_k[i], cache.prompt_v[i]
+        if prompt_rows is not None:
+            prompt_k, prompt_v = jnp.take(prompt_k, prompt_rows, axis=0), jnp.take(prompt_v, prompt_rows, axis=0)
+        attn = _attend(q[:, 0], prompt_k, prompt_v, response_k, response_v,
                        prompt_lengths, step, config, const["window"])
         x = _finish_layer(lp, config, x, attn[:, None].astype(x.dtype))
         new["response_k"].append(response_k)

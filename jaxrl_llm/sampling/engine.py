@@ -12,6 +12,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxrl_llm.models import ModelConfig
@@ -59,6 +60,14 @@ def row_sharding(mesh: Mesh | None, ndim: int, axis: int = 0) -> NamedSharding |
     spec = [None] * ndim
     spec[axis] = row_axes(mesh) or None
     return NamedSharding(mesh, PartitionSpec(*spec))
+
+
+def to_host(x: jax.Array) -> np.ndarray:
+    """x as a numpy array, gathered from every process when it spans hosts."""
+    if jax.process_count() > 1 and not x.is_fully_addressable:
+        from jax.experimental import multihost_utils
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    return np.asarray(x)
 
 
 def _constrain(x: jax.Array, mesh: Mesh | None, axis: int = 0) -> jax.Array:

@@ -12,6 +12,7 @@ from jax.sharding import Mesh
 
 from jaxrl_llm.models import ModelConfig
 from jaxrl_llm.sampling.buckets import SamplingPlan, bucket_size, make_plan, round_up
+from jaxrl_llm.sampling.continuous import check_max_slots, generate_slots
 from jaxrl_llm.sampling.engine import (
     SamplingState,
     decode_rows,
@@ -19,8 +20,10 @@ from jaxrl_llm.sampling.engine import (
     prefill_rows,
     row_axes,
     row_sharding,
+    to_host,
 )
 
+ENGINES = ("static", "continuous")
 FINISH_STOP = 0
 FINISH_LENGTH = 1
 FINISH_REASON_NAMES = ("stop", "length")
@@ -139,25 +142,18 @@ def decode(params, config: ModelConfig, state: SamplingState, first_logits: jax.
                        greedy=greedy, top_k=0 if greedy else int(top_k), use_top_p=not greedy and top_p < 1.0)
 
 
-def _fetch(x: jax.Array) -> np.ndarray:
-    if jax.process_count() > 1 and not x.is_fully_addressable:
-        from jax.experimental import multihost_utils
-        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
-    return np.asarray(x)
-
-
 def collect(state: SamplingState, plan: SamplingPlan, max_new_tokens: int) -> Rollout:
     """Copy the first plan.num_rows rows of a decoded state to a `Rollout`."""
     n = plan.num_rows
-    lengths = _fetch(state.lengths)[:n]
+    lengths = to_host(state.lengths)[:n]
     mask = (np.arange(max_new_tokens)[None, :] < lengths[:, None]).astype(np.float32)
     return Rollout(
         prompt_index=plan.row_prompt.astype(np.int32),
-        tokens=_fetch(state.tokens)[:n, :max_new_tokens],
+        tokens=to_host(state.tokens)[:n, :max_new_tokens],
         mask=mask,
-        logprobs=_fetch(state.logprobs)[:n, :max_new_tokens],
+        logprobs=to_host(state.logprobs)[:n, :max_new_tokens],
         lengths=lengths,
-        finish_reason=np.where(_fetch(state.stopped)[:n], FINISH_STOP, FINISH_LENGTH).astype(np.int32),
+        finish_reason=np.where(to_host(state.stopped)[:n], FINISH_STOP, FINISH_LENGTH).astype(np.int32),
     )
 
 
@@ -190,6 +186,16 @@ def call_plans(plan: SamplingPlan, prompt_lengths: np.ndarray, max_new_tokens: i
     return runs
 
 
+def _continuous_rollout(params, config: ModelConfig, prompts: list[np.ndarray], counts: np.ndarray, *,
+                        max_slots: int | None, **kwargs) -> Rollout:
+    slots = bucket_size(int(counts.sum())) if max_slots is None else max_slots  # None: one per sample, bucketed
+    tokens, logprobs, lengths, stopped, row_prompt, _ = generate_slots(params, config, prompts, counts,
+                                                                       max_slots=slots, **kwargs)
+    mask = (np.arange(tokens.shape[1])[None, :] < lengths[:, None]).astype(np.float32)
+    return Rollout(prompt_index=row_prompt, tokens=tokens, mask=mask, logprobs=logprobs, lengths=lengths,
+                   finish_reason=np.where(stopped, FINISH_STOP, FINISH_LENGTH).astype(np.int32))
+
+
 def _concat(rollouts: list[Rollout]) -> Rollout:
     return Rollout(*(np.concatenate(parts) for parts in zip(*rollouts)))
 
@@ -197,7 +203,8 @@ def _concat(rollouts: list[Rollout]) -> Rollout:
 def generate(params, config: ModelConfig, prompts: Sequence[Sequence[int]], *, num_samples, max_new_tokens: int,
              temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, stop_ids: Sequence[int] = (),
              rng: jax.Array, pad_id: int = 0, mesh: Mesh | None = None,
-             prefill_tokens_per_call: int = 4096, max_rows_per_call: int = 0) -> Rollout:
+             prefill_tokens_per_call: int = 4096, max_rows_per_call: int = 0, engine: str = "static",
+             max_slots: int | None = None) -> Rollout:
     """Sample `num_samples[i]` continuations of each token prompt; returns a `Rollout`.
 
     prompts: list of non-empty token-id lists. num_samples: an int for every prompt, or one count per
@@ -224,7 +231,24 @@ def generate(params, config: ModelConfig, prompts: Sequence[Sequence[int]], *, n
     `max_rows_per_call` > 0 decodes the output rows in consecutive runs of at most that many (`call_plans`),
     so only one run's KV cache is live at a time; the result is the same as one call (0, the default),
     token for token and log-prob for log-prob, since a row's random numbers follow its output index.
+
+    `engine="continuous"` decodes on `max_slots` slots (None: one per sample, up to the row bucket) that
+    take the next pending sample as soon as theirs ends, with one prompt cache per prompt
+    (`sampling.continuous`); it returns the same rollout as the static engine (same tokens, log-probs
+    to f32 rounding). It takes no `max_rows_per_call` (the slots bound the cache); with `mesh`, slots are
+    split over its ('data', 'fsdp') axes and every device keeps the whole prompt cache.
     """
+    if engine not in ENGINES:
+        raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
+    if engine == "continuous":
+        if max_slots is not None:
+            check_max_slots(max_slots)
+        if max_rows_per_call:
+            raise ValueError("max_rows_per_call applies to the static engine; the continuous engine bounds "
+                             "its cache with max_slots")
+    elif max_slots is not None:
+        raise ValueError("max_slots applies to engine='continuous'; the static engine bounds its cache with "
+                         "max_rows_per_call")
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     if temperature < 0:
@@ -246,10 +270,15 @@ def generate(params, config: ModelConfig, prompts: Sequence[Sequence[int]], *, n
 
         params = shard_params(params, mesh)
         row_multiple = int(np.prod([mesh.shape[a] for a in row_axes(mesh)]))
+    stop = _stop_array(stop_ids, config.vocab_size)
+    if engine == "continuous":
+        return _continuous_rollout(params, config, prompt_arrays, counts, max_new_tokens=max_new_tokens,
+                                   temperature=temperature, top_p=top_p, top_k=top_k, stop_ids=stop, rng=rng,
+                                   pad_id=pad_id, max_slots=max_slots, prefill_tokens_per_call=prefill_tokens_per_call,
+                                   mesh=mesh)
     lengths = np.array([len(p) for p in prompt_arrays])
     plan = make_plan(lengths, counts, max_new_tokens, row_multiple=row_multiple,
                      prefill_tokens_per_call=prefill_tokens_per_call)
-    stop = _stop_array(stop_ids, config.vocab_size)
     rollouts = []
     for first_row, run in call_plans(plan, lengths, max_new_tokens, int(max_rows_per_call), row_multiple=row_multiple,
                                      prefill_tokens_per_call=prefill_tokens_per_call):

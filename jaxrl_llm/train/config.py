@@ -101,6 +101,10 @@ class SamplingSection:
     # Sampled rows (prompts x samples) decoded per sampler call; a step's rows go in several calls of at most
     # this many, with the same tokens as one call (bounds the KV cache). 0: all of a step's rows in one call.
     max_rows_per_call: int = 0
+    # "static": each call's rows decode in lockstep until the longest ends; "continuous": max_slots decode slots
+    # take the next pending sample as soon as theirs ends, one prompt cache per prompt (same rollouts).
+    engine: str = "static"
+    max_slots: int = 0  # decode slots of the continuous engine; 0: one per sample of the call
     # GVM: stage 1 draws N' samples per prompt to estimate p_i and G_i; stage 2 spends prompts x N''.
     gvm_stage1_samples: int = 8  # N': stage-1 samples per prompt
     gvm_samples_per_prompt: int = 8  # N'': stage-2 budget per prompt (samples_per_prompt is unused with gvm)
@@ -261,6 +265,7 @@ class ConfigError(ValueError):
 
 _ALLOWED = {
     ("sampling", "allocation"): {"uniform", "gvm"},
+    ("sampling", "engine"): {"static", "continuous"},
     ("sampling", "gvm_weighting"): {"gvm", "solved"},
     ("sampling", "gvm_estimates"): {"stage1", "history"},
     ("sampling", "gvm_budget"): {"prompts", "solvable"},
@@ -435,6 +440,12 @@ def validate(config: RunConfig) -> None:
         ("sampling.top_k", config.sampling.top_k >= 0, "must be >= 0 (0 disables)"),
         ("sampling.max_rows_per_call", config.sampling.max_rows_per_call >= 0,
          "must be >= 0 (0: all of a step's rows in one sampler call)"),
+        ("sampling.max_slots", config.sampling.max_slots >= 0,
+         "must be >= 0 (0: one decode slot per sample of a sampler call)"),
+        ("sampling.max_slots", config.sampling.engine == "continuous" or config.sampling.max_slots == 0,
+         "applies to sampling.engine=continuous; the static engine bounds its cache with sampling.max_rows_per_call"),
+        ("sampling.max_rows_per_call", config.sampling.engine == "static" or config.sampling.max_rows_per_call == 0,
+         "applies to sampling.engine=static; the continuous engine bounds its cache with sampling.max_slots"),
         ("sampling.gvm_stage1_samples", config.sampling.gvm_stage1_samples >= 1, "must be >= 1"),
         ("sampling.gvm_samples_per_prompt", config.sampling.gvm_samples_per_prompt >= 1, "must be >= 1"),
         ("sampling.gvm_alpha", config.sampling.gvm_alpha >= 0, "must be >= 0"),

@@ -32,7 +32,8 @@ from jaxrl_llm.train.config import RunConfig, uses_critic
 from jaxrl_llm.train.gvm import gvm_rollouts
 from jaxrl_llm.train.gvm_history import GvmHistory
 from jaxrl_llm.train.packing import unpack
-from jaxrl_llm.train.rollouts import ScoredRollouts, build_train_batches, packed_rollouts, sample_and_score
+from jaxrl_llm.train.rollouts import (ScoredRollouts, build_train_batches, engine_options, packed_rollouts,
+                                      sample_and_score)
 from jaxrl_llm.train.setup import Run, release_free_host_memory, setup_run
 from jaxrl_llm.train.state import learning_rate
 
@@ -270,7 +271,7 @@ def evaluate_policy(run: Run, label: str, log) -> dict[str, Any]:
                        k=cfg.train.eval_samples, max_new_tokens=cfg.sampling.max_new_tokens,
                        temperature=cfg.train.eval_temperature, top_p=cfg.sampling.top_p, top_k=cfg.sampling.top_k,
                        template=cfg.data.prompt, seed=cfg.train.seed + 1000, return_samples=True, mesh=run.mesh,
-                       samples_per_call=eval_rows_per_call(cfg.sampling))
+                       samples_per_call=eval_rows_per_call(cfg.sampling), **engine_options(cfg.sampling))
     correct = [s["correct"] for s in metrics.pop("samples")]
     k = cfg.train.eval_samples
     result = {"accuracy": float(metrics[f"avg@{k}"]), "sampling_sd": sampling_sd(correct),

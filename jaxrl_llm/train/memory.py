@@ -42,7 +42,11 @@ Every term counts what jaxrl_llm itself allocates, per device of a `data x fsdp 
               of them (the row bucket of `sampling.generate.call_plans`), rows split over data x fsdp:
               layers x rows x (P_bucket + R_bucket) x kv_heads x head_dim x 2 x c, where a sliding-window
               layer (Mistral, Gemma) keeps min(R_bucket, window) response slots; plus two [rows, V]
-              f32 logits buffers
+              f32 logits buffers. With sampling.engine=continuous: layers x (C x P_bucket + S x R_bucket) x
+              kv_heads x head_dim x 2 x c for C = bucket(prompts_per_step) prompt caches and S decode slots
+              (`sampling.continuous.slot_count`), plus one layer's prompt keys/values gathered for the slots
+              (S x P_bucket x kv_heads x head_dim x 2 x c) and (C + 2 S) x V f32 logits; the S slots are
+              split over data x fsdp as rows are, every device holds the C prompt caches
   gvm norms   (GVM only) per-sample gradients of the subset (default the embedding) for
               `sampling.gvm_rows_per_chunk` (0: `optim.micro_batch_size`) unpacked rows at a time, in p,
               with those rows' activations and log-prob residuals; a chunk's rows are split over data x fsdp
@@ -82,6 +86,7 @@ from jaxrl_llm.models.lora import LoraSpec, adapter_shapes, resolve_targets
 from jaxrl_llm.models.model import param_shapes
 from jaxrl_llm.models.sharding import MESH_AXES, partition_rules
 from jaxrl_llm.sampling.buckets import bucket_size, round_up
+from jaxrl_llm.sampling.continuous import slot_count
 from jaxrl_llm.sampling.decoder import response_slots
 from jaxrl_llm.sampling.generate import call_row_bucket
 from jaxrl_llm.train.algorithms import needs_reference
@@ -373,9 +378,18 @@ def estimate_memory(config: RunConfig, model_config: ModelConfig, mesh: dict[str
     local_rows = sample_rows // batch_split
     prompt_bucket = bucket_size(cfg.data.max_prompt_tokens, minimum=16)
     response_bucket = bucket_size(cfg.sampling.max_new_tokens, minimum=16)
-    kv_cache = sum(local_rows * (prompt_bucket + slots) * mc.num_kv_heads * mc.head_dim * 2 * c
-                   for slots in response_slots(mc, response_bucket))
-    sampling = kv_cache + 2 * local_rows * mc.vocab_size * 4 + merged_copy
+    kv_bytes = mc.num_kv_heads * mc.head_dim * 2 * c  # one token's keys and values in one layer
+    if cfg.sampling.engine == "continuous":
+        num_rows = cfg.sampling.prompts_per_step * samples
+        local_slots = slot_count(cfg.sampling.max_slots or bucket_size(num_rows), num_rows, batch_split) // batch_split
+        local_prompts = bucket_size(cfg.sampling.prompts_per_step)
+        kv_cache = sum((local_prompts * prompt_bucket + local_slots * slots) * kv_bytes
+                       for slots in response_slots(mc, response_bucket))
+        sampling = (kv_cache + local_slots * prompt_bucket * kv_bytes
+                    + (local_prompts + 2 * local_slots) * mc.vocab_size * 4 + merged_copy)
+    else:
+        kv_cache = sum(local_rows * (prompt_bucket + slots) * kv_bytes for slots in response_slots(mc, response_bucket))
+        sampling = kv_cache + 2 * local_rows * mc.vocab_size * 4 + merged_copy
 
     gvm_norms = 0
     if gvm:
@@ -417,6 +431,8 @@ def fit_rows_per_call(config: RunConfig, model_config: ModelConfig, mesh: dict[s
     that fits, or, if none does, the one of least peak (one row per device at the least)."""
     est = estimate_memory(config, model_config, mesh)
     rows = config.sampling.max_rows_per_call
+    if config.sampling.engine == "continuous":  # bounded by sampling.max_slots, not by rows per call
+        return est, rows
     split = mesh["data"] * mesh["fsdp"]
     while est["peak"] > budget_bytes and est["sample_rows"] > split \
             and est["sampling"] > max(est["train_step"], est["critic_step"], est["gvm_norms"]):

@@ -55,14 +55,22 @@ class ScoredRollouts:
                for f in ("tokens", "mask", "logprobs", "lengths", "rewards", "correct")})
 
 
+def engine_options(sampling: SamplingSection) -> dict:
+    """`generate`'s engine keywords for `sampling.engine`: none for the static engine (its default)."""
+    if sampling.engine == "static":
+        return {}
+    return {"engine": sampling.engine, "max_slots": sampling.max_slots or None}
+
+
 def sample_and_score(params, model_config, tokenizer, records: list[dict], counts, sampling: SamplingSection,
                      scorer: "RewardScorer", rng: jax.Array, *, mesh=None) -> ScoredRollouts:
     """Draw counts[i] (or `counts` each) samples of every prompt and score them; at most
-    `sampling.max_rows_per_call` rows are decoded per sampler call (0: all in one)."""
+    `sampling.max_rows_per_call` rows are decoded per sampler call (0: all in one), by `sampling.engine`."""
     rollout = generate(params, model_config, [r["prompt_ids"] for r in records], num_samples=counts,
                        max_new_tokens=sampling.max_new_tokens, temperature=sampling.temperature,
                        top_p=sampling.top_p, top_k=sampling.top_k, stop_ids=tokenizer.stop_ids, rng=rng,
-                       pad_id=tokenizer.pad_token_id, mesh=mesh, max_rows_per_call=sampling.max_rows_per_call)
+                       pad_id=tokenizer.pad_token_id, mesh=mesh, max_rows_per_call=sampling.max_rows_per_call,
+                       **engine_options(sampling))
     prompt_index = np.asarray(rollout.prompt_index, np.int32)
     lengths = np.asarray(rollout.lengths, np.int32)
     texts = [tokenizer.decode(list(row[:n]), skip_special_tokens=True) for row, n in zip(rollout.tokens, lengths)]
