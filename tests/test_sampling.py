@@ -197,6 +197,13 @@ def test_stop_ids_end_rows_and_mask_after(tiny):
         ended = out.finish_reason[r] == FINISH_STOP
         assert ended == (out.tokens[r, out.lengths[r] - 1] in (stop, VOCAB - 1))
         assert ended or (out.lengths[r] == 10 and out.finish_reason[r] == FINISH_LENGTH)
+    # Every row ends at its first token: the loop stops after one step, and the columns it never wrote are
+    # pad_id as well (not the buffer's initial zeros).
+    first_token = int(free.tokens[0, 0])
+    short = generate(params, config, [prompt], num_samples=2, max_new_tokens=10, temperature=0.0,
+                     stop_ids=(first_token,), rng=jax.random.key(0), pad_id=VOCAB - 2)
+    assert short.lengths.tolist() == [1, 1]
+    assert short.tokens.tolist() == [[first_token] + [VOCAB - 2] * 9] * 2
 
 
 def test_num_samples_with_zeros_and_empty(tiny):

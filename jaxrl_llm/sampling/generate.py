@@ -142,14 +142,15 @@ def decode(params, config: ModelConfig, state: SamplingState, first_logits: jax.
                        greedy=greedy, top_k=0 if greedy else int(top_k), use_top_p=not greedy and top_p < 1.0)
 
 
-def collect(state: SamplingState, plan: SamplingPlan, max_new_tokens: int) -> Rollout:
-    """Copy the first plan.num_rows rows of a decoded state to a `Rollout`."""
+def collect(state: SamplingState, plan: SamplingPlan, max_new_tokens: int, pad_id: int = 0) -> Rollout:
+    """Copy the first plan.num_rows rows of a decoded state to a `Rollout`; tokens after a row's end are
+    pad_id (the loop stops when the longest row ends, so later columns were never written)."""
     n = plan.num_rows
     lengths = to_host(state.lengths)[:n]
     mask = (np.arange(max_new_tokens)[None, :] < lengths[:, None]).astype(np.float32)
     return Rollout(
         prompt_index=plan.row_prompt.astype(np.int32),
-        tokens=to_host(state.tokens)[:n, :max_new_tokens],
+        tokens=np.where(mask > 0, to_host(state.tokens)[:n, :max_new_tokens], pad_id).astype(np.int32),
         mask=mask,
         logprobs=to_host(state.logprobs)[:n, :max_new_tokens],
         lengths=lengths,
@@ -286,6 +287,6 @@ def generate(params, config: ModelConfig, prompts: Sequence[Sequence[int]], *, n
         state = decode(params, config, state, first_logits, max_new_tokens=max_new_tokens, temperature=temperature,
                        top_p=top_p, top_k=top_k, stop_ids=stop, rng=rng, pad_id=pad_id, mesh=mesh,
                        row_offset=first_row)
-        rollouts.append(collect(state, run, max_new_tokens))
+        rollouts.append(collect(state, run, max_new_tokens, pad_id))
     return rollouts[0] if len(rollouts) == 1 else _concat(rollouts)
 
