@@ -140,6 +140,26 @@ def test_new_row_end_patterns_do_not_recompile(tiny):
     assert third.iterations == 30 and third.useful_slot_steps == 50
 
 
+def test_return_stats_hand_counted_for_both_engines(tiny):
+    """14 samples of 5 tokens (no stop id). Static, 4 rows per call: calls of 4, 4, 4, 2 rows on a row bucket
+    of 4, each decoding 5 steps -> 4 slots x 20 steps, 70 of 80 slot-steps useful. Continuous, 3 slots: they
+    take 5, 5 and 4 samples -> 25 iterations, 70 of 75 slot-steps useful. The rollouts are the plain ones."""
+    config, params = tiny
+    kwargs = dict(num_samples=COUNTS, max_new_tokens=5, rng=jax.random.key(2))
+    static, static_stats = generate(params, config, PROMPTS, max_rows_per_call=4, return_stats=True, **kwargs)
+    continuous, slot_stats = generate(params, config, PROMPTS, engine="continuous", max_slots=3, return_stats=True,
+                                      **kwargs)
+    assert static_stats == SlotStats(slots=4, iterations=20, useful_slot_steps=70)
+    assert static_stats.slot_steps == 80 and static_stats.occupancy == pytest.approx(70 / 80)
+    assert slot_stats == SlotStats(slots=3, iterations=25, useful_slot_steps=70)
+    assert slot_stats.occupancy == pytest.approx(70 / 75)
+    assert_same_rollout(generate(params, config, PROMPTS, **kwargs), static)
+    assert_same_rollout(static, continuous)
+    empty, stats = generate(params, config, [[1]], num_samples=0, max_new_tokens=3, rng=jax.random.key(0),
+                            return_stats=True)
+    assert empty.tokens.shape == (0, 3) and stats == SlotStats(slots=0, iterations=0, useful_slot_steps=0)
+
+
 def test_only_zero_counts_gives_an_empty_rollout(tiny):
     config, params = tiny
     out = generate(params, config, [[1], [2]], num_samples=[0, 0], max_new_tokens=3, rng=jax.random.key(0),
@@ -183,8 +203,25 @@ def test_config_selects_and_checks_the_engine():
             load_config(None, overrides)
 
 
+def scheduled_iterations(lengths, slots: int) -> int:
+    """Iterations of the slot loop, from the samples' lengths in queue order: each sample goes to the slot
+    that frees first (the lower index on a tie) and holds it for as many iterations as it has tokens."""
+    free_at = [0] * slots
+    for length in lengths:
+        slot = min(range(slots), key=lambda s: (free_at[s], s))
+        free_at[slot] += int(length)
+    return max(free_at)
+
+
+def test_scheduled_iterations_hand_values():
+    assert scheduled_iterations([5] * 5, 2) == 15  # test_slots_turn_over_with_hand_counted_iterations
+    assert scheduled_iterations([1, 6, 2, 2], 2) == 6  # slot 0: 1, 2, 2; slot 1: 6
+    assert scheduled_iterations([3, 1], 4) == 3
+
+
 def test_two_training_steps_log_the_same_metrics_with_both_engines(tmp_path, monkeypatch):
-    """The RL loop on a tiny random policy (tests/loop_runner.py): rollouts, update and evaluation agree."""
+    """The RL loop on a tiny random policy (tests/loop_runner.py): rollouts, update and evaluation agree.
+    The continuous run's rows add the slot occupancy of each step's (and evaluation's) sampler calls."""
     import importlib
     import json
 
@@ -194,12 +231,14 @@ def test_two_training_steps_log_the_same_metrics_with_both_engines(tmp_path, mon
     from jaxrl_llm.train.loop import train
 
     generate_module = importlib.import_module("jaxrl_llm.sampling.generate")  # the package's `generate` is the function
-    calls = []
+    calls, lengths = [], []
     original = generate_module.generate_slots
 
     def counted(*args, **kwargs):
         calls.append(kwargs["max_slots"])
-        return original(*args, **kwargs)
+        out = original(*args, **kwargs)
+        lengths.append(out[2])
+        return out
 
     monkeypatch.setattr(generate_module, "generate_slots", counted)
     rows = {}
@@ -215,6 +254,18 @@ def test_two_training_steps_log_the_same_metrics_with_both_engines(tmp_path, mon
             assert calls == []
     assert calls and set(calls) == {3}  # both training steps and the evaluations used the continuous engine
     assert [r["step"] for r in rows["static"]] == [0, 1, 2, 2] and rows["static"][1]["samples_drawn"] == 4
+    # sampler calls: the evaluation before, step 1, step 2, the evaluation after (as many as before)
+    evals = (len(lengths) - 2) // 2
+    assert evals >= 1 and len(lengths) == 2 * evals + 2
+    groups = [lengths[:evals], lengths[evals:evals + 1], lengths[evals + 1:evals + 2], lengths[evals + 2:]]
+    expected = []
+    for group in groups:  # 3 slots (max_slots 3 <= the 4 samples of a call); useful slot-steps = sampled tokens
+        useful = sum(int(np.sum(x)) for x in group)
+        expected.append(useful / sum(3 * scheduled_iterations(x, 3) for x in group))
+    assert sum(int(np.sum(x)) for x in groups[1]) == rows["continuous"][1]["response_length"] * 4
+    occupancy = [rows["continuous"][0].pop("eval_slot_occupancy"), rows["continuous"][1].pop("sampling_slot_occupancy"),
+                 rows["continuous"][2].pop("sampling_slot_occupancy"), rows["continuous"][3].pop("eval_slot_occupancy")]
+    assert occupancy == pytest.approx(expected) and all(0 < x <= 1 for x in occupancy)
     assert rows["continuous"] == rows["static"]
 
 

@@ -87,9 +87,13 @@ class SlotStats(NamedTuple):
     useful_slot_steps: int
 
     @property
+    def slot_steps(self) -> int:
+        """Slot-steps decoded: iterations x slots."""
+        return self.iterations * self.slots
+
+    @property
     def occupancy(self) -> float:
-        total = self.iterations * self.slots
-        return self.useful_slot_steps / total if total else 0.0
+        return self.useful_slot_steps / self.slot_steps if self.slot_steps else 0.0
 
 
 def empty_prompt_cache(config: ModelConfig, prompts: int, prompt_bucket: int) -> PromptCache:

@@ -12,7 +12,7 @@ from jax.sharding import Mesh
 
 from jaxrl_llm.models import ModelConfig
 from jaxrl_llm.sampling.buckets import SamplingPlan, bucket_size, make_plan, round_up
-from jaxrl_llm.sampling.continuous import check_max_slots, generate_slots
+from jaxrl_llm.sampling.continuous import SlotStats, check_max_slots, generate_slots
 from jaxrl_llm.sampling.engine import (
     SamplingState,
     decode_rows,
@@ -188,13 +188,13 @@ def call_plans(plan: SamplingPlan, prompt_lengths: np.ndarray, max_new_tokens: i
 
 
 def _continuous_rollout(params, config: ModelConfig, prompts: list[np.ndarray], counts: np.ndarray, *,
-                        max_slots: int | None, **kwargs) -> Rollout:
+                        max_slots: int | None, **kwargs) -> tuple[Rollout, SlotStats]:
     slots = bucket_size(int(counts.sum())) if max_slots is None else max_slots  # None: one per sample, bucketed
-    tokens, logprobs, lengths, stopped, row_prompt, _ = generate_slots(params, config, prompts, counts,
-                                                                       max_slots=slots, **kwargs)
+    tokens, logprobs, lengths, stopped, row_prompt, stats = generate_slots(params, config, prompts, counts,
+                                                                           max_slots=slots, **kwargs)
     mask = (np.arange(tokens.shape[1])[None, :] < lengths[:, None]).astype(np.float32)
     return Rollout(prompt_index=row_prompt, tokens=tokens, mask=mask, logprobs=logprobs, lengths=lengths,
-                   finish_reason=np.where(stopped, FINISH_STOP, FINISH_LENGTH).astype(np.int32))
+                   finish_reason=np.where(stopped, FINISH_STOP, FINISH_LENGTH).astype(np.int32)), stats
 
 
 def _concat(rollouts: list[Rollout]) -> Rollout:
@@ -205,7 +205,7 @@ def generate(params, config: ModelConfig, prompts: Sequence[Sequence[int]], *, n
              temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, stop_ids: Sequence[int] = (),
              rng: jax.Array, pad_id: int = 0, mesh: Mesh | None = None,
              prefill_tokens_per_call: int = 4096, max_rows_per_call: int = 0, engine: str = "static",
-             max_slots: int | None = None) -> Rollout:
+             max_slots: int | None = None, return_stats: bool = False) -> Rollout | tuple[Rollout, SlotStats]:
     """Sample `num_samples[i]` continuations of each token prompt; returns a `Rollout`.
 
     prompts: list of non-empty token-id lists. num_samples: an int for every prompt, or one count per
@@ -238,6 +238,11 @@ def generate(params, config: ModelConfig, prompts: Sequence[Sequence[int]], *, n
     (`sampling.continuous`); it returns the same rollout as the static engine (same tokens, log-probs
     to f32 rounding). It takes no `max_rows_per_call` (the slots bound the cache); with `mesh`, slots are
     split over its ('data', 'fsdp') axes and every device keeps the whole prompt cache.
+
+    `return_stats=True` returns (rollout, `SlotStats`): slot occupancy = generated tokens / slot-steps
+    decoded, summed over the calls. The continuous engine counts its loop iterations x slots; the static
+    engine's slots are a call's rows (its row bucket, padding included), decoded in lock step for as many
+    steps as the call's longest row.
     """
     if engine not in ENGINES:
         raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
@@ -264,7 +269,8 @@ def generate(params, config: ModelConfig, prompts: Sequence[Sequence[int]], *, n
     prompt_arrays = _check_prompts(prompts, config, max_new_tokens)
     counts = _sample_counts(num_samples, len(prompt_arrays))
     if counts.sum() == 0:
-        return _empty_rollout(max_new_tokens)
+        empty = _empty_rollout(max_new_tokens)
+        return (empty, SlotStats(slots=0, iterations=0, useful_slot_steps=0)) if return_stats else empty
     row_multiple = 1
     if mesh is not None:
         from jaxrl_llm.models.sharding import shard_params
@@ -273,10 +279,11 @@ def generate(params, config: ModelConfig, prompts: Sequence[Sequence[int]], *, n
         row_multiple = int(np.prod([mesh.shape[a] for a in row_axes(mesh)]))
     stop = _stop_array(stop_ids, config.vocab_size)
     if engine == "continuous":
-        return _continuous_rollout(params, config, prompt_arrays, counts, max_new_tokens=max_new_tokens,
+        rollout, stats = _continuous_rollout(params, config, prompt_arrays, counts, max_new_tokens=max_new_tokens,
                                    temperature=temperature, top_p=top_p, top_k=top_k, stop_ids=stop, rng=rng,
                                    pad_id=pad_id, max_slots=max_slots, prefill_tokens_per_call=prefill_tokens_per_call,
                                    mesh=mesh)
+        return (rollout, stats) if return_stats else rollout
     lengths = np.array([len(p) for p in prompt_arrays])
     plan = make_plan(lengths, counts, max_new_tokens, row_multiple=row_multiple,
                      prefill_tokens_per_call=prefill_tokens_per_call)
@@ -288,5 +295,10 @@ def generate(params, config: ModelConfig, prompts: Sequence[Sequence[int]], *, n
                        top_p=top_p, top_k=top_k, stop_ids=stop, rng=rng, pad_id=pad_id, mesh=mesh,
                        row_offset=first_row)
         rollouts.append(collect(state, run, max_new_tokens, pad_id))
-    return rollouts[0] if len(rollouts) == 1 else _concat(rollouts)
+    rollout = rollouts[0] if len(rollouts) == 1 else _concat(rollouts)
+    if not return_stats:
+        return rollout
+    # decode_rows stops when a call's longest row ends: that row's length is the call's decode steps
+    return rollout, SlotStats(slots=run.row_bucket, iterations=sum(int(part.lengths.max()) for part in rollouts),
+                              useful_slot_steps=int(rollout.lengths.sum()))
 

@@ -33,7 +33,7 @@ from jaxrl_llm.objectives import gvm_allocate
 from jaxrl_llm.train.config import SamplingSection
 from jaxrl_llm.train.gvm_history import GvmHistory
 from jaxrl_llm.train.logprobs import row_logprobs
-from jaxrl_llm.train.rollouts import ScoredRollouts, all_rows_batch, sample_and_score
+from jaxrl_llm.train.rollouts import ScoredRollouts, all_rows_batch, count_slot_use, sample_and_score
 
 
 # ---- per-sample gradient norms ----------------------------------------------------------------------------
@@ -271,6 +271,7 @@ def gvm_rollouts(params, model_config, tokenizer, records: list[dict], sampling:
         info["score_s"] += scorer.last_seconds
         info["sample_s"] += time.perf_counter() - t0 - scorer.last_seconds
         info["drawn"] += out.num_samples
+        count_slot_use(info, out.slot_stats)
         return out
 
     def norm_sums(scored, max_rows_per_prompt=0):

@@ -32,8 +32,8 @@ from jaxrl_llm.train.config import RunConfig, uses_critic
 from jaxrl_llm.train.gvm import gvm_rollouts
 from jaxrl_llm.train.gvm_history import GvmHistory
 from jaxrl_llm.train.packing import unpack
-from jaxrl_llm.train.rollouts import (ScoredRollouts, build_train_batches, engine_options, packed_rollouts,
-                                      sample_and_score)
+from jaxrl_llm.train.rollouts import (ScoredRollouts, build_train_batches, count_slot_use, counting_generate,
+                                      engine_options, packed_rollouts, sample_and_score, slot_occupancy)
 from jaxrl_llm.train.setup import Run, release_free_host_memory, setup_run
 from jaxrl_llm.train.state import learning_rate
 
@@ -68,7 +68,7 @@ def _train(run: Run, resume: bool, log) -> dict[str, Any]:
         log(f"resumed from step {start} in {run.checkpointer.directory}")
     if "eval_before" not in books["summary"] and cfg.train.eval_problems:
         books["summary"]["eval_before"] = evaluate_policy(run, "before training", log)
-        run.metrics.write(0, {"eval_accuracy": books["summary"]["eval_before"]["accuracy"]})
+        run.metrics.write(0, eval_metrics(books["summary"]["eval_before"]))
     bad_streak = 0
     with preemption_guard() as signalled, tqdm(total=cfg.train.steps, initial=start, desc="RL steps",
                                                 dynamic_ncols=True, disable=jax.process_index() != 0) as bar:
@@ -90,8 +90,9 @@ def _train(run: Run, resume: bool, log) -> dict[str, Any]:
             preempted = any_process(signalled())  # all processes take part in a save, or none
             eval_acc = None
             if cfg.train.eval_every and done % cfg.train.eval_every == 0 and done < cfg.train.steps:
-                eval_acc = evaluate_policy(run, f"step {done}", log)["accuracy"]
-                metrics["eval_accuracy"] = eval_acc
+                evaluation = evaluate_policy(run, f"step {done}", log)
+                eval_acc = evaluation["accuracy"]
+                metrics.update(eval_metrics(evaluation))
             run.metrics.write(done, metrics)
             bar.update(1)
             bar.set_postfix(acc=f"{metrics['accuracy']:.2f}", reward=f"{metrics['reward']:.2f}",
@@ -111,7 +112,7 @@ def _train(run: Run, resume: bool, log) -> dict[str, Any]:
     summary = books["summary"]
     if cfg.train.eval_problems:
         summary["eval_after"] = evaluate_policy(run, "after training", log)
-        run.metrics.write(cfg.train.steps, {"eval_accuracy": summary["eval_after"]["accuracy"]})
+        run.metrics.write(cfg.train.steps, eval_metrics(summary["eval_after"]))
     save(run, cfg.train.steps, books, summary.get("eval_after", {}).get("accuracy"))
     export_dir = run.out_dir / "final"
     params = host_values(run.policy_params())  # a collective: every process takes part
@@ -157,6 +158,7 @@ def collect_rollouts(run: Run, step: int, books: dict) -> tuple[ScoredRollouts, 
         info["sample_s"] -= run.scorer.last_seconds
         info["rounds"] += 1
         info["drawn"] += scored.num_samples
+        count_slot_use(info, scored.slot_stats)
         info["prompts"] += len(records)
         if algo.group_filter == "mixed" or algo.dynamic_sampling:
             keep = mixed_groups(scored.rewards, scored.prompt_index, len(records))
@@ -267,20 +269,31 @@ def token_logprobs(run: Run, params, scored: ScoredRollouts) -> np.ndarray:
 def evaluate_policy(run: Run, label: str, log) -> dict[str, Any]:
     """avg@k on the held-out set, with its sampling noise (see `sampling_sd`)."""
     cfg = run.config
+    slot_use: dict = {}
     metrics = evaluate(run.policy_params(), run.model_config, run.tokenizer, run.eval_records,
                        k=cfg.train.eval_samples, max_new_tokens=cfg.sampling.max_new_tokens,
                        temperature=cfg.train.eval_temperature, top_p=cfg.sampling.top_p, top_k=cfg.sampling.top_k,
                        template=cfg.data.prompt, seed=cfg.train.seed + 1000, return_samples=True, mesh=run.mesh,
-                       samples_per_call=eval_rows_per_call(cfg.sampling), **engine_options(cfg.sampling))
+                       samples_per_call=eval_rows_per_call(cfg.sampling), **engine_options(cfg.sampling),
+                       **({"generate_fn": counting_generate(slot_use)} if cfg.sampling.engine == "continuous" else {}))
     correct = [s["correct"] for s in metrics.pop("samples")]
     k = cfg.train.eval_samples
     result = {"accuracy": float(metrics[f"avg@{k}"]), "sampling_sd": sampling_sd(correct),
-              **{key: value for key, value in metrics.items() if isinstance(value, (int, float))}}
+              **{key: value for key, value in metrics.items() if isinstance(value, (int, float))},
+              **slot_occupancy(slot_use)}
     log(f"eval {label}: avg@{k} = {result['accuracy']:.3f} (sampling sd {result['sampling_sd']:.3f}) over "
         f"{len(correct)} problems, pass@{k} = {metrics[f'pass@{k}']:.3f}, format {metrics['format_rate']:.2f} "
         f"({metrics['seconds']:.0f}s)")
     release_free_host_memory()  # the KV caches and logits of its sampler calls
     return result
+
+
+def eval_metrics(evaluation: dict) -> dict:
+    """An evaluation's metrics.jsonl entries: eval_accuracy, and eval_slot_occupancy with the continuous engine."""
+    out = {"eval_accuracy": evaluation["accuracy"]}
+    if "sampling_slot_occupancy" in evaluation:
+        out["eval_slot_occupancy"] = evaluation["sampling_slot_occupancy"]
+    return out
 
 
 def eval_rows_per_call(sampling) -> int:
@@ -319,6 +332,7 @@ def step_metrics(run: Run, scored: ScoredRollouts, round_info: dict, update: dic
                                   "value_mean", "return_mean") if k in update},
         "updates": update["updates"], "skipped_update": 0 if update["finite"] else 1,
         **{f"time_{k}": v for k, v in times.items()},
+        **slot_occupancy(round_info),  # continuous engine: useful / decoded slot-steps of the step's sampler calls
         **round_info.get("gvm", {}),  # the GVM allocation (n_i against p_i) on steps that ran stage 1
     }
 

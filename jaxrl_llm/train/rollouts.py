@@ -14,7 +14,7 @@ import jax
 import numpy as np
 
 from jaxrl_llm import objectives
-from jaxrl_llm.sampling import generate
+from jaxrl_llm.sampling import SlotStats, generate
 from jaxrl_llm.train.config import AlgorithmSection, SamplingSection
 from jaxrl_llm.train.packing import TrainBatch, bucket, pack_groups, round_up
 
@@ -31,6 +31,9 @@ class ScoredRollouts:
     lengths: np.ndarray  # [R] int32
     rewards: np.ndarray  # [R] float32
     correct: np.ndarray  # [R] bool: the verifier accepted the final answer
+    # the continuous engine's slot use in the sampler call that drew these rows (None: the static engine);
+    # read it where the rows are drawn (`count_slot_use`): select_groups and concat leave it out
+    slot_stats: SlotStats | None = None
 
     @property
     def num_samples(self) -> int:
@@ -66,11 +69,11 @@ def sample_and_score(params, model_config, tokenizer, records: list[dict], count
                      scorer: "RewardScorer", rng: jax.Array, *, mesh=None) -> ScoredRollouts:
     """Draw counts[i] (or `counts` each) samples of every prompt and score them; at most
     `sampling.max_rows_per_call` rows are decoded per sampler call (0: all in one), by `sampling.engine`."""
-    rollout = generate(params, model_config, [r["prompt_ids"] for r in records], num_samples=counts,
-                       max_new_tokens=sampling.max_new_tokens, temperature=sampling.temperature,
-                       top_p=sampling.top_p, top_k=sampling.top_k, stop_ids=tokenizer.stop_ids, rng=rng,
-                       pad_id=tokenizer.pad_token_id, mesh=mesh, max_rows_per_call=sampling.max_rows_per_call,
-                       **engine_options(sampling))
+    rollout, stats = generate(params, model_config, [r["prompt_ids"] for r in records], num_samples=counts,
+                              max_new_tokens=sampling.max_new_tokens, temperature=sampling.temperature,
+                              top_p=sampling.top_p, top_k=sampling.top_k, stop_ids=tokenizer.stop_ids, rng=rng,
+                              pad_id=tokenizer.pad_token_id, mesh=mesh, max_rows_per_call=sampling.max_rows_per_call,
+                              return_stats=True, **engine_options(sampling))
     prompt_index = np.asarray(rollout.prompt_index, np.int32)
     lengths = np.asarray(rollout.lengths, np.int32)
     texts = [tokenizer.decode(list(row[:n]), skip_special_tokens=True) for row, n in zip(rollout.tokens, lengths)]
@@ -78,7 +81,33 @@ def sample_and_score(params, model_config, tokenizer, records: list[dict], count
     correct, rewards = scorer(texts, golds, lengths)
     return ScoredRollouts(records=list(records), prompt_index=prompt_index, tokens=np.asarray(rollout.tokens),
                           mask=np.asarray(rollout.mask, np.float32), logprobs=np.asarray(rollout.logprobs),
-                          lengths=lengths, rewards=rewards, correct=correct)
+                          lengths=lengths, rewards=rewards, correct=correct,
+                          slot_stats=stats if sampling.engine == "continuous" else None)
+
+
+def count_slot_use(info: dict, stats: SlotStats | None) -> None:
+    """Add a sampler call's slot-steps to a step's books (nothing for None: the static engine in training)."""
+    if stats is not None:
+        info["useful_slot_steps"] = info.get("useful_slot_steps", 0) + stats.useful_slot_steps
+        info["slot_steps"] = info.get("slot_steps", 0) + stats.slot_steps
+
+
+def counting_generate(slot_use: dict):
+    """`generate` that adds each call's slot-steps to `slot_use` (`count_slot_use`): an evaluation's `generate_fn`."""
+    def generate_fn(*args, **kwargs):
+        rollout, stats = generate(*args, return_stats=True, **kwargs)
+        count_slot_use(slot_use, stats)
+        return rollout
+
+    return generate_fn
+
+
+def slot_occupancy(info: dict) -> dict:
+    """{"sampling_slot_occupancy": useful slot-steps / slot-steps} over the calls `count_slot_use` counted
+    (continuous engine), else {}."""
+    if "slot_steps" not in info:
+        return {}
+    return {"sampling_slot_occupancy": info["useful_slot_steps"] / info["slot_steps"] if info["slot_steps"] else 0.0}
 
 
 class RewardScorer:
