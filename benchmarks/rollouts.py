@@ -3,7 +3,7 @@ beside google-tunix's Sampler and transformers `generate`, on the same prompts, 
 the same process, and the machine's roofline measured with JAX in this script.
 
     .venv/bin/python benchmarks/rollouts.py [--problems 100] [--samples 8] [--max-new-tokens 512] [--rows 64]
-        [--repeats 1] [--skip-peers] [--json OUT]
+        [--engines static,continuous] [--repeats 1] [--skip-peers] [--json OUT]
 
 The workload is a training step's sampling: the bundled SmolLM2-135M-Instruct (float32) on the
 gsm8k-100 problems with the `reasoning` prompt preset (DESIGN's system and user turns through the
@@ -12,7 +12,11 @@ per problem, temperature 1 (no top-k / top-p), up to `--max-new-tokens` new toke
 its first stop id (`tokenizer.stop_ids`), at most `--rows` rows decoding at once (the trainer's
 `sampling.max_rows_per_call`; also measure `--rows 128`). Rows are ordered by problem, then sample, and
 cut into consecutive batches of `--rows`:
-- jaxrl_llm: `generate(..., max_rows_per_call=rows)`, the trainer's call (`train.rollouts.sample_and_score`);
+- jaxrl_llm (static engine, `sampling.engine: static`): `generate(..., max_rows_per_call=rows)`, the
+  trainer's call (`train.rollouts.sample_and_score`);
+- jaxrl_llm continuous (`sampling.engine: continuous`): `generate(..., engine="continuous", max_slots=rows)`:
+  `rows` decode slots, each taking the next pending sample as soon as its own ends (`sampling.continuous`);
+  both engines draw the same tokens for a seed, which the script checks on the workload's rows;
 - tunix: `Sampler(...)` on each batch of `rows` rows (the last batch padded with copies of its last row,
   so every call has the same shapes; the copies are decoded but their tokens are not counted), with
   `eos_tokens` = the stop ids and one `max_prompt_length` = the longest prompt;
@@ -21,7 +25,8 @@ cut into consecutive batches of `--rows`:
 Useful tokens: each row's tokens up to and including its first stop id (all `max_new_tokens` when none).
 Useful tokens/s = useful tokens of the whole workload / its wall time, end to end (prefill, decode and
 the copy back to the host; tokenisation of the prompts is done once, before). Each JAX sampler first runs
-an untimed warm-up that compiles the programs of the timed calls; the figures are medians over
+an untimed warm-up that compiles the programs of the timed calls (the continuous engine's is the whole
+workload once: its programs' shapes follow every row and `--max-new-tokens`); the figures are medians over
 `--repeats` timed runs.
 
 Slot occupancy = useful tokens / decoded slot-steps. Every sampler here decodes a fixed batch of rows in
@@ -32,7 +37,8 @@ rows in the call x the longest row of the call. For jaxrl_llm the rows of a call
 rows (`generate.call_plans`); its decode loop (`engine.decode_rows`) stops when every row is done, after
 max(lengths) tokens. tunix's loop stops likewise (`any(~done)`), over its padded batch; transformers
 stops when every row has emitted an eos id. Occupancy 1 means no slot decoded past its row's end;
-continuous batching (refilling a slot when its row ends) is what raises it.
+continuous batching (refilling a slot when its row ends) is what raises it. The continuous engine's
+slot-steps are its loop's iterations x slots (`SlotStats`, from `generate(..., return_stats=True)`).
 
 The roofline row is `benchmarks/sampling.py`'s: measured f32 matmul FLOP/s / (2 x parameters) per token
 (large batch) and measured read bandwidth / weight bytes (batch 1). google-tunix is installed as
@@ -94,10 +100,13 @@ def occupancy(useful_tokens: int, steps: int) -> float:
     return useful_tokens / steps if steps else 0.0
 
 
-def summary(name: str, useful: np.ndarray, call_lengths, call_rows, seconds: list[float]) -> dict:
-    """One sampler's figures: useful tokens, slot-steps, occupancy, median seconds and useful tokens/s."""
+def summary(name: str, useful: np.ndarray, call_lengths, call_rows, seconds: list[float], *,
+            decoded_slot_steps: int | None = None) -> dict:
+    """One sampler's figures: useful tokens, slot-steps, occupancy, median seconds and useful tokens/s.
+    Slot-steps are `slot_steps(call_lengths, call_rows)` (lock-step calls) unless `decoded_slot_steps`
+    gives them (the continuous engine's iterations x slots)."""
     tokens = int(np.sum(useful))
-    steps = slot_steps(call_lengths, call_rows)
+    steps = slot_steps(call_lengths, call_rows) if decoded_slot_steps is None else int(decoded_slot_steps)
     median = statistics.median(seconds)
     return dict(sampler=name, useful_tokens=tokens, slot_steps=steps, occupancy=occupancy(tokens, steps),
                 seconds=median, all_seconds=seconds, useful_tok_s=tokens / median, calls=len(call_rows),
@@ -126,12 +135,49 @@ def load_workload(problems: int):
     return config, params, tokenizer, [r["prompt_ids"] for r in kept]
 
 
+ENGINES = ("static", "continuous")
+
+
+def parse_engines(text: str) -> list[str]:
+    """"static,continuous" -> ["static", "continuous"]: our engines to run, each once, in this order."""
+    engines = [e.strip() for e in text.split(",") if e.strip()]
+    unknown = [e for e in engines if e not in ENGINES]
+    if not engines or unknown or len(set(engines)) != len(engines):
+        raise ValueError(f"--engines takes distinct names from {ENGINES}, comma-separated; got {text!r}")
+    return engines
+
+
+def same_tokens(a, b) -> bool:
+    """Two rollouts of the same rows hold the same generated tokens (and lengths and finish reasons)."""
+    return (np.array_equal(a.lengths, b.lengths) and np.array_equal(a.finish_reason, b.finish_reason)
+            and np.array_equal(a.tokens * a.mask.astype(bool), b.tokens * b.mask.astype(bool)))
+
+
+def first_difference(a, b) -> tuple[int, int] | None:
+    """(row, token) of the first generated token where two rollouts of the same rows differ (a row that ends
+    in one and goes on in the other differs at the end of the shorter), None when `same_tokens`."""
+    width = a.tokens.shape[1]
+    live_a = np.arange(width)[None] < a.lengths[:, None]
+    live_b = np.arange(width)[None] < b.lengths[:, None]
+    differs = (live_a != live_b) | (live_a & (a.tokens != b.tokens))
+    if not differs.any():
+        return None
+    row, token = np.argwhere(differs)[0]
+    return int(row), int(token)
+
+
+def sampler_name(engine: str) -> str:
+    return "jaxrl_llm" if engine == "static" else f"jaxrl_llm {engine}"
+
+
 def row_prompts(prompts: list[list[int]], samples: int) -> list[list[int]]:
     """One prompt per output row, ordered by prompt then sample (the trainer's order)."""
     return [p for p in prompts for _ in range(samples)]
 
 
-def run_ours(params, config, tokenizer, prompts, samples, new_tokens, rows, repeats) -> dict:
+def run_ours(params, config, tokenizer, prompts, samples, new_tokens, rows, repeats, engine="static") -> dict:
+    """One engine of ours on the workload -> its `summary`, plus "rollout" (the last timed run's) and the
+    compilations inside the timed runs. static: `rows` rows per call; continuous: `rows` slots."""
     import jax
     import jax.monitoring
 
@@ -140,22 +186,26 @@ def run_ours(params, config, tokenizer, prompts, samples, new_tokens, rows, repe
 
     stop = tokenizer.stop_ids
     pad = tokenizer.pad_token_id
+    options = dict(max_rows_per_call=rows) if engine == "static" else dict(engine=engine, max_slots=rows)
 
     def once(seed):
         return generate(params, config, prompts, num_samples=samples, max_new_tokens=new_tokens, temperature=1.0,
-                        top_p=1.0, top_k=0, stop_ids=stop, rng=jax.random.key(seed), pad_id=pad,
-                        max_rows_per_call=rows)
+                        top_p=1.0, top_k=0, stop_ids=stop, rng=jax.random.key(seed), pad_id=pad, return_stats=True,
+                        **options)
 
-    # Warm-up: the first call's plan (the shapes every call shares), decoded for one token only
-    # (max_new_tokens is a traced argument of the decode program).
-    arrays = [np.asarray(p, np.int32) for p in prompts]
-    lengths = np.array([len(p) for p in prompts])
-    plan = make_plan(lengths, np.full(len(prompts), samples), new_tokens)
-    _, first = call_plans(plan, lengths, new_tokens, rows)[0]
-    state, logits = prefill(params, config, arrays, first, pad_id=pad)
-    jax.block_until_ready(decode(params, config, state, logits, max_new_tokens=1, temperature=1.0, top_p=1.0,
-                                 top_k=0, stop_ids=_stop_array(stop, config.vocab_size), rng=jax.random.key(0),
-                                 pad_id=pad))
+    if engine == "static":
+        # Warm-up: the first call's plan (the shapes every call shares), decoded for one token only
+        # (max_new_tokens is a traced argument of the decode program).
+        arrays = [np.asarray(p, np.int32) for p in prompts]
+        lengths = np.array([len(p) for p in prompts])
+        plan = make_plan(lengths, np.full(len(prompts), samples), new_tokens)
+        _, first = call_plans(plan, lengths, new_tokens, rows)[0]
+        state, logits = prefill(params, config, arrays, first, pad_id=pad)
+        jax.block_until_ready(decode(params, config, state, logits, max_new_tokens=1, temperature=1.0, top_p=1.0,
+                                     top_k=0, stop_ids=_stop_array(stop, config.vocab_size), rng=jax.random.key(0),
+                                     pad_id=pad))
+    else:
+        once(0)  # its prompt cache and slot loop take shapes from every row and new-token bucket
     compiles = []  # XLA compilations inside the timed runs: none if the warm-up covered every shape
 
     def listener(event, duration, **kwargs):
@@ -166,15 +216,22 @@ def run_ours(params, config, tokenizer, prompts, samples, new_tokens, rows, repe
     seconds = []
     for r in range(repeats):
         start = time.perf_counter()
-        rollout = once(r + 1)
+        rollout, stats = once(r + 1)
         seconds.append(time.perf_counter() - start)
     jax.monitoring.unregister_event_duration_listener(listener)
     useful = np.asarray(rollout.lengths, np.int64)  # a stop token is part of the response
     num_rows = len(useful)
-    call_rows = call_row_bucket(num_rows, rows)
-    runs = batches(num_rows, rows)
-    return dict(summary("jaxrl_llm", useful, [useful[a:b] for a, b in runs], [call_rows] * len(runs), seconds),
-                compiles_in_timed_runs=len(compiles))
+    if engine == "static":
+        call_rows = call_row_bucket(num_rows, rows)
+        runs = batches(num_rows, rows)
+        result = summary(sampler_name(engine), useful, [useful[a:b] for a, b in runs], [call_rows] * len(runs),
+                         seconds)
+    else:
+        result = summary(sampler_name(engine), useful, [useful], [stats.slots], seconds,
+                         decoded_slot_steps=stats.slot_steps)
+        result.update(slots=stats.slots, iterations=stats.iterations)
+    return dict(result, engine=engine, compiles_in_timed_runs=len(compiles), rollout=rollout,
+                generate_slot_steps=stats.slot_steps)
 
 
 def run_tunix(sampler, tokenizer, prompts, samples, new_tokens, rows, repeats) -> dict:
@@ -234,10 +291,16 @@ def main():
     parser.add_argument("--samples", type=int, default=8, help="samples per problem")
     parser.add_argument("--max-new-tokens", type=int, default=512)
     parser.add_argument("--rows", type=int, default=64, help="rows decoding at once (also measure 128)")
+    parser.add_argument("--engines", default="static,continuous",
+                        help="our engines, comma-separated: static (rows per call) and/or continuous (rows = slots)")
     parser.add_argument("--repeats", type=int, default=1, help="timed runs per sampler (median reported)")
     parser.add_argument("--skip-peers", action="store_true")
     parser.add_argument("--json", default=None, help="write every figure to this file")
     args = parser.parse_args()
+    try:
+        engines = parse_engines(args.engines)
+    except ValueError as error:
+        parser.error(str(error))
 
     import jax
 
@@ -254,9 +317,29 @@ def main():
           f"load {load_before[0]:.1f} on {os.cpu_count()} cores", flush=True)
 
     shape = (prompts, args.samples, args.max_new_tokens, args.rows, args.repeats)
-    results = [run_ours(params, config, tokenizer, *shape)]
-    print(f"jaxrl_llm done: {results[-1]['useful_tok_s']:.1f} useful tok/s, "
-          f"{results[-1]['compiles_in_timed_runs']} compilations in the timed runs", flush=True)
+    results, rollouts = [], {}
+    for engine in engines:
+        result = run_ours(params, config, tokenizer, *shape, engine=engine)
+        rollouts[engine] = result.pop("rollout")
+        results.append(result)
+        print(f"{result['sampler']} done: {result['useful_tok_s']:.1f} useful tok/s, occupancy "
+              f"{result['occupancy']:.1%} ({result['slot_steps']} slot-steps; generate's SlotStats: "
+              f"{result['generate_slot_steps']}), {result['compiles_in_timed_runs']} compilations in the timed runs",
+              flush=True)
+    tokens_agree, difference = None, None
+    if len(rollouts) == 2:
+        static, continuous = rollouts["static"], rollouts["continuous"]
+        tokens_agree = same_tokens(static, continuous)
+        difference = first_difference(static, continuous)
+        print(f"continuous engine's tokens equal the static engine's on all {len(static.lengths)} rows "
+              f"(same seed): {tokens_agree}", flush=True)
+        if difference is not None:  # expected only when the slots are not the static call's row bucket
+            row, token = difference
+            gap = float(np.abs(static.logprobs[row, :token] - continuous.logprobs[row, :token]).max(initial=0.0))
+            print(f"  first difference: row {row}, token {token} ({static.tokens[row, token]} against "
+                  f"{continuous.tokens[row, token]}); largest log-prob gap before it {gap:.1e} (f32 rounds a "
+                  f"batch of {args.rows} slots differently from the static calls' power-of-two row bucket: a draw "
+                  f"near a CDF boundary can flip)", flush=True)
     if not args.skip_peers:
         max_prompt = max(prompt_lengths)
         sampler = bench.build_tunix(config, params, cache_size=max_prompt + args.max_new_tokens + 8)
@@ -270,21 +353,27 @@ def main():
         print(f"transformers done: {results[-1]['useful_tok_s']:.1f} useful tok/s", flush=True)
     load_after = os.getloadavg()
 
-    ours = results[0]["useful_tok_s"]
+    ours = {r["engine"]: r["useful_tok_s"] for r in results if "engine" in r}
     print()
     print("| sampler | rows at once | calls | useful tokens | mean / max length | wall s | useful tok/s | "
-          "slot-steps | occupancy | jaxrl_llm / this |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "slot-steps | occupancy | " + " | ".join(f"{sampler_name(e)} / this" for e in ours) + " |")
+    print("|---|---|---|---|---|---|---|---|---|" + "---|" * len(ours))
     for r in results:
         print(f"| {r['sampler']} | {args.rows} | {r['calls']} | {r['useful_tokens']} | {r['mean_length']:.1f} / "
               f"{r['max_length']} | {r['seconds']:.2f} | {r['useful_tok_s']:.1f} | {r['slot_steps']} | "
-              f"{r['occupancy']:.1%} | {ours / r['useful_tok_s']:.2f}x |")
-    print(f"| roofline (large batch) | | | | | | {roof['large_batch_tok_s']:.0f} | | | jaxrl_llm at "
-          f"{ours / roof['large_batch_tok_s']:.0%} of it |")
+              f"{r['occupancy']:.1%} | " + " | ".join(f"{tok_s / r['useful_tok_s']:.2f}x" for tok_s in ours.values())
+              + " |")
+    print(f"| roofline (large batch) | | | | | | {roof['large_batch_tok_s']:.0f} | | | "
+          + " | ".join(f"at {tok_s / roof['large_batch_tok_s']:.0%} of it" for tok_s in ours.values()) + " |")
+    if len(ours) == 2:
+        occupancy = {r["engine"]: r["occupancy"] for r in results if "engine" in r}
+        print(f"continuous / static: {ours['continuous'] / ours['static']:.2f}x useful tok/s, occupancy "
+              f"{occupancy['continuous']:.1%} against {occupancy['static']:.1%}; same tokens: {tokens_agree}")
     print(f"load average (1 min) {load_before[0]:.1f} before, {load_after[0]:.1f} after ({os.cpu_count()} cores)")
     if args.json:
         out = dict(vars(args), roofline=roof, load_before=load_before, load_after=load_after, cpus=os.cpu_count(),
-                   jax=jax.__version__, prompt_lengths=prompt_lengths, results=results)
+                   jax=jax.__version__, prompt_lengths=prompt_lengths, results=results,
+                   continuous_tokens_equal_static=tokens_agree, first_difference=difference)
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1, default=str)
 

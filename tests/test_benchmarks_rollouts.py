@@ -62,6 +62,65 @@ def test_summary_figures():
     assert result["mean_length"] == 3.0 and result["max_length"] == 5 and result["calls"] == 2
 
 
+def test_summary_takes_the_continuous_engines_slot_steps():
+    # 4 rows of lengths 3, 5, 2, 2 on 2 slots for 7 iterations: 12 useful of 14 slot-steps.
+    result = rollouts.summary("c", np.array([3, 5, 2, 2]), [np.array([3, 5, 2, 2])], [2], [2.0],
+                              decoded_slot_steps=14)
+    assert result["slot_steps"] == 14 and result["occupancy"] == pytest.approx(12 / 14)
+
+
+def test_parse_engines():
+    assert rollouts.parse_engines("static,continuous") == ["static", "continuous"]
+    assert rollouts.parse_engines(" continuous ") == ["continuous"]
+    for bad in ("", "static,static", "static,dynamic"):
+        with pytest.raises(ValueError):
+            rollouts.parse_engines(bad)
+
+
+def test_same_tokens_ignores_what_follows_a_rows_end():
+    from jaxrl_llm.sampling import Rollout
+
+    def rollout(tokens, lengths):
+        tokens, lengths = np.array(tokens), np.array(lengths)
+        mask = (np.arange(tokens.shape[1])[None] < lengths[:, None]).astype(np.float32)
+        return Rollout(np.zeros(len(lengths), np.int32), tokens, mask, np.zeros(tokens.shape, np.float32), lengths,
+                       np.zeros(len(lengths), np.int32))
+
+    a = rollout([[4, 2, 9], [5, 6, 7]], [2, 3])
+    assert rollouts.same_tokens(a, rollout([[4, 2, 0], [5, 6, 7]], [2, 3]))
+    assert not rollouts.same_tokens(a, rollout([[4, 3, 0], [5, 6, 7]], [2, 3]))
+    assert not rollouts.same_tokens(a, rollout([[4, 2, 9], [5, 6, 7]], [3, 3]))
+    assert rollouts.first_difference(a, rollout([[4, 2, 0], [5, 6, 7]], [2, 3])) is None
+    assert rollouts.first_difference(a, rollout([[4, 2, 0], [5, 8, 7]], [2, 3])) == (1, 1)
+    assert rollouts.first_difference(a, rollout([[4, 2, 9], [5, 6, 7]], [3, 3])) == (0, 2)  # row 0 goes on
+
+
+def test_both_engines_on_a_toy_workload():
+    """run_ours with a tiny random model: the engines draw the same tokens; the static engine's slot-steps
+    counted here equal generate's SlotStats; the continuous engine's occupancy is at least the static one's."""
+    import types
+
+    import jax
+
+    from jaxrl_llm.models import ModelConfig, init_params
+
+    config = ModelConfig(vocab_size=24, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4,
+                         num_kv_heads=2, head_dim=8, tie_word_embeddings=True, max_position_embeddings=128)
+    params = init_params(config, jax.random.key(0))
+    tokenizer = types.SimpleNamespace(stop_ids=(3, 5), pad_token_id=0)
+    prompts = [[1, 2, 4], [6, 7], [8, 9, 10, 11], [12]]
+    out = {engine: rollouts.run_ours(params, config, tokenizer, prompts, 3, 12, 4, 1, engine=engine)
+           for engine in rollouts.ENGINES}
+    static, continuous = out["static"], out["continuous"]
+    assert rollouts.same_tokens(static["rollout"], continuous["rollout"])  # 4 slots = the static row bucket
+    assert static["sampler"] == "jaxrl_llm" and continuous["sampler"] == "jaxrl_llm continuous"
+    assert static["slot_steps"] == static["generate_slot_steps"] and static["calls"] == 3
+    assert continuous["slot_steps"] == continuous["slots"] * continuous["iterations"] and continuous["slots"] == 4
+    assert static["useful_tokens"] == continuous["useful_tokens"] == int(static["rollout"].lengths.sum())
+    assert 0 < static["occupancy"] <= continuous["occupancy"] <= 1
+    assert static["compiles_in_timed_runs"] == 0 and continuous["compiles_in_timed_runs"] == 0
+
+
 def test_median_split_leaves_out_the_compiling_step():
     steps = [dict(wall_s=30.0, sample_s=20.0, score_s=1.0, train_s=9.0),
              dict(wall_s=4.0, sample_s=2.0, score_s=0.5, train_s=1.5),
