@@ -365,6 +365,32 @@ def test_loop_mixed_allocation_updates_and_counts_both_stages(tmp_path, bundled_
     assert summary["samples_drawn"] == (16 + 16) + 16 == second["samples_drawn"]
 
 
+def test_loop_slot_occupancy_pools_both_stages_with_the_continuous_engine(tmp_path, bundled_policy, monkeypatch):
+    """Step 1 refreshes GVM (stage 1 then stage 2: two sampler calls), step 2 samples once; each step's
+    sampling_slot_occupancy = its calls' generated tokens / their slot-steps."""
+    import importlib
+
+    generate_module = importlib.import_module("jaxrl_llm.sampling.generate")
+    original, stats = generate_module.generate_slots, []
+
+    def recorded(*args, **kwargs):
+        out = original(*args, **kwargs)
+        assert out[5].useful_slot_steps == int(out[2].sum())  # useful slot-steps = the sampled lengths
+        stats.append(out[5])
+        return out
+
+    monkeypatch.setattr(generate_module, "generate_slots", recorded)
+    config, _, tokenizer = bundled_policy  # fresh weights: a training run before this one donated the fixture's
+    policy = (config, models.init_params(config, jax.random.PRNGKey(0)), tokenizer)
+    _, rows, _ = _train_gvm(tmp_path, policy, monkeypatch, lambda text: len(text) % 2 == 0,
+                            extra=["sampling.gvm_refresh_every=2", "algorithm.advantage=grpo",
+                                   "sampling.engine=continuous", "sampling.max_slots=4"])
+    assert len(stats) == 3 and {s.slots for s in stats} == {4}
+    first = sum(s.useful_slot_steps for s in stats[:2]) / sum(s.slot_steps for s in stats[:2])
+    assert [r["sampling_slot_occupancy"] for r in rows] == pytest.approx([first, stats[2].occupancy])
+    assert all(0 < r["sampling_slot_occupancy"] <= 1 for r in rows)
+
+
 @pytest.mark.parametrize("preset, advantage, kl", [("gvm_raftpp", "raft", 0.0), ("gvm_grpo", "grpo", 1e-3)])
 def test_gvm_presets_inherit_their_algorithm(preset, advantage, kl):
     import pathlib
