@@ -238,8 +238,9 @@ def generate(params, config: ModelConfig, prompts: Sequence[Sequence[int]], *, n
     (`sampling.continuous`); it returns the same rollout as the static engine (same tokens, log-probs
     to f32 rounding) when its slots equal the static call's row bucket; with another slot count f32 rounds
     the other batch shape differently, and a draw that falls that close to a token's CDF boundary picks
-    the neighbouring token (SmolLM2-135M, 3 slots against 4 rows: one row of 8 from its 6th token). It takes no `max_rows_per_call` (the slots bound the cache); with `mesh`, slots are
-    split over its ('data', 'fsdp') axes and every device keeps the whole prompt cache.
+    the neighbouring token (SmolLM2-135M, 3 slots against 4 rows: one row of 8 from its 6th token). It
+    takes no `max_rows_per_call` (the slots bound the cache); with `mesh`, slots are split over its
+    ('data', 'fsdp') axes and every device keeps the whole prompt cache.
 
     `return_stats=True` returns (rollout, `SlotStats`): slot occupancy = generated tokens / slot-steps
     decoded, summed over the calls. The continuous engine counts its loop iterations x slots; the static
