@@ -102,7 +102,8 @@ class SamplingSection:
     # this many, with the same tokens as one call (bounds the KV cache). 0: all of a step's rows in one call.
     max_rows_per_call: int = 0
     # "static": each call's rows decode in lockstep until the longest ends; "continuous": max_slots decode slots
-    # take the next pending sample as soon as theirs ends, one prompt cache per prompt (same rollouts); its steps
+    # take the next pending sample as soon as theirs ends, one prompt cache per prompt (the same rollouts when the
+    # slots match the static call's rows; other slot counts round f32 differently); its steps
     # and evaluations log sampling_slot_occupancy / eval_slot_occupancy (generated tokens / decoded slot-steps).
     engine: str = "static"
     max_slots: int = 0  # decode slots of the continuous engine; 0: one per sample of the call
