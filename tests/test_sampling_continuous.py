@@ -330,17 +330,8 @@ print("RESULT", json.dumps(dict(
 
 def test_mesh_continuous_equals_single_device_static():
     """On a simulated 8-device mesh (data=2, fsdp=2, tensor=2: 4 slots, split over data x fsdp)."""
-    import json
-    import os
-    import pathlib
-    import subprocess
-    import sys
+    from simulated_mesh import run_on_devices
 
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
-    root = pathlib.Path(__file__).resolve().parents[1]
-    proc = subprocess.run([sys.executable, "-c", MESH_SCRIPT], capture_output=True, text=True, env=env, cwd=root,
-                          timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    result = json.loads(next(l for l in proc.stdout.splitlines() if l.startswith("RESULT "))[len("RESULT "):])
+    result = run_on_devices(["-c", MESH_SCRIPT])
     assert result["tokens_equal"] and result["lengths_equal"] and result["finish_equal"], result
     assert result["logprob_diff"] < 1e-5 and min(result["lengths"]) < 12, result

@@ -1,12 +1,9 @@
 """generate on a simulated 8-device CPU mesh (data=2, fsdp=2, tensor=2) gives the single-device
 results. Runs in a subprocess because the device count is fixed when JAX starts."""
 
-import json
-import os
-import pathlib
-import subprocess
-import sys
 import textwrap
+
+from simulated_mesh import run_on_devices
 
 SCRIPT = textwrap.dedent("""
     import json
@@ -45,13 +42,7 @@ SCRIPT = textwrap.dedent("""
 
 
 def test_mesh_results_equal_single_device():
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
-    root = pathlib.Path(__file__).resolve().parents[1]
-    proc = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, cwd=root,
-                          timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    line = next(l for l in proc.stdout.splitlines() if l.startswith("RESULT "))
-    results = json.loads(line[len("RESULT "):])
+    results = run_on_devices(["-c", SCRIPT])
     for name, r in results.items():
         assert r["rows"] == 10
         assert r["tokens_equal"] and r["lengths_equal"] and r["finish_equal"], (name, r)

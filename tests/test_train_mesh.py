@@ -4,26 +4,20 @@ The checks run in a subprocess (this file run as a script) because the device co
 starts."""
 
 import json
-import os
 import pathlib
-import subprocess
 import sys
 import tempfile
 
 import numpy as np
 import pytest
+from simulated_mesh import run_on_devices
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 MESH = "data=2,fsdp=2,tensor=2"
 
 
 def _child(mode: str) -> dict:
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
-    proc = subprocess.run([sys.executable, __file__, mode], capture_output=True, text=True, env=env, cwd=ROOT,
-                          timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    line = next(l for l in proc.stdout.splitlines() if l.startswith("RESULT "))
-    return json.loads(line[len("RESULT "):])
+    return run_on_devices([__file__, mode])
 
 
 def test_sharded_step_equals_single_device():
@@ -210,16 +204,12 @@ def _step_checks() -> dict:
 def _loop_checks() -> dict:
     import jax
     import numpy as np
-    from safetensors.numpy import load_file
 
-    sys.path.insert(0, str(ROOT / "tests"))
     from loop_runner import TINY_RUN, tiny_policy
 
     from jaxrl_llm.train import load_config
     from jaxrl_llm.train import setup as setup_lib
-    from jaxrl_llm.train.loop import train
 
-    out = {}
     seen = {}
     original_setup = setup_lib.setup_run
 
@@ -233,49 +223,64 @@ def _loop_checks() -> dict:
     import jaxrl_llm.train.loop as loop_lib
 
     loop_lib.setup_run = recording_setup
+    # kl_coef > 0 keeps a reference policy, so its placement is checked too
+    overrides = TINY_RUN + ["algorithm.kl_coef=0.01", "train.steps=3", "train.eval_problems=0"]
     with tempfile.TemporaryDirectory() as tmp:
-        for name, extra in (("single", []), ("mesh", [f"train.mesh={MESH}"])):
-            run_dir = pathlib.Path(tmp) / name
-            # kl_coef > 0 keeps a reference policy, so its placement is checked too
-            overrides = TINY_RUN + [f"train.out_dir={run_dir}", "algorithm.kl_coef=0.01", "train.steps=3",
-                                    "train.eval_problems=0", *extra]
-            train(load_config(None, overrides), policy=tiny_policy(), log=lambda *a: None)
-            rows = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines() if l.strip()]
-            out[name] = {"rows": [r for r in rows if "accuracy" in r],
-                         "params": load_file(str(run_dir / "final" / "model.safetensors"))}
-            if name == "mesh":  # the last checkpoint restores onto the mesh, as the run left it
-                run = original_setup(load_config(None, overrides), policy=tiny_policy())
-                step, state, _ = run.checkpointer.restore(run.state)
-                out["restored_step"] = step
-                out["restored_shardings"] = all(
-                    a.sharding == b for a, b in zip(jax.tree_util.tree_leaves(state),
-                                                    jax.tree_util.tree_leaves(run.state_sharding)))
-                final = jax.device_get(state.params)
-                run.close()
-    diff = max(float(np.abs(out["single"]["params"][k].astype(np.float64) - v).max())
-               for k, v in out["mesh"]["params"].items())
+        out = _train_single_and_mesh(tmp, overrides, {"params": "final/model.safetensors"})
+        # the last checkpoint restores onto the mesh, as the run left it
+        run = original_setup(load_config(None, [*overrides, f"train.out_dir={pathlib.Path(tmp) / 'mesh'}",
+                                                f"train.mesh={MESH}"]), policy=tiny_policy())
+        step, state, _ = run.checkpointer.restore(run.state)
+        restored_shardings = all(a.sharding == b for a, b in zip(jax.tree_util.tree_leaves(state),
+                                                                 jax.tree_util.tree_leaves(run.state_sharding)))
+        final = jax.device_get(state.params)
+        run.close()
     exported = out["mesh"]["params"]["model.embed_tokens.weight"]
     return {"single": {"rows": out["single"]["rows"]}, "mesh": {"rows": out["mesh"]["rows"]},
-            "final_param_diff": diff, "ref_on_mesh": seen["ref"], "state_on_mesh": seen["state"],
-            "restored_step": out["restored_step"], "restored_shardings": out["restored_shardings"],
+            "final_param_diff": _max_diff(out, "params"), "ref_on_mesh": seen["ref"], "state_on_mesh": seen["state"],
+            "restored_step": step, "restored_shardings": restored_shardings,
             "restored_equals_export": bool(np.array_equal(np.asarray(final["embed"]), exported))}
+
+
+def _train_single_and_mesh(tmp, overrides: list[str], exports: dict[str, str]) -> dict:
+    """Train the tiny run with `overrides` on one device, then on the mesh, under tmp/single and tmp/mesh: per
+    run ("single", "mesh") its step rows of metrics.jsonl and the safetensors files `exports` names (key ->
+    path in the run folder)."""
+    from loop_runner import tiny_policy
+    from safetensors.numpy import load_file
+
+    from jaxrl_llm.train import load_config
+    from jaxrl_llm.train.loop import train
+
+    out = {}
+    for name, extra in (("single", []), ("mesh", [f"train.mesh={MESH}"])):
+        run_dir = pathlib.Path(tmp) / name
+        train(load_config(None, [*overrides, f"train.out_dir={run_dir}", *extra]), policy=tiny_policy(),
+              log=lambda *a: None)
+        rows = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines() if l.strip()]
+        out[name] = {"rows": [r for r in rows if "accuracy" in r],
+                     **{key: load_file(str(run_dir / path)) for key, path in exports.items()}}
+    return out
+
+
+def _max_diff(out: dict, key: str) -> float:
+    """The largest |single - mesh| over the tensors of export `key` of `_train_single_and_mesh`'s runs."""
+    import numpy as np
+
+    return max(float(np.abs(out["single"][key][name].astype(np.float64) - value).max())
+               for name, value in out["mesh"][key].items())
 
 
 def _ppo_checks() -> dict:
     """Two PPO steps with a critic (value pass, GAE, policy and critic updates), single-device and on the mesh."""
     import jax
-    import numpy as np
-    from safetensors.numpy import load_file
 
-    sys.path.insert(0, str(ROOT / "tests"))
-    from loop_runner import TINY_RUN, tiny_policy
+    from loop_runner import TINY_RUN
 
     import jaxrl_llm.train.loop as loop_lib
-    from jaxrl_llm.train import load_config
     from jaxrl_llm.train import setup as setup_lib
-    from jaxrl_llm.train.loop import train
 
-    original_setup, seen, out = setup_lib.setup_run, {}, {}
+    original_setup, seen = setup_lib.setup_run, {}
 
     def recording_setup(config, *, policy=None):
         run = original_setup(config, policy=policy)
@@ -287,25 +292,14 @@ def _ppo_checks() -> dict:
         return run
 
     loop_lib.setup_run = recording_setup
+    overrides = TINY_RUN + ["train.steps=2", "train.eval_problems=0", "algorithm.advantage=gae",
+                            "algorithm.kl_reward_coef=0.05", "critic.lr=1e-3", "optim.mini_batches=2"]
     with tempfile.TemporaryDirectory() as tmp:
-        for name, extra in (("single", []), ("mesh", [f"train.mesh={MESH}"])):
-            run_dir = pathlib.Path(tmp) / name
-            overrides = TINY_RUN + [f"train.out_dir={run_dir}", "train.steps=2", "train.eval_problems=0",
-                                    "algorithm.advantage=gae", "algorithm.kl_reward_coef=0.05", "critic.lr=1e-3",
-                                    "optim.mini_batches=2", *extra]
-            train(load_config(None, overrides), policy=tiny_policy(), log=lambda *a: None)
-            rows = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines() if l.strip()]
-            out[name] = {"rows": [r for r in rows if "accuracy" in r],
-                         "policy": load_file(str(run_dir / "final" / "model.safetensors")),
-                         "critic": load_file(str(run_dir / "final_critic" / "model.safetensors"))}
-
-    def diff(key):
-        return max(float(np.abs(out["single"][key][k].astype(np.float64) - v).max())
-                   for k, v in out["mesh"][key].items())
-
+        out = _train_single_and_mesh(tmp, overrides, {"policy": "final/model.safetensors",
+                                                      "critic": "final_critic/model.safetensors"})
     return {"single": {"rows": out["single"]["rows"]}, "mesh": {"rows": out["mesh"]["rows"]},
-            "critic_on_mesh": seen["on_mesh"], "critic_spec": seen["spec"], "critic_param_diff": diff("critic"),
-            "policy_param_diff": diff("policy")}
+            "critic_on_mesh": seen["on_mesh"], "critic_spec": seen["spec"],
+            "critic_param_diff": _max_diff(out, "critic"), "policy_param_diff": _max_diff(out, "policy")}
 
 
 def _gvm_checks() -> dict:
