@@ -7,10 +7,13 @@ import pytest
 
 pytest.importorskip("torch")
 
+from numpy_reference import numpy_attention  # noqa: E402
 from tiny_models import (FAMILIES, load_torch_model, position_ids, random_tokens,  # noqa: E402
                          tiny_hf_config, torch_logits)
 
 from jaxrl_llm.models import (  # noqa: E402
+    decoder_layer,
+    embed_tokens,
     forward,
     forward_cached,
     hidden_states,
@@ -70,6 +73,35 @@ def test_hidden_states_match_transformers_last_hidden_state(family_model):
     logits = output_logits(params, config, hidden)
     assert logits.dtype == jnp.float32
     assert np.abs(np.asarray(logits) - ref.logits.numpy()).max() <= TOL
+
+
+def test_one_public_decoder_layer_with_numpy_attention_matches_transformers_first_layer(family_model):
+    """The pieces a pass of one's own is built from: `embed_tokens`, then `decoder_layer` with an
+    attention supplied by the caller (here NumPy's, float64, causal), give transformers' hidden state
+    after the first layer; what the attention returns beside its output comes back unchanged."""
+    import torch
+
+    config, params, torch_model = family_model
+    tokens = random_tokens(2, 9, seed=4)
+    seen = {}
+
+    def numpy_causal(q, k, v):
+        seen["shapes"] = (q.shape, k.shape, v.shape)
+        keep = np.broadcast_to(np.tril(np.ones((9, 9), bool)), (2, 9, 9))
+        out = numpy_attention(*(np.asarray(a, np.float64) for a in (q, k, v)), keep)
+        return jnp.asarray(out, jnp.float32), "aux"
+
+    first = jax.tree_util.tree_map(lambda a: a[0], params["layers"])
+    x0 = embed_tokens(params, config, jnp.asarray(tokens))
+    x1, aux = decoder_layer(first, config, x0, jnp.asarray(position_ids(2, 9)), numpy_causal)
+    with torch.no_grad():
+        ref = torch_model(torch.as_tensor(tokens, dtype=torch.long), output_hidden_states=True).hidden_states
+    assert np.abs(np.asarray(x0) - ref[0].numpy()).max() <= 1e-6
+    assert np.abs(np.asarray(x1) - ref[1].numpy()).max() <= TOL
+    assert np.abs(ref[1].numpy() - ref[0].numpy()).max() > 0.1  # the layer changed the stream
+    assert aux == "aux"
+    assert seen["shapes"] == ((2, 9, config.num_heads, config.head_dim),
+                              *[(2, 9, config.num_kv_heads, config.head_dim)] * 2)
 
 
 def test_token_by_token_decoding_matches_full_forward(family_model):

@@ -13,11 +13,14 @@ from jaxrl_llm.models.hf_io import (is_hf_value_model, load_hf, load_hf_value, p
                                     save_hf_value)
 from jaxrl_llm.models.model import (
     KVCache,
+    decoder_layer,
+    embed_tokens,
     forward,
     forward_cached,
     hidden_states,
     init_cache,
     init_params,
+    layer_constants,
     output_logits,
 )
 
@@ -34,7 +37,7 @@ _LAZY = {
 
 __all__ = [
     "ModelConfig", "init_params", "forward", "forward_cached", "hidden_states", "output_logits",
-    "KVCache", "init_cache", "params_from_hf", "params_to_hf", "load_hf", "save_hf",
+    "KVCache", "init_cache", "embed_tokens", "decoder_layer", "layer_constants", "params_from_hf", "params_to_hf", "load_hf", "save_hf",
     "load_hf_value", "save_hf_value", "is_hf_value_model",
     *(name for name, module in _LAZY.items() if importlib.util.find_spec(module) is not None),
 ]

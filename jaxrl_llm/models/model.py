@@ -186,6 +186,26 @@ def _project(lp: Params, name: str, h: jax.Array) -> jax.Array:
     return adapted_dense(h, layer_weight(lp, name, h.dtype), _adapter(lp, name))
 
 
+def decoder_layer(lp: Params, config: ModelConfig, x: jax.Array, positions: jax.Array, attend_fn,
+                  inv_freq: jax.Array | None = None):
+    """One decoder layer, the only place its arithmetic lives; every pass of the model (training forward,
+    KV-cache forward, the sampler's prefill and decode steps) runs its layers through it.
+
+    h = norm(x); q, k, v = RoPE(projections of h (+ biases, q/k norm)); a = attend_fn(q, k, v);
+    x += o_proj(a) (Gemma: normalised first); x += MLP(norm(x)) (Gemma: normalised first).
+
+    lp: one layer's parameters (no stacked axis); x [B, T, D]; positions int32 [B, T] (RoPE angles);
+    `inv_freq` the layer's RoPE inverse frequencies (default the full layers' `rope_inv_freq(config)`).
+    `attend_fn(q [B,T,H,hd], k [B,T,KV,hd], v [B,T,KV,hd]) -> (attention [B, T, H*hd], aux)` decides
+    what the queries see (a causal mask, a KV cache it writes k and v into, ...); its `aux` (updated
+    caches, keys to store) is returned beside the layer's output: (x [B, T, D], aux).
+    The forward pass's remat policies read the `checkpoint_name` tags q, k, v and attn set here."""
+    h = norm(x, lp["attn_norm"], config)
+    q, k, v = (checkpoint_name(a, n) for a, n in zip(_project_qkv(lp, config, h, positions, inv_freq), "qkv"))
+    attn, aux = attend_fn(q, k, v)
+    return _finish_layer(lp, config, x, checkpoint_name(attn.astype(x.dtype), "attn")), aux
+
+
 _REMAT_SAVED = {
     "full": None,  # jax.checkpoint's default: save nothing inside the layer
     # keep every projection output (the `checkpoint_name` tags of `dense`'s results), redo attention
@@ -205,8 +225,9 @@ def _maybe_remat(fn, config: ModelConfig):
     return jax.checkpoint(fn, prevent_cse=not config.scan_layers, policy=_REMAT_SAVED[config.remat_policy])
 
 
-def _embed(params: Params, config: ModelConfig, tokens: jax.Array) -> jax.Array:
-    """embed[tokens] in the compute dtype; Gemma multiplies by sqrt(hidden) in the embedding's dtype."""
+def embed_tokens(params: Params, config: ModelConfig, tokens: jax.Array) -> jax.Array:
+    """The decoder's input x_0 = embed[tokens] in the compute dtype, [..., D]; Gemma multiplies by
+    sqrt(hidden) in the embedding's dtype."""
     x = jnp.take(params["embed"], tokens, axis=0)
     if config.is_gemma:
         x = x * jnp.asarray(config.hidden_size ** 0.5, x.dtype)
@@ -238,19 +259,18 @@ def hidden_states(params: Params, config: ModelConfig, tokens: jax.Array, positi
     def layer(x, layer_in):
         lp, const = layer_in
         window = const.get("window")
-        h = norm(x, lp["attn_norm"], config)
-        qkv = _project_qkv(lp, config, h, positions, const.get("inv_freq"))
-        q, k, v = (checkpoint_name(a, n) for a, n in zip(qkv, "qkv"))
-        if block_size is None:
-            layer_keep = keep if window is None else keep & (positions[:, :, None] - positions[:, None, :] < window)
-            attn = attend(q, k, v, layer_keep, config)
-        else:
-            attn = blocked_attention(q, k, v, positions, block_size, segment_ids=segment_ids,
-                                     key_mask=attention_mask, window=window, scale=config.attention_scale,
-                                     softcap=config.attn_logit_softcapping)
-        return _finish_layer(lp, config, x, checkpoint_name(attn, "attn")), None
 
-    x = _run_layers(_maybe_remat(layer, config), _embed(params, config, tokens),
+        def attend_fn(q, k, v):
+            if block_size is not None:
+                return blocked_attention(q, k, v, positions, block_size, segment_ids=segment_ids,
+                                         key_mask=attention_mask, window=window, scale=config.attention_scale,
+                                         softcap=config.attn_logit_softcapping), None
+            layer_keep = keep if window is None else keep & (positions[:, :, None] - positions[:, None, :] < window)
+            return attend(q, k, v, layer_keep, config), None
+
+        return decoder_layer(lp, config, x, positions, attend_fn, const.get("inv_freq"))
+
+    x = _run_layers(_maybe_remat(layer, config), embed_tokens(params, config, tokens),
                     (params["layers"], layer_constants(config)), config.scan_layers)
     return norm(x, params["final_norm"], config)
 
@@ -313,18 +333,19 @@ def forward_cached(params: Params, config: ModelConfig, tokens: jax.Array, posit
 
     def layer(x, layer_in):
         lp, const, k_cache, v_cache = layer_in
-        h = norm(x, lp["attn_norm"], config)
-        q, k, v = _project_qkv(lp, config, h, positions, const.get("inv_freq"))
-        k_cache = k_cache.at[rows, positions].set(k.astype(k_cache.dtype), mode="drop")
-        v_cache = v_cache.at[rows, positions].set(v.astype(v_cache.dtype), mode="drop")
-        layer_keep = keep
-        if "window" in const:
-            layer_keep = keep & (positions[:, :, None] - jnp.arange(max_len)[None, None, :] < const["window"])
-        attn = attend(q, k_cache.astype(q.dtype), v_cache.astype(q.dtype), layer_keep, config)
-        return _finish_layer(lp, config, x, attn), (k_cache, v_cache)
+
+        def attend_fn(q, k, v):
+            k_all = k_cache.at[rows, positions].set(k.astype(k_cache.dtype), mode="drop")
+            v_all = v_cache.at[rows, positions].set(v.astype(v_cache.dtype), mode="drop")
+            layer_keep = keep
+            if "window" in const:
+                layer_keep = keep & (positions[:, :, None] - jnp.arange(max_len)[None, None, :] < const["window"])
+            return attend(q, k_all.astype(q.dtype), v_all.astype(q.dtype), layer_keep, config), (k_all, v_all)
+
+        return decoder_layer(lp, config, x, positions, attend_fn, const.get("inv_freq"))
 
     x, (k_new, v_new) = jax.lax.scan(
-        _maybe_remat(layer, config), _embed(params, config, tokens),
+        _maybe_remat(layer, config), embed_tokens(params, config, tokens),
         (params["layers"], layer_constants(config), cache.k, cache.v)
     )
     hidden = norm(x, params["final_norm"], config)

@@ -1,7 +1,8 @@
-"""Inference passes of the decoder shaped for sampling, built from the model's own layer pieces.
+"""Inference passes of the decoder shaped for sampling, built on the model's public layer function.
 
-The arithmetic is `jaxrl_llm.models`' (same projections, RoPE, norms, MLP, output head); only the
-data flow differs from `models.forward_cached`, for speed on a decode loop:
+Every layer runs through `models.model.decoder_layer` (projections, RoPE, norms, MLP: the one place a
+layer's arithmetic lives) with an attention of this module's own; only the data flow differs from
+`models.forward_cached`, for speed on a decode loop:
 
 - The row cache is split in a *prompt* part (slots 0..prompt_bucket-1, written once by prefill)
   and a *response* part indexed by generation step (slot t holds the key/value of generated token
@@ -30,7 +31,7 @@ import jax.numpy as jnp
 
 from jaxrl_llm.models import ModelConfig, output_logits
 from jaxrl_llm.models.layers import soft_cap
-from jaxrl_llm.models.model import _embed, _finish_layer, _project_qkv, attend, layer_constants, norm
+from jaxrl_llm.models.model import attend, decoder_layer, embed_tokens, layer_constants, norm
 
 
 class RowCache(NamedTuple):
@@ -86,14 +87,15 @@ def prefill_cache(params, config: ModelConfig, tokens: jax.Array, lengths: jax.A
 
     def layer(x, layer_in):
         lp, const = layer_in
-        h = norm(x, lp["attn_norm"], config)
-        q, k, v = _project_qkv(lp, config, h, positions, const.get("inv_freq"))  # k, v [C, P, KV, d]
-        keep = causal if "window" not in const else causal & (distance < const["window"])
-        x = _finish_layer(lp, config, x, attend(q, k, v, keep, config))
-        return x, (jnp.transpose(k, (0, 2, 3, 1)).astype(cache_dtype),
-                   jnp.transpose(v, (0, 2, 1, 3)).astype(cache_dtype))
 
-    x, (keys, values) = jax.lax.scan(layer, _embed(params, config, tokens),
+        def attend_fn(q, k, v):  # k, v [C, P, KV, d]
+            keep = causal if "window" not in const else causal & (distance < const["window"])
+            return attend(q, k, v, keep, config), (jnp.transpose(k, (0, 2, 3, 1)).astype(cache_dtype),
+                                                   jnp.transpose(v, (0, 2, 1, 3)).astype(cache_dtype))
+
+        return decoder_layer(lp, config, x, positions, attend_fn, const.get("inv_freq"))
+
+    x, (keys, values) = jax.lax.scan(layer, embed_tokens(params, config, tokens),
                                      (params["layers"], layer_constants(config)))
     last = jnp.take_along_axis(x, (lengths - 1)[:, None, None], axis=1)[:, 0]  # [C, D]
     hidden = norm(last, params["final_norm"], config)
@@ -155,23 +157,24 @@ def decode_step(params, layers: list, config: ModelConfig, tokens: jax.Array, pr
     layer); prompt_lengths are then the rows' own [B]."""
     step = jnp.asarray(step)
     positions = (prompt_lengths + step)[:, None]
-    x = _embed(params, config, tokens[:, None])
+    x = embed_tokens(params, config, tokens[:, None])
     new = {name: [] for name in RowCache._fields}
     for i, lp in enumerate(layers):
         const = layer_constants(config, i)
-        h = norm(x, lp["attn_norm"], config)
-        q, k, v = _project_qkv(lp, config, h, positions, const["inv_freq"])  # q [B,1,H,d], k, v [B,1,KV,d]
-        slot = step % cache.response_k[i].shape[-1]  # = step, except on a sliding layer's ring
-        response_k = _write_slot(cache.response_k[i],
-                                 jnp.transpose(k, (0, 2, 3, 1)).astype(cache.response_k[i].dtype), slot, axis=3)
-        response_v = _write_slot(cache.response_v[i],
-                                 jnp.transpose(v, (0, 2, 1, 3)).astype(cache.response_v[i].dtype), slot, axis=2)
-        prompt_k, prompt_v = cache.prompt_k[i], cache.prompt_v[i]
-        if prompt_rows is not None:
-            prompt_k, prompt_v = jnp.take(prompt_k, prompt_rows, axis=0), jnp.take(prompt_v, prompt_rows, axis=0)
-        attn = _attend(q[:, 0], prompt_k, prompt_v, response_k, response_v,
-                       prompt_lengths, step, config, const["window"])
-        x = _finish_layer(lp, config, x, attn[:, None].astype(x.dtype))
+
+        def attend_fn(q, k, v, i=i, window=const["window"]):  # q [B,1,H,d], k, v [B,1,KV,d]
+            slot = step % cache.response_k[i].shape[-1]  # = step, except on a sliding layer's ring
+            response_k = _write_slot(cache.response_k[i],
+                                     jnp.transpose(k, (0, 2, 3, 1)).astype(cache.response_k[i].dtype), slot, axis=3)
+            response_v = _write_slot(cache.response_v[i],
+                                     jnp.transpose(v, (0, 2, 1, 3)).astype(cache.response_v[i].dtype), slot, axis=2)
+            prompt_k, prompt_v = cache.prompt_k[i], cache.prompt_v[i]
+            if prompt_rows is not None:
+                prompt_k, prompt_v = jnp.take(prompt_k, prompt_rows, axis=0), jnp.take(prompt_v, prompt_rows, axis=0)
+            attn = _attend(q[:, 0], prompt_k, prompt_v, response_k, response_v, prompt_lengths, step, config, window)
+            return attn[:, None], (response_k, response_v)
+
+        x, (response_k, response_v) = decoder_layer(lp, config, x, positions, attend_fn, const["inv_freq"])
         new["response_k"].append(response_k)
         new["response_v"].append(response_v)
     hidden = norm(x[:, 0], params["final_norm"], config)
