@@ -429,7 +429,7 @@ def test_resume_with_other_lora_settings_names_the_keys(tmp_path):
 
     from jaxrl_llm.train.checkpoint import Checkpointer
     from jaxrl_llm.train.config import load_config
-    from jaxrl_llm.train.loop import check_state_layout
+    from jaxrl_llm.train.resume import check_state_layout
 
     saved_config = load_config(None, ["lora.rank=16"])
     checkpointer = Checkpointer(tmp_path / "checkpoints")

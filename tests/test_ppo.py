@@ -260,7 +260,7 @@ def test_critic_source_errors_name_the_key(tmp_path):
 
 
 def test_resume_with_or_without_critic_names_the_key(tmp_path):
-    from jaxrl_llm.train.loop import check_state_layout
+    from jaxrl_llm.train.resume import check_state_layout
 
     saved = load_config(None, ["algorithm.advantage=gae"]).to_dict()
     with pytest.raises(ValueError, match="algorithm.advantage: checkpoint 'gae', this run 'grpo'"):

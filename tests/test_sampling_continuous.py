@@ -87,6 +87,38 @@ def test_slots_turn_over_with_hand_counted_iterations(tiny):
     assert stats.occupancy == pytest.approx(25 / 30)
 
 
+@pytest.mark.parametrize("temperature,max_slots", [(1.0, 2), (0.8, 3)])
+def test_prompt_cache_bounded_by_the_slots_prefills_in_the_loop(tiny, temperature, max_slots):
+    """12 prompts (3 without samples, 1-4 samples each) with one prompt per prefill (32 prompt tokens per
+    prefill call) on 2-3 slots: the prompt cache has slots + 1 entries, so 9 prompts are prefilled inside
+    the loop into entries freed by finished prompts; the rollout is still the static engine's."""
+    from jaxrl_llm.sampling.continuous import prompt_entries
+
+    config, params = tiny
+    prompts = [[(3 * i + j) % 20 + 1 for j in range(1 + (5 * i) % 13)] for i in range(12)]  # 1-13 tokens
+    counts = [2, 1, 0, 3, 4, 1, 0, 2, 1, 3, 0, 2]
+    assert prompt_entries(9, max_slots, 1) == max_slots + 1 < 9
+    kwargs = dict(num_samples=counts, max_new_tokens=9, temperature=temperature, rng=jax.random.key(5),
+                  prefill_tokens_per_call=32)
+    free = generate(params, config, prompts, **kwargs)
+    stop = (int(free.tokens[3, 1]),)  # rows end at different times, so entries free out of order
+    static = generate(params, config, prompts, stop_ids=stop, **kwargs)
+    continuous, stats = generate(params, config, prompts, stop_ids=stop, engine="continuous", max_slots=max_slots,
+                                 return_stats=True, **kwargs)
+    assert_same_rollout(static, continuous)
+    assert static.lengths.min() <= 2 and static.lengths.max() == 9
+    assert stats.useful_slot_steps == static.lengths.sum()
+    assert stats.occupancy > 0.5
+
+
+def test_prompt_entries_hand_values():
+    from jaxrl_llm.sampling.continuous import prompt_entries
+
+    # (prompts, slots, prefill chunk): every prompt's bucket when it is smaller, else slots + chunk rounded up
+    cases = {(5, 2, 1): 3, (5, 16, 4): 8, (1024, 64, 4): 68, (1024, 64, 8): 72, (100, 60, 8): 72, (3, 2, 4): 4}
+    assert {case: prompt_entries(*case) for case in cases} == cases
+
+
 def test_slot_count_hand_values():
     from jaxrl_llm.sampling.continuous import slot_count
 

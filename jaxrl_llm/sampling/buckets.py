@@ -64,9 +64,6 @@ def make_plan(
     num_rows = int(row_prompt.shape[0])
     prompt_bucket = bucket_size(int(prompt_lengths[active].max()) if len(active) else 1, minimum=16)
     row_bucket = round_up(bucket_size(num_rows), row_multiple)
-    budget_prompts = max(1, prefill_tokens_per_call // prompt_bucket)
-    budget_prompts = 1 << (budget_prompts.bit_length() - 1)  # round down to a power of two
-    per_call = min(bucket_size(len(active)), budget_prompts)
     return SamplingPlan(
         row_prompt=row_prompt,
         prefill_prompts=active,
@@ -74,5 +71,14 @@ def make_plan(
         row_bucket=row_bucket,
         prompt_bucket=prompt_bucket,
         new_token_bucket=bucket_size(max_new_tokens, minimum=16),
-        prompts_per_prefill=round_up(per_call, row_multiple),
+        prompts_per_prefill=prefill_chunk(prompt_bucket, len(active), row_multiple, prefill_tokens_per_call),
     )
+
+
+def prefill_chunk(prompt_bucket: int, num_prompts: int, row_multiple: int = 1,
+                  prefill_tokens_per_call: int = 4096) -> int:
+    """Prompts per prefill call: the power of two at or below prefill_tokens_per_call / prompt_bucket (at
+    least one), at most the prompts' bucket, rounded up to a multiple of `row_multiple`."""
+    budget = max(1, prefill_tokens_per_call // prompt_bucket)
+    budget = 1 << (budget.bit_length() - 1)  # round down to a power of two
+    return round_up(min(bucket_size(num_prompts), budget), row_multiple)

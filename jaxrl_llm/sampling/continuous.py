@@ -1,11 +1,17 @@
 """Continuous batching: a fixed set of decode slots that take the next pending sample as soon as theirs ends.
 
 All samples of a call form a queue known up front (sample k continues prompt `sample_prompt[k]` and is
-output row k). Every prompt is prefilled once into a prompt cache [C, prompt_bucket] kept beside its
-last-position logits; each of the S slots holds one sample and its own response cache [S, new-token
-bucket], and reads its prompt's keys/values from the prompt cache (`decoder.decode_step`'s `prompt_rows`).
-Memory per prompt with n samples: P + n N cache slots for the static engine's n (P + N), and only S
-response caches are live whatever the number of samples.
+output row k; a prompt's samples are consecutive). Each prompt is prefilled once into an entry of a prompt
+cache [E, prompt_bucket] kept beside its last-position logits; each of the S slots holds one sample and its
+own response cache [S, new-token bucket], and reads its prompt's keys/values from the prompt cache
+(`decoder.decode_step`'s `prompt_rows`). Memory per prompt with n samples: P + n N cache slots for the
+static engine's n (P + N), and only S response caches are live whatever the number of samples.
+
+The prompt cache has one entry per prompt of the call when that is at most S + c (c = prompts per prefill
+call), and then every prompt is prefilled before the loop; otherwise it has S + c entries (`prompt_entries`),
+the first S + c prompts are prefilled before the loop and the loop prefills the next c prompts into entries
+freed by prompts whose samples have all ended, as soon as c are free. The cache is then bounded by the
+slots, not by the prompts of the call (a 1024-prompt step on 64 slots holds 68 entries, not 1024).
 
 One `lax.while_loop` iteration picks one token in every busy slot, records it in the sample's output
 row, feeds it through the decoder at the slot's own position, and hands every slot whose sample ended
@@ -13,7 +19,7 @@ row, feeds it through the decoder at the slot's own position, and hands every sl
 without a host round trip or a recompile. A sample's token t uses the uniform number
 fold_in(fold_in(rng, k), t) of the static engine's row k (`engine._row_uniforms`), so both engines draw
 the same rollouts. On a mesh the slots are split over its ('data', 'fsdp') axes and every device holds the
-whole prompt cache, so a slot's gather by prompt id stays on its device.
+whole prompt cache, so a slot's gather by prompt entry stays on its device.
 """
 
 from __future__ import annotations
@@ -52,7 +58,8 @@ class PromptCache(NamedTuple):
 
 @functools.partial(jax.tree_util.register_dataclass,
                    data_fields=["tokens", "logprobs", "lengths", "stopped", "slot_sample", "slot_step", "logits",
-                                "next_sample", "iterations", "response_k", "response_v"],
+                                "next_sample", "iterations", "response_k", "response_v", "prompts", "entry_of",
+                                "entry_left", "prefilled"],
                    meta_fields=[])
 @dataclasses.dataclass(frozen=True)
 class SlotState:
@@ -63,6 +70,9 @@ class SlotState:
     slot_step [S] int32 (the token it picks next), logits [S, V] f32 (to pick that token from),
     response_k / response_v: per-layer response caches [S, ...] (`decoder.RowCache` layout).
     next_sample [] int32: first sample not yet given a slot; iterations [] int32: loop iterations run.
+    The prompt cache (E entries): prompts (`PromptCache`), entry_of [Q] int32 (the entry holding prompt j,
+    valid once j < prefilled), entry_left [E] int32 (samples of the entry's prompt not yet ended; 0: the
+    entry is free), prefilled [] int32 (prompts prefilled so far, in queue order).
     """
 
     tokens: jax.Array
@@ -76,6 +86,10 @@ class SlotState:
     iterations: jax.Array
     response_k: tuple
     response_v: tuple
+    prompts: PromptCache
+    entry_of: jax.Array
+    entry_left: jax.Array
+    prefilled: jax.Array
 
 
 class SlotStats(NamedTuple):
@@ -126,23 +140,47 @@ def _uniforms(rng: jax.Array, rows: jax.Array, steps: jax.Array) -> jax.Array:
     return jax.vmap(jax.random.uniform)(keys)
 
 
+class PromptQueue(NamedTuple):
+    """The prompts of a call in queue order (Q = their bucket, padded with c rows of one pad token).
+
+    tokens [Q + c, P] int32 right-padded, lengths [Q + c] int32, counts [Q + c] int32 (samples of each
+    prompt, 0 for padding), sample_start [Q + c + 1] int32 (index of each prompt's first sample, the
+    number of samples from the last real prompt on), num_prompts [] int32."""
+
+    tokens: jax.Array
+    lengths: jax.Array
+    counts: jax.Array
+    sample_start: jax.Array
+    num_prompts: jax.Array
+
+
 @functools.partial(jax.jit, static_argnames=("config", "mesh", "slots", "new_token_bucket", "greedy", "top_k",
-                                             "use_top_p"))
-def decode_slots(params, config: ModelConfig, mesh: Mesh | None, prompts: PromptCache, sample_prompt: jax.Array,
-                 num_samples: jax.Array, rng: jax.Array, temperature: jax.Array, top_p: jax.Array,
-                 max_new_tokens: jax.Array, stop_ids: jax.Array, pad_id: jax.Array, *, slots: int,
-                 new_token_bucket: int, greedy: bool, top_k: int, use_top_p: bool) -> SlotState:
-    """Decode samples 0 .. num_samples - 1 (sample k continues prompt-cache entry sample_prompt[k] [K])
-    on `slots` slots until every sample ended; returns the final `SlotState`.
+                                             "use_top_p", "prefill_chunk"), donate_argnames=("prompts",))
+def decode_slots(params, config: ModelConfig, mesh: Mesh | None, prompts: PromptCache, queue_prompts: PromptQueue,
+                 prefilled: jax.Array, sample_prompt: jax.Array, num_samples: jax.Array, rng: jax.Array,
+                 temperature: jax.Array, top_p: jax.Array, max_new_tokens: jax.Array, stop_ids: jax.Array,
+                 pad_id: jax.Array, *, slots: int, new_token_bucket: int, greedy: bool, top_k: int, use_top_p: bool,
+                 prefill_chunk: int) -> SlotState:
+    """Decode samples 0 .. num_samples - 1 (sample k continues prompt sample_prompt[k] [K] of
+    `queue_prompts`) on `slots` slots until every sample ended; returns the final `SlotState`.
+
+    `prompts` holds entries for prompts 0 .. prefilled - 1 (prompt j in entry j, prefilled before the
+    loop); when it has fewer entries than prompts, the loop prefills the next `prefill_chunk` prompts
+    into free entries (an entry frees when its prompt's last sample ends) as soon as that many are free,
+    at most one chunk per iteration, and a slot takes a pending sample only once its prompt is prefilled.
+    With E >= slots + prefill_chunk entries this never stalls: when the queue's next prompt is not
+    prefilled, every live entry has a sample in a slot, so at least `prefill_chunk` entries are free.
 
     A sample ends after a token in `stop_ids` (-1 entries are padding) or after `max_new_tokens` tokens;
-    its slot then takes the lowest pending sample (slots in index order), which picks its token 0 from
-    its prompt's last logits at the next iteration. Idle slots (no sample left) flow through the step
-    and write nothing. With `mesh`, the slots are split over its row axes.
+    its slot then takes the lowest pending sample (free slots in index order), which picks its token 0
+    from its prompt's last logits at the next iteration. Idle slots flow through the step and write
+    nothing. With `mesh`, the slots and each prefill chunk are split over its row axes.
     """
     queue = sample_prompt.shape[0]
+    entries = prompts.lengths.shape[0]
     layers = unstack_layers(params)  # sliced once, outside the loop
     empty = empty_row_cache(config, slots, 1, new_token_bucket)
+    bounded = entries < queue_prompts.tokens.shape[0] - prefill_chunk  # some prompts are prefilled in the loop
 
     def constrain(state: SlotState) -> SlotState:
         per_slot = ("slot_sample", "slot_step", "logits")
@@ -151,18 +189,50 @@ def decode_slots(params, config: ModelConfig, mesh: Mesh | None, prompts: Prompt
             response_k=tuple(_constrain(x, mesh) for x in state.response_k),
             response_v=tuple(_constrain(x, mesh) for x in state.response_v))
 
-    def refill(state: SlotState, free: jax.Array) -> SlotState:
-        candidate = state.next_sample + jnp.cumsum(free) - 1
-        take = free & (candidate < num_samples)
-        sample = jnp.where(take, candidate, jnp.where(free, -1, state.slot_sample))
-        prompt = sample_prompt[jnp.clip(candidate, 0, queue - 1)]
+    def prefill_next(state: SlotState) -> SlotState:
+        """Prompts prefilled .. prefilled + c - 1 into the first c free entries (padding rows: nowhere)."""
+        first = state.prefilled
+        chunk = [jax.lax.dynamic_slice_in_dim(x, first, prefill_chunk) for x in
+                 (queue_prompts.tokens, queue_prompts.lengths, queue_prompts.counts)]
+        tokens, lengths, counts = chunk
+        last_logits, keys, values = prefill_cache(params, config, _constrain(tokens, mesh), lengths,
+                                                  state.prompts.keys[0].dtype)
+        index = first + jnp.arange(prefill_chunk)
+        target = jnp.nonzero(state.entry_left == 0, size=prefill_chunk, fill_value=entries)[0]
+        target = jnp.where(index < queue_prompts.num_prompts, target, entries)  # out of range: dropped
+
+        def put(old, new):
+            return old.at[target].set(new.astype(old.dtype), mode="drop")
+
+        cache = state.prompts
+        cache = PromptCache(tuple(put(old, keys[i]) for i, old in enumerate(cache.keys)),
+                            tuple(put(old, values[i]) for i, old in enumerate(cache.values)),
+                            put(cache.lengths, lengths), put(cache.last_logits, last_logits))
         return dataclasses.replace(
-            state, slot_sample=sample, slot_step=jnp.where(free, 0, state.slot_step),
-            logits=jnp.where(take[:, None], prompts.last_logits[prompt], state.logits),
-            next_sample=jnp.minimum(state.next_sample + free.sum(), num_samples))
+            state, prompts=cache, entry_of=state.entry_of.at[index].set(target, mode="drop"),
+            entry_left=put(state.entry_left, counts),
+            prefilled=jnp.minimum(first + prefill_chunk, queue_prompts.num_prompts))
+
+    def maybe_prefill(state: SlotState) -> SlotState:
+        if not bounded:
+            return state
+        ready = (state.prefilled < queue_prompts.num_prompts) & ((state.entry_left == 0).sum() >= prefill_chunk)
+        return jax.lax.cond(ready, prefill_next, lambda st: st, state)
+
+    def refill(state: SlotState) -> SlotState:
+        free = state.slot_sample < 0
+        limit = queue_prompts.sample_start[state.prefilled]  # samples whose prompt is in the cache
+        candidate = state.next_sample + jnp.cumsum(free) - 1
+        take = free & (candidate < limit)
+        entry = state.entry_of[sample_prompt[jnp.clip(candidate, 0, queue - 1)]]
+        return dataclasses.replace(
+            state, slot_sample=jnp.where(take, candidate, state.slot_sample),
+            slot_step=jnp.where(free, 0, state.slot_step),
+            logits=jnp.where(take[:, None], state.prompts.last_logits[entry], state.logits),
+            next_sample=jnp.minimum(state.next_sample + free.sum(), limit))
 
     def busy(state: SlotState) -> jax.Array:
-        return jnp.any(state.slot_sample >= 0)
+        return jnp.any(state.slot_sample >= 0) | (state.next_sample < num_samples)
 
     def step(state: SlotState) -> SlotState:
         active = state.slot_sample >= 0
@@ -174,20 +244,25 @@ def decode_slots(params, config: ModelConfig, mesh: Mesh | None, prompts: Prompt
         hit_stop = active & jnp.any(tokens[:, None] == stop_ids[None, :], axis=-1)
         ended = active & (hit_stop | (t + 1 >= max_new_tokens))
         row = jnp.where(active, sample, queue)  # out of range: dropped
-        prompt = sample_prompt[sample]
-        logits, cache = decode_step(params, layers, config, tokens, prompts.lengths[prompt], t,
-                                    RowCache(prompts.keys, prompts.values, state.response_k, state.response_v),
-                                    prompt_rows=prompt)
+        entry = state.entry_of[sample_prompt[sample]]
+        logits, cache = decode_step(params, layers, config, tokens, state.prompts.lengths[entry], t,
+                                    RowCache(state.prompts.keys, state.prompts.values, state.response_k,
+                                             state.response_v),
+                                    prompt_rows=entry)
         state = dataclasses.replace(
             state,
             tokens=state.tokens.at[row, t].set(tokens, mode="drop"),
             logprobs=state.logprobs.at[row, t].set(logprobs, mode="drop"),
             lengths=state.lengths.at[row].set(t + 1, mode="drop"),
             stopped=state.stopped.at[row].set(hit_stop, mode="drop"),
+            slot_sample=jnp.where(ended, -1, state.slot_sample),
             slot_step=jnp.where(active, t + 1, t), logits=logits, iterations=state.iterations + 1,
-            response_k=cache.response_k, response_v=cache.response_v)
-        return constrain(refill(state, ended))
+            response_k=cache.response_k, response_v=cache.response_v,
+            entry_left=state.entry_left.at[jnp.where(ended, entry, entries)].add(-1, mode="drop"))
+        return constrain(refill(maybe_prefill(state)))
 
+    num_queue = queue_prompts.tokens.shape[0]
+    in_cache = jnp.arange(num_queue) < prefilled
     state = SlotState(
         tokens=jnp.full((queue, new_token_bucket), pad_id, jnp.int32),
         logprobs=jnp.zeros((queue, new_token_bucket), jnp.float32),
@@ -195,9 +270,20 @@ def decode_slots(params, config: ModelConfig, mesh: Mesh | None, prompts: Prompt
         slot_sample=jnp.full((slots,), -1, jnp.int32), slot_step=jnp.zeros((slots,), jnp.int32),
         logits=jnp.zeros((slots, config.vocab_size), jnp.float32),
         next_sample=jnp.zeros((), jnp.int32), iterations=jnp.zeros((), jnp.int32),
-        response_k=empty.response_k, response_v=empty.response_v)
-    state = constrain(refill(state, jnp.ones((slots,), bool)))
+        response_k=empty.response_k, response_v=empty.response_v, prompts=prompts,
+        entry_of=jnp.where(in_cache, jnp.arange(num_queue, dtype=jnp.int32), entries),
+        entry_left=jnp.where(jnp.arange(entries) < prefilled, queue_prompts.counts[:entries], 0).astype(jnp.int32),
+        prefilled=prefilled)
+    state = constrain(refill(maybe_prefill(state)))
     return jax.lax.while_loop(busy, step, state)
+
+
+def prompt_entries(num_prompts: int, slots: int, prefill_chunk: int) -> int:
+    """Entries of the continuous engine's prompt cache: one per prompt of the call (their bucket, a multiple of
+    the prefill chunk c), at most slots + c (rounded up to a multiple of c): enough for every prompt with a
+    sample in a slot and one chunk prefilled ahead, so the cache is bounded by the slots, not the prompts."""
+    every = round_up(bucket_size(num_prompts), prefill_chunk)
+    return min(every, round_up(slots + prefill_chunk, prefill_chunk))
 
 
 def slot_count(max_slots: int, num_rows: int, row_multiple: int = 1) -> int:
@@ -228,27 +314,37 @@ def generate_slots(params, config: ModelConfig, prompts: list[np.ndarray], count
                      prefill_tokens_per_call=prefill_tokens_per_call)
     active = plan.prefill_prompts
     per_call = plan.prompts_per_prefill
-    cache = empty_prompt_cache(config, round_up(bucket_size(len(active)), per_call), plan.prompt_bucket)
-    for start in range(0, len(active), per_call):
-        chunk = active[start: start + per_call]
-        tokens = np.full((per_call, plan.prompt_bucket), pad_id, np.int32)
-        chunk_lengths = np.ones(per_call, np.int32)  # unused entries: one pad token
-        for j, p in enumerate(chunk):
-            tokens[j, : lengths[p]] = prompts[p]
-            chunk_lengths[j] = lengths[p]
+    slots = slot_count(max_slots, plan.num_rows, row_multiple)
+    queue_bucket = round_up(bucket_size(len(active)), per_call)
+    entries = prompt_entries(len(active), slots, per_call)
+    queue_tokens = np.full((queue_bucket + per_call, plan.prompt_bucket), pad_id, np.int32)
+    queue_lengths = np.ones(queue_bucket + per_call, np.int32)  # padding rows: one pad token
+    queue_counts = np.zeros(queue_bucket + per_call, np.int32)
+    for j, p in enumerate(active):
+        queue_tokens[j, : lengths[p]] = prompts[p]
+        queue_lengths[j] = lengths[p]
+        queue_counts[j] = counts[p]
+    sample_start = np.concatenate([[0], np.cumsum(queue_counts)]).astype(np.int32)
+    queue = PromptQueue(jnp.asarray(queue_tokens), jnp.asarray(queue_lengths), jnp.asarray(queue_counts),
+                        jnp.asarray(sample_start), jnp.int32(len(active)))
+    cache = empty_prompt_cache(config, entries, plan.prompt_bucket)
+    ahead = min(entries, len(active))  # prompts prefilled before the loop (all of them when they fit)
+    for start in range(0, ahead, per_call):
+        tokens = queue_tokens[start: start + per_call]
         tokens = jnp.asarray(tokens) if mesh is None else jax.device_put(tokens, row_sharding(mesh, 2))
-        cache = prefill_prompts(params, config, mesh, tokens, jnp.asarray(chunk_lengths), jnp.int32(start), cache)
+        cache = prefill_prompts(params, config, mesh, tokens, jnp.asarray(queue_lengths[start: start + per_call]),
+                                jnp.int32(start), cache)
     entry = np.zeros(len(prompts), np.int32)
     entry[active] = np.arange(len(active), dtype=np.int32)
     sample_prompt = np.zeros(plan.row_bucket, np.int32)
     sample_prompt[: plan.num_rows] = entry[plan.row_prompt]
-    slots = slot_count(max_slots, plan.num_rows, row_multiple)
     greedy = temperature == 0.0
-    state = decode_slots(params, config, mesh, cache, jnp.asarray(sample_prompt), jnp.int32(plan.num_rows), rng,
+    state = decode_slots(params, config, mesh, cache, queue, jnp.int32(ahead),
+                         jnp.asarray(sample_prompt), jnp.int32(plan.num_rows), rng,
                          jnp.float32(1.0 if greedy else temperature), jnp.float32(top_p), jnp.int32(max_new_tokens),
                          jnp.asarray(stop_ids), jnp.int32(pad_id), slots=slots,
                          new_token_bucket=plan.new_token_bucket, greedy=greedy, top_k=0 if greedy else int(top_k),
-                         use_top_p=not greedy and top_p < 1.0)
+                         use_top_p=not greedy and top_p < 1.0, prefill_chunk=per_call)
     n = plan.num_rows
     out_lengths = to_host(state.lengths)[:n]
     stats = SlotStats(slots=slots, iterations=int(state.iterations), useful_slot_steps=int(out_lengths.sum()))

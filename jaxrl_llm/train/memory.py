@@ -43,10 +43,11 @@ Every term counts what jaxrl_llm itself allocates, per device of a `data x fsdp 
               layers x rows x (P_bucket + R_bucket) x kv_heads x head_dim x 2 x c, where a sliding-window
               layer (Mistral, Gemma) keeps min(R_bucket, window) response slots; plus two [rows, V]
               f32 logits buffers. With sampling.engine=continuous: layers x (C x P_bucket + S x R_bucket) x
-              kv_heads x head_dim x 2 x c for C = bucket(prompts_per_step) prompt caches and S decode slots
-              (`sampling.continuous.slot_count`), plus one layer's prompt keys/values gathered for the slots
-              (S x P_bucket x kv_heads x head_dim x 2 x c) and (C + 2 S) x V f32 logits; the S slots are
-              split over data x fsdp as rows are, every device holds the C prompt caches
+              kv_heads x head_dim x 2 x c for S decode slots (`sampling.continuous.slot_count`) and
+              C = `sampling.continuous.prompt_entries` prompt-cache entries (one per prompt of the step, at
+              most S + one prefill chunk of floor_pow2(4096 / P_bucket) prompts), plus one layer's prompt
+              keys/values gathered for the slots (S x P_bucket x kv_heads x head_dim x 2 x c) and (C + 2 S) x V
+              f32 logits; the S slots are split over data x fsdp as rows are, every device holds the C entries
   gvm norms   (GVM only) per-sample gradients of the subset (default the embedding) for
               `sampling.gvm_rows_per_chunk` (0: `optim.micro_batch_size`) unpacked rows at a time, in p,
               with those rows' activations and log-prob residuals; a chunk's rows are split over data x fsdp
@@ -85,8 +86,8 @@ from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.lora import LoraSpec, adapter_shapes, resolve_targets
 from jaxrl_llm.models.model import param_shapes
 from jaxrl_llm.models.sharding import MESH_AXES, partition_rules
-from jaxrl_llm.sampling.buckets import bucket_size, round_up
-from jaxrl_llm.sampling.continuous import slot_count
+from jaxrl_llm.sampling.buckets import bucket_size, prefill_chunk, round_up
+from jaxrl_llm.sampling.continuous import prompt_entries, slot_count
 from jaxrl_llm.sampling.decoder import response_slots
 from jaxrl_llm.sampling.generate import call_row_bucket
 from jaxrl_llm.train.algorithms import needs_reference
@@ -381,8 +382,10 @@ def estimate_memory(config: RunConfig, model_config: ModelConfig, mesh: dict[str
     kv_bytes = mc.num_kv_heads * mc.head_dim * 2 * c  # one token's keys and values in one layer
     if cfg.sampling.engine == "continuous":
         num_rows = cfg.sampling.prompts_per_step * samples
-        local_slots = slot_count(cfg.sampling.max_slots or bucket_size(num_rows), num_rows, batch_split) // batch_split
-        local_prompts = bucket_size(cfg.sampling.prompts_per_step)
+        all_slots = slot_count(cfg.sampling.max_slots or bucket_size(num_rows), num_rows, batch_split)
+        local_slots = all_slots // batch_split
+        chunk = prefill_chunk(prompt_bucket, cfg.sampling.prompts_per_step, batch_split)
+        local_prompts = prompt_entries(cfg.sampling.prompts_per_step, all_slots, chunk)
         kv_cache = sum((local_prompts * prompt_bucket + local_slots * slots) * kv_bytes
                        for slots in response_slots(mc, response_bucket))
         sampling = (kv_cache + local_slots * prompt_bucket * kv_bytes
