@@ -87,11 +87,13 @@ def test_slots_turn_over_with_hand_counted_iterations(tiny):
     assert stats.occupancy == pytest.approx(25 / 30)
 
 
-@pytest.mark.parametrize("temperature,max_slots", [(1.0, 2), (0.8, 3)])
-def test_prompt_cache_bounded_by_the_slots_prefills_in_the_loop(tiny, temperature, max_slots):
-    """12 prompts (3 without samples, 1-4 samples each) with one prompt per prefill (32 prompt tokens per
-    prefill call) on 2-3 slots: the prompt cache has slots + 1 entries, so 9 prompts are prefilled inside
-    the loop into entries freed by finished prompts; the rollout is still the static engine's."""
+@pytest.mark.parametrize("temperature,max_slots,max_entries", [(1.0, 2, 0), (0.8, 3, 0), (1.0, 3, 1)])
+def test_prompt_cache_bounded_by_the_slots_prefills_in_the_loop(tiny, temperature, max_slots, max_entries):
+    """12 prompts of 1-13 tokens (3 without samples, 1-4 samples each) with one prompt per prefill (16 prompt
+    tokens per prefill call, the prompt bucket) on 2-3 slots: the prompt cache has slots + 1 entries, so 9 prompts are prefilled inside
+    the loop into entries freed by finished prompts; the rollout is still the static engine's. With one
+    entry (`max_prompt_entries=1`) slots wait for the prompt before them to finish: the same rollout, more
+    loop iterations."""
     from jaxrl_llm.sampling.continuous import prompt_entries
 
     config, params = tiny
@@ -99,23 +101,29 @@ def test_prompt_cache_bounded_by_the_slots_prefills_in_the_loop(tiny, temperatur
     counts = [2, 1, 0, 3, 4, 1, 0, 2, 1, 3, 0, 2]
     assert prompt_entries(9, max_slots, 1) == max_slots + 1 < 9
     kwargs = dict(num_samples=counts, max_new_tokens=9, temperature=temperature, rng=jax.random.key(5),
-                  prefill_tokens_per_call=32)
+                  prefill_tokens_per_call=16)
     free = generate(params, config, prompts, **kwargs)
     stop = (int(free.tokens[3, 1]),)  # rows end at different times, so entries free out of order
     static = generate(params, config, prompts, stop_ids=stop, **kwargs)
     continuous, stats = generate(params, config, prompts, stop_ids=stop, engine="continuous", max_slots=max_slots,
-                                 return_stats=True, **kwargs)
+                                 max_prompt_entries=max_entries, return_stats=True, **kwargs)
     assert_same_rollout(static, continuous)
     assert static.lengths.min() <= 2 and static.lengths.max() == 9
     assert stats.useful_slot_steps == static.lengths.sum()
-    assert stats.occupancy > 0.5
+    if max_entries == 1:  # one prompt at a time: the loop runs at least each prompt's longest sample in turn
+        longest = [static.lengths[static.prompt_index == p].max() for p in np.unique(static.prompt_index)]
+        assert stats.iterations >= sum(longest)
+    else:
+        assert stats.occupancy > 0.5
 
 
 def test_prompt_entries_hand_values():
     from jaxrl_llm.sampling.continuous import prompt_entries
 
     # (prompts, slots, prefill chunk): every prompt's bucket when it is smaller, else slots + chunk rounded up
-    cases = {(5, 2, 1): 3, (5, 16, 4): 8, (1024, 64, 4): 68, (1024, 64, 8): 72, (100, 60, 8): 72, (3, 2, 4): 4}
+    cases = {(5, 2, 1): 3, (5, 16, 4): 8, (1024, 64, 4): 68, (1024, 64, 8): 72, (100, 60, 8): 72, (3, 2, 4): 4,
+             # with a limit: rounded up to the chunk, never above the default
+             (1024, 64, 4, 16): 16, (1024, 64, 4, 13): 16, (5, 2, 1, 1): 1, (5, 16, 4, 2): 4, (1024, 64, 4, 500): 68}
     assert {case: prompt_entries(*case) for case in cases} == cases
 
 
@@ -213,6 +221,12 @@ def test_bad_engine_options_raise_clear_errors(tiny):
         generate(params, config, [[1]], num_samples=1, max_new_tokens=2, rng=key, max_slots=4)
     with pytest.raises(ValueError, match="engine must be one of"):
         generate(params, config, [[1]], num_samples=1, max_new_tokens=2, rng=key, engine="paged")
+    with pytest.raises(ValueError, match="max_prompt_entries applies to engine='continuous'"):
+        generate(params, config, [[1]], num_samples=1, max_new_tokens=2, rng=key, max_prompt_entries=2)
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="max_prompt_entries must be an int >= 0"):
+            generate(params, config, [[1]], num_samples=1, max_new_tokens=2, rng=key, engine="continuous",
+                     max_prompt_entries=bad)
     with pytest.raises(ValueError, match="max_rows_per_call applies to the static engine"):
         generate(params, config, [[1]], num_samples=1, max_new_tokens=2, rng=key, engine="continuous",
                  max_rows_per_call=4)
@@ -224,12 +238,16 @@ def test_config_selects_and_checks_the_engine():
     from jaxrl_llm.train.rollouts import engine_options
 
     assert engine_options(load_config(None, []).sampling) == {}  # the default: static, generate's own default
-    chosen = load_config(None, ["sampling.engine=continuous", "sampling.max_slots=6"]).sampling
-    assert engine_options(chosen) == {"engine": "continuous", "max_slots": 6}
+    chosen = load_config(None, ["sampling.engine=continuous", "sampling.max_slots=6",
+                                "sampling.max_prompt_entries=3"]).sampling
+    assert engine_options(chosen) == {"engine": "continuous", "max_slots": 6, "max_prompt_entries": 3}
     assert engine_options(load_config(None, ["sampling.engine=continuous"]).sampling)["max_slots"] is None
     for overrides, key in ([["sampling.engine=paged"], "sampling.engine"],
                            [["sampling.engine=continuous", "sampling.max_slots=-1"], "sampling.max_slots"],
                            [["sampling.max_slots=4"], "sampling.max_slots"],
+                           [["sampling.max_prompt_entries=4"], "sampling.max_prompt_entries"],
+                           [["sampling.engine=continuous", "sampling.max_prompt_entries=-1"],
+                            "sampling.max_prompt_entries"],
                            [["sampling.engine=continuous", "sampling.max_rows_per_call=8"], "sampling.max_rows_per_call"]):
         with pytest.raises(ConfigError, match=key):
             load_config(None, overrides)

@@ -169,7 +169,9 @@ def decode_slots(params, config: ModelConfig, mesh: Mesh | None, prompts: Prompt
     into free entries (an entry frees when its prompt's last sample ends) as soon as that many are free,
     at most one chunk per iteration, and a slot takes a pending sample only once its prompt is prefilled.
     With E >= slots + prefill_chunk entries this never stalls: when the queue's next prompt is not
-    prefilled, every live entry has a sample in a slot, so at least `prefill_chunk` entries are free.
+    prefilled, every live entry has a sample in a slot, so at least `prefill_chunk` entries are free. With
+    fewer, free slots may wait for an entry; they never wait forever, since an entry frees when its
+    prompt's busy samples end and E >= prefill_chunk.
 
     A sample ends after a token in `stop_ids` (-1 entries are padding) or after `max_new_tokens` tokens;
     its slot then takes the lowest pending sample (free slots in index order), which picks its token 0
@@ -278,12 +280,17 @@ def decode_slots(params, config: ModelConfig, mesh: Mesh | None, prompts: Prompt
     return jax.lax.while_loop(busy, step, state)
 
 
-def prompt_entries(num_prompts: int, slots: int, prefill_chunk: int) -> int:
+def prompt_entries(num_prompts: int, slots: int, prefill_chunk: int, limit: int = 0) -> int:
     """Entries of the continuous engine's prompt cache: one per prompt of the call (their bucket, a multiple of
     the prefill chunk c), at most slots + c (rounded up to a multiple of c): enough for every prompt with a
-    sample in a slot and one chunk prefilled ahead, so the cache is bounded by the slots, not the prompts."""
+    sample in a slot and one chunk prefilled ahead, so the cache is bounded by the slots, not the prompts.
+    `limit` > 0 caps the entries lower (rounded up to a multiple of c, at least c): a slot whose next sample's
+    prompt has no free entry then waits until a prompt's last sample ends (never forever: E >= c)."""
     every = round_up(bucket_size(num_prompts), prefill_chunk)
-    return min(every, round_up(slots + prefill_chunk, prefill_chunk))
+    bound = round_up(slots + prefill_chunk, prefill_chunk)
+    if limit > 0:
+        bound = min(bound, round_up(limit, prefill_chunk))
+    return min(every, bound)
 
 
 def slot_count(max_slots: int, num_rows: int, row_multiple: int = 1) -> int:
@@ -301,7 +308,7 @@ def check_max_slots(max_slots) -> None:
 def generate_slots(params, config: ModelConfig, prompts: list[np.ndarray], counts: np.ndarray, *,
                    max_new_tokens: int, temperature: float, top_p: float, top_k: int, stop_ids: np.ndarray,
                    rng: jax.Array, pad_id: int, max_slots: int, prefill_tokens_per_call: int = 4096,
-                   mesh: Mesh | None = None):
+                   max_prompt_entries: int = 0, mesh: Mesh | None = None):
     """The continuous engine behind `generate(..., engine="continuous")` on checked inputs (prompts as
     int32 arrays, counts [len(prompts)] with a positive sum, stop_ids padded by `generate._stop_array`).
     Returns (tokens [R, max_new_tokens], logprobs, lengths [R], stopped [R], row_prompt [R], SlotStats)
@@ -316,7 +323,7 @@ def generate_slots(params, config: ModelConfig, prompts: list[np.ndarray], count
     per_call = plan.prompts_per_prefill
     slots = slot_count(max_slots, plan.num_rows, row_multiple)
     queue_bucket = round_up(bucket_size(len(active)), per_call)
-    entries = prompt_entries(len(active), slots, per_call)
+    entries = prompt_entries(len(active), slots, per_call, max_prompt_entries)
     queue_tokens = np.full((queue_bucket + per_call, plan.prompt_bucket), pad_id, np.int32)
     queue_lengths = np.ones(queue_bucket + per_call, np.int32)  # padding rows: one pad token
     queue_counts = np.zeros(queue_bucket + per_call, np.int32)

@@ -205,7 +205,8 @@ def generate(params, config: ModelConfig, prompts: Sequence[Sequence[int]], *, n
              temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, stop_ids: Sequence[int] = (),
              rng: jax.Array, pad_id: int = 0, mesh: Mesh | None = None,
              prefill_tokens_per_call: int = 4096, max_rows_per_call: int = 0, engine: str = "static",
-             max_slots: int | None = None, return_stats: bool = False) -> Rollout | tuple[Rollout, SlotStats]:
+             max_slots: int | None = None, max_prompt_entries: int = 0,
+             return_stats: bool = False) -> Rollout | tuple[Rollout, SlotStats]:
     """Sample `num_samples[i]` continuations of each token prompt; returns a `Rollout`.
 
     prompts: list of non-empty token-id lists. num_samples: an int for every prompt, or one count per
@@ -239,8 +240,11 @@ def generate(params, config: ModelConfig, prompts: Sequence[Sequence[int]], *, n
     to f32 rounding) when its slots equal the static call's row bucket; with another slot count f32 rounds
     the other batch shape differently, and a draw that falls that close to a token's CDF boundary picks
     the neighbouring token (SmolLM2-135M, 3 slots against 4 rows: one row of 8 from its 6th token). It
-    takes no `max_rows_per_call` (the slots bound the cache); with `mesh`, slots are split over its
-    ('data', 'fsdp') axes and every device keeps the whole prompt cache.
+    takes no `max_rows_per_call` (the slots bound the cache). Its prompt cache holds one entry per prompt,
+    at most max_slots + c of them (c = prompts per prefill call; later prompts are prefilled inside the
+    decode loop into entries freed by finished prompts), or `max_prompt_entries` (> 0) where that is lower:
+    a slot then waits for a free entry. With `mesh`, slots are split over its ('data', 'fsdp') axes and
+    every device keeps the whole prompt cache.
 
     `return_stats=True` returns (rollout, `SlotStats`): slot occupancy = generated tokens / slot-steps
     decoded, summed over the calls. The continuous engine counts its loop iterations x slots; the static
@@ -255,6 +259,12 @@ def generate(params, config: ModelConfig, prompts: Sequence[Sequence[int]], *, n
         if max_rows_per_call:
             raise ValueError("max_rows_per_call applies to the static engine; the continuous engine bounds "
                              "its cache with max_slots")
+        if isinstance(max_prompt_entries, bool) or not isinstance(max_prompt_entries, (int, np.integer)) \
+                or max_prompt_entries < 0:
+            raise ValueError(f"max_prompt_entries must be an int >= 0 (0: max_slots + one prefill chunk), "
+                             f"got {max_prompt_entries!r}")
+    elif max_prompt_entries:
+        raise ValueError("max_prompt_entries applies to engine='continuous' (its prompt cache)")
     elif max_slots is not None:
         raise ValueError("max_slots applies to engine='continuous'; the static engine bounds its cache with "
                          "max_rows_per_call")
@@ -285,7 +295,7 @@ def generate(params, config: ModelConfig, prompts: Sequence[Sequence[int]], *, n
         rollout, stats = _continuous_rollout(params, config, prompt_arrays, counts, max_new_tokens=max_new_tokens,
                                    temperature=temperature, top_p=top_p, top_k=top_k, stop_ids=stop, rng=rng,
                                    pad_id=pad_id, max_slots=max_slots, prefill_tokens_per_call=prefill_tokens_per_call,
-                                   mesh=mesh)
+                                   max_prompt_entries=max_prompt_entries, mesh=mesh)
         return (rollout, stats) if return_stats else rollout
     lengths = np.array([len(p) for p in prompt_arrays])
     plan = make_plan(lengths, counts, max_new_tokens, row_multiple=row_multiple,

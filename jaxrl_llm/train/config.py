@@ -107,6 +107,9 @@ class SamplingSection:
     # and evaluations log sampling_slot_occupancy / eval_slot_occupancy (generated tokens / decoded slot-steps).
     engine: str = "static"
     max_slots: int = 0  # decode slots of the continuous engine; 0: one per sample of the call
+    # Entries of the continuous engine's prompt cache (one per prompt being decoded); 0: slots + one prefill
+    # chunk, so a slot never waits for one. Lower bounds the cache further; slots then wait for a free entry.
+    max_prompt_entries: int = 0
     # GVM: stage 1 draws N' samples per prompt to estimate p_i and G_i; stage 2 spends prompts x N''.
     gvm_stage1_samples: int = 8  # N': stage-1 samples per prompt
     gvm_samples_per_prompt: int = 8  # N'': stage-2 budget per prompt (samples_per_prompt is unused with gvm)
@@ -446,6 +449,11 @@ def validate(config: RunConfig) -> None:
          "must be >= 0 (0: one decode slot per sample of a sampler call)"),
         ("sampling.max_slots", config.sampling.engine == "continuous" or config.sampling.max_slots == 0,
          "applies to sampling.engine=continuous; the static engine bounds its cache with sampling.max_rows_per_call"),
+        ("sampling.max_prompt_entries", config.sampling.max_prompt_entries >= 0,
+         "must be >= 0 (0: decode slots + one prefill chunk)"),
+        ("sampling.max_prompt_entries",
+         config.sampling.engine == "continuous" or config.sampling.max_prompt_entries == 0,
+         "applies to sampling.engine=continuous (its prompt cache)"),
         ("sampling.max_rows_per_call", config.sampling.engine == "static" or config.sampling.max_rows_per_call == 0,
          "applies to sampling.engine=static; the continuous engine bounds its cache with sampling.max_slots"),
         ("sampling.gvm_stage1_samples", config.sampling.gvm_stage1_samples >= 1, "must be >= 1"),

@@ -45,7 +45,8 @@ Every term counts what jaxrl_llm itself allocates, per device of a `data x fsdp 
               f32 logits buffers. With sampling.engine=continuous: layers x (C x P_bucket + S x R_bucket) x
               kv_heads x head_dim x 2 x c for S decode slots (`sampling.continuous.slot_count`) and
               C = `sampling.continuous.prompt_entries` prompt-cache entries (one per prompt of the step, at
-              most S + one prefill chunk of floor_pow2(4096 / P_bucket) prompts), plus one layer's prompt
+              most S + one prefill chunk of floor_pow2(4096 / P_bucket) prompts, or
+              `sampling.max_prompt_entries` where lower), plus one layer's prompt
               keys/values gathered for the slots (S x P_bucket x kv_heads x head_dim x 2 x c) and (C + 2 S) x V
               f32 logits; the S slots are split over data x fsdp as rows are, every device holds the C entries
   gvm norms   (GVM only) per-sample gradients of the subset (default the embedding) for
@@ -385,7 +386,7 @@ def estimate_memory(config: RunConfig, model_config: ModelConfig, mesh: dict[str
         all_slots = slot_count(cfg.sampling.max_slots or bucket_size(num_rows), num_rows, batch_split)
         local_slots = all_slots // batch_split
         chunk = prefill_chunk(prompt_bucket, cfg.sampling.prompts_per_step, batch_split)
-        local_prompts = prompt_entries(cfg.sampling.prompts_per_step, all_slots, chunk)
+        local_prompts = prompt_entries(cfg.sampling.prompts_per_step, all_slots, chunk, cfg.sampling.max_prompt_entries)
         kv_cache = sum((local_prompts * prompt_bucket + local_slots * slots) * kv_bytes
                        for slots in response_slots(mc, response_bucket))
         sampling = (kv_cache + local_slots * prompt_bucket * kv_bytes

@@ -62,7 +62,8 @@ def engine_options(sampling: SamplingSection) -> dict:
     """`generate`'s engine keywords for `sampling.engine`: none for the static engine (its default)."""
     if sampling.engine == "static":
         return {}
-    return {"engine": sampling.engine, "max_slots": sampling.max_slots or None}
+    return {"engine": sampling.engine, "max_slots": sampling.max_slots or None,
+            "max_prompt_entries": sampling.max_prompt_entries}
 
 
 def sample_and_score(params, model_config, tokenizer, records: list[dict], counts, sampling: SamplingSection,
