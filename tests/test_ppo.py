@@ -14,6 +14,8 @@ import optax
 import orbax.checkpoint as ocp
 import pytest
 
+from packed_groups import random_groups
+
 from jaxrl_llm import models
 from jaxrl_llm.models.flax_modules import ValueModel
 from jaxrl_llm.train import ConfigError, load_config
@@ -28,15 +30,8 @@ UNTIED = models.ModelConfig(vocab_size=61, hidden_size=32, intermediate_size=64,
                             num_kv_heads=2, head_dim=8, tie_word_embeddings=False)
 
 
-def _samples(seed=0, groups=4, per_group=3, resp=6):
-    rng = np.random.default_rng(seed)
-    prompts = [rng.integers(1, UNTIED.vocab_size, size=rng.integers(2, 7)).tolist() for _ in range(groups)]
-    n = groups * per_group
-    responses = rng.integers(1, UNTIED.vocab_size, size=(n, resp)).astype(np.int32)
-    lengths = rng.integers(1, resp + 1, size=n)
-    members = [np.arange(g * per_group, (g + 1) * per_group) for g in range(groups)]
-    mask = (np.arange(resp)[None] < lengths[:, None]).astype(np.float32)
-    return prompts, members, responses, lengths, mask
+def _samples(seed=0):
+    return random_groups(UNTIED.vocab_size, seed=seed)[:5]
 
 
 def _critic_params(seed=0):

@@ -4,6 +4,8 @@ import numpy as np
 import optax
 import pytest
 
+from packed_groups import random_groups
+
 from jaxrl_llm import models
 from jaxrl_llm.objectives import aggregate_denominator
 from jaxrl_llm.train.config import AlgorithmSection, OptimSection
@@ -17,15 +19,10 @@ TINY = models.ModelConfig(vocab_size=61, hidden_size=32, intermediate_size=64, n
 
 
 def _samples(groups=4, per_group=3, resp=6, seed=0):
-    """Prompts of varied length, each with a few responses of varied length (a group may be empty)."""
-    rng = np.random.default_rng(seed)
-    prompts = [rng.integers(1, TINY.vocab_size, size=rng.integers(2, 7)).tolist() for _ in range(groups)]
-    n = groups * per_group
-    responses = rng.integers(1, TINY.vocab_size, size=(n, resp)).astype(np.int32)
-    lengths = rng.integers(1, resp + 1, size=n)
-    members = [np.arange(g * per_group, (g + 1) * per_group) for g in range(groups)]
-    adv = np.repeat(rng.choice([-1.0, 0.5, 1.0], size=n)[:, None], resp, 1).astype(np.float32)
-    mask = (np.arange(resp)[None] < lengths[:, None]).astype(np.float32)
+    """`packed_groups.random_groups` with a per-sequence advantage in {-1, 0.5, 1} on each response's tokens."""
+    prompts, members, responses, lengths, mask, rng = random_groups(TINY.vocab_size, groups=groups,
+                                                                    per_group=per_group, resp=resp, seed=seed)
+    adv = np.repeat(rng.choice([-1.0, 0.5, 1.0], size=len(lengths))[:, None], resp, 1).astype(np.float32)
     return prompts, members, responses, lengths, adv * mask, mask
 
 
