@@ -7,15 +7,16 @@ own response cache [S, new-token bucket], and reads its prompt's keys/values fro
 (`decoder.decode_step`'s `prompt_rows`). Memory per prompt with n samples: P + n N cache slots for the
 static engine's n (P + N), and only S response caches are live whatever the number of samples.
 
-The prompt cache has one entry per prompt of the call when that is at most S + c (c = prompts per prefill
-call), and then every prompt is prefilled before the loop; otherwise it has S + c entries (`prompt_entries`),
-the first S + c prompts are prefilled before the loop and the loop prefills the next c prompts into entries
-freed by prompts whose samples have all ended, as soon as c are free. The cache is then bounded by the
-slots, not by the prompts of the call (a 1024-prompt step on 64 slots holds 68 entries, not 1024).
+Prompts are prefilled inside the decode loop, on demand: c at a time (c = prompts per prefill call), in
+queue order, into free entries of the prompt cache, as the slots need their samples. The cache has one entry
+per prompt of the call, at most S + c of them (`prompt_entries`); an entry frees when its prompt's last sample
+ends. The cache is bounded by the slots, not by the prompts of the call (a 1024-prompt step on 64 slots
+holds 68 entries, not 1024).
 
 One `lax.while_loop` iteration picks one token in every busy slot, records it in the sample's output
-row, feeds it through the decoder at the slot's own position, and hands every slot whose sample ended
-(stop id or max_new_tokens) the next pending sample, all inside the jitted loop: slots turn over
+row, feeds it through the decoder at the slot's own position, prefills prompts if free slots need them,
+and hands every slot whose sample ended (stop id or max_new_tokens) the next pending sample, all inside
+the jitted loop: slots turn over
 without a host round trip or a recompile. A sample's token t uses the uniform number
 fold_in(fold_in(rng, k), t) of the static engine's row k (`engine._row_uniforms`), so both engines draw
 the same rollouts. On a mesh the slots are split over its ('data', 'fsdp') axes and every device holds the
@@ -37,7 +38,7 @@ from jax.sharding import Mesh
 from jaxrl_llm.models import ModelConfig
 from jaxrl_llm.sampling.buckets import bucket_size, make_plan, round_up
 from jaxrl_llm.sampling.decoder import RowCache, decode_step, empty_row_cache, prefill_cache, unstack_layers
-from jaxrl_llm.sampling.engine import _constrain, row_axes, row_sharding, to_host
+from jaxrl_llm.sampling.engine import _constrain, row_axes, to_host
 from jaxrl_llm.sampling.token_selection import select_tokens
 
 logger = logging.getLogger(__name__)
@@ -118,22 +119,6 @@ def empty_prompt_cache(config: ModelConfig, prompts: int, prompt_bucket: int) ->
                        jnp.ones((prompts,), jnp.int32), jnp.zeros((prompts, config.vocab_size), jnp.float32))
 
 
-@functools.partial(jax.jit, static_argnames=("config", "mesh"), donate_argnames=("cache",))
-def prefill_prompts(params, config: ModelConfig, mesh: Mesh | None, tokens: jax.Array, lengths: jax.Array,
-                    offset: jax.Array, cache: PromptCache) -> PromptCache:
-    """Run prompts tokens [c, P] (right-padded) through the model and write their keys, values, lengths
-    and last-position logits to entries offset .. offset + c - 1 of the prompt cache. With `mesh` the c
-    prompts are split over its row axes and every device receives the whole cache."""
-    last_logits, keys, values = prefill_cache(params, config, _constrain(tokens, mesh), lengths, cache.keys[0].dtype)
-
-    def put(old, new):
-        return jax.lax.dynamic_update_slice_in_dim(old, new.astype(old.dtype), offset, axis=0)
-
-    return PromptCache(tuple(put(old, keys[i]) for i, old in enumerate(cache.keys)),
-                       tuple(put(old, values[i]) for i, old in enumerate(cache.values)),
-                       put(cache.lengths, lengths), put(cache.last_logits, last_logits))
-
-
 def _uniforms(rng: jax.Array, rows: jax.Array, steps: jax.Array) -> jax.Array:
     """U[0, 1) for output row rows[s] at token steps[s]: `engine._row_uniforms`' keys, one row per slot."""
     keys = jax.vmap(lambda r, t: jax.random.fold_in(jax.random.fold_in(rng, r), t))(rows, steps)
@@ -157,21 +142,21 @@ class PromptQueue(NamedTuple):
 @functools.partial(jax.jit, static_argnames=("config", "mesh", "slots", "new_token_bucket", "greedy", "top_k",
                                              "use_top_p", "prefill_chunk"), donate_argnames=("prompts",))
 def decode_slots(params, config: ModelConfig, mesh: Mesh | None, prompts: PromptCache, queue_prompts: PromptQueue,
-                 prefilled: jax.Array, sample_prompt: jax.Array, num_samples: jax.Array, rng: jax.Array,
+                 sample_prompt: jax.Array, num_samples: jax.Array, rng: jax.Array,
                  temperature: jax.Array, top_p: jax.Array, max_new_tokens: jax.Array, stop_ids: jax.Array,
                  pad_id: jax.Array, *, slots: int, new_token_bucket: int, greedy: bool, top_k: int, use_top_p: bool,
                  prefill_chunk: int) -> SlotState:
     """Decode samples 0 .. num_samples - 1 (sample k continues prompt sample_prompt[k] [K] of
     `queue_prompts`) on `slots` slots until every sample ended; returns the final `SlotState`.
 
-    `prompts` holds entries for prompts 0 .. prefilled - 1 (prompt j in entry j, prefilled before the
-    loop); when it has fewer entries than prompts, the loop prefills the next `prefill_chunk` prompts
-    into free entries (an entry frees when its prompt's last sample ends) as soon as that many are free,
-    at most one chunk per iteration, and a slot takes a pending sample only once its prompt is prefilled.
-    With E >= slots + prefill_chunk entries this never stalls: when the queue's next prompt is not
-    prefilled, every live entry has a sample in a slot, so at least `prefill_chunk` entries are free. With
-    fewer, free slots may wait for an entry; they never wait forever, since an entry frees when its
-    prompt's busy samples end and E >= prefill_chunk.
+    Prompts are prefilled on demand, `prefill_chunk` at a time in queue order, into free entries of the
+    (empty, donated) prompt cache `prompts` (an entry frees when its prompt's last sample ends): before
+    the slots take pending samples, the loop prefills chunks while fewer prefilled samples are pending
+    than slots are free and a chunk's worth of entries is free. A slot takes a pending sample only once
+    its prompt is prefilled. With E >= slots + prefill_chunk entries no slot ever waits: when the queue's
+    next prompt is not prefilled, every live entry has a sample in a slot, so at least `prefill_chunk`
+    entries are free. With fewer, free slots may wait for an entry; never forever, since an entry frees
+    when its prompt's busy samples end and E >= prefill_chunk.
 
     A sample ends after a token in `stop_ids` (-1 entries are padding) or after `max_new_tokens` tokens;
     its slot then takes the lowest pending sample (free slots in index order), which picks its token 0
@@ -182,7 +167,6 @@ def decode_slots(params, config: ModelConfig, mesh: Mesh | None, prompts: Prompt
     entries = prompts.lengths.shape[0]
     layers = unstack_layers(params)  # sliced once, outside the loop
     empty = empty_row_cache(config, slots, 1, new_token_bucket)
-    bounded = entries < queue_prompts.tokens.shape[0] - prefill_chunk  # some prompts are prefilled in the loop
 
     def constrain(state: SlotState) -> SlotState:
         per_slot = ("slot_sample", "slot_step", "logits")
@@ -215,11 +199,13 @@ def decode_slots(params, config: ModelConfig, mesh: Mesh | None, prompts: Prompt
             entry_left=put(state.entry_left, counts),
             prefilled=jnp.minimum(first + prefill_chunk, queue_prompts.num_prompts))
 
-    def maybe_prefill(state: SlotState) -> SlotState:
-        if not bounded:
-            return state
-        ready = (state.prefilled < queue_prompts.num_prompts) & ((state.entry_left == 0).sum() >= prefill_chunk)
-        return jax.lax.cond(ready, prefill_next, lambda st: st, state)
+    def wants_prefill(state: SlotState) -> jax.Array:
+        pending = queue_prompts.sample_start[state.prefilled] - state.next_sample  # prefilled, not in a slot
+        return ((state.prefilled < queue_prompts.num_prompts) & (pending < (state.slot_sample < 0).sum())
+                & ((state.entry_left == 0).sum() >= prefill_chunk))
+
+    def prefill_on_demand(state: SlotState) -> SlotState:
+        return jax.lax.while_loop(wants_prefill, prefill_next, state)
 
     def refill(state: SlotState) -> SlotState:
         free = state.slot_sample < 0
@@ -261,10 +247,8 @@ def decode_slots(params, config: ModelConfig, mesh: Mesh | None, prompts: Prompt
             slot_step=jnp.where(active, t + 1, t), logits=logits, iterations=state.iterations + 1,
             response_k=cache.response_k, response_v=cache.response_v,
             entry_left=state.entry_left.at[jnp.where(ended, entry, entries)].add(-1, mode="drop"))
-        return constrain(refill(maybe_prefill(state)))
+        return constrain(refill(prefill_on_demand(state)))
 
-    num_queue = queue_prompts.tokens.shape[0]
-    in_cache = jnp.arange(num_queue) < prefilled
     state = SlotState(
         tokens=jnp.full((queue, new_token_bucket), pad_id, jnp.int32),
         logprobs=jnp.zeros((queue, new_token_bucket), jnp.float32),
@@ -273,10 +257,9 @@ def decode_slots(params, config: ModelConfig, mesh: Mesh | None, prompts: Prompt
         logits=jnp.zeros((slots, config.vocab_size), jnp.float32),
         next_sample=jnp.zeros((), jnp.int32), iterations=jnp.zeros((), jnp.int32),
         response_k=empty.response_k, response_v=empty.response_v, prompts=prompts,
-        entry_of=jnp.where(in_cache, jnp.arange(num_queue, dtype=jnp.int32), entries),
-        entry_left=jnp.where(jnp.arange(entries) < prefilled, queue_prompts.counts[:entries], 0).astype(jnp.int32),
-        prefilled=prefilled)
-    state = constrain(refill(maybe_prefill(state)))
+        entry_of=jnp.full(queue_prompts.tokens.shape[:1], entries, jnp.int32),
+        entry_left=jnp.zeros((entries,), jnp.int32), prefilled=jnp.zeros((), jnp.int32))
+    state = constrain(refill(prefill_on_demand(state)))
     return jax.lax.while_loop(busy, step, state)
 
 
@@ -335,19 +318,12 @@ def generate_slots(params, config: ModelConfig, prompts: list[np.ndarray], count
     queue = PromptQueue(jnp.asarray(queue_tokens), jnp.asarray(queue_lengths), jnp.asarray(queue_counts),
                         jnp.asarray(sample_start), jnp.int32(len(active)))
     cache = empty_prompt_cache(config, entries, plan.prompt_bucket)
-    ahead = min(entries, len(active))  # prompts prefilled before the loop (all of them when they fit)
-    for start in range(0, ahead, per_call):
-        tokens = queue_tokens[start: start + per_call]
-        tokens = jnp.asarray(tokens) if mesh is None else jax.device_put(tokens, row_sharding(mesh, 2))
-        cache = prefill_prompts(params, config, mesh, tokens, jnp.asarray(queue_lengths[start: start + per_call]),
-                                jnp.int32(start), cache)
     entry = np.zeros(len(prompts), np.int32)
     entry[active] = np.arange(len(active), dtype=np.int32)
     sample_prompt = np.zeros(plan.row_bucket, np.int32)
     sample_prompt[: plan.num_rows] = entry[plan.row_prompt]
     greedy = temperature == 0.0
-    state = decode_slots(params, config, mesh, cache, queue, jnp.int32(ahead),
-                         jnp.asarray(sample_prompt), jnp.int32(plan.num_rows), rng,
+    state = decode_slots(params, config, mesh, cache, queue, jnp.asarray(sample_prompt), jnp.int32(plan.num_rows), rng,
                          jnp.float32(1.0 if greedy else temperature), jnp.float32(top_p), jnp.int32(max_new_tokens),
                          jnp.asarray(stop_ids), jnp.int32(pad_id), slots=slots,
                          new_token_bucket=plan.new_token_bucket, greedy=greedy, top_k=0 if greedy else int(top_k),
