@@ -241,10 +241,10 @@ def generate(params, config: ModelConfig, prompts: Sequence[Sequence[int]], *, n
     the other batch shape differently, and a draw that falls that close to a token's CDF boundary picks
     the neighbouring token (SmolLM2-135M, 3 slots against 4 rows: one row of 8 from its 6th token). It
     takes no `max_rows_per_call` (the slots bound the cache). Its prompt cache holds one entry per prompt,
-    at most max_slots + c of them (c = prompts per prefill call; prompts are prefilled inside the
-    decode loop as slots need them, into entries freed by finished prompts), or `max_prompt_entries` (> 0) where that is lower:
-    a slot then waits for a free entry. With `mesh`, slots are split over its ('data', 'fsdp') axes and
-    every device keeps the whole prompt cache.
+    at most max_slots + c of them (c = prompts per prefill call; prompts are prefilled inside the decode
+    loop as slots need them, into entries freed by finished prompts), or `max_prompt_entries` (> 0) where
+    that is lower: a slot then waits for a free entry. With `mesh`, slots are split over its
+    ('data', 'fsdp') axes and every device keeps the whole prompt cache.
 
     `return_stats=True` returns (rollout, `SlotStats`): slot occupancy = generated tokens / slot-steps
     decoded, summed over the calls. The continuous engine counts its loop iterations x slots; the static
