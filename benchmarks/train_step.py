@@ -5,7 +5,7 @@ JAX in the same run.
 
     .venv/bin/python benchmarks/train_step.py [--rows 8] [--seq-len 256] [--prompt-len 64]
         [--dtype f32|bf16] [--remat off|full|dots|qkv_attn_mlp] [--micro-batch 8] [--repeats 3] [--layers N]
-        [--layers-as scan|unrolled] [--skip-torch] [--torch-threads N] [--pieces]
+        [--layers-as scan|unrolled] [--attention-block-size B] [--skip-torch] [--torch-threads N] [--pieces]
 
 Batch: `rows` packed rows, each one random prompt of `prompt_len` tokens followed by one response of
 `seq_len - prompt_len` tokens (a `TrainBatch` with one response slot per row, no padding), random
@@ -277,6 +277,8 @@ def main():
     parser.add_argument("--layers", type=int, default=None, help="keep only the first N layers (quick runs)")
     parser.add_argument("--layers-as", choices=("scan", "unrolled"), default="scan",
                         help="ModelConfig.scan_layers: the decoder layers as one lax.scan (default) or unrolled")
+    parser.add_argument("--attention-block-size", type=int, default=None,
+                        help="model.attention_block_size: query x key tiles with an online softmax (default: full)")
     parser.add_argument("--skip-torch", action="store_true")
     parser.add_argument("--torch-threads", type=int, default=os.cpu_count(), help="torch intra-op threads")
     parser.add_argument("--pieces", action="store_true", help="also time forward and forward + backward alone")
@@ -286,7 +288,8 @@ def main():
 
     config, params = load_model(args.layers)
     remat = {} if args.remat == "off" else dict(remat=True, remat_policy=args.remat)
-    config = config.replace(compute_dtype=DTYPES[args.dtype], scan_layers=args.layers_as == "scan", **remat)
+    config = config.replace(compute_dtype=DTYPES[args.dtype], scan_layers=args.layers_as == "scan",
+                            attention_block_size=args.attention_block_size, **remat)
     micro_batch = args.micro_batch or args.rows
     num_params = sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(params))
 
@@ -302,7 +305,7 @@ def main():
     flops = train_step_flops(config, n_tokens, scored, pairs)
     simple = 6 * num_params * n_tokens
     print(f"SmolLM2-135M, {config.num_layers} layers, {num_params / 1e6:.1f}M params, {args.dtype}, remat "
-          f"{args.remat}, micro-batch {micro_batch}: {args.rows} x {args.seq_len} tokens ({scored} scored); "
+          f"{args.remat}, attention block {args.attention_block_size or 'none (full)'}, micro-batch {micro_batch}: {args.rows} x {args.seq_len} tokens ({scored} scored); "
           f"model FLOPs/step {flops / 1e9:.1f} G (6 x params x tokens: {simple / 1e9:.1f} G)", flush=True)
 
     ours, our_step = build_ours(config, params, batch, micro_batch=micro_batch, repeats=args.repeats,

@@ -350,6 +350,36 @@ def test_decode_step_with_per_row_steps_and_shared_prompt_cache_matches_forward(
         np.testing.assert_allclose(np.asarray(logits), want, atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("window", [None, 4])
+def test_prefill_layers_matches_the_scanned_prefill_and_the_forward(window):
+    """The continuous engine's layer-by-layer prefill (per-layer weights, per-layer outputs) gives the scanned
+    prefill's keys and values to the bit, and both give the full forward's logits at each prompt's last
+    position (window 4: the sliding layers of a Mistral config mask keys 4 or more positions back)."""
+    import jax.numpy as jnp
+
+    from jaxrl_llm.models import forward
+    from jaxrl_llm.sampling.decoder import prefill_cache, prefill_layers, unstack_layers
+
+    extra = {} if window is None else dict(model_type="mistral", sliding_window=window, tie_word_embeddings=False)
+    config, params = _tiny(**extra)
+    lengths = np.array([5, 2, 7], np.int32)
+    tokens = np.random.default_rng(1).integers(0, VOCAB, size=(3, 8)).astype(np.int32)
+    tokens = np.where(np.arange(8) < lengths[:, None], tokens, 0)
+    logits, keys, values = jax.jit(prefill_cache, static_argnums=1)(params, config, jnp.asarray(tokens),
+                                                                   jnp.asarray(lengths))
+    per_layer = jax.jit(lambda p, t, n: prefill_layers(p, unstack_layers(p), config, t, n))
+    logits_l, keys_l, values_l = per_layer(params, jnp.asarray(tokens), jnp.asarray(lengths))
+    assert len(keys_l) == len(values_l) == config.num_layers
+    for i in range(config.num_layers):
+        # slots >= a prompt's length hold padding that is never attended: compare the prompt slots
+        for row, n in enumerate(lengths):
+            np.testing.assert_array_equal(np.asarray(keys_l[i])[row, ..., :n], np.asarray(keys[i])[row, ..., :n])
+            np.testing.assert_array_equal(np.asarray(values_l[i])[row, :, :n], np.asarray(values[i])[row, :, :n])
+    np.testing.assert_array_equal(np.asarray(logits_l), np.asarray(logits))
+    reference = np.asarray(forward(params, config, jnp.asarray(tokens), jnp.arange(8)[None]))
+    np.testing.assert_allclose(np.asarray(logits_l), reference[np.arange(3), lengths - 1], atol=1e-5, rtol=0)
+
+
 MESH_SCRIPT = """
 import json
 import jax

@@ -37,7 +37,7 @@ from jax.sharding import Mesh
 
 from jaxrl_llm.models import ModelConfig
 from jaxrl_llm.sampling.buckets import bucket_size, make_plan, round_up
-from jaxrl_llm.sampling.decoder import RowCache, decode_step, empty_row_cache, prefill_cache, unstack_layers
+from jaxrl_llm.sampling.decoder import RowCache, decode_step, empty_row_cache, prefill_layers, unstack_layers
 from jaxrl_llm.sampling.engine import _constrain, row_axes, to_host
 from jaxrl_llm.sampling.token_selection import select_tokens
 
@@ -181,8 +181,9 @@ def decode_slots(params, config: ModelConfig, mesh: Mesh | None, prompts: Prompt
         chunk = [jax.lax.dynamic_slice_in_dim(x, first, prefill_chunk) for x in
                  (queue_prompts.tokens, queue_prompts.lengths, queue_prompts.counts)]
         tokens, lengths, counts = chunk
-        last_logits, keys, values = prefill_cache(params, config, _constrain(tokens, mesh), lengths,
-                                                  state.prompts.keys[0].dtype)
+        # layer by layer on the loop's per-layer weights: each layer's keys/values go straight to its cache entry
+        last_logits, keys, values = prefill_layers(params, layers, config, _constrain(tokens, mesh), lengths,
+                                                   state.prompts.keys[0].dtype)
         index = first + jnp.arange(prefill_chunk)
         target = jnp.nonzero(state.entry_left == 0, size=prefill_chunk, fill_value=entries)[0]
         target = jnp.where(index < queue_prompts.num_prompts, target, entries)  # out of range: dropped
