@@ -305,7 +305,8 @@ def main():
     flops = train_step_flops(config, n_tokens, scored, pairs)
     simple = 6 * num_params * n_tokens
     print(f"SmolLM2-135M, {config.num_layers} layers, {num_params / 1e6:.1f}M params, {args.dtype}, remat "
-          f"{args.remat}, attention block {args.attention_block_size or 'none (full)'}, micro-batch {micro_batch}: {args.rows} x {args.seq_len} tokens ({scored} scored); "
+          f"{args.remat}, attention block {args.attention_block_size or 'none (full)'}, micro-batch {micro_batch}: "
+          f"{args.rows} x {args.seq_len} tokens ({scored} scored); "
           f"model FLOPs/step {flops / 1e9:.1f} G (6 x params x tokens: {simple / 1e9:.1f} G)", flush=True)
 
     ours, our_step = build_ours(config, params, batch, micro_batch=micro_batch, repeats=args.repeats,
