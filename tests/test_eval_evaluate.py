@@ -84,11 +84,45 @@ def test_evaluate_with_scripted_generate():
     expected_lengths = [len(text.encode()) + stopped for texts in SCRIPT.values() for text, stopped in texts]
     assert metrics["mean_length"] == pytest.approx(sum(expected_lengths) / 9)
     assert metrics["truncated_rate"] == pytest.approx(1 / 9) and metrics["dropped_prompts"] == 0
-    assert [c["num_prompts"] for c in generate.calls] == [2, 1]
+    assert [c["num_prompts"] for c in generate.calls] == [2, 2]  # the last call filled up with a repeat
     assert {c["num_samples"] for c in generate.calls} == {3} and generate.calls[0]["stop_ids"] == (256,)
     assert generate.calls[0]["rng"] != generate.calls[1]["rng"]  # a fresh key per call
     assert metrics["samples"][1]["completions"] == ["\\boxed{7}", "\\boxed{7}", "9 - 3 = 6 \\boxed{6}"]
     assert metrics["samples"][1]["correct"] == [0.0, 0.0, 1.0]
+
+
+def test_evaluate_without_padding_the_last_call_gives_the_same_metrics():
+    padded = evaluate(None, None, ByteTokenizer(), RECORDS, k=3, max_new_tokens=24, template="arithmetic-2shot",
+                      samples_per_call=7, seed=5, generate_fn=ScriptedGenerate(SCRIPT), return_samples=True)
+    generate = ScriptedGenerate(SCRIPT)
+    unpadded = evaluate(None, None, ByteTokenizer(), RECORDS, k=3, max_new_tokens=24, template="arithmetic-2shot",
+                        samples_per_call=7, seed=5, generate_fn=generate, return_samples=True, pad_last_call=False)
+    assert [c["num_prompts"] for c in generate.calls] == [2, 1]
+    padded.pop("seconds"), unpadded.pop("seconds")
+    assert padded == unpadded and padded["num_samples"] == 9  # the repeat's 3 samples were thrown away
+
+
+def test_evaluate_pads_the_last_call_of_the_real_sampler_to_the_earlier_shape():
+    import jax
+    from jaxrl_llm.models import ModelConfig, init_params
+    from jaxrl_llm.sampling import generate
+
+    config = ModelConfig(vocab_size=264, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2,
+                         num_kv_heads=1, head_dim=16, max_position_embeddings=512)
+    params = init_params(config, jax.random.PRNGKey(0))
+    template = prompt_template("raw", user_suffix="", raw_format="Q: {question}\nA:")
+    calls = []
+
+    def recording(*args, **kwargs):
+        calls.append(len(args[2]))
+        return generate(*args, **kwargs)
+
+    runs = [evaluate(params, config, ByteTokenizer(), RECORDS, k=2, max_new_tokens=5, template=template,
+                     samples_per_call=4, seed=3, return_samples=True, generate_fn=recording, pad_last_call=pad)
+            for pad in (True, False)]
+    assert calls == [2, 2, 2, 1]
+    # the third prompt's samples: drawn with the same keys; the 4-row call rounds like the 2-row one here
+    assert runs[0]["samples"] == runs[1]["samples"] and runs[0]["num_samples"] == 6
 
 
 def test_evaluate_drops_long_prompts():

@@ -27,7 +27,8 @@ def evaluate(params, config, tokenizer, records: Sequence[dict], *, k: int, max_
              template: PromptTemplate | str = "reasoning", max_prompt_tokens: int | None = None,
              samples_per_call: int = 128, seed: int = 0, stop_ids: Sequence[int] | None = None,
              verify: Verifier | None = None, generate_fn: Callable | None = None,
-             return_samples: bool = False, progress: bool = False, **generate_kwargs) -> dict:
+             return_samples: bool = False, progress: bool = False, pad_last_call: bool = True,
+             **generate_kwargs) -> dict:
     """Metrics of ``k`` samples per record (see ``jaxrl_llm.eval.metrics``), plus bookkeeping.
 
     Prompts come from ``build_prompts(records, tokenizer, template, max_prompt_tokens)`` (over-long ones
@@ -40,6 +41,12 @@ def evaluate(params, config, tokenizer, records: Sequence[dict], *, k: int, max_
     (default ``jaxrl_llm.rewards.math_reward``). Extra keys: dropped_prompts, truncated_rate (samples
     that hit max_new_tokens), seconds; with ``return_samples``, ``samples`` lists each problem's id,
     gold, completions and correctness. ``progress`` shows a tqdm bar over the generate calls.
+
+    ``pad_last_call``: a last call with fewer prompts than the earlier ones is filled up to their number with
+    repeats of its own prompts, whose samples are decoded and thrown away, so that it reuses the earlier calls'
+    compiled sampler instead of compiling one for a new shape (a compilation of the bundled model costs 30-40 s
+    on a 2-core CPU, the extra rows' decoding far less at evaluation lengths). Sample keys follow the sample
+    index, so the real prompts' samples come first and are drawn with the same keys either way.
     """
     import jax
 
@@ -59,12 +66,17 @@ def evaluate(params, config, tokenizer, records: Sequence[dict], *, k: int, max_
         starts = tqdm(starts, desc=f"eval k={k}", unit="call")
     for call, start in enumerate(starts):
         chunk = kept[start:start + prompts_per_call]
-        rollout = generate_fn(params, config, [record["prompt_ids"] for record in chunk], num_samples=k,
+        prompt_ids = [record["prompt_ids"] for record in chunk]
+        if pad_last_call and start > 0:
+            prompt_ids += [prompt_ids[i % len(chunk)] for i in range(prompts_per_call - len(chunk))]
+        rollout = generate_fn(params, config, prompt_ids, num_samples=k,
                               max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                               stop_ids=stop_ids, rng=jax.random.fold_in(key, call), **generate_kwargs)
         tokens, row_lengths = np.asarray(rollout.tokens), np.asarray(rollout.lengths)
         finish = np.asarray(rollout.finish_reason)
         for row, prompt_index in enumerate(np.asarray(rollout.prompt_index)):
+            if prompt_index >= len(chunk):  # a repeat that filled the last call up
+                continue
             length = int(row_lengths[row])
             completions[start + int(prompt_index)].append(
                 tokenizer.decode([int(t) for t in tokens[row, :length]], skip_special_tokens=True))
