@@ -26,7 +26,8 @@ Useful tokens: each row's tokens up to and including its first stop id (all `max
 Useful tokens/s = useful tokens of the whole workload / its wall time, end to end (prefill, decode and
 the copy back to the host; tokenisation of the prompts is done once, before). Each JAX sampler first runs
 an untimed warm-up that compiles the programs of the timed calls (the continuous engine's is the whole
-workload once: its programs' shapes follow every row and `--max-new-tokens`); the figures are medians over
+workload's call with every sample cut to one token: its program's shapes follow every row and
+`--max-new-tokens`, its token limit is traced); the figures are medians over
 `--repeats` timed runs.
 
 Slot occupancy = useful tokens / decoded slot-steps. Every sampler here decodes a fixed batch of rows in
@@ -49,6 +50,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import inspect
 import json
 import os
 import pathlib
@@ -205,7 +207,24 @@ def run_ours(params, config, tokenizer, prompts, samples, new_tokens, rows, repe
                                      top_k=0, stop_ids=_stop_array(stop, config.vocab_size), rng=jax.random.key(0),
                                      pad_id=pad))
     else:
-        once(0)  # its prompt cache and slot loop take shapes from every row and new-token bucket
+        # Warm-up: the whole workload's call, every sample cut to one token. The slot loop's shapes (prompt
+        # cache, queue, slots, new-token bucket) follow every row and --max-new-tokens, but its
+        # max_new_tokens is a traced argument, so this compiles the timed runs' program in a fraction of
+        # their time (the timed runs' compilations are counted below: none).
+        from jaxrl_llm.sampling import continuous
+
+        slot_loop = continuous.decode_slots
+        max_new_tokens_arg = list(inspect.signature(slot_loop).parameters).index("max_new_tokens")
+
+        def one_token(*args, **kwargs):
+            return slot_loop(*args[:max_new_tokens_arg], jax.numpy.int32(1), *args[max_new_tokens_arg + 1:],
+                             **kwargs)
+
+        continuous.decode_slots = one_token
+        try:
+            once(0)
+        finally:
+            continuous.decode_slots = slot_loop
     compiles = []  # XLA compilations inside the timed runs: none if the warm-up covered every shape
 
     def listener(event, duration, **kwargs):
