@@ -225,7 +225,8 @@ def paper_batch(config, rows: int, prompt_len: int, resp_len: int, samples: int,
     return prompts, responses, lengths, groups, adv, per_token
 
 
-def train(small: bool, ceil: dict, torch_side: bool = True) -> dict:
+def train(small: bool, ceil: dict, torch_side: bool = True, layers: int | None = None, rows: int = 2,
+          samples: int = 8, resp_len: int | None = None, block: int | None = 512) -> dict:
     import jax
     import jax.numpy as jnp
 
@@ -240,17 +241,20 @@ def train(small: bool, ceil: dict, torch_side: bool = True) -> dict:
     # script): --small on a CPU computes in f32.
     compute = "float32" if small and jax.default_backend() == "cpu" else "bfloat16"
     config = shrink(qwen_shape(), small).replace(param_dtype="float32", compute_dtype=compute, remat=True,
-                                                 remat_policy="full", attention_block_size=64 if small else 512,
-                                                 remat_logits=True)
-    rows, samples = 2, 8
-    prompt_len, resp_len = (64, 96) if small else (1024, 3072)
+                                                 remat_policy="full", attention_block_size=(64 if small else block)
+                                                 or None, remat_logits=True)
+    if layers:
+        config = config.replace(num_layers=layers)
+    prompt_len = 64 if small else 1024
+    resp_len = resp_len or (96 if small else 3072)
     prompts, responses, lengths, groups, adv, per_token = paper_batch(config, rows, prompt_len, resp_len, samples)
     params = random_params(config, "float32")
     probe = pack_groups(prompts, groups, responses, lengths)
     old = np.asarray(make_logprob_fn(config)(params, jax.tree_util.tree_map(jnp.asarray, probe)))
     flat_old = np.concatenate([old[g, :samples] for g in range(rows)])  # [rows * samples, R]
     batch = pack_groups(prompts, groups, responses, lengths, advantages=per_token, old_logp=flat_old)
-    out = {"rows": rows, "row_tokens": int(batch.tokens.shape[1]), "responses_per_row": samples,
+    out = {"layers": config.num_layers, "attention_block_size": config.attention_block_size, "rows": rows,
+           "row_tokens": int(batch.tokens.shape[1]), "responses_per_row": samples,
            "prompt_tokens": prompt_len, "response_tokens": resp_len}
     algo = AlgorithmSection()
     optimizer = make_optimizer(OptimSection())
@@ -377,6 +381,12 @@ def main():
     parser.add_argument("--out", default=".")
     parser.add_argument("--parts", default="ceilings,train,memory,sampler,attention")
     parser.add_argument("--small", action="store_true", help="tiny shapes, to check the script on a CPU")
+    parser.add_argument("--layers", type=int, default=None, help="train: keep only the first N layers")
+    parser.add_argument("--rows", type=int, default=2, help="train: packed rows (one micro-batch each)")
+    parser.add_argument("--samples", type=int, default=8, help="train: responses per packed row")
+    parser.add_argument("--response-tokens", type=int, default=None, help="train: tokens per response (3072)")
+    parser.add_argument("--block", type=int, default=512, help="train: attention block size (0: full attention)")
+    parser.add_argument("--skip-torch", action="store_true")
     args = parser.parse_args()
     import jax
 
@@ -405,7 +415,8 @@ def main():
             elif part == "attention":
                 results[part] = attention(args.small)
             elif part == "train":
-                results[part] = train(args.small, ceil)
+                results[part] = train(args.small, ceil, not args.skip_torch, args.layers, args.rows, args.samples,
+                                      args.response_tokens, args.block)
             elif part == "memory":
                 results[part] = memory(args.small, results.get("train", {}))
             else:

@@ -3,6 +3,18 @@
 import pytest
 
 
+@pytest.fixture(scope="session", autouse=True)
+def full_precision_float32_matmuls():
+    """On a GPU, XLA computes float32 matmuls in TF32 by default (relative error ~1e-3): the tests' float32
+    tolerances against NumPy and transformers assume float32 products, so they are asked for there. CPUs
+    compute float32 products in float32 anyway; nothing changes on them."""
+    import jax
+
+    if jax.default_backend() != "cpu":
+        jax.config.update("jax_default_matmul_precision", "highest")
+    yield
+
+
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory):
     """`tiny_checkpoint(family, seed=0)` -> directory of a tiny random transformers checkpoint,

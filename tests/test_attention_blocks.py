@@ -76,6 +76,27 @@ def test_blocked_attention_matches_numpy_softmax(block_size):
     np.testing.assert_allclose(np.asarray(out), numpy_attention(q, k, v, keep), rtol=1e-5, atol=1e-6)
 
 
+def test_tiles_no_query_may_read_are_skipped():
+    # A packed row: a 4-token prompt, then two responses of 4 tokens, in blocks of 4. Response 1's keys and
+    # values are NaN: the tile of response 2's queries against them is masked whole, so it must not be
+    # computed at all (a computed tile would give 0 x NaN = NaN), while response 1's own tiles are.
+    rng = np.random.RandomState(1)
+    q, k, v = (rng.normal(size=(1, 12, 4, 8)).astype(np.float32) for _ in range(3))
+    positions = np.array([[0, 1, 2, 3, 4, 5, 6, 7, 4, 5, 6, 7]], np.int32)
+    segments = np.array([[0] * 4 + [1] * 4 + [2] * 4], np.int32)
+    k[:, 4:8], v[:, 4:8] = np.nan, np.nan
+    run = jax.jit(lambda q, k, v: blocked_attention(q, k, v, jnp.asarray(positions), 4,
+                                                    segment_ids=jnp.asarray(segments)))
+    out = np.asarray(run(q, k, v))
+    keep = ((positions[:, None, :] <= positions[:, :, None])
+            & ((segments[:, None, :] == segments[:, :, None]) | (segments[:, None, :] == 0)))
+    expected = numpy_attention(q, np.nan_to_num(k), np.nan_to_num(v), keep)
+    assert np.isnan(out[0, 4:8]).all()  # response 1 reads its own NaN keys
+    np.testing.assert_allclose(out[0, np.r_[0:4, 8:12]], expected[0, np.r_[0:4, 8:12]], rtol=1e-5, atol=1e-6)
+    grad_q = jax.grad(lambda q: run(q, k, v)[0, 8:].sum())(jnp.asarray(q))
+    assert np.isfinite(np.asarray(grad_q)[0, 8:]).all()
+
+
 def test_fully_masked_queries_average_the_real_keys_like_full_attention():
     # With every key masked, full attention's finite floor gives equal weights over all keys; the tiles must
     # do the same, and the padding that makes 5 keys into blocks of 2 must get weight exactly 0.
