@@ -108,6 +108,22 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, *, scal
     return out.transpose(0, 3, 1, 2, 4).reshape(batch, length, num_heads * head_dim)
 
 
+def einsum_f32(spec: str, a: jax.Array, b: jax.Array) -> jax.Array:
+    """jnp.einsum(spec, a, b) with float32 results whatever the operands' dtype (bf16 products summed in f32).
+
+    XLA's CPU runtime has no bf16 x bf16 -> f32 product where it fuses the product with its operands'
+    transposes or its consumers ("Unsupported element type for DotThunk::Execute"), which a bf16 train
+    step on a CPU hits; there the operands are cast to f32 first, which gives the same products and sums.
+    Every other platform gets the mixed-precision product itself (only the taken branch is compiled)."""
+    def mixed(a, b):
+        return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32)
+
+    if a.dtype == jnp.float32 and b.dtype == jnp.float32:
+        return mixed(a, b)
+    return jax.lax.platform_dependent(
+        a, b, cpu=lambda a, b: jnp.einsum(spec, a.astype(jnp.float32), b.astype(jnp.float32)), default=mixed)
+
+
 def soft_cap(x: jax.Array, cap: float | None) -> jax.Array:
     """cap * tanh(x / cap) (Gemma 2's logit soft-capping), or x itself when cap is None."""
     if cap is None:
@@ -254,10 +270,11 @@ def _dense_fwd(x, w):
 def _dense_bwd(residuals, dy):
     x, w = residuals
     lead = tuple(range(x.ndim - 1))
+    # The weight gradient is rounded once, to w's dtype, from the product's f32 sums.
     if x.shape[-1] > dy.shape[-1]:
-        dw = jax.lax.dot_general(dy, x, ((lead, lead), ((), ())), preferred_element_type=jnp.float32).T
+        dw = jax.lax.dot_general(dy, x, ((lead, lead), ((), ())), preferred_element_type=w.dtype).T
     else:
-        dw = jax.lax.dot_general(x, dy, ((lead, lead), ((), ())), preferred_element_type=jnp.float32)
+        dw = jax.lax.dot_general(x, dy, ((lead, lead), ((), ())), preferred_element_type=w.dtype)
     dx = jax.lax.dot_general(dy, w, (((dy.ndim - 1,), (1,)), ((), ())))
     return dx.astype(x.dtype), dw.astype(w.dtype)
 

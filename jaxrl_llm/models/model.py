@@ -25,7 +25,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.layers import (adapted_dense, apply_rope, attention, attention_keep_mask, blocked_attention,
-                                    gated_mlp, rms_norm, rope_inv_freq, soft_cap)
+                                    einsum_f32, gated_mlp, rms_norm, rope_inv_freq, soft_cap)
 from jaxrl_llm.models.quant import layer_weight
 
 Params = dict
@@ -293,11 +293,9 @@ def output_logits(params: Params, config: ModelConfig, hidden: jax.Array) -> jax
     dtype = jnp.dtype(config.compute_dtype)
     hidden = hidden.astype(dtype)
     if config.tie_word_embeddings:
-        logits = jnp.einsum("...d,vd->...v", hidden, params["embed"].astype(dtype),
-                            preferred_element_type=jnp.float32)
+        logits = einsum_f32("...d,vd->...v", hidden, params["embed"].astype(dtype))
     else:
-        logits = jnp.einsum("...d,dv->...v", hidden, params["lm_head"].astype(dtype),
-                            preferred_element_type=jnp.float32)
+        logits = einsum_f32("...d,dv->...v", hidden, params["lm_head"].astype(dtype))
     return soft_cap(logits, config.final_logit_softcapping)
 
 

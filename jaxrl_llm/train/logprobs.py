@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrl_llm import models
-from jaxrl_llm.models.layers import soft_cap
+from jaxrl_llm.models.layers import einsum_f32, soft_cap
 
 
 _FLOOR = -1e30
@@ -97,7 +97,7 @@ def _forward_stats(hidden, head, targets, chunk, keep_logits, softcap):
     stats = (jnp.full(shape, _FLOOR, jnp.float32), *(jnp.zeros(shape, jnp.float32) for _ in range(3)))
 
     def logits_of(block):
-        return soft_cap(jnp.einsum("brd,vd->brv", hidden, block, preferred_element_type=jnp.float32), softcap)
+        return soft_cap(einsum_f32("brd,vd->brv", hidden, block), softcap)
 
     chunk_logits = None
     if keep_logits:
@@ -157,11 +157,11 @@ def _logprobs_entropy_bwd(chunk, entropy_grad, keep_logits, softcap, residuals, 
         d_logits = d_logits.astype(dtype)
         # hidden^T d_logits reads d_logits in the layout it was written (d_logits^T hidden would copy it
         # transposed, a [N, chunk] pass as slow as the product itself on CPU).
-        return (jnp.dot(d_logits, block, preferred_element_type=jnp.float32),
-                jnp.dot(hidden_c.T, d_logits, preferred_element_type=jnp.float32).astype(dtype))
+        return (einsum_f32("nw,wd->nd", d_logits, block),
+                jnp.dot(hidden_c.T, d_logits, preferred_element_type=dtype))
 
     def logits_of(block):  # the forward pass's product, recomputed
-        return soft_cap(jnp.dot(hidden_c, block.T, preferred_element_type=jnp.float32), softcap)
+        return soft_cap(einsum_f32("nd,wd->nw", hidden_c, block), softcap)
 
     if keep_logits:
         d_hidden = jnp.zeros(hidden_c.shape, jnp.float32)
