@@ -237,10 +237,7 @@ def train(small: bool, ceil: dict, torch_side: bool = True, layers: int | None =
     from jaxrl_llm.train.step import make_logprob_fn, make_train_step
     from train_step import attended_pairs, train_step_flops
 
-    # bf16 x bf16 -> f32 dots of the backward pass are not implemented by XLA's CPU runtime (a finding of this
-    # script): --small on a CPU computes in f32.
-    compute = "float32" if small and jax.default_backend() == "cpu" else "bfloat16"
-    config = shrink(qwen_shape(), small).replace(param_dtype="float32", compute_dtype=compute, remat=True,
+    config = shrink(qwen_shape(), small).replace(param_dtype="float32", compute_dtype="bfloat16", remat=True,
                                                  remat_policy="full", attention_block_size=(64 if small else block)
                                                  or None, remat_logits=True)
     if layers:
