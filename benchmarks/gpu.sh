@@ -7,7 +7,7 @@
 set -u
 out=${1:?usage: bash benchmarks/gpu.sh OUT_DIR [BENCH_SECONDS] [TEST_SECONDS]}
 bench_s=${2:-300}
-test_s=${3:-150}
+test_s=${3:-240}
 mkdir -p "$out"
 export XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm --format=csv | tee "$out/nvidia-smi.txt"
