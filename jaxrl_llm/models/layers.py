@@ -202,28 +202,33 @@ def blocked_attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.A
     def query_block(query_inputs):
         qb, q_pos, q_seg = query_inputs
 
-        def key_tile(carry, key_in):
-            kb, vb, k_pos, k_real, k_seg, k_valid = key_in
-            keep = attention_keep_mask(q_pos, k_pos, q_segments=q_seg, k_segments=k_seg, key_mask=k_valid,
+        def tile_keep(k_pos, k_seg, k_valid):
+            return attention_keep_mask(q_pos, k_pos, q_segments=q_seg, k_segments=k_seg, key_mask=k_valid,
                                        window=window)
+
+        def sees_a_key(seen, key_in):
+            _, _, k_pos, k_real, k_seg, k_valid = key_in
+            visible = tile_keep(k_pos, k_seg, k_valid) & k_real
+            return seen | visible.any(axis=-1), visible.any()
+
+        # seen: which queries of the block see any key; read: whether any query reads each key tile.
+        seen, read = jax.lax.scan(sees_a_key, jnp.zeros((batch, block), bool), key_inputs)
+        every_tile = ~seen.all()
+
+        def key_tile(carry, key_in):
+            key_in, tile_read = key_in
+            k_real = key_in[3]
             # A tile no query of the block may read (above the causal diagonal, another packed response,
             # outside the window, padding) is skipped: its weights are exp(floor - m) = 0 for every query
             # that keeps any key, so the sums are unchanged. A block holding a query that keeps no key at
             # all computes every real tile, so that query averages the real keys as `attention` does.
-            needed = (keep & k_real).any() | (every_tile & k_real.any())
-            return jax.lax.cond(needed, tile, lambda *_: carry, carry, kb, vb, k_real, keep), None
+            needed = tile_read | (every_tile & k_real.any())
+            return jax.lax.cond(needed, tile, lambda *_: carry, carry, key_in), None
 
-        def sees_a_key(seen, key_in):
-            _, _, k_pos, k_real, k_seg, k_valid = key_in
-            keep = attention_keep_mask(q_pos, k_pos, q_segments=q_seg, k_segments=k_seg, key_mask=k_valid,
-                                       window=window)
-            return seen | (keep & k_real).any(axis=-1), None
-
-        seen, _ = jax.lax.scan(sees_a_key, jnp.zeros((batch, block), bool), key_inputs)
-        every_tile = ~seen.all()
-
-        def tile(carry, kb, vb, k_real, keep):
+        def tile(carry, key_in):
             m_prev, denom_prev, acc_prev = carry
+            kb, vb, k_pos, k_real, k_seg, k_valid = key_in
+            keep = tile_keep(k_pos, k_seg, k_valid)
             scores = jnp.einsum("bkqd,bksd->bkqs", qb, kb, preferred_element_type=jnp.float32)
             scores = soft_cap(scores.reshape(batch, num_kv, group, block, block), softcap)
             scores = jnp.where(keep[:, None, None], scores, floor)
@@ -238,10 +243,8 @@ def blocked_attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.A
 
         rows = (batch, num_kv, group * block)
         init = (jnp.full(rows, floor), jnp.zeros(rows, jnp.float32), jnp.zeros((*rows, head_dim), jnp.float32))
-        (_, denom, acc), _ = jax.lax.scan(jax.checkpoint(key_tile, prevent_cse=False), init, key_inputs)
-        # A query with no visible key in any computed tile (only when every key it could see is masked,
-        # e.g. left padding) sums to 0 and gets a zero output instead of 0 / 0.
-        return (acc / jnp.where(denom > 0, denom, 1.0)[..., None]).astype(v.dtype)
+        (_, denom, acc), _ = jax.lax.scan(jax.checkpoint(key_tile, prevent_cse=False), init, (key_inputs, read))
+        return (acc / denom[..., None]).astype(v.dtype)
 
     q_side = (q_blocks, _blocks(positions, num_blocks), None if segments is None else _blocks(segments, num_blocks))
     out = jax.lax.map(jax.checkpoint(query_block, prevent_cse=False), q_side)  # [n, B, KV, G*b, d]
