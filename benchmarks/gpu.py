@@ -38,28 +38,16 @@ import argparse
 import json
 import os
 import pathlib
-import statistics
 import sys
 import time
 import traceback
 
 import numpy as np
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # benchmarks/train_step.py's FLOP count
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # benchmarks/train_step.py's helpers
+from train_step import attended_pairs, median_time, train_step_flops  # noqa: E402
 
 PROMPT = 64
-
-
-def timed(fn, repeats: int, warm_up: int = 1) -> float:
-    """Median wall seconds of fn() (which must wait for its results) after `warm_up` untimed calls."""
-    for _ in range(warm_up):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def smollm2_shape():
@@ -88,10 +76,10 @@ def ceilings(small: bool) -> dict:
     a = jax.random.normal(jax.random.key(0), (n, n), jnp.bfloat16)
     b = jax.random.normal(jax.random.key(1), (n, n), jnp.bfloat16)
     matmul = jax.jit(lambda x, y: x @ y)
-    t = timed(lambda: matmul(a, b).block_until_ready(), 10, 3)
+    t = median_time(lambda: matmul(a, b).block_until_ready(), 10, 3)
     x = jax.random.normal(jax.random.key(2), ((1 << 20) if small else (1 << 28),), jnp.float32)
     add = jax.jit(lambda v: v + 1.0)
-    tb = timed(lambda: add(x).block_until_ready(), 10, 3)
+    tb = median_time(lambda: add(x).block_until_ready(), 10, 3)
     return {"bf16_matmul_flops": 2 * n ** 3 / t, "matmul_n": n, "bandwidth_bytes_s": 2 * x.nbytes / tb,
             "copy_bytes": 2 * x.nbytes}
 
@@ -150,7 +138,7 @@ def sampler(small: bool, ceil: dict) -> dict:
                                  temperature=1.0, rng=jax.random.key(seed[0]), engine=engine)
                     assert int(np.asarray(r.lengths).min()) == new
 
-                row[f"ours_{engine}_tok_s"] = rows * new / timed(ours, 2)
+                row[f"ours_{engine}_tok_s"] = rows * new / median_time(ours, 2)
             ids = torch.tensor(np.repeat(np.asarray(prompts), samples, axis=0), dtype=torch.long, device=device)
 
             def theirs():
@@ -162,7 +150,7 @@ def sampler(small: bool, ceil: dict) -> dict:
                     torch.cuda.synchronize()
                 assert o.shape[1] == PROMPT + new
 
-            row["transformers_tok_s"] = rows * new / timed(theirs, 1)  # eager: the warm-up only loads kernels
+            row["transformers_tok_s"] = rows * new / median_time(theirs, 1)  # eager: the warm-up only loads kernels
             kv_per_token = config.num_layers * config.num_kv_heads * config.head_dim * 2 * 2  # k and v, bf16
             mean_context = PROMPT + new / 2
             step_bytes = weight_bytes + rows * mean_context * kv_per_token
@@ -201,10 +189,10 @@ def attention(small: bool) -> dict:
             try:
                 value = np.asarray(fwd(q, k, v), np.float32)
                 ref = value if ref is None else ref
-                row[f"{impl}_fwd_ms"] = 1e3 * timed(lambda: fwd(q, k, v).block_until_ready(), 10, 2)
+                row[f"{impl}_fwd_ms"] = 1e3 * median_time(lambda: fwd(q, k, v).block_until_ready(), 10, 2)
                 row[f"{impl}_rel_err_vs_xla"] = float(np.linalg.norm(value - ref) / np.linalg.norm(ref))
                 if tq > 1:
-                    row[f"{impl}_fwd_bwd_ms"] = 1e3 * timed(lambda: jax.block_until_ready(grad(q, k, v)), 10, 2)
+                    row[f"{impl}_fwd_bwd_ms"] = 1e3 * median_time(lambda: jax.block_until_ready(grad(q, k, v)), 10, 2)
             except Exception as error:  # noqa: BLE001 - cuDNN is absent on CPU and limited in shapes
                 row[f"{impl}_error"] = f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"
         out[name] = row
@@ -236,7 +224,6 @@ def train(small: bool, ceil: dict, torch_side: bool = True, layers: int | None =
     from jaxrl_llm.train.packing import pack_groups
     from jaxrl_llm.train.state import init_state, make_optimizer
     from jaxrl_llm.train.step import make_logprob_fn, make_train_step
-    from train_step import attended_pairs, train_step_flops
 
     config = shrink(qwen_shape(), small).replace(param_dtype="float32", compute_dtype="bfloat16", remat=True,
                                                  remat_policy="full", attention_block_size=(64 if small else block)
@@ -272,7 +259,7 @@ def train(small: bool, ceil: dict, torch_side: bool = True, layers: int | None =
     out["compile_and_first_s"] = time.perf_counter() - start
     out["first_loss"] = float(holder["metrics"]["loss"])
     out["first_grad_norm"] = float(holder["metrics"]["grad_norm"])
-    out["ours_step_s"] = timed(one_step, 3, 0)
+    out["ours_step_s"] = median_time(one_step, 3, 0)
     stats = jax.devices()[0].memory_stats() or {}
     out["xla_peak_bytes"] = int(stats.get("peak_bytes_in_use", 0))
     tokens = int(np.asarray(batch.mask).sum()) + rows * prompt_len
@@ -330,7 +317,7 @@ def torch_train(config, prompts, responses, adv, old_logp, samples: int, small: 
 
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    out = {"torch_step_s": timed(one_step, 3, 1), "torch_rows": int(ids.shape[0]),
+    out = {"torch_step_s": median_time(one_step, 3, 1), "torch_rows": int(ids.shape[0]),
            "torch_row_tokens": int(ids.shape[1]), "torch_micro_batch": micro}
     if device == "cuda":
         out["torch_peak_bytes"] = int(torch.cuda.max_memory_allocated())

@@ -71,8 +71,10 @@ def train_step_flops(config, tokens: int, scored: int, pairs: int) -> int:
     return 6 * layer_matrix_params(config) * tokens + head + attention
 
 
-def median_time(fn, repeats: int, warm_up: bool = True) -> float:
-    if warm_up:
+def median_time(fn, repeats: int, warm_up: int = 1) -> float:
+    """Median wall seconds of `repeats` calls of fn() (which must wait for its results), after `warm_up`
+    untimed calls (compilation and caches)."""
+    for _ in range(warm_up):
         fn()
     times = []
     for _ in range(repeats):
