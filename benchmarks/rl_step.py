@@ -1,9 +1,14 @@
-"""One whole GRPO step (sample, score, log-probs, update) of jaxrl_llm beside TRL's `GRPOTrainer`, on the same
-model, prompts, group size, completion length and learning rate, in the same process: per-step medians with
-the split into sampling / scoring / training, and the XLA compilations of each of our steps.
+"""One whole GRPO step (sample, score, log-probs, update) of jaxrl_llm beside TRL's `GRPOTrainer` and google-tunix's
+`GRPOLearner`, on the same model, prompts, group size, completion length and learning rate, in the same process:
+per-step medians with the split into sampling / scoring / training, and the XLA compilations of each JAX step.
 
-    .venv/bin/python benchmarks/rl_step.py [--shape demo|long] [--steps 5] [--prompts P] [--samples N]
-        [--max-new-tokens M] [--trl-micro-batch B] [--skip-trl] [--set key=value ...] [--json OUT]
+    python benchmarks/rl_step.py [--shape demo|long] [--steps 5] [--prompts P] [--samples N]
+        [--max-new-tokens M] [--trl-micro-batch B] [--tunix-micro-batch P] [--skip-trl] [--skip-tunix]
+        [--set key=value ...] [--json OUT]
+
+The peers are not in the project's extras: TRL needs torch (the `test` extra) and `trl`; tunix needs
+`pip install --no-deps google-tunix==0.1.7 google-metrax==0.2.4 jaxtyping wadler_lindig clu perfetto qwix
+omegaconf antlr4-python3-runtime==4.9.3 tenacity pylatexenc` (its full dependency set pins an older transformers).
 
 Shapes (any value can be changed with the flags above or `--set section.key=value`):
 - demo: the embedded demo, `jaxrl-llm train`'s defaults (train/config.py): bundled SmolLM2-135M-Instruct in
@@ -31,13 +36,28 @@ backward in micro-batches of `--trl-micro-batch` completions), AdamW with our le
 here since it is not an accelerator). Per-step time is between `on_step_end` callbacks; sampling = its
 `_generate` (tokenisation and `model.generate`), scoring = its `_calculate_rewards`, training = the rest.
 
-google-tunix's GRPO learner (`tunix.rl.grpo.grpo_learner.GRPOLearner`) is not run. It needs an `RLCluster`
-of actor, reference and rollout roles on meshes; a trial on CPU (tunix 0.1.7, our weights in its Llama 3 as
-`benchmarks/sampling.py` builds it, the id tokenizer of that script, a 1 x 1 mesh whose axes are
-`AxisType.Auto`, since an explicit-axes mesh fails in its embedding gather, and the batch columns as numpy
-arrays, since lists of strings are split by its tree maps) reached its rollout, and was then killed for
-memory (7.7 GB resident) on a shared 23 GB machine before finishing a step at 2 prompts x 2 samples x 16
-tokens. The script says so when it runs.
+tunix (`tunix.rl.grpo.grpo_learner.GRPOLearner` 0.1.7, JAX, its "vanilla" rollout engine = its `Sampler`), run
+last: our weights in its Llama 3 as `benchmarks/sampling.py` builds it, with that script's id tokenizer (text =
+space-separated token ids, so tunix sees exactly our prompt ids; pad 0 = <|endoftext|>, a stop id found in no
+prompt; completions decoded with our tokenizer before scoring); an `RLCluster` with every role on one 1 x 1 mesh
+whose axes are `AxisType.Auto` (an explicit-axes mesh fails in its embedding gather), so actor and rollout share
+one model and no weight sync runs; no reference model and `beta=0`; the prompts our run drew, in the same order,
+one batch of `prompts` per step, columns as numpy arrays (its tree maps split a list of strings); `num_generations`
+= samples, all of a step's rows per sampler call (or as many prompts' as our `sampling.max_rows_per_call` holds,
+dividing the step's), `max_tokens_to_generate` = M, `max_prompt_length` = the longest prompt (no recompilation),
+our temperature / top_p / top_k, eos tokens = our stop ids, rollout seed = `train.seed` (tunix reuses one seed for
+every call); the same verifier as its reward function; `num_iterations=1`, epsilon = our `clip_low`,
+`loss_agg_mode` = our `algorithm.agg` (token-mean, within each micro-batch); one optimizer update per step
+(mini-batch = the step's prompts) with our `train.state.make_optimizer` (clip 1.0, then AdamW with weight decay
+0.01 off norm scales, constant lr), which tunix wraps in `optax.MultiSteps` over micro-batches of
+`--tunix-micro-batch` prompts (default 1: `samples` completions per forward/backward, since its Llama 3 keeps every
+activation, no remat, by default). Its completions end before the stop token, so its loss never sees that token.
+Per-step time is its `_run_global_step` (rollout, rewards, advantages, the updates); sampling =
+`RLCluster.generate` (tokenising, prefill, decode, detokenising), scoring = `_compute_rewards`, training = the
+rest. It runs after ours, so it inherits the 256 KB mmap threshold that `setup_run` sets process-wide: without it
+its resident memory grows by 0.3-0.8 GB with every update (tunix alone, 2 prompts x 2 samples x 16 tokens, 2 steps:
+8.4 GiB peak against 6.3 GiB for 3 steps with it). Its `MetricsLogger.close()` clears every `jax.monitoring`
+listener at the end of `train`, so the compile counter tolerates finding itself gone.
 """
 
 from __future__ import annotations
@@ -84,7 +104,10 @@ class CompileCounter:
     def __exit__(self, *exc):
         import jax.monitoring
 
-        jax.monitoring.unregister_event_duration_listener(self)
+        try:
+            jax.monitoring.unregister_event_duration_listener(self)
+        except (AssertionError, ValueError):  # tunix's MetricsLogger.close() clears every jax.monitoring listener
+            pass
 
 
 def median_split(steps: list[dict], skip_first: bool = True) -> dict:
@@ -246,6 +269,100 @@ def run_trl(config, policy, micro_batch: int) -> tuple[list[dict], dict]:
     return steps, info
 
 
+# ---- google-tunix ---------------------------------------------------------------------------------------
+
+def run_tunix(config, policy, micro_prompts: int) -> tuple[list[dict], dict]:
+    import jax
+    import jax.numpy as jnp
+    import tunix
+    from jax.sharding import AxisType
+    from tunix.rl import rl_cluster as rl_cluster_lib
+    from tunix.rl.grpo import grpo_learner
+    from tunix.rl.rollout import base_rollout
+
+    from jaxrl_llm.train.rollouts import RewardScorer
+    from jaxrl_llm.train.state import make_optimizer
+    from sampling import _IdTokenizer, build_tunix
+
+    model_config, params, tokenizer = policy
+    s, a, o = config.sampling, config.algorithm, config.optim
+    micro_prompts = micro_prompts or s.prompts_per_step
+    if s.prompts_per_step % micro_prompts:
+        raise SystemExit(f"--tunix-micro-batch {micro_prompts} must divide the prompts per step {s.prompts_per_step}")
+    records = drawn_records(config, tokenizer)
+    prompt_length = max(len(r["prompt_ids"]) for r in records)
+    # the id tokenizer (pad 0 = <|endoftext|>, a stop id found in no prompt) gives tunix exactly our prompt ids
+    batches = [{"prompts": np.array([" ".join(map(str, r["prompt_ids"])) for r in chunk]),
+                "answer": np.array([r["answer"] for r in chunk])}  # numpy: its tree maps would split a list
+               for chunk in (records[i:i + s.prompts_per_step] for i in range(0, len(records), s.prompts_per_step))]
+    # prompts per sampler call: all of a step's, or as many as our `max_rows_per_call` allows (dividing the step's)
+    rows = s.max_rows_per_call or s.prompts_per_step * s.samples_per_prompt
+    rollout_prompts = math.gcd(s.prompts_per_step, max(1, rows // s.samples_per_prompt))
+    scorer = RewardScorer(a, s, timeout=config.train.verifier_timeout, workers=0)
+    steps: list[dict] = []
+
+    def reward(prompts, completions, answer, **kwargs):
+        ids = [[int(t) for t in c.split()] for c in completions]
+        lengths = np.array([len(i) for i in ids], np.int32)
+        _, rewards = scorer([tokenizer.decode(i) for i in ids], [str(x) for x in answer], lengths)
+        steps[-1].update(reward=float(rewards.mean()), response_length=float(lengths.mean()))
+        return [float(r) for r in rewards]
+
+    def timed(key, method):
+        def call(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                steps[-1][key] += time.perf_counter() - start
+        return call
+
+    class TimedGRPOLearner(grpo_learner.GRPOLearner):
+        """Times each global step (rollout, rewards, advantages and the optimizer update) with its compilations."""
+
+        def _compute_rewards(self, *args, **kwargs):
+            return timed("score_s", super()._compute_rewards)(*args, **kwargs)
+
+        def _run_global_step(self, *args, **kwargs):
+            steps.append(dict(sample_s=0.0, score_s=0.0))
+            count, compile_s = compiles.count, compiles.seconds
+            start = time.perf_counter()
+            super()._run_global_step(*args, **kwargs)
+            step = steps[-1]
+            step["wall_s"] = time.perf_counter() - start
+            step["train_s"] = step["wall_s"] - step["sample_s"] - step["score_s"]
+            step.update(compiles=compiles.count - count, compile_s=compiles.seconds - compile_s)
+            print(f"tunix step {len(steps)}: " + step_line(step), flush=True)
+
+    # explicit mesh axes fail in its embedding gather (tunix 0.1.7); a 1 x 1 mesh with automatic axes runs
+    mesh = jax.make_mesh((1, 1), ("fsdp", "tp"), axis_types=(AxisType.Auto, AxisType.Auto))
+    # its own copy of the weights, as ours gets: nothing it donates or updates reaches `params`
+    model = build_tunix(model_config, jax.tree_util.tree_map(jnp.array, params), cache_size=8).transformer
+    rollout = base_rollout.RolloutConfig(
+        max_tokens_to_generate=s.max_new_tokens, max_prompt_length=prompt_length,
+        kv_cache_size=prompt_length + s.max_new_tokens, temperature=s.temperature, top_p=s.top_p,
+        top_k=s.top_k or None, eos_tokens=list(tokenizer.stop_ids), seed=config.train.seed)
+    training = rl_cluster_lib.RLTrainingConfig(
+        actor_optimizer=make_optimizer(o), eval_every_n_steps=config.train.steps + 1, max_steps=config.train.steps,
+        mini_batch_size=s.prompts_per_step, train_micro_batch_size=micro_prompts,
+        rollout_micro_batch_size=rollout_prompts, compute_logps_micro_batch_size=rollout_prompts,
+        pbar_description=None)
+    cluster = rl_cluster_lib.RLCluster(
+        actor=model, reference=None, tokenizer=_IdTokenizer(), cluster_config=rl_cluster_lib.ClusterConfig(
+            role_to_mesh={role: mesh for role in rl_cluster_lib.Role}, rollout_engine="vanilla",
+            offload_to_cpu=False, training_config=training, rollout_config=rollout))
+    cluster.generate = timed("sample_s", cluster.generate)
+    algo = grpo_learner.GRPOConfig(num_generations=s.samples_per_prompt, num_iterations=1, beta=0.0,
+                                   epsilon=a.clip_low, loss_agg_mode=a.agg)
+    learner = TimedGRPOLearner(rl_cluster=cluster, algo_config=algo, reward_fns=reward)
+    with CompileCounter() as compiles:
+        learner.train(batches)
+    info = dict(tunix=getattr(tunix, "__version__", "?"), micro_batch_prompts=micro_prompts,
+                rollout_micro_batch_prompts=rollout_prompts,
+                loss_agg_mode=algo.loss_agg_mode, epsilon=algo.epsilon, remat="none (its Llama 3 default)")
+    return steps, info
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", choices=tuple(SHAPES), default="demo")
@@ -255,7 +372,10 @@ def main():
     parser.add_argument("--max-new-tokens", type=int, default=None, help="default: the shape's")
     parser.add_argument("--trl-micro-batch", type=int, default=None,
                         help="TRL completions per forward/backward (default: all for demo, 8 for long when it divides)")
+    parser.add_argument("--tunix-micro-batch", type=int, default=1,
+                        help="tunix prompts per forward/backward (each with its samples); 0: all of a step's")
     parser.add_argument("--skip-trl", action="store_true")
+    parser.add_argument("--skip-tunix", action="store_true")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a run config override")
     parser.add_argument("--json", default=None, help="write every figure to this file")
     args = parser.parse_args()
@@ -278,8 +398,6 @@ def main():
     print(f"{args.shape}: {config.data.train} ({config.data.prompt} prompt), {s.prompts_per_step} prompts x "
           f"{s.samples_per_prompt} samples x up to {s.max_new_tokens} new tokens, lr {config.optim.lr}, "
           f"{config.train.steps} steps; load {load_before[0]:.1f} on {os.cpu_count()} cores", flush=True)
-    print("tunix GRPO: not run (its GRPOLearner did not complete a step on CPU here: see this script's "
-          "docstring)", flush=True)
 
     result = dict(shape=args.shape, overrides=overrides + args.set, cpus=os.cpu_count(), jax=jax.__version__,
                   load_before=load_before)
@@ -291,10 +409,13 @@ def main():
         micro = args.trl_micro_batch if args.trl_micro_batch is not None else default_micro
         trl_steps, info = run_trl(config, (model_config, params, tokenizer), micro)
         result["trl"] = {"steps": trl_steps, **info, "peak_rss_gib_process": peak_rss_gib()}
+    if not args.skip_tunix:
+        tunix_steps, info = run_tunix(config, (model_config, params, tokenizer), args.tunix_micro_batch)
+        result["tunix"] = {"steps": tunix_steps, **info, "peak_rss_gib_process": peak_rss_gib()}
     result["load_after"] = os.getloadavg()
 
     print()
-    names = [n for n in ("jaxrl_llm", "trl") if n in result]
+    names = [n for n in ("jaxrl_llm", "trl", "tunix") if n in result]
     ours = median_split(result["jaxrl_llm"]["steps"])
     print("| trainer | first step s | median step s | sampling s | scoring s | training s | compilations per step | "
           "step time / jaxrl_llm's |")
