@@ -1,6 +1,22 @@
-"""Shared pytest fixtures. tests/ is on sys.path, so helpers import as `from tiny_models import ...`."""
+"""Shared pytest fixtures. tests/ is on sys.path, so helpers import as `from tiny_models import ...`.
 
-import pytest
+The suite compiles with XLA's backend (LLVM) optimizations off, `JAX_DISABLE_MOST_OPTIMIZATIONS=1`, set here
+before jax is imported so that every process a test starts (multi-process runs, CLI runs, kill -9 and
+resume) inherits it. The tests check values on tiny models and spend most of their time compiling: on this
+project's 2-core CPU, tests/test_train_step.py, test_sampling_continuous.py and test_gvm.py took 378 s
+against 643 s with full optimization. The HLO passes still run, so the programs compute the same things;
+speed is measured by benchmarks/, which compile as users do. Set the variable to 0 to test with full
+optimization."""
+
+import os
+
+os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
+
+# Also when jax was imported before this file (a plugin), which reads the variable only at import.
+jax.config.update("jax_disable_most_optimizations", os.environ["JAX_DISABLE_MOST_OPTIMIZATIONS"] != "0")
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -8,8 +24,6 @@ def full_precision_float32_matmuls():
     """On a GPU, XLA computes float32 matmuls in TF32 by default (relative error ~1e-3): the tests' float32
     tolerances against NumPy and transformers assume float32 products, so they are asked for there. CPUs
     compute float32 products in float32 anyway; nothing changes on them."""
-    import jax
-
     if jax.default_backend() != "cpu":
         jax.config.update("jax_default_matmul_precision", "highest")
     yield

@@ -30,8 +30,11 @@ def register_kernel(root: pathlib.Path) -> None:
     so the test needs no kernel installed on the machine."""
     folder = root / "kernels" / KERNEL
     folder.mkdir(parents=True)
+    # The notebook runs as a user runs it, with full XLA optimization: it is execution-bound, unlike the rest
+    # of the suite, which conftest.py compiles with backend optimizations off.
+    env = {"JAX_PLATFORMS": "cpu", "JAX_DISABLE_MOST_OPTIMIZATIONS": "0"}
     spec = {"argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
-            "display_name": "jaxrl_llm test (.venv)", "language": "python", "env": {"JAX_PLATFORMS": "cpu"}}
+            "display_name": "jaxrl_llm test (.venv)", "language": "python", "env": env}
     (folder / "kernel.json").write_text(json.dumps(spec), encoding="utf-8")
 
 
