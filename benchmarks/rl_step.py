@@ -364,7 +364,8 @@ def run_tunix(config, policy, micro_prompts: int) -> tuple[list[dict], dict]:
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", choices=tuple(SHAPES), default="demo")
     parser.add_argument("--steps", type=int, default=5, help="steps per trainer (the first one compiles)")
     parser.add_argument("--prompts", type=int, default=None, help="prompts per step (default: the shape's)")

@@ -305,7 +305,8 @@ def run_transformers(model, tokenizer, prompts, samples, new_tokens, rows, repea
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--problems", type=int, default=100, help="first N gsm8k-100 problems")
     parser.add_argument("--samples", type=int, default=8, help="samples per problem")
     parser.add_argument("--max-new-tokens", type=int, default=512)
