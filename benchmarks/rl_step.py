@@ -6,9 +6,8 @@ per-step medians with the split into sampling / scoring / training, and the XLA 
         [--max-new-tokens M] [--trl-micro-batch B] [--tunix-micro-batch P] [--skip-trl] [--skip-tunix]
         [--set key=value ...] [--json OUT]
 
-The peers are not in the project's extras: TRL needs torch (the `test` extra) and `trl`; tunix needs
-`pip install --no-deps google-tunix==0.1.7 google-metrax==0.2.4 jaxtyping wadler_lindig clu perfetto qwix
-omegaconf antlr4-python3-runtime==4.9.3 tenacity pylatexenc` (its full dependency set pins an older transformers).
+The peers are not in the project's extras: TRL needs torch (the `test` extra) and `trl`; tunix is installed
+without its dependencies (they pin an older transformers), with the pinned set benchmarks/README.md lists.
 
 Shapes (any value can be changed with the flags above or `--set section.key=value`):
 - demo: the embedded demo, `jaxrl-llm train`'s defaults (train/config.py): bundled SmolLM2-135M-Instruct in

@@ -16,25 +16,19 @@ transformers).
 from __future__ import annotations
 
 import argparse
+import pathlib
 import statistics
+import sys
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # loaded by path from rollouts.py too
+from train_step import median_time  # noqa: E402
+
 PROMPT_LENGTH = 64
-
-
-def median_time(fn, repeats: int, warm_up: bool = True) -> float:
-    if warm_up:  # compilation and caches
-        fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def machine_roofline(num_params: int, weight_bytes: int) -> dict:
@@ -91,8 +85,8 @@ def run_transformers(model, prompts, samples, new_tokens, repeats):
                                  use_cache=True)
         assert out.shape[1] == PROMPT_LENGTH + n
 
-    total = median_time(lambda: call(new_tokens), repeats, warm_up=False)  # eager torch: nothing to compile
-    prefill = median_time(lambda: call(1), repeats, warm_up=False)
+    total = median_time(lambda: call(new_tokens), repeats, warm_up=0)  # eager torch: nothing to compile
+    prefill = median_time(lambda: call(1), repeats, warm_up=0)
     return prefill, max(total - prefill, 1e-9)
 
 
