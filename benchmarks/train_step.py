@@ -5,11 +5,13 @@ JAX in the same run.
 
     .venv/bin/python benchmarks/train_step.py [--rows 8] [--seq-len 256] [--prompt-len 64]
         [--dtype f32|bf16] [--remat off|full|dots|qkv_attn_mlp] [--micro-batch 8] [--repeats 3] [--layers N]
-        [--layers-as scan|unrolled] [--attention-block-size B] [--skip-torch] [--torch-threads N] [--pieces]
+        [--layers-as scan|unrolled] [--attention-block-size B] [--responses N] [--skip-torch] [--torch-threads N]
+        [--pieces]
 
 Batch: `rows` packed rows, each one random prompt of `prompt_len` tokens followed by one response of
 `seq_len - prompt_len` tokens (a `TrainBatch` with one response slot per row, no padding), random
-+-1 advantages, old log-probs from the trainer's own log-prob function (ratio 1). Both sides score the
++-1 advantages (`--responses N`: N responses of equal length after each prompt instead, the trainer's
+packed layout of a prompt's group, in which each response attends to the prompt and to itself; ours only), old log-probs from the trainer's own log-prob function (ratio 1). Both sides score the
 response tokens only: the log-prob of every response token under a full-vocabulary softmax, the
 clipped surrogate averaged over response tokens (token-mean) and the entropy as a metric, then the
 gradient, a global-norm clip at 1.0 and AdamW (lr 1e-5, weight decay 0.01, none on norms).
@@ -120,29 +122,38 @@ def load_model(layers: int | None):
     return config, params
 
 
-def make_batch(config, params, rows: int, seq_len: int, prompt_len: int, seed: int = 0):
-    """A packed TrainBatch (numpy) of `rows` prompt + response rows, old log-probs from the trainer's
-    log-prob function; plus the token matrix [rows, seq_len] and advantages [rows] for the torch side."""
+def make_batch(config, params, rows: int, seq_len: int, prompt_len: int, seed: int = 0, responses: int = 1):
+    """A packed TrainBatch (numpy) of `rows` rows, each a prompt and `responses` responses of equal length
+    (`seq_len - prompt_len` tokens between them), old log-probs from the trainer's log-prob function; plus
+    the token matrix [rows, seq_len] and advantages [rows] for the torch side (one response per row)."""
     import jax
 
-    from jaxrl_llm.train.packing import pack_groups
+    from jaxrl_llm.train.packing import bucket, length_bucket, pack_groups
     from jaxrl_llm.train.step import make_logprob_fn
 
     if not 0 < prompt_len < seq_len:
         raise ValueError(f"--prompt-len must be in (0, --seq-len={seq_len}), got {prompt_len}")
+    if length_bucket(seq_len, 1) != seq_len:
+        raise ValueError(f"--seq-len {seq_len} is not a row length of the packer's grid "
+                         f"(train.packing.length_bucket); the next one up is {length_bucket(seq_len, 1)}")
+    if responses < 1 or (seq_len - prompt_len) % responses:
+        raise ValueError(f"--responses must be >= 1 and divide --seq-len - --prompt-len = {seq_len - prompt_len}, "
+                         f"got {responses}")
     rng = np.random.default_rng(seed)
-    resp_len = seq_len - prompt_len
+    resp_len = (seq_len - prompt_len) // responses
     tokens = rng.integers(1, config.vocab_size, size=(rows, seq_len)).astype(np.int32)
     prompts = [row[:prompt_len].tolist() for row in tokens]
-    responses = tokens[:, prompt_len:]
-    lengths = np.full(rows, resp_len)
-    groups = [np.array([i]) for i in range(rows)]
-    adv = rng.choice([-1.0, 1.0], size=rows).astype(np.float32)
+    # Sample i = responses x row + s is the s-th response of its row's prompt.
+    samples = tokens[:, prompt_len:].reshape(rows * responses, resp_len)
+    lengths = np.full(rows * responses, resp_len)
+    groups = [np.arange(responses) + responses * r for r in range(rows)]
+    adv = rng.choice([-1.0, 1.0], size=rows * responses).astype(np.float32)
     per_token = np.repeat(adv[:, None], resp_len, 1)
-    probe = pack_groups(prompts, groups, responses, lengths, seq_multiple=1)
-    old = np.asarray(make_logprob_fn(config)(params, jax.tree_util.tree_map(jax.numpy.asarray, probe)))[:, 0]
-    batch = pack_groups(prompts, groups, responses, lengths, advantages=per_token, old_logp=old, seq_multiple=1)
-    assert batch.tokens.shape == (rows, seq_len) and batch.pred_index.shape == (rows, 1, resp_len)
+    probe = pack_groups(prompts, groups, samples, lengths, seq_multiple=1)
+    logp = np.asarray(make_logprob_fn(config)(params, jax.tree_util.tree_map(jax.numpy.asarray, probe)))
+    old = logp[:, :responses].reshape(rows * responses, resp_len)  # [G, S, R] -> [N, R] in the samples' order
+    batch = pack_groups(prompts, groups, samples, lengths, advantages=per_token, old_logp=old, seq_multiple=1)
+    assert batch.tokens.shape == (rows, seq_len) and batch.pred_index.shape[:2] == (rows, bucket(responses))
     return batch, tokens, adv, old
 
 
@@ -281,10 +292,15 @@ def main():
                         help="ModelConfig.scan_layers: the decoder layers as one lax.scan (default) or unrolled")
     parser.add_argument("--attention-block-size", type=int, default=None,
                         help="model.attention_block_size: query x key tiles with an online softmax (default: full)")
+    parser.add_argument("--responses", type=int, default=1,
+                        help="responses packed after each prompt, sharing its seq-len - prompt-len tokens (ours only)")
     parser.add_argument("--skip-torch", action="store_true")
     parser.add_argument("--torch-threads", type=int, default=os.cpu_count(), help="torch intra-op threads")
     parser.add_argument("--pieces", action="store_true", help="also time forward and forward + backward alone")
     args = parser.parse_args()
+    if args.responses != 1 and not args.skip_torch:
+        parser.error("--responses > 1 packs several responses per row, which the transformers step does not: "
+                     "add --skip-torch")
 
     import jax
 
@@ -300,7 +316,8 @@ def main():
         sizes = ", ".join(f"{n}: {r / 1e9:.1f}" for n, r in rates.items() if n != "peak")
         print(f"measured {name} matmul GFLOP/s (n: rate) {sizes}; peak {rates['peak'] / 1e9:.1f}", flush=True)
 
-    batch, tokens, adv, old = make_batch(config, params, args.rows, args.seq_len, args.prompt_len)
+    batch, tokens, adv, old = make_batch(config, params, args.rows, args.seq_len, args.prompt_len,
+                                         responses=args.responses)
     n_tokens = int(batch.tokens.size)
     scored = int(batch.mask.sum())
     pairs = attended_pairs(batch.positions, batch.segments)
@@ -308,7 +325,8 @@ def main():
     simple = 6 * num_params * n_tokens
     print(f"SmolLM2-135M, {config.num_layers} layers, {num_params / 1e6:.1f}M params, {args.dtype}, remat "
           f"{args.remat}, attention block {args.attention_block_size or 'none (full)'}, micro-batch {micro_batch}: "
-          f"{args.rows} x {args.seq_len} tokens ({scored} scored); "
+          f"{args.rows} x {args.seq_len} tokens ({scored} scored, {args.responses} response(s) per row, "
+          f"{pairs} attended pairs); "
           f"model FLOPs/step {flops / 1e9:.1f} G (6 x params x tokens: {simple / 1e9:.1f} G)", flush=True)
 
     ours, our_step = build_ours(config, params, batch, micro_batch=micro_batch, repeats=args.repeats,

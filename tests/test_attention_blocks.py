@@ -205,17 +205,48 @@ def test_run_config_key_reaches_the_policy(tmp_path):
     from jaxrl_llm.models.tokenizer import Tokenizer
     from jaxrl_llm.train.setup import load_policy
 
-    cfg = load_config(None, ["model.attention_block_size=512"])
-    assert cfg.model.attention_block_size == 512
-    assert load_config(None, []).model.attention_block_size is None
+    cfg = load_config(None, ["model.attention_block_size=512", "model.attention_block_min_length=2048"])
+    assert (cfg.model.attention_block_size, cfg.model.attention_block_min_length) == (512, 2048)
+    default = load_config(None, []).model
+    assert (default.attention_block_size, default.attention_block_min_length) == (256, 1024)
+    assert load_config(None, ["model.attention_block_size=null"]).model.attention_block_size is None
     with pytest.raises(ConfigError, match="model.attention_block_size"):
         load_config(None, ["model.attention_block_size=0"])
+    with pytest.raises(ConfigError, match="model.attention_block_min_length"):
+        load_config(None, ["model.attention_block_min_length=-1"])
     tokenizer = Tokenizer.from_gguf(bundled_gguf_path())
     config = TINY.replace(vocab_size=tokenizer.vocab_size, hidden_size=8, intermediate_size=8, num_layers=1,
                           num_heads=2, num_kv_heads=1, head_dim=4)
     models.save_hf(tmp_path, config, models.init_params(config, jax.random.PRNGKey(0)), tokenizer=tokenizer)
-    loaded, _, _ = load_policy(str(tmp_path), attention_block_size=cfg.model.attention_block_size)
-    assert loaded.attention_block_size == 512
+    loaded, _, _ = load_policy(str(tmp_path), attention_block_size=cfg.model.attention_block_size,
+                               attention_block_min_length=cfg.model.attention_block_min_length)
+    assert (loaded.attention_block_size, loaded.attention_block_min_length) == (512, 2048)
+
+
+def test_rows_shorter_than_the_minimum_length_take_full_attention():
+    # With tiles of 4 from 16 tokens on: a 12-token row computes exactly what full attention computes (the
+    # same program: no tile conditionals in it), a 16-token row exactly what tiles without a minimum compute.
+    config = TINY.replace(attention_block_size=4, attention_block_min_length=16)
+    params = models.init_params(config, jax.random.PRNGKey(2))
+
+    def hidden(cfg, length):
+        tokens = jnp.asarray(np.random.RandomState(length).randint(0, TINY.vocab_size, size=(2, length)), jnp.int32)
+        positions = jnp.broadcast_to(jnp.arange(length), (2, length))
+        fn = lambda p: models.hidden_states(p, cfg, tokens, positions)  # noqa: E731
+        return np.asarray(jax.jit(fn)(params)), "cond" in str(jax.make_jaxpr(fn)(params))
+
+    short, short_tiled = hidden(config, 12)
+    full, full_tiled = hidden(config.replace(attention_block_size=None), 12)
+    assert not short_tiled and not full_tiled
+    np.testing.assert_array_equal(short, full)
+    long, long_tiled = hidden(config, 16)
+    tiles, _ = hidden(config.replace(attention_block_min_length=0), 16)
+    assert long_tiled
+    np.testing.assert_array_equal(long, tiles)
+    assert hidden(config.replace(attention_block_min_length=0), 12)[1]
+    for bad in (-1, 2.5, True):
+        with pytest.raises(ValueError, match="attention_block_min_length"):
+            TINY.replace(attention_block_min_length=bad)
 
 
 def _grad_temp_bytes(config, length):

@@ -200,7 +200,8 @@ def test_critic_by_hand():
 
 def test_blockwise_attention_and_rows_per_call():
     mesh = {"data": 1, "fsdp": 2, "tensor": 1}
-    cfg = load_config(None, TINY_RUN + ["model.remat=false", "model.attention_block_size=8"])
+    cfg = load_config(None, TINY_RUN + ["model.remat=false", "model.attention_block_size=8",
+                                         "model.attention_block_min_length=0"])
     est = estimate_memory(cfg, TINY, mesh)
     # Row of 32 tokens in tiles of 8: no scores kept per layer; the backward keeps, per key block, the running
     # max, sum and output (4 heads x 32 x (4 + 2) x 4 B) and one tile: 4 heads x 8 x 8 x (12 + 4) + mask 8 x 8.
@@ -209,12 +210,27 @@ def test_blockwise_attention_and_rows_per_call():
     layer_grads = 32 * (2 * 16 + 16 + 2 * 8 + 2 * 32) * 4
     assert est["activations"] == 2 * per_layer_tokens + working + layer_grads == 87104
     # A block longer than the row is one tile of the whole row; the row 32 is padded up to whole blocks of 12.
-    whole = estimate_memory(load_config(None, TINY_RUN + ["model.remat=false", "model.attention_block_size=64"]),
+    whole = estimate_memory(load_config(None, TINY_RUN + ["model.remat=false", "model.attention_block_size=64",
+                                                   "model.attention_block_min_length=0"]),
                             TINY, mesh)
     assert whole["activations"] == 2 * per_layer_tokens + 4 * 32 * 6 * 4 + 4 * 32 * 32 * 16 + 32 * 32 + layer_grads
-    odd = estimate_memory(load_config(None, TINY_RUN + ["model.remat=false", "model.attention_block_size=12"]),
+    odd = estimate_memory(load_config(None, TINY_RUN + ["model.remat=false", "model.attention_block_size=12",
+                                                   "model.attention_block_min_length=0"]),
                           TINY, mesh)
     assert odd["activations"] == 2 * per_layer_tokens + 4 * 36 * 6 * 4 + 4 * 12 * 12 * 16 + 12 * 12 + layer_grads
+
+    # The run config's default (tiles of 256 from rows of 1024 tokens on): the 32-token row takes full attention,
+    # a row of 8 + 8 x 128 = 1032 tokens (1280 on the packer's grid) takes tiles.
+    full = estimate_memory(load_config(None, TINY_RUN + ["model.remat=false", "model.attention_block_size=null"]),
+                           TINY, mesh)
+    assert estimate_memory(load_config(None, TINY_RUN + ["model.remat=false"]), TINY, mesh) == full
+    long_run = TINY_RUN + ["model.remat=false", "sampling.max_new_tokens=128", "sampling.samples_per_prompt=8"]
+    tiled = estimate_memory(load_config(None, long_run + ["model.attention_block_min_length=0"]), TINY, mesh)
+    untiled = estimate_memory(load_config(None, long_run + ["model.attention_block_size=null"]), TINY, mesh)
+    assert tiled["row_length"] == 1280 and tiled["activations"] < untiled["activations"]
+    assert estimate_memory(load_config(None, long_run), TINY, mesh) == tiled
+    assert estimate_memory(load_config(None, long_run + ["model.attention_block_min_length=1281"]), TINY,
+                           mesh) == untiled
 
     # 4 sampled rows over fsdp=2. max_rows_per_call 2: calls of 2 rows, 1 per device; 1: still 2-row calls
     # (the sampler never decodes a single row); 4 or more: one call of all rows.
@@ -401,8 +417,8 @@ def test_estimate_matches_xla_memory_analysis(block, vocab, prompt, samples, res
     overrides = [f"data.max_prompt_tokens={prompt}", f"sampling.max_new_tokens={response_len}",
                  f"sampling.samples_per_prompt={samples}", "optim.micro_batch_size=1", "algorithm.kl_coef=0",
                  "model.remat=true", f"model.remat_policy={policy}",
-                 f"model.remat_logits={str(remat_logits).lower()}"] \
-        + ([f"model.attention_block_size={block}"] if block else [])
+                 f"model.remat_logits={str(remat_logits).lower()}", f"model.attention_block_size={block or 'null'}",
+                 "model.attention_block_min_length=0"]
     cfg = load_config(None, overrides)
     est = estimate_memory(cfg, mc, {"data": 1, "fsdp": 1, "tensor": 1})
     xla = _xla_temp_bytes(mc, cfg, est["row_length"], samples, response_len)

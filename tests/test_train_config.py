@@ -66,18 +66,19 @@ def test_runtime_model_keys_apply_to_a_policy_passed_in(tmp_path):
     from jaxrl_llm.train.setup import runtime_model_config, setup_run
 
     runtime = ["model.remat=true", "model.remat_policy=dots", "model.attention_block_size=64",
-               "model.remat_logits=true", "model.compute_dtype=bfloat16"]
+               "model.attention_block_min_length=128", "model.remat_logits=true", "model.compute_dtype=bfloat16"]
     cfg = load_config(None, TINY_RUN + runtime + [f"train.out_dir={tmp_path}", "train.eval_problems=0"])
     policy = tiny_policy()
-    expected = (True, "dots", 64, True, "bfloat16")
+    expected = (True, "dots", 64, 128, True, "bfloat16")
+    keys = lambda c: (c.remat, c.remat_policy, c.attention_block_size, c.attention_block_min_length,  # noqa: E731
+                      c.remat_logits, c.compute_dtype)
     got = runtime_model_config(policy[0], cfg.model)
-    assert (got.remat, got.remat_policy, got.attention_block_size, got.remat_logits, got.compute_dtype) == expected
-    assert got.replace(remat=False, remat_policy="full", attention_block_size=None, remat_logits=False,
-                       compute_dtype="float32") == policy[0]
+    assert keys(got) == expected
+    assert got.replace(remat=False, remat_policy="full", attention_block_size=None, attention_block_min_length=0,
+                       remat_logits=False, compute_dtype="float32") == policy[0]
     run = setup_run(cfg, policy=policy)
     try:
-        mc = run.model_config
-        assert (mc.remat, mc.remat_policy, mc.attention_block_size, mc.remat_logits, mc.compute_dtype) == expected
+        assert keys(run.model_config) == expected
     finally:
         run.close()
 

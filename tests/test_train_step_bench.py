@@ -101,3 +101,28 @@ def test_square_matmul_rates_from_timed_products():
     rates = bench.square_matmul_rates(lambda n: (lambda: time.sleep(0.02 * n)), sizes=(1, 2), repeats=3)
     assert rates[1] == pytest.approx(2 / 0.02, rel=0.3) and rates[2] == pytest.approx(16 / 0.04, rel=0.3)
     assert rates["peak"] == rates[2]
+
+
+def test_make_batch_packs_responses_after_each_prompt():
+    # 2 rows of a 4-token prompt + 3 responses of 2 tokens: the packer's layout, and old log-probs that equal
+    # each response's log-probs scored on its own row (prompt + that response), computed independently.
+    config = TINY
+    params = models.init_params(config, jax.random.PRNGKey(2))
+    batch, tokens, adv, old = bench.make_batch(config, params, rows=2, seq_len=10, prompt_len=4, responses=3)
+    np.testing.assert_array_equal(batch.tokens, tokens)
+    np.testing.assert_array_equal(batch.segments[0], [0, 0, 0, 0, 1, 1, 2, 2, 3, 3])
+    np.testing.assert_array_equal(batch.positions[0], [0, 1, 2, 3, 4, 5, 4, 5, 4, 5])
+    assert batch.mask.shape == (2, 4, 2) and batch.mask[:, :3].all() and not batch.mask[:, 3].any()
+    assert adv.shape == (6,) and set(np.unique(adv)) <= {-1.0, 1.0}
+    np.testing.assert_array_equal(batch.advantages[:, :3, 0].reshape(-1), adv)
+    for row in range(2):
+        for s in range(3):
+            alone = np.concatenate([tokens[row, :4], tokens[row, 4 + 2 * s:6 + 2 * s]])
+            logp = jax.nn.log_softmax(models.forward(params, config, jnp.asarray(alone)[None], jnp.arange(6)[None]))
+            expected = [logp[0, 3, alone[4]], logp[0, 4, alone[5]]]
+            np.testing.assert_allclose(old[3 * row + s], expected, rtol=1e-5, atol=1e-6)
+            np.testing.assert_allclose(batch.old_logp[row, s], expected, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="--responses"):
+        bench.make_batch(config, params, rows=1, seq_len=10, prompt_len=4, responses=4)
+    with pytest.raises(ValueError, match="--seq-len 9 .* next one up is 10"):
+        bench.make_batch(config, params, rows=1, seq_len=9, prompt_len=3, responses=3)

@@ -73,7 +73,8 @@ class ModelConfig:
     REMAT_POLICIES) says what the layer saves.
     `attention_block_size` (None or a positive int) computes full-sequence attention in tiles of that
     many queries x keys with an online softmax, so no [B, H, T, T] scores are held (long packed rows);
-    the KV-cache path is unaffected. `scan_layers` runs the training forward's layers as one `lax.scan`
+    rows of fewer than `attention_block_min_length` tokens (default 0: none) still take full attention,
+    which is faster on short rows. The KV-cache path is unaffected. `scan_layers` runs the training forward's layers as one `lax.scan`
     (True, the default) or unrolled (False). `remat_logits` recomputes the output logits in the log-prob
     backward pass (`train.logprobs.chunked_logprobs` with keep_logits=False) instead of keeping them. Like
     `remat` these are runtime settings: never read from or written to config.json.
@@ -108,6 +109,7 @@ class ModelConfig:
     remat: bool = False
     remat_policy: str = "full"
     attention_block_size: int | None = None
+    attention_block_min_length: int = 0
     scan_layers: bool = True
     remat_logits: bool = False
 
@@ -124,6 +126,9 @@ class ModelConfig:
         block = self.attention_block_size
         if block is not None and (isinstance(block, bool) or not isinstance(block, int) or block < 1):
             raise ValueError(f"attention_block_size must be a positive int or None, got {block!r}")
+        least = self.attention_block_min_length
+        if isinstance(least, bool) or not isinstance(least, int) or least < 0:
+            raise ValueError(f"attention_block_min_length must be an int >= 0, got {least!r}")
         if not isinstance(self.scan_layers, bool):
             raise ValueError(f"scan_layers must be true or false, got {self.scan_layers!r}")
         if self.num_heads % self.num_kv_heads:

@@ -248,9 +248,12 @@ def hidden_states(params: Params, config: ModelConfig, tokens: jax.Array, positi
     tokens, positions, segment_ids: int32 [B, T].
 
     With `config.attention_block_size` set, attention runs in query x key tiles of that size with an
-    online softmax (`layers.blocked_attention`): the same values without the [B, H, T, T] scores.
+    online softmax (`layers.blocked_attention`): the same values without the [B, H, T, T] scores, for rows
+    of at least `config.attention_block_min_length` tokens (T); shorter rows take full attention.
     """
     block_size = config.attention_block_size
+    if tokens.shape[1] < config.attention_block_min_length:
+        block_size = None
     if block_size is None:
         # Packed rows: a token sees its own segment and segment 0 (a shared prefix such as the prompt).
         keep = attention_keep_mask(positions, positions, q_segments=segment_ids, k_segments=segment_ids,

@@ -147,7 +147,8 @@ def critic_trunk(critic: CriticSection, policy_config, policy_params, *, param_d
                           f"tokens, the policy's {policy_config.vocab_size}; the critic reads the policy's tokens")
     config = config.replace(param_dtype=param_dtype, compute_dtype=policy_config.compute_dtype,
                             remat=policy_config.remat, remat_policy=policy_config.remat_policy,
-                            attention_block_size=policy_config.attention_block_size)
+                            attention_block_size=policy_config.attention_block_size,
+                            attention_block_min_length=policy_config.attention_block_min_length)
     return config, params, head
 
 

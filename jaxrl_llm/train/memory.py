@@ -14,7 +14,8 @@ Every term counts what jaxrl_llm itself allocates, per device of a `data x fsdp 
               each row holds the responses that fit, at least one, and the length is at most that bound):
                 per layer and token  (4 D + 2 q + 3 kv + 4 F) x c   (norm inputs/outputs, q/k/v before and
                                      after RoPE, attention output, residuals, gate/up/silu/product)
-                full attention (model.attention_block_size null), per layer: rows x H_t x L^2 x (4 + c)
+                full attention (model.attention_block_size null, or L < model.attention_block_min_length),
+                                     per layer: rows x H_t x L^2 x (4 + c)
                                      (f32 scores, probabilities in c), and in the backward pass one
                                      layer's f32 score gradient rows x H_t x L^2 x 4 + the bool mask rows x L^2
                 blockwise attention (block b, L_b = L rounded up to b): no scores are kept per layer (the
@@ -365,6 +366,8 @@ def estimate_memory(config: RunConfig, model_config: ModelConfig, mesh: dict[str
         row_length = length_bucket(prompt_len + responses_per_row * response_len, ROW_SEQ_MULTIPLE)
     rows = -(-cfg.optim.micro_batch_size // batch_split)
     gradients = trained * 4 + trained * trained_bytes
+    if row_length < cfg.model.attention_block_min_length:  # rows this short take full attention
+        block = None
     activations = _activation_bytes(mc, rows, row_length, heads, c, remat, policy, block)
     output_copy = _output_matrix_copy_bytes(mc, mesh, c, p)
     keep_logits = not cfg.model.remat_logits

@@ -95,7 +95,8 @@ class Run:
 
 
 def load_policy(source: str, *, param_dtype: str = "float32", compute_dtype: str = "float32", remat: bool = False,
-                remat_policy: str = "full", attention_block_size: int | None = None, remat_logits: bool = False):
+                remat_policy: str = "full", attention_block_size: int | None = None, attention_block_min_length: int = 0,
+                remat_logits: bool = False):
     """(ModelConfig, params, Tokenizer) from "bundled", a .gguf file or an HF folder (config.json + safetensors)."""
     path = pathlib.Path(source).expanduser()
     if source == "bundled":  # not load_bundled's cached arrays: the train step donates the run's parameters
@@ -109,6 +110,7 @@ def load_policy(source: str, *, param_dtype: str = "float32", compute_dtype: str
         raise FileNotFoundError(f"model.source {source!r} is neither 'bundled', a .gguf file nor an HF model folder")
     model_config = model_config.replace(param_dtype=param_dtype, compute_dtype=compute_dtype, remat=remat,
                                         remat_policy=remat_policy, attention_block_size=attention_block_size,
+                                        attention_block_min_length=attention_block_min_length,
                                         remat_logits=remat_logits)
     release_free_host_memory()
     return model_config, params, tokenizer
@@ -156,9 +158,11 @@ def load_prompts(spec: Any, tokenizer, config: RunConfig) -> list[dict]:
 
 def runtime_model_config(model_config, section) -> Any:
     """`model_config` with the run config's runtime model keys (`model.compute_dtype`, `remat`, `remat_policy`,
-    `attention_block_size`, `remat_logits`): how the policy is computed, not what it is."""
+    `attention_block_size`, `attention_block_min_length`, `remat_logits`): how the policy is computed, not what
+    it is."""
     return model_config.replace(compute_dtype=section.compute_dtype, remat=section.remat,
                                 remat_policy=section.remat_policy, attention_block_size=section.attention_block_size,
+                                attention_block_min_length=section.attention_block_min_length,
                                 remat_logits=section.remat_logits)
 
 
