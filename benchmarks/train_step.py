@@ -11,8 +11,8 @@ JAX in the same run.
 Batch: `rows` packed rows, each one random prompt of `prompt_len` tokens followed by one response of
 `seq_len - prompt_len` tokens (a `TrainBatch` with one response slot per row, no padding), random
 +-1 advantages (`--responses N`: N responses of equal length after each prompt instead, the trainer's
-packed layout of a prompt's group, in which each response attends to the prompt and to itself; ours only), old log-probs from the trainer's own log-prob function (ratio 1). Both sides score the
-response tokens only: the log-prob of every response token under a full-vocabulary softmax, the
+packed layout of a prompt's group, in which each response attends to the prompt and to itself; ours only),
+old log-probs from the trainer's own log-prob function (ratio 1). Both sides score the response tokens only: the log-prob of every response token under a full-vocabulary softmax, the
 clipped surrogate averaged over response tokens (token-mean) and the entropy as a metric, then the
 gradient, a global-norm clip at 1.0 and AdamW (lr 1e-5, weight decay 0.01, none on norms).
 

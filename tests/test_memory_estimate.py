@@ -231,6 +231,13 @@ def test_blockwise_attention_and_rows_per_call():
     assert estimate_memory(load_config(None, long_run), TINY, mesh) == tiled
     assert estimate_memory(load_config(None, long_run + ["model.attention_block_min_length=1281"]), TINY,
                            mesh) == untiled
+    # GVM's per-sample gradient rows (prompt + one response, 32 tokens here) follow the same rule.
+    gvm = TINY_RUN + ["model.remat=false", "sampling.allocation=gvm"]
+    gvm_full = estimate_memory(load_config(None, gvm + ["model.attention_block_size=null"]), TINY, mesh)
+    assert estimate_memory(load_config(None, gvm), TINY, mesh)["gvm_norms"] == gvm_full["gvm_norms"] > 0
+    gvm_tiled = estimate_memory(load_config(None, gvm + ["model.attention_block_size=8",
+                                                         "model.attention_block_min_length=0"]), TINY, mesh)
+    assert gvm_tiled["gvm_norms"] < gvm_full["gvm_norms"]
 
     # 4 sampled rows over fsdp=2. max_rows_per_call 2: calls of 2 rows, 1 per device; 1: still 2-row calls
     # (the sampler never decodes a single row); 4 or more: one call of all rows.

@@ -74,8 +74,8 @@ class ModelConfig:
     `attention_block_size` (None or a positive int) computes full-sequence attention in tiles of that
     many queries x keys with an online softmax, so no [B, H, T, T] scores are held (long packed rows);
     rows of fewer than `attention_block_min_length` tokens (default 0: none) still take full attention,
-    which is faster on short rows. The KV-cache path is unaffected. `scan_layers` runs the training forward's layers as one `lax.scan`
-    (True, the default) or unrolled (False). `remat_logits` recomputes the output logits in the log-prob
+    which is faster on short rows (`attention_block_for`). The KV-cache path is unaffected. `scan_layers`
+    runs the training forward's layers as one `lax.scan` (True, the default) or unrolled (False). `remat_logits` recomputes the output logits in the log-prob
     backward pass (`train.logprobs.chunked_logprobs` with keep_logits=False) instead of keeping them. Like
     `remat` these are runtime settings: never read from or written to config.json.
     """
@@ -279,6 +279,11 @@ class ModelConfig:
         )
         fields.update(overrides)
         return cls(**fields)
+
+    def attention_block_for(self, length: int) -> int | None:
+        """The attention tile size for rows of `length` tokens: `attention_block_size`, or None (full
+        attention) when it is unset or the rows are shorter than `attention_block_min_length`."""
+        return None if length < self.attention_block_min_length else self.attention_block_size
 
     def to_hf_dict(self) -> dict:
         """A transformers config.json dict (with `architectures`) for this model."""

@@ -251,9 +251,7 @@ def hidden_states(params: Params, config: ModelConfig, tokens: jax.Array, positi
     online softmax (`layers.blocked_attention`): the same values without the [B, H, T, T] scores, for rows
     of at least `config.attention_block_min_length` tokens (T); shorter rows take full attention.
     """
-    block_size = config.attention_block_size
-    if tokens.shape[1] < config.attention_block_min_length:
-        block_size = None
+    block_size = config.attention_block_for(tokens.shape[1])
     if block_size is None:
         # Packed rows: a token sees its own segment and segment 0 (a shared prefix such as the prompt).
         keep = attention_keep_mask(positions, positions, q_segments=segment_ids, k_segments=segment_ids,

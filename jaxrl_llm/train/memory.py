@@ -353,7 +353,8 @@ def estimate_memory(config: RunConfig, model_config: ModelConfig, mesh: dict[str
             params -= quantized_base_savings(mc, mesh, p, cfg.lora.base_dtype)
 
     gvm = cfg.sampling.allocation == "gvm"
-    block = cfg.model.attention_block_size
+    tiles = mc.replace(attention_block_size=cfg.model.attention_block_size,
+                       attention_block_min_length=cfg.model.attention_block_min_length)
     responses_per_row = _whole_row_responses(cfg)
     response_len = max(1, int(math.ceil(cfg.sampling.max_new_tokens * response_fill)))
     prompt_len = cfg.data.max_prompt_tokens
@@ -366,9 +367,8 @@ def estimate_memory(config: RunConfig, model_config: ModelConfig, mesh: dict[str
         row_length = length_bucket(prompt_len + responses_per_row * response_len, ROW_SEQ_MULTIPLE)
     rows = -(-cfg.optim.micro_batch_size // batch_split)
     gradients = trained * 4 + trained * trained_bytes
-    if row_length < cfg.model.attention_block_min_length:  # rows this short take full attention
-        block = None
-    activations = _activation_bytes(mc, rows, row_length, heads, c, remat, policy, block)
+    activations = _activation_bytes(mc, rows, row_length, heads, c, remat, policy,
+                                    tiles.attention_block_for(row_length))
     output_copy = _output_matrix_copy_bytes(mc, mesh, c, p)
     keep_logits = not cfg.model.remat_logits
     head_elements = _output_matrix_elements(mc, mesh)
@@ -404,7 +404,8 @@ def estimate_memory(config: RunConfig, model_config: ModelConfig, mesh: dict[str
         chunk_rows = -(-(cfg.sampling.gvm_rows_per_chunk or cfg.optim.micro_batch_size) // batch_split)
         unpacked = round_up(cfg.data.max_prompt_tokens + response_len, ROW_SEQ_MULTIPLE)
         gvm_norms = (chunk_rows * _subset_elements(mc, cfg.sampling.gvm_param_subset) * p
-                     + _activation_bytes(mc, chunk_rows, unpacked, heads, c, remat, policy, block)
+                     + _activation_bytes(mc, chunk_rows, unpacked, heads, c, remat, policy,
+                                         tiles.attention_block_for(unpacked))
                      + _logprob_residual_bytes(mc, chunk_rows, response_len, c, keep_logits, head_elements)
                      + output_copy)
 

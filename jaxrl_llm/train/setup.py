@@ -95,8 +95,8 @@ class Run:
 
 
 def load_policy(source: str, *, param_dtype: str = "float32", compute_dtype: str = "float32", remat: bool = False,
-                remat_policy: str = "full", attention_block_size: int | None = None, attention_block_min_length: int = 0,
-                remat_logits: bool = False):
+                remat_policy: str = "full", attention_block_size: int | None = None,
+                attention_block_min_length: int = 0, remat_logits: bool = False):
     """(ModelConfig, params, Tokenizer) from "bundled", a .gguf file or an HF folder (config.json + safetensors)."""
     path = pathlib.Path(source).expanduser()
     if source == "bundled":  # not load_bundled's cached arrays: the train step donates the run's parameters
