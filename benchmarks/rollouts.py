@@ -4,6 +4,7 @@ the same process, and the machine's roofline measured with JAX in this script.
 
     .venv/bin/python benchmarks/rollouts.py [--problems 100] [--samples 8] [--max-new-tokens 512] [--rows 64]
         [--engines static,continuous] [--repeats 1] [--skip-peers] [--json OUT]
+        [--replay-slots 64,128] [--replay-caps 0,16,8] [--replay OUT]
 
 The workload is a training step's sampling: the bundled SmolLM2-135M-Instruct (float32) on the
 gsm8k-100 problems with the `reasoning` prompt preset (DESIGN's system and user turns through the
@@ -40,6 +41,12 @@ max(lengths) tokens. tunix's loop stops likewise (`any(~done)`), over its padded
 stops when every row has emitted an eos id. Occupancy 1 means no slot decoded past its row's end;
 continuous batching (refilling a slot when its row ends) is what raises it. The continuous engine's
 slot-steps are its loop's iterations x slots (`SlotStats`, from `generate(..., return_stats=True)`).
+
+The continuous engine's schedule depends only on when each sample ends, so its slot-steps for any number
+of slots or cap on its prompt entries (`sampling.max_prompt_entries`) follow from one run's lengths: the
+script ends with that table (`replay_slots`, the engine's rules on the host; tested equal to the engine's own
+iteration counts), and `--replay OUT` prints it for an earlier `--json` file without sampling, checking the
+replay against the file's measured continuous run.
 
 The roofline row is `benchmarks/sampling.py`'s: measured f32 matmul FLOP/s / (2 x parameters) per token
 (large batch) and measured read bandwidth / weight bytes (batch 1). google-tunix is installed as
@@ -124,6 +131,87 @@ def _sampling_bench():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def replay_slots(lengths: Sequence[int], counts: Sequence[int], slots: int, prefill_chunk: int,
+                 entries: int) -> int:
+    """Loop iterations of the continuous engine (`sampling.continuous.decode_slots`) on samples of these
+    lengths, replayed on the host: the engine's schedule depends only on when samples end, so its slot-steps
+    (iterations x slots) for any number of slots or prompt entries follow from one run's lengths.
+
+    lengths [R]: tokens of each sample (through its stop id), samples ordered by prompt; counts [Q]: samples
+    of each prompt with at least one (queue order); prefill_chunk: prompts per prefill (c); entries: prompt
+    cache entries (E, a multiple of c, `continuous.prompt_entries`). The rules are the engine's: before the
+    slots take samples, prompts are prefilled c at a time while fewer prefilled samples are pending than slots
+    are free and c entries are free; free slots take the lowest pending samples whose prompt is prefilled;
+    a sample's entry frees when the prompt's last sample ends; an iteration advances every busy slot by one
+    token."""
+    lengths = np.asarray(lengths, np.int64)
+    counts = np.asarray(counts, np.int64)
+    if lengths.size != counts.sum() or (counts < 1).any() or (lengths < 1).any():
+        raise ValueError(f"{lengths.size} positive lengths for samples of {counts.tolist()} per prompt")
+    if entries < prefill_chunk or entries % prefill_chunk:
+        raise ValueError(f"entries ({entries}) must be a positive multiple of the prefill chunk ({prefill_chunk})")
+    num_prompts, num_samples = len(counts), int(lengths.size)
+    sample_start = np.concatenate([[0], np.cumsum(counts)])
+    prompt_of = np.repeat(np.arange(num_prompts), counts)
+    entry_of = np.full(num_prompts, -1)
+    entry_left = np.zeros(entries, np.int64)
+    slot_sample = np.full(slots, -1)
+    slot_step = np.zeros(slots, np.int64)
+    prefilled = next_sample = 0
+
+    def prefill_and_refill():
+        nonlocal prefilled, next_sample
+        while (prefilled < num_prompts and sample_start[prefilled] - next_sample < (slot_sample < 0).sum()
+               and (entry_left == 0).sum() >= prefill_chunk):
+            chunk = np.arange(prefilled, min(prefilled + prefill_chunk, num_prompts))
+            target = np.flatnonzero(entry_left == 0)[:len(chunk)]
+            entry_of[chunk] = target
+            entry_left[target] = counts[chunk]
+            prefilled = int(chunk[-1]) + 1
+        free = slot_sample < 0
+        limit = sample_start[prefilled]
+        candidate = next_sample + np.cumsum(free) - 1
+        take = free & (candidate < limit)
+        slot_sample[take] = candidate[take]
+        slot_step[free] = 0
+        next_sample = int(min(next_sample + free.sum(), limit))
+
+    prefill_and_refill()
+    iterations = 0
+    while (slot_sample >= 0).any() or next_sample < num_samples:
+        active = slot_sample >= 0
+        slot_step[active] += 1
+        ended = active & (slot_step >= lengths[np.maximum(slot_sample, 0)])
+        np.subtract.at(entry_left, entry_of[prompt_of[slot_sample[ended]]], 1)
+        slot_sample[ended] = -1
+        iterations += 1
+        prefill_and_refill()
+    return iterations
+
+
+def replay_occupancy(lengths: Sequence[int], samples: int, prompt_lengths: Sequence[int],
+                     slot_options: Sequence[int], entry_caps: Sequence[int]) -> list[dict]:
+    """The continuous engine's slot-steps and occupancy on a workload's sample lengths (`samples` per prompt,
+    prompts of `prompt_lengths`), for each number of slots and each cap on its prompt entries (0: the
+    engine's default, slots + c), by `replay_slots` with the engine's own c, slots and entries."""
+    from jaxrl_llm.sampling import make_plan
+    from jaxrl_llm.sampling.continuous import prompt_entries, slot_count
+
+    counts = np.full(len(prompt_lengths), samples)
+    plan = make_plan(np.asarray(prompt_lengths), counts, 1)
+    useful = int(np.sum(lengths))
+    out = []
+    for max_slots in slot_options:
+        slots = slot_count(max_slots, plan.num_rows)
+        for cap in entry_caps:
+            entries = prompt_entries(len(counts), slots, plan.prompts_per_prefill, cap)
+            iterations = replay_slots(lengths, counts, slots, plan.prompts_per_prefill, entries)
+            out.append(dict(slots=slots, entry_cap=cap, entries=entries, prefill_chunk=plan.prompts_per_prefill,
+                            iterations=iterations, slot_steps=iterations * slots,
+                            occupancy=occupancy(useful, iterations * slots)))
+    return out
 
 
 def load_workload(problems: int):
@@ -304,6 +392,46 @@ def run_transformers(model, tokenizer, prompts, samples, new_tokens, rows, repea
     return summary("transformers", useful, call_lengths, [b - a for a, b in runs], seconds)
 
 
+def parse_ints(text: str, flag: str, minimum: int) -> list[int]:
+    """"64,128" -> [64, 128]; every value an int >= minimum."""
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        values = []
+    if not values or min(values) < minimum:
+        raise ValueError(f"{flag} takes comma-separated ints >= {minimum}; got {text!r}")
+    return values
+
+
+def print_replay(replayed: list[dict]) -> None:
+    print()
+    print("Continuous engine replayed on these lengths (`replay_slots`: slot-steps follow from when samples end):")
+    print("| slots | max_prompt_entries | entries (prefill chunk c) | iterations | slot-steps | occupancy |")
+    print("|---|---|---|---|---|---|")
+    for r in replayed:
+        cap = r["entry_cap"] or "default"
+        print(f"| {r['slots']} | {cap} | {r['entries']} ({r['prefill_chunk']}) | {r['iterations']} | "
+              f"{r['slot_steps']} | {r['occupancy']:.1%} |")
+
+
+def replay_file(path: str, slot_options: list[int], caps: list[int]) -> None:
+    """`--replay`: the replay table for an earlier run's lengths, checked against its measured continuous run."""
+    with open(path) as f:
+        run = json.load(f)
+    if not run.get("lengths"):
+        raise SystemExit(f"{path} has no 'lengths' (written by --json since the replay was added)")
+    engine, lengths = next(iter(run["lengths"].items()))
+    print(f"{path}: {len(lengths)} samples ({run['samples']} per prompt, {len(run['prompt_lengths'])} prompts), "
+          f"lengths of the {engine} engine, {sum(lengths)} useful tokens")
+    measured = [r for r in run["results"] if r.get("engine") == "continuous"]
+    if measured:
+        slots, iterations = measured[0]["slots"], measured[0]["iterations"]
+        replay = replay_occupancy(lengths, run["samples"], run["prompt_lengths"], [slots], [0])[0]
+        print(f"measured continuous run: {slots} slots, {iterations} iterations; replayed: {replay['iterations']} "
+              f"({'equal' if replay['iterations'] == iterations else 'DIFFERENT'})")
+    print_replay(replay_occupancy(lengths, run["samples"], run["prompt_lengths"], slot_options, caps))
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -316,11 +444,22 @@ def main():
     parser.add_argument("--repeats", type=int, default=1, help="timed runs per sampler (median reported)")
     parser.add_argument("--skip-peers", action="store_true")
     parser.add_argument("--json", default=None, help="write every figure to this file")
+    parser.add_argument("--replay-slots", default="64,128",
+                        help="slot counts for the continuous engine's replayed occupancy (comma-separated)")
+    parser.add_argument("--replay-caps", default="0,16,8",
+                        help="sampling.max_prompt_entries values to replay (0: the engine's default)")
+    parser.add_argument("--replay", default=None, metavar="JSON",
+                        help="sample nothing: replay the continuous engine on the lengths of an earlier --json")
     args = parser.parse_args()
     try:
         engines = parse_engines(args.engines)
+        replay_slots_, replay_caps = (parse_ints(args.replay_slots, "--replay-slots", 1),
+                                      parse_ints(args.replay_caps, "--replay-caps", 0))
     except ValueError as error:
         parser.error(str(error))
+    if args.replay:
+        replay_file(args.replay, replay_slots_, replay_caps)
+        return
 
     import jax
 
@@ -390,10 +529,17 @@ def main():
         print(f"continuous / static: {ours['continuous'] / ours['static']:.2f}x useful tok/s, occupancy "
               f"{occupancy['continuous']:.1%} against {occupancy['static']:.1%}; same tokens: {tokens_agree}")
     print(f"load average (1 min) {load_before[0]:.1f} before, {load_after[0]:.1f} after ({os.cpu_count()} cores)")
+    replayed = []
+    if rollouts:
+        lengths = np.asarray(next(iter(rollouts.values())).lengths)
+        replayed = replay_occupancy(lengths, args.samples, prompt_lengths, replay_slots_, replay_caps)
+        print_replay(replayed)
     if args.json:
         out = dict(vars(args), roofline=roof, load_before=load_before, load_after=load_after, cpus=os.cpu_count(),
                    jax=jax.__version__, prompt_lengths=prompt_lengths, results=results,
-                   continuous_tokens_equal_static=tokens_agree, first_difference=difference)
+                   continuous_tokens_equal_static=tokens_agree, first_difference=difference,
+                   lengths={engine: np.asarray(r.lengths).tolist() for engine, r in rollouts.items()},
+                   replayed=replayed)
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1, default=str)
 

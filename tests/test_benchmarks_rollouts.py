@@ -121,6 +121,69 @@ def test_both_engines_on_a_toy_workload():
     assert static["compiles_in_timed_runs"] == 0 and continuous["compiles_in_timed_runs"] == 0
 
 
+def test_replay_slots_hand_counts():
+    """Counted by hand. Five samples of 5 tokens on 2 slots: rounds of 5 iterations, 15 in all (the engine's
+    own hand count in test_sampling_continuous). Prompt A's samples of 4 and 1 tokens, then B's two of 1, on
+    2 slots, one prompt per prefill: with 2 entries B is prefilled when A's short sample ends (iteration 1)
+    and its samples run beside A's long one (4 iterations); with 1 entry B waits for A's last sample (4)
+    and runs at iteration 5."""
+    assert rollouts.replay_slots([5] * 5, [3, 2], slots=2, prefill_chunk=2, entries=2) == 15
+    assert rollouts.replay_slots([4, 1, 1, 1], [2, 2], slots=2, prefill_chunk=1, entries=2) == 4
+    assert rollouts.replay_slots([4, 1, 1, 1], [2, 2], slots=2, prefill_chunk=1, entries=1) == 5
+    assert rollouts.replay_slots([1, 3, 2], [3], slots=2, prefill_chunk=1, entries=1) == 3
+    with pytest.raises(ValueError, match="positive lengths"):
+        rollouts.replay_slots([1, 2], [3], slots=2, prefill_chunk=1, entries=1)
+    with pytest.raises(ValueError, match="multiple of the prefill chunk"):
+        rollouts.replay_slots([1, 2], [2], slots=2, prefill_chunk=2, entries=3)
+
+
+@pytest.mark.parametrize("max_slots,max_entries", [(2, 0), (3, 0), (3, 1), (5, 2), (16, 0)])
+def test_replay_slots_equals_the_engines_iterations(max_slots, max_entries):
+    """The continuous engine itself (a tiny random model, 12 prompts with 1-4 samples, one prompt per prefill,
+    rows ending at a stop id at different times) runs exactly the replayed number of loop iterations."""
+    import jax
+
+    from jaxrl_llm.models import ModelConfig, init_params
+    from jaxrl_llm.sampling import generate, make_plan
+    from jaxrl_llm.sampling.continuous import prompt_entries, slot_count
+
+    config = ModelConfig(vocab_size=24, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4,
+                         num_kv_heads=2, head_dim=8, tie_word_embeddings=True, max_position_embeddings=128)
+    params = init_params(config, jax.random.key(0))
+    params["embed"] = params["embed"] * 3.0
+    prompts = [[(3 * i + j) % 20 + 1 for j in range(1 + (5 * i) % 13)] for i in range(12)]
+    counts = [2, 1, 1, 3, 4, 1, 2, 2, 1, 3, 1, 2]
+    rollout, stats = generate(params, config, prompts, num_samples=counts, max_new_tokens=9, temperature=1.0,
+                              rng=jax.random.key(5), stop_ids=(7, 11), engine="continuous", max_slots=max_slots,
+                              max_prompt_entries=max_entries, prefill_tokens_per_call=16, return_stats=True)
+    assert 1 <= rollout.lengths.min() < rollout.lengths.max() == 9
+    plan = make_plan(np.array([len(p) for p in prompts]), np.array(counts), 9, prefill_tokens_per_call=16)
+    slots = slot_count(max_slots, plan.num_rows)
+    entries = prompt_entries(len(counts), slots, plan.prompts_per_prefill, max_entries)
+    assert plan.prompts_per_prefill == 1 and stats.slots == slots
+    assert rollouts.replay_slots(rollout.lengths, counts, slots, 1, entries) == stats.iterations
+
+
+def test_replay_occupancy_uses_the_engines_chunk_and_entries():
+    """64 prompts of up to 200 tokens (bucket 256: c = 4096 / 256 = 16 prompts per prefill) x 2 samples of 4
+    tokens on 64 slots. By default the cache has 64 entries (the prompts' bucket, under slots + c = 80): two
+    waves of 32 prompts fill every slot, 8 iterations, occupancy 100%. Caps of 16 and 8 entries both round to
+    one chunk of 16 prompts = 32 samples, so half the slots wait: four waves, 16 iterations, 50%."""
+    out = rollouts.replay_occupancy([4] * 128, 2, [200] + [50] * 63, [64], [0, 16, 8])
+    assert [(r["slots"], r["entry_cap"], r["entries"], r["prefill_chunk"]) for r in out] == [
+        (64, 0, 64, 16), (64, 16, 16, 16), (64, 8, 16, 16)]
+    assert [r["iterations"] for r in out] == [8, 16, 16]
+    assert [r["occupancy"] for r in out] == [1.0, 0.5, 0.5]
+    assert out[1]["slot_steps"] == 16 * 64
+
+
+def test_parse_ints():
+    assert rollouts.parse_ints("64, 128", "--x", 1) == [64, 128]
+    for bad in ("", "a", "0", "4,-1"):
+        with pytest.raises(ValueError, match="--x takes comma-separated ints >= 1"):
+            rollouts.parse_ints(bad, "--x", 1)
+
+
 def test_median_split_leaves_out_the_compiling_step():
     steps = [dict(wall_s=30.0, sample_s=20.0, score_s=1.0, train_s=9.0),
              dict(wall_s=4.0, sample_s=2.0, score_s=0.5, train_s=1.5),
