@@ -195,7 +195,7 @@ def replay_occupancy(lengths: Sequence[int], samples: int, prompt_lengths: Seque
                      slot_options: Sequence[int], entry_caps: Sequence[int]) -> list[dict]:
     """The continuous engine's slot-steps and occupancy on a workload's sample lengths (`samples` per prompt,
     prompts of `prompt_lengths`), for each number of slots and each cap on its prompt entries (0: the
-    engine's default, slots + c), by `replay_slots` with the engine's own c, slots and entries."""
+    engine's default, min(the prompts' bucket, slots + c)), by `replay_slots` with the engine's own c, slots and entries."""
     from jaxrl_llm.sampling import make_plan
     from jaxrl_llm.sampling.continuous import prompt_entries, slot_count
 
