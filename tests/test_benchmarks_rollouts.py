@@ -205,3 +205,45 @@ def test_compile_counter_counts_backend_compiles():
     assert first >= 1 and counter.count == first + 1
     f(np.ones(11, np.float32)).block_until_ready()  # after exit the listener is gone
     assert counter.count == first + 1
+
+
+decode_step_bench = _load("decode_step")
+
+
+def test_decode_step_variants_compute_the_same_logits():
+    """The three data flows of benchmarks/decode_step.py (static step, per-row steps, per-row steps reading a shared
+    prompt cache) are the same computation: equal logits after 3 steps of a 2-layer GQA model."""
+    import jax
+
+    from jaxrl_llm.models import ModelConfig, init_params
+
+    config = ModelConfig(vocab_size=24, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4,
+                         num_kv_heads=2, head_dim=8, tie_word_embeddings=True, max_position_embeddings=128)
+    params = init_params(config, jax.random.key(0))
+    inputs = decode_step_bench.make_inputs(config, rows=6, entries=4, prompt_bucket=16, new_token_bucket=16)
+    (shared_k, shared_v), (own_k, own_v), (response_k, response_v), lengths, tokens, row_entry = inputs
+    assert row_entry.tolist() == [0, 1, 2, 3, 0, 1]
+    np.testing.assert_array_equal(own_k[1][4], shared_k[1][0])  # row 4 holds entry 0's keys
+    logits = {}
+    for variant in decode_step_bench.VARIANTS:
+        prompt_k, prompt_v = (shared_k, shared_v) if variant == "shared" else (own_k, own_v)
+        logits[variant] = np.asarray(decode_step_bench.run_steps(
+            params, config, variant, prompt_k, prompt_v, response_k, response_v, lengths, tokens, row_entry,
+            jax.numpy.int32(8), steps=3))
+    assert np.abs(logits["static"]).max() > 0.1 and np.isfinite(logits["static"]).all()
+    np.testing.assert_allclose(logits["per_row"], logits["static"], atol=1e-5, rtol=0)
+    np.testing.assert_allclose(logits["shared"], logits["static"], atol=1e-5, rtol=0)
+
+
+def test_decode_step_bytes_hand_values():
+    from jaxrl_llm.models import ModelConfig
+
+    config = ModelConfig(vocab_size=24, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4,
+                         num_kv_heads=2, head_dim=8)
+    # per cached token: 2 (k, v) x 2 layers x 2 KV heads x 8 dims x 4 bytes = 256 bytes
+    static = decode_step_bench.step_bytes(config, 1000, rows=3, prompt_bucket=16, new_token_bucket=32,
+                                          variant="static")
+    assert static == dict(weights=1000, prompt=3 * 16 * 256, response=3 * 32 * 256, gather=0)
+    shared = decode_step_bench.step_bytes(config, 1000, rows=3, prompt_bucket=16, new_token_bucket=32,
+                                          variant="shared")
+    assert shared["gather"] == 2 * 3 * 16 * 256 and shared["prompt"] == static["prompt"]

@@ -1,0 +1,182 @@
+"""What one decode step costs in each engine's data flow, to split a continuous-batching iteration's cost.
+
+    .venv/bin/python benchmarks/decode_step.py [--rows 64] [--entries 8,80] [--prompt-bucket 256]
+        [--new-token-bucket 512] [--steps 12] [--repeats 4]
+
+The bundled SmolLM2-135M-Instruct (float32) runs `sampling.decoder.decode_step` for `--steps` steps in a jitted
+`lax.fori_loop` that carries the cache, as the engines' decode loops do, on `--rows` rows with prompts of
+`--prompt-bucket` slots and responses of `--new-token-bucket` slots (the rollouts workload's buckets at 64 rows:
+prompts of 72-193 tokens, up to 512 new tokens). Variants, each a step of one engine's data flow:
+
+- static: one step for all rows (the static engine, `engine.decode_rows`): each row has its own prompt cache,
+  and the new keys/values of all rows go to one column (a dynamic_update_slice);
+- per_row: one step per row (a scatter of each row's keys/values at its own slot), still a prompt cache per row;
+- shared E: per-row steps, and each row reads its prompt's keys/values from a cache of E entries shared by the
+  rows that continue the same prompt (`prompt_rows`: the continuous engine, `continuous.decode_slots`), gathered
+  layer by layer. One run per `--entries` value.
+
+All variants compute the same logits (tested: tests/test_benchmarks_rollouts.py). Reported per variant: seconds
+per step (each loop compiled and run once, then `--repeats` rounds timing every variant in turn, so drift in
+the machine's speed hits all alike; the fastest round of each), the ratio to the static step, and
+the bytes a step must read (weights, prompt and response keys/values; the shared variant's gather also writes
+and re-reads its rows) over the read bandwidth measured here: the memory-bound floor of a step, and the step's
+share of it. A continuous-batching iteration costs the shared step plus its bookkeeping (token choice, refill,
+prefill): `benchmarks/rollouts.py` measures the whole.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+VARIANTS = ("static", "per_row", "shared")
+
+
+def step_bytes(config, weight_bytes: int, rows: int, prompt_bucket: int, new_token_bucket: int, variant: str,
+               itemsize: int = 4) -> dict:
+    """Bytes one decode step moves at least: every weight once (`weight_bytes`; a tied embedding is read whole
+    by the output projection), the prompt and response keys/values of every row on every layer (`itemsize`
+    bytes each); the shared variant also writes its gathered prompt rows and reads them back (2 x the prompt
+    bytes)."""
+    per_token = 2 * config.num_layers * config.num_kv_heads * config.head_dim * itemsize  # keys and values
+    prompt = rows * prompt_bucket * per_token
+    response = rows * new_token_bucket * per_token
+    gather = 2 * prompt if variant == "shared" else 0
+    return dict(weights=weight_bytes, prompt=prompt, response=response, gather=gather)
+
+
+def make_inputs(config, rows: int, entries: int, prompt_bucket: int, new_token_bucket: int, seed: int = 0):
+    """(shared prompt cache of `entries` entries, the per-row prompt cache it gives for row -> entry row % entries,
+    response cache, prompt lengths [rows], tokens [rows], entry of each row): random keys/values, prompt lengths
+    in [prompt_bucket / 2, prompt_bucket]."""
+    from jaxrl_llm.sampling.decoder import empty_row_cache
+
+    rng = np.random.default_rng(seed)
+    empty = empty_row_cache(config, rows, prompt_bucket, new_token_bucket)
+
+    def random_like(shape):
+        return jnp.asarray(rng.standard_normal(shape).astype(np.float32))
+
+    shared_k = tuple(random_like((entries,) + k.shape[1:]) for k in empty.prompt_k)
+    shared_v = tuple(random_like((entries,) + v.shape[1:]) for v in empty.prompt_v)
+    row_entry = jnp.arange(rows, dtype=jnp.int32) % entries
+    own_k = tuple(jnp.take(k, row_entry, axis=0) for k in shared_k)
+    own_v = tuple(jnp.take(v, row_entry, axis=0) for v in shared_v)
+    response_k = tuple(random_like(k.shape) for k in empty.response_k)
+    response_v = tuple(random_like(v.shape) for v in empty.response_v)
+    lengths = jnp.asarray(rng.integers(prompt_bucket // 2, prompt_bucket + 1, rows).astype(np.int32))
+    tokens = jnp.asarray(rng.integers(0, config.vocab_size, rows).astype(np.int32))
+    return (shared_k, shared_v), (own_k, own_v), (response_k, response_v), lengths, tokens, row_entry
+
+
+@functools.partial(jax.jit, static_argnames=("config", "variant", "steps"))
+def run_steps(params, config, variant: str, prompt_k, prompt_v, response_k, response_v, lengths, tokens,
+              row_entry, first_step, *, steps: int):
+    """`steps` decode steps of `variant` from response slot first_step on, each feeding the argmax of the last
+    logits; returns the last step's logits [rows, V]."""
+    from jaxrl_llm.sampling.decoder import RowCache, decode_step, unstack_layers
+
+    layers = unstack_layers(params)
+    rows = tokens.shape[0]
+
+    def body(i, carry):
+        cache, tokens, _ = carry
+        step = first_step + i
+        if variant == "static":
+            logits, cache = decode_step(params, layers, config, tokens, lengths, step, cache)
+        else:
+            logits, cache = decode_step(params, layers, config, tokens, lengths, jnp.full((rows,), step), cache,
+                                        prompt_rows=row_entry if variant == "shared" else None)
+        return cache, jnp.argmax(logits, -1).astype(jnp.int32), logits
+
+    logits = jnp.zeros((rows, config.vocab_size), jnp.float32)
+    cache = RowCache(prompt_k, prompt_v, response_k, response_v)
+    return jax.lax.fori_loop(0, steps, body, (cache, tokens, logits))[2]
+
+
+def time_variants(params, config, runs, steps: int, repeats: int) -> list[float]:
+    """Seconds per step of each (variant, inputs) in `runs`: every loop compiled and run once first, then
+    `repeats` rounds that time each in turn (so a drift in the machine's speed hits all alike), the fastest
+    round of each."""
+    calls = []
+    for variant, inputs in runs:
+        (shared_k, shared_v), (own_k, own_v), (response_k, response_v), lengths, tokens, row_entry = inputs
+        prompt_k, prompt_v = (shared_k, shared_v) if variant == "shared" else (own_k, own_v)
+        first = jnp.int32(response_k[0].shape[-1] // 2)
+        calls.append(functools.partial(run_steps, params, config, variant, prompt_k, prompt_v, response_k,
+                                       response_v, lengths, tokens, row_entry, first, steps=steps))
+    for call in calls:
+        call().block_until_ready()
+    best = [float("inf")] * len(calls)
+    for r in range(repeats):
+        for i, call in enumerate(calls):
+            start = time.perf_counter()
+            call().block_until_ready()
+            best[i] = min(best[i], time.perf_counter() - start)
+        print(f"  round {r + 1} of {repeats}: " + ", ".join(f"{b / steps:.4f}" for b in best) + " s/step so far",
+              flush=True)
+    return [b / steps for b in best]
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", type=int, default=64)
+    parser.add_argument("--entries", default="8,80", help="prompt-cache entries of the shared variant, comma-separated")
+    parser.add_argument("--prompt-bucket", type=int, default=256)
+    parser.add_argument("--new-token-bucket", type=int, default=512)
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--repeats", type=int, default=4)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    entries = [int(e) for e in args.entries.split(",") if e]
+    if args.rows < 1 or args.steps < 1 or args.repeats < 1 or not entries or min(entries) < 1:
+        parser.error("--rows, --steps, --repeats and every --entries value must be >= 1")
+    if args.new_token_bucket < 2 * args.steps:
+        parser.error("--new-token-bucket must hold the steps from its middle on (>= 2 x --steps)")
+
+    from sampling import machine_roofline  # noqa: E402  (benchmarks/sampling.py)
+
+    from jaxrl_llm.models import load_bundled
+
+    config, params, _ = load_bundled("float32")
+    weight_bytes = sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree_util.tree_leaves(params))
+    num_params = sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(params))
+    roofline = machine_roofline(num_params, weight_bytes)
+    print(f"jax {jax.__version__} on {jax.devices()[0].platform}, {args.rows} rows, prompt bucket "
+          f"{args.prompt_bucket}, new-token bucket {args.new_token_bucket}, {args.steps} steps x {args.repeats}; "
+          f"measured read {roofline['bandwidth'] / 1e9:.1f} GB/s, matmul {roofline['flops'] / 1e9:.0f} GFLOP/s",
+          flush=True)
+    runs = [("static", max(entries)), ("per_row", max(entries))] + [("shared", e) for e in entries]
+    seconds = time_variants(params, config, [(variant, make_inputs(config, args.rows, e, args.prompt_bucket,
+                                                                   args.new_token_bucket)) for variant, e in runs],
+                            args.steps, args.repeats)
+    results = []
+    for (variant, e), step_seconds in zip(runs, seconds):
+        moved = step_bytes(config, weight_bytes, args.rows, args.prompt_bucket, args.new_token_bucket, variant)
+        floor = sum(moved.values()) / roofline["bandwidth"]
+        results.append(dict(variant=variant, entries=e if variant == "shared" else None, seconds=step_seconds,
+                            bytes=moved, floor_seconds=floor))
+    static = results[0]["seconds"]
+    print("\n| variant | s per step | vs static | GB read per step | memory floor s | share of bandwidth |")
+    print("|---|---|---|---|---|---|")
+    for r in results:
+        name = f"shared, {r['entries']} entries" if r["variant"] == "shared" else r["variant"]
+        print(f"| {name} | {r['seconds']:.4f} | {r['seconds'] / static:.2f}x | {sum(r['bytes'].values()) / 1e9:.2f} | "
+              f"{r['floor_seconds']:.4f} | {r['floor_seconds'] / r['seconds']:.0%} |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(args=vars(args), roofline=roofline, results=results), f, indent=1)
+
+
+if __name__ == "__main__":
+    import pathlib
+    import sys
+
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+    main()
