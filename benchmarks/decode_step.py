@@ -1,7 +1,7 @@
 """What one decode step costs in each engine's data flow, to split a continuous-batching iteration's cost.
 
     .venv/bin/python benchmarks/decode_step.py [--rows 64] [--entries 8,80] [--prompt-bucket 256]
-        [--new-token-bucket 512] [--steps 12] [--repeats 4]
+        [--new-token-bucket 512] [--steps 12] [--repeats 4] [--json OUT]
 
 The bundled SmolLM2-135M-Instruct (float32) runs `sampling.decoder.decode_step` for `--steps` steps in a jitted
 `lax.fori_loop` that carries the cache, as the engines' decode loops do, on `--rows` rows with prompts of

@@ -195,7 +195,8 @@ def replay_occupancy(lengths: Sequence[int], samples: int, prompt_lengths: Seque
                      slot_options: Sequence[int], entry_caps: Sequence[int]) -> list[dict]:
     """The continuous engine's slot-steps and occupancy on a workload's sample lengths (`samples` per prompt,
     prompts of `prompt_lengths`), for each number of slots and each cap on its prompt entries (0: the
-    engine's default, min(the prompts' bucket, slots + c)), by `replay_slots` with the engine's own c, slots and entries."""
+    engine's default, min(the prompts' bucket, slots + c)), by `replay_slots` with the engine's own c, slots and
+    entries. Slot options the engine would cap to the same count (`slot_count`) give one set of rows."""
     from jaxrl_llm.sampling import make_plan
     from jaxrl_llm.sampling.continuous import prompt_entries, slot_count
 
@@ -203,8 +204,8 @@ def replay_occupancy(lengths: Sequence[int], samples: int, prompt_lengths: Seque
     plan = make_plan(np.asarray(prompt_lengths), counts, 1)
     useful = int(np.sum(lengths))
     out = []
-    for max_slots in slot_options:
-        slots = slot_count(max_slots, plan.num_rows)
+    # a slot option above the samples' bucket gives the same slots as a smaller one: replay each count once
+    for slots in dict.fromkeys(slot_count(max_slots, plan.num_rows) for max_slots in slot_options):
         for cap in entry_caps:
             entries = prompt_entries(len(counts), slots, plan.prompts_per_prefill, cap)
             iterations = replay_slots(lengths, counts, slots, plan.prompts_per_prefill, entries)

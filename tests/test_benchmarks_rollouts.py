@@ -175,6 +175,9 @@ def test_replay_occupancy_uses_the_engines_chunk_and_entries():
     assert [r["iterations"] for r in out] == [8, 16, 16]
     assert [r["occupancy"] for r in out] == [1.0, 0.5, 0.5]
     assert out[1]["slot_steps"] == 16 * 64
+    # 128 slots on 128 samples: the engine's 128 slots; 256 is capped to the same 128, replayed once
+    capped = rollouts.replay_occupancy([4] * 128, 2, [200] + [50] * 63, [64, 128, 256], [0])
+    assert [(r["slots"], r["iterations"]) for r in capped] == [(64, 8), (128, 4)]
 
 
 def test_parse_ints():
