@@ -9,7 +9,10 @@ The bundled SmolLM2-135M-Instruct (float32) runs `sampling.decoder.decode_step` 
 prompts of 72-193 tokens, up to 512 new tokens). Variants, each a step of one engine's data flow:
 
 - static: one step for all rows (the static engine, `engine.decode_rows`): each row has its own prompt cache,
-  and the new keys/values of all rows go to one column (a dynamic_update_slice);
+  and the new keys/values of all rows go to one column (a dynamic_update_slice), one response buffer per layer;
+- tiled: the static step over a response cache split in tiles (`decoder.response_tile_size`: 128 slots at a
+  512-slot bucket), which reads only the tiles generated so far; timed in the middle of each tile count's range
+  of steps, and averaged over them (the mean step of a call that runs the whole bucket);
 - per_row: one step per row (a scatter of each row's keys/values at its own slot), still a prompt cache per row;
 - shared E: per-row steps, and each row reads its prompt's keys/values from a cache of E entries shared by the
   rows that continue the same prompt (`prompt_rows`: the continuous engine, `continuous.decode_slots`), gathered
@@ -18,8 +21,8 @@ prompts of 72-193 tokens, up to 512 new tokens). Variants, each a step of one en
 All variants compute the same logits (tested: tests/test_benchmarks_rollouts.py). Reported per variant: seconds
 per step (each loop compiled and run once, then `--repeats` rounds timing every variant in turn, so drift in
 the machine's speed hits all alike; the fastest round of each), the ratio to the static step, and
-the bytes a step must read (weights, prompt and response keys/values; the shared variant's gather also writes
-and re-reads its rows) over the read bandwidth measured here: the memory-bound floor of a step, and the step's
+the bytes a step must read (weights, prompt and response keys/values, the tiled step's reached tiles only; the
+shared variant's gather also writes and re-reads its rows) over the read bandwidth measured here: the memory-bound floor of a step, and the step's
 share of it. A continuous-batching iteration costs the shared step plus its bookkeeping (token choice, refill,
 prefill): `benchmarks/rollouts.py` measures the whole.
 """
@@ -35,18 +38,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-VARIANTS = ("static", "per_row", "shared")
+VARIANTS = ("static", "tiled", "per_row", "shared")
 
 
 def step_bytes(config, weight_bytes: int, rows: int, prompt_bucket: int, new_token_bucket: int, variant: str,
-               itemsize: int = 4) -> dict:
+               itemsize: int = 4, response_slots_read: int | None = None) -> dict:
     """Bytes one decode step moves at least: every weight once (`weight_bytes`; a tied embedding is read whole
     by the output projection), the prompt and response keys/values of every row on every layer (`itemsize`
-    bytes each); the shared variant also writes its gathered prompt rows and reads them back (2 x the prompt
-    bytes)."""
+    bytes each; the tiled variant reads `response_slots_read` response slots, its reached tiles); the shared
+    variant also writes its gathered prompt rows and reads them back (2 x the prompt bytes)."""
     per_token = 2 * config.num_layers * config.num_kv_heads * config.head_dim * itemsize  # keys and values
     prompt = rows * prompt_bucket * per_token
-    response = rows * new_token_bucket * per_token
+    response = rows * (new_token_bucket if response_slots_read is None else response_slots_read) * per_token
     gather = 2 * prompt if variant == "shared" else 0
     return dict(weights=weight_bytes, prompt=prompt, response=response, gather=gather)
 
@@ -88,7 +91,7 @@ def run_steps(params, config, variant: str, prompt_k, prompt_v, response_k, resp
     def body(i, carry):
         cache, tokens, _ = carry
         step = first_step + i
-        if variant == "static":
+        if variant in ("static", "tiled"):  # tiled: the response cache is a tuple of tiles per layer
             logits, cache = decode_step(params, layers, config, tokens, lengths, step, cache)
         else:
             logits, cache = decode_step(params, layers, config, tokens, lengths, jnp.full((rows,), step), cache,
@@ -100,15 +103,24 @@ def run_steps(params, config, variant: str, prompt_k, prompt_v, response_k, resp
     return jax.lax.fori_loop(0, steps, body, (cache, tokens, logits))[2]
 
 
-def time_variants(params, config, runs, steps: int, repeats: int) -> list[float]:
-    """Seconds per step of each (variant, inputs) in `runs`: every loop compiled and run once first, then
-    `repeats` rounds that time each in turn (so a drift in the machine's speed hits all alike), the fastest
-    round of each."""
+def split_tiles(response: tuple, tile: int, axis: int) -> tuple:
+    """Per-layer response buffers as the tiled cache holds them: a tuple of consecutive `tile`-slot buffers."""
+    return tuple(tuple(jax.lax.slice_in_dim(x, start, start + tile, axis=axis)
+                       for start in range(0, x.shape[axis], tile)) for x in response)
+
+
+def time_variants(params, config, runs, steps: int, repeats: int, tile: int = 0) -> list[float]:
+    """Seconds per step of each (variant, inputs, first step) in `runs` (first step None: the middle of the
+    response bucket): every loop compiled and run once first, then `repeats` rounds that time each in turn (so
+    a drift in the machine's speed hits all alike), the fastest round of each. The tiled variant splits the
+    response caches in tiles of `tile` slots."""
     calls = []
-    for variant, inputs in runs:
+    for variant, inputs, first in runs:
         (shared_k, shared_v), (own_k, own_v), (response_k, response_v), lengths, tokens, row_entry = inputs
         prompt_k, prompt_v = (shared_k, shared_v) if variant == "shared" else (own_k, own_v)
-        first = jnp.int32(response_k[0].shape[-1] // 2)
+        first = jnp.int32(response_k[0].shape[-1] // 2 if first is None else first)
+        if variant == "tiled":
+            response_k, response_v = split_tiles(response_k, tile, 3), split_tiles(response_v, tile, 2)
         calls.append(functools.partial(run_steps, params, config, variant, prompt_k, prompt_v, response_k,
                                        response_v, lengths, tokens, row_entry, first, steps=steps))
     for call in calls:
@@ -143,6 +155,7 @@ def main():
     from sampling import machine_roofline  # noqa: E402  (benchmarks/sampling.py)
 
     from jaxrl_llm.models import load_bundled
+    from jaxrl_llm.sampling.decoder import response_tile_size
 
     config, params, _ = load_bundled("float32")
     weight_bytes = sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree_util.tree_leaves(params))
@@ -152,24 +165,39 @@ def main():
           f"{args.prompt_bucket}, new-token bucket {args.new_token_bucket}, {args.steps} steps x {args.repeats}; "
           f"measured read {roofline['bandwidth'] / 1e9:.1f} GB/s, matmul {roofline['flops'] / 1e9:.0f} GFLOP/s",
           flush=True)
-    runs = [("static", max(entries)), ("per_row", max(entries))] + [("shared", e) for e in entries]
-    # one set of inputs per entry count: static and per_row read the same arrays as the largest shared run
+    tile = response_tile_size(args.new_token_bucket)
+    # the tiled step at the middle of each tile count's range of steps (its cost grows with the tiles reached)
+    tiled = [("tiled", max(entries), start + (tile - args.steps) // 2)
+             for start in range(0, args.new_token_bucket, tile)] if tile >= args.steps else []
+    runs = ([("static", max(entries), None)] + tiled + [("per_row", max(entries), None)]
+            + [("shared", e, None) for e in entries])
+    # one set of inputs per entry count: static, tiled and per_row read the same arrays as the largest shared run
     inputs = {e: make_inputs(config, args.rows, e, args.prompt_bucket, args.new_token_bucket)
-              for e in dict.fromkeys(e for _, e in runs)}
-    seconds = time_variants(params, config, [(variant, inputs[e]) for variant, e in runs], args.steps, args.repeats)
+              for e in dict.fromkeys(e for _, e, _ in runs)}
+    seconds = time_variants(params, config, [(variant, inputs[e], first) for variant, e, first in runs], args.steps,
+                            args.repeats, tile)
     results = []
-    for (variant, e), step_seconds in zip(runs, seconds):
-        moved = step_bytes(config, weight_bytes, args.rows, args.prompt_bucket, args.new_token_bucket, variant)
+    for (variant, e, first), step_seconds in zip(runs, seconds):
+        read = None if variant != "tiled" else (first + args.steps) // tile * tile + tile  # slots of reached tiles
+        moved = step_bytes(config, weight_bytes, args.rows, args.prompt_bucket, args.new_token_bucket, variant,
+                           response_slots_read=read)
         floor = sum(moved.values()) / roofline["bandwidth"]
-        results.append(dict(variant=variant, entries=e if variant == "shared" else None, seconds=step_seconds,
-                            bytes=moved, floor_seconds=floor))
+        results.append(dict(variant=variant, entries=e if variant == "shared" else None, first_step=first,
+                            seconds=step_seconds, bytes=moved, floor_seconds=floor))
     static = results[0]["seconds"]
     print("\n| variant | s per step | vs static | GB read per step | memory floor s | share of bandwidth |")
     print("|---|---|---|---|---|---|")
     for r in results:
-        name = f"shared, {r['entries']} entries" if r["variant"] == "shared" else r["variant"]
+        name = {"shared": f"shared, {r['entries']} entries",
+                "tiled": f"tiled, steps {r['first_step']}-{(r['first_step'] or 0) + args.steps - 1}"}.get(r["variant"],
+                                                                                                        r["variant"])
         print(f"| {name} | {r['seconds']:.4f} | {r['seconds'] / static:.2f}x | {sum(r['bytes'].values()) / 1e9:.2f} | "
               f"{r['floor_seconds']:.4f} | {r['floor_seconds'] / r['seconds']:.0%} |")
+    tiled_seconds = [r["seconds"] for r in results if r["variant"] == "tiled"]
+    if tiled_seconds:  # every tile count is reached for the same number of steps in a call of the whole bucket
+        mean = float(np.mean(tiled_seconds))
+        print(f"tiled ({tile}-slot tiles), mean over a call of all {args.new_token_bucket} steps: {mean:.4f} s per "
+              f"step, {mean / static:.2f}x static")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(args=vars(args), roofline=roofline, results=results), f, indent=1)

@@ -214,8 +214,9 @@ decode_step_bench = _load("decode_step")
 
 
 def test_decode_step_variants_compute_the_same_logits():
-    """The three data flows of benchmarks/decode_step.py (static step, per-row steps, per-row steps reading a shared
-    prompt cache) are the same computation: equal logits after 3 steps of a 2-layer GQA model."""
+    """The data flows of benchmarks/decode_step.py (static step, static step over response tiles, per-row steps,
+    per-row steps reading a shared prompt cache) are the same computation: equal logits after 3 steps of a 2-layer
+    GQA model (the tiled one crossing from its second tile of 4 slots into the third)."""
     import jax
 
     from jaxrl_llm.models import ModelConfig, init_params
@@ -230,10 +231,15 @@ def test_decode_step_variants_compute_the_same_logits():
     logits = {}
     for variant in decode_step_bench.VARIANTS:
         prompt_k, prompt_v = (shared_k, shared_v) if variant == "shared" else (own_k, own_v)
+        keys, values = response_k, response_v
+        if variant == "tiled":
+            keys, values = decode_step_bench.split_tiles(keys, 4, 3), decode_step_bench.split_tiles(values, 4, 2)
+            assert len(keys[0]) == 4 and keys[0][1].shape[-1] == 4
         logits[variant] = np.asarray(decode_step_bench.run_steps(
-            params, config, variant, prompt_k, prompt_v, response_k, response_v, lengths, tokens, row_entry,
-            jax.numpy.int32(8), steps=3))
+            params, config, variant, prompt_k, prompt_v, keys, values, lengths, tokens, row_entry,
+            jax.numpy.int32(6), steps=3))
     assert np.abs(logits["static"]).max() > 0.1 and np.isfinite(logits["static"]).all()
+    np.testing.assert_allclose(logits["tiled"], logits["static"], atol=1e-5, rtol=0)
     np.testing.assert_allclose(logits["per_row"], logits["static"], atol=1e-5, rtol=0)
     np.testing.assert_allclose(logits["shared"], logits["static"], atol=1e-5, rtol=0)
 
@@ -250,3 +256,6 @@ def test_decode_step_bytes_hand_values():
     shared = decode_step_bench.step_bytes(config, 1000, rows=3, prompt_bucket=16, new_token_bucket=32,
                                           variant="shared")
     assert shared["gather"] == 2 * 3 * 16 * 256 and shared["prompt"] == static["prompt"]
+    tiled = decode_step_bench.step_bytes(config, 1000, rows=3, prompt_bucket=16, new_token_bucket=32,
+                                         variant="tiled", response_slots_read=8)
+    assert tiled == dict(weights=1000, prompt=3 * 16 * 256, response=3 * 8 * 256, gather=0)

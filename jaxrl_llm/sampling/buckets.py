@@ -41,6 +41,7 @@ class SamplingPlan:
     prompt_bucket: int            # padded prompt length
     new_token_bucket: int         # padded max_new_tokens (token buffer width)
     prompts_per_prefill: int
+    response_tile: int = 0        # response cache tile of the decode step (`decoder.response_tile_size`); 0: none
 
     @property
     def cache_length(self) -> int:
@@ -58,20 +59,25 @@ def make_plan(
     """Buckets: prompt length and max_new_tokens to powers of two (min 16) then multiples of 256;
     rows to powers of two (then multiples of 256) and a multiple of `row_multiple` (the number of
     devices the rows are split over); prompts per prefill call to a power of two such that
-    prompts x prompt_bucket stays within `prefill_tokens_per_call` (at least one prompt)."""
+    prompts x prompt_bucket stays within `prefill_tokens_per_call` (at least one prompt); the response
+    cache's tile by `decoder.response_tile_size` of the new-token bucket."""
+    from jaxrl_llm.sampling.decoder import response_tile_size
+
     row_prompt = np.repeat(np.arange(len(counts), dtype=np.int32), counts)
     active = np.flatnonzero(counts > 0).astype(np.int32)
     num_rows = int(row_prompt.shape[0])
     prompt_bucket = bucket_size(int(prompt_lengths[active].max()) if len(active) else 1, minimum=16)
     row_bucket = round_up(bucket_size(num_rows), row_multiple)
+    new_token_bucket = bucket_size(max_new_tokens, minimum=16)
     return SamplingPlan(
         row_prompt=row_prompt,
         prefill_prompts=active,
         num_rows=num_rows,
         row_bucket=row_bucket,
         prompt_bucket=prompt_bucket,
-        new_token_bucket=bucket_size(max_new_tokens, minimum=16),
+        new_token_bucket=new_token_bucket,
         prompts_per_prefill=prefill_chunk(prompt_bucket, len(active), row_multiple, prefill_tokens_per_call),
+        response_tile=response_tile_size(new_token_bucket),
     )
 
 

@@ -12,6 +12,11 @@ layer's arithmetic lives) with an attention of this module's own; only the data 
   matmul (no per-step transpose of the cache); values are [rows, kv_heads, slots, head_dim].
 - A sliding-window layer (Mistral, Gemma) keeps min(new-token bucket, window) response slots, a ring:
   generated token t goes to slot t mod that size, overwriting a token the window no longer sees.
+- With `response_tile` > 0 (the static engine's long buckets, `response_tile_size`) a full-attention layer's
+  response part is a tuple of separate tile buffers, and a step attends only over the tiles generated so far
+  (a `lax.switch` on step // tile): early in a 512-token call a step reads a quarter of the response cache.
+  Separate buffers, not slices of one: XLA copies a slice before a dot, and one dot per tile of a shared
+  buffer cost more than the whole (measured: benchmarks/README, "Attention over the tiles reached").
 - Caches and layer weights are tuples with one entry per layer and the decode step loops over
   layers in Python: a scan over stacked layers would copy every layer's weights and cache slice
   out of the stacked arrays at every step (the dominant cost of a memory-bound decode on CPU).
@@ -40,6 +45,8 @@ class RowCache(NamedTuple):
     prompt_k [R, KV, d, P], prompt_v [R, KV, P, d]: keys/values of the prompt at positions 0..P-1;
     response_k [R, KV, d, N], response_v [R, KV, N, d]: of generated token t (position
     prompt_length + t) in slot t; on a sliding layer N is min(N, window) and the slot t mod N.
+    A tiled layer's response_k / response_v entry is a tuple of N / T buffers [R, KV, d, T] / [R, KV, T, d]:
+    token t in tile t // T, slot t mod T.
     """
 
     prompt_k: tuple
@@ -48,15 +55,40 @@ class RowCache(NamedTuple):
     response_v: tuple
 
 
+RESPONSE_TILE = 128  # smallest response tile; a dot over fewer slots costs more per slot on CPU
+MAX_RESPONSE_TILES = 8  # tiles per layer at most: the step's switch compiles one branch per tile count
+
+
+def response_tile_size(new_token_bucket: int) -> int:
+    """Response tile of the static engine for a new-token bucket: 0 (one buffer) below two tiles of
+    RESPONSE_TILE, else max(RESPONSE_TILE, bucket / MAX_RESPONSE_TILES) when that divides the bucket
+    (it does for every bucket of `buckets.bucket_size` >= 256: 256 -> 128, 512 -> 128, 3072 -> 384)."""
+    if new_token_bucket < 2 * RESPONSE_TILE:
+        return 0
+    tile = max(RESPONSE_TILE, new_token_bucket // MAX_RESPONSE_TILES)
+    return tile if new_token_bucket % tile == 0 else 0
+
+
 def empty_row_cache(config: ModelConfig, rows: int, prompt_bucket: int, new_token_bucket: int,
-                    dtype=None) -> RowCache:
+                    dtype=None, response_tile: int = 0) -> RowCache:
+    """Zero caches; with `response_tile` T > 0 (dividing new_token_bucket) every full-attention layer's
+    response part is a tuple of new_token_bucket / T tile buffers (sliding layers keep their ring)."""
     dtype = jnp.dtype(dtype or config.compute_dtype)
     kv, d = config.num_kv_heads, config.head_dim
+    if response_tile and new_token_bucket % response_tile:
+        raise ValueError(f"response_tile {response_tile} must divide the new-token bucket {new_token_bucket}")
     slots = response_slots(config, new_token_bucket)
     prompt_k = tuple(jnp.zeros((rows, kv, d, prompt_bucket), dtype) for _ in slots)
     prompt_v = tuple(jnp.zeros((rows, kv, prompt_bucket, d), dtype) for _ in slots)
-    return RowCache(prompt_k, prompt_v, tuple(jnp.zeros((rows, kv, d, n), dtype) for n in slots),
-                    tuple(jnp.zeros((rows, kv, n, d), dtype) for n in slots))
+
+    def response(n, sliding, shape):
+        if response_tile and not sliding:
+            return tuple(jnp.zeros(shape(response_tile), dtype) for _ in range(n // response_tile))
+        return jnp.zeros(shape(n), dtype)
+
+    layers = list(zip(slots, config.sliding_layers()))
+    return RowCache(prompt_k, prompt_v, tuple(response(n, w, lambda t: (rows, kv, d, t)) for n, w in layers),
+                    tuple(response(n, w, lambda t: (rows, kv, t, d)) for n, w in layers))
 
 
 def response_slots(config: ModelConfig, new_token_bucket: int) -> tuple[int, ...]:
@@ -137,23 +169,28 @@ def _attend(q, prompt_k, prompt_v, response_k, response_v, prompt_lengths, step,
     slots s < prompt_length and response slots j <= step; with a sliding `window` w, only keys fewer than
     w positions back (prompt slot s: prompt_length + step - s < w; response slot j, holding generated token
     step - ((step - j) mod n) of a ring of n slots: (step - j) mod n < w). step is [] or one per row [B].
-    q [B, H, d] (head h reads KV head h // (H / KV)); returns [B, H*d]."""
+    response_k / response_v are one buffer each or a list of consecutive tiles (slots 0..T-1, T..2T-1, ...),
+    read one dot per tile. q [B, H, d] (head h reads KV head h // (H / KV)); returns [B, H*d]."""
     batch, num_heads, head_dim = q.shape
     num_kv = prompt_k.shape[1]
+    response_k = list(response_k) if isinstance(response_k, (list, tuple)) else [response_k]
+    response_v = list(response_v) if isinstance(response_v, (list, tuple)) else [response_v]
     q = q.reshape(batch, num_kv, num_heads // num_kv, head_dim) * jnp.asarray(config.attention_scale, q.dtype)
     f32 = jnp.float32
     cap = config.attn_logit_softcapping
     prompt_scores = soft_cap(jnp.einsum("bkgd,bkds->bkgs", q, prompt_k.astype(q.dtype), preferred_element_type=f32),
                              cap)
-    response_scores = soft_cap(
-        jnp.einsum("bkgd,bkdn->bkgn", q, response_k.astype(q.dtype), preferred_element_type=f32), cap)
-    prompt_index, response_index = jnp.arange(prompt_k.shape[-1]), jnp.arange(response_k.shape[-1])
+    response_scores = soft_cap(jnp.concatenate(
+        [jnp.einsum("bkgd,bkdn->bkgn", q, k.astype(q.dtype), preferred_element_type=f32) for k in response_k], -1),
+        cap)
+    slots = response_scores.shape[-1]
+    prompt_index, response_index = jnp.arange(prompt_k.shape[-1]), jnp.arange(slots)
     prompt_ok = prompt_index[None, :] < prompt_lengths[:, None]
     row_step = step[:, None] if step.ndim else step  # one step per row, or one for all rows
     response_ok = response_index <= row_step
     if window is not None:
         prompt_ok = prompt_ok & ((prompt_lengths + step)[:, None] - prompt_index[None, :] < window)
-        response_ok = response_ok & ((row_step - response_index) % response_k.shape[-1] < window)
+        response_ok = response_ok & ((row_step - response_index) % slots < window)
     prompt_scores = jnp.where(prompt_ok[:, None, None, :], prompt_scores, -jnp.inf)
     response_ok = response_ok[:, None, None, :] if step.ndim else response_ok
     response_scores = jnp.where(response_ok, response_scores, -jnp.inf)
@@ -162,8 +199,40 @@ def _attend(q, prompt_k, prompt_v, response_k, response_v, prompt_lengths, step,
     total = prompt_w.sum(-1, keepdims=True) + response_w.sum(-1, keepdims=True)
     dtype = prompt_v.dtype
     out = jnp.einsum("bkgs,bksd->bkgd", prompt_w.astype(dtype), prompt_v, preferred_element_type=f32)
-    out = out + jnp.einsum("bkgn,bknd->bkgd", response_w.astype(dtype), response_v, preferred_element_type=f32)
+    start = 0
+    for v in response_v:
+        tile = v.shape[2]
+        out = out + jnp.einsum("bkgn,bknd->bkgd", response_w[..., start: start + tile].astype(dtype), v,
+                               preferred_element_type=f32)
+        start += tile
     return (out / total).reshape(batch, num_heads * head_dim)
+
+
+def _attend_reached(q, prompt_k, prompt_v, tiles_k: tuple, tiles_v: tuple, prompt_lengths, step, config: ModelConfig):
+    """`_attend` over the response tiles that hold a token so far (tiles 0..step // T), one step for all rows:
+    a `lax.switch` with one branch per count of tiles, each reading only its tiles."""
+    tile = tiles_k[0].shape[-1]
+
+    def over(count):
+        return lambda q, prompt_k, prompt_v, tiles_k, tiles_v: _attend(
+            q, prompt_k, prompt_v, tiles_k[:count], tiles_v[:count], prompt_lengths, step, config)
+
+    branches = [over(count) for count in range(1, len(tiles_k) + 1)]
+    return jax.lax.switch(step // tile, branches, q, prompt_k, prompt_v, tiles_k, tiles_v)
+
+
+def _write_tiles(tiles: tuple, new: jax.Array, step: jax.Array, axis: int) -> tuple:
+    """tiles (consecutive slot ranges of T) with new (size 1 on `axis`) written at slot `step` (one for all
+    rows): every tile gets an in-place write at step mod T, of `new` in tile step // T and of its own old
+    value elsewhere (a conditional write copied every tile buffer; measured 1,440 copies per step)."""
+    tile = tiles[0].shape[axis]
+    slot = step % tile
+    written = []
+    for index, buffer in enumerate(tiles):
+        old = jax.lax.dynamic_slice_in_dim(buffer, slot, 1, axis=axis)
+        value = jnp.where(step // tile == index, new.astype(buffer.dtype), old)
+        written.append(jax.lax.dynamic_update_slice_in_dim(buffer, value, slot, axis=axis))
+    return tuple(written)
 
 
 def _write_slot(buffer: jax.Array, new: jax.Array, slot: jax.Array, axis: int) -> jax.Array:
@@ -185,6 +254,9 @@ def decode_step(params, layers: list, config: ModelConfig, tokens: jax.Array, pr
     holds one entry per prompt [C, ...] and row b attends to entry prompt_rows[b] (gathered layer by
     layer); prompt_lengths are then the rows' own [B]."""
     step = jnp.asarray(step)
+    if step.ndim and any(isinstance(k, tuple) for k in cache.response_k):
+        raise ValueError("a cache with response tiles takes one step for all rows (the static engine); "
+                         "per-row steps need untiled response buffers (response_tile=0)")
     positions = (prompt_lengths + step)[:, None]
     x = embed_tokens(params, config, tokens[:, None])
     new = {name: [] for name in RowCache._fields}
@@ -192,6 +264,12 @@ def decode_step(params, layers: list, config: ModelConfig, tokens: jax.Array, pr
         const = layer_constants(config, i)
 
         def attend_fn(q, k, v, i=i, window=const["window"]):  # q [B,1,H,d], k, v [B,1,KV,d]
+            if isinstance(cache.response_k[i], tuple):  # tiles: one step for all rows (`response_tile_size`)
+                response_k = _write_tiles(cache.response_k[i], jnp.transpose(k, (0, 2, 3, 1)), step, axis=3)
+                response_v = _write_tiles(cache.response_v[i], jnp.transpose(v, (0, 2, 1, 3)), step, axis=2)
+                attn = _attend_reached(q[:, 0], cache.prompt_k[i], cache.prompt_v[i], response_k, response_v,
+                                       prompt_lengths, step, config)
+                return attn[:, None], (response_k, response_v)
             slot = step % cache.response_k[i].shape[-1]  # = step, except on a sliding layer's ring
             response_k = _write_slot(cache.response_k[i],
                                      jnp.transpose(k, (0, 2, 3, 1)).astype(cache.response_k[i].dtype), slot, axis=3)

@@ -85,11 +85,12 @@ def _constrain_state(state: SamplingState, mesh: Mesh | None) -> SamplingState:
     return SamplingState(**rows, step=state.step, cache=cache)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "mesh", "prompt_bucket", "new_token_bucket"))
+@functools.partial(jax.jit, static_argnames=("config", "mesh", "prompt_bucket", "new_token_bucket", "response_tile"))
 def init_state(config: ModelConfig, mesh: Mesh | None, prompt_lengths: jax.Array, valid: jax.Array, *,
-               prompt_bucket: int, new_token_bucket: int) -> tuple[SamplingState, jax.Array]:
+               prompt_bucket: int, new_token_bucket: int, response_tile: int = 0) -> tuple[SamplingState, jax.Array]:
     """A fresh state for R = len(valid) rows (invalid rows are bucket padding: done from the start)
-    and a zero [R, V] buffer for the logits of each row's first token."""
+    and a zero [R, V] buffer for the logits of each row's first token; `response_tile` > 0 splits the
+    response cache in tiles the decode step reads only as far as generated (`decoder.empty_row_cache`)."""
     rows = valid.shape[0]
     state = SamplingState(
         tokens=jnp.zeros((rows, new_token_bucket), jnp.int32),
@@ -99,7 +100,7 @@ def init_state(config: ModelConfig, mesh: Mesh | None, prompt_lengths: jax.Array
         stopped=jnp.zeros((rows,), bool),
         lengths=jnp.zeros((rows,), jnp.int32),
         step=jnp.zeros((), jnp.int32),
-        cache=empty_row_cache(config, rows, prompt_bucket, new_token_bucket),
+        cache=empty_row_cache(config, rows, prompt_bucket, new_token_bucket, response_tile=response_tile),
     )
     first_logits = _constrain(jnp.zeros((rows, config.vocab_size), jnp.float32), mesh)
     return _constrain_state(state, mesh), first_logits

@@ -113,7 +113,8 @@ def prefill(params, config: ModelConfig, prompts: list[np.ndarray], plan: Sampli
     lengths = np.array([len(p) for p in prompts], np.int32)
     valid = np.arange(rows) < plan.num_rows
     state, first_logits = init_state(config, mesh, _put(lengths[row_prompt], mesh), _put(valid, mesh),
-                                     prompt_bucket=plan.prompt_bucket, new_token_bucket=plan.new_token_bucket)
+                                     prompt_bucket=plan.prompt_bucket, new_token_bucket=plan.new_token_bucket,
+                                     response_tile=plan.response_tile)
     per_call = plan.prompts_per_prefill
     for start in range(0, len(plan.prefill_prompts), per_call):
         chunk = plan.prefill_prompts[start: start + per_call]

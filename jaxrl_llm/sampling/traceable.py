@@ -16,6 +16,7 @@ import jax.numpy as jnp
 
 from jaxrl_llm.models import ModelConfig
 from jaxrl_llm.sampling.buckets import bucket_size
+from jaxrl_llm.sampling.decoder import response_tile_size
 from jaxrl_llm.sampling.engine import decode_rows, init_state, prefill_rows
 from jaxrl_llm.sampling.generate import _stop_array
 
@@ -60,9 +61,10 @@ def sample_tokens(params, config: ModelConfig, prompt_tokens: jax.Array, prompt_
     rows = num_prompts * samples_per_prompt
     row_prompt = jnp.repeat(jnp.arange(num_prompts, dtype=jnp.int32), samples_per_prompt)
     prompt_lengths = jnp.asarray(prompt_lengths, jnp.int32)
+    new_token_bucket = bucket_size(max_new_tokens, minimum=16)
     state, first_logits = init_state(config, None, prompt_lengths[row_prompt], jnp.ones((rows,), bool),
-                                     prompt_bucket=prompt_len,
-                                     new_token_bucket=bucket_size(max_new_tokens, minimum=16))
+                                     prompt_bucket=prompt_len, new_token_bucket=new_token_bucket,
+                                     response_tile=response_tile_size(new_token_bucket))
     state, first_logits = prefill_rows(params, config, None, jnp.asarray(prompt_tokens, jnp.int32), prompt_lengths,
                                        row_prompt, state, first_logits)
     greedy = temperature == 0.0
