@@ -152,14 +152,13 @@ def main():
     if args.new_token_bucket < 2 * args.steps:
         parser.error("--new-token-bucket must hold the steps from its middle on (>= 2 x --steps)")
 
-    from sampling import machine_roofline  # noqa: E402  (benchmarks/sampling.py)
+    from sampling import machine_roofline, weight_size  # noqa: E402  (benchmarks/sampling.py)
 
     from jaxrl_llm.models import load_bundled
     from jaxrl_llm.sampling.decoder import response_tile_size
 
     config, params, _ = load_bundled("float32")
-    weight_bytes = sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree_util.tree_leaves(params))
-    num_params = sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(params))
+    num_params, weight_bytes = weight_size(params)
     roofline = machine_roofline(num_params, weight_bytes)
     print(f"jax {jax.__version__} on {jax.devices()[0].platform}, {args.rows} rows, prompt bucket "
           f"{args.prompt_bucket}, new-token bucket {args.new_token_bucket}, {args.steps} steps x {args.repeats}; "

@@ -261,6 +261,12 @@ def sampler_name(engine: str) -> str:
     return "jaxrl_llm" if engine == "static" else f"jaxrl_llm {engine}"
 
 
+def progress(sampler: str, run: int, repeats: int, call: int, calls: int, start: float) -> None:
+    """One line per finished call of a timed run, so a run of many minutes shows where it is."""
+    print(f"  {sampler}: run {run + 1} of {repeats}, call {call + 1} of {calls} done, "
+          f"{time.perf_counter() - start:.0f} s into the run", flush=True)
+
+
 def row_prompts(prompts: list[list[int]], samples: int) -> list[list[int]]:
     """One prompt per output row, ordered by prompt then sample (the trainer's order)."""
     return [p for p in prompts for _ in range(samples)]
@@ -323,9 +329,12 @@ def run_ours(params, config, tokenizer, prompts, samples, new_tokens, rows, repe
     jax.monitoring.register_event_duration_secs_listener(listener)
     seconds = []
     for r in range(repeats):
+        print(f"  {sampler_name(engine)}: run {r + 1} of {repeats} started (one `generate` call; it prints when done)",
+              flush=True)
         start = time.perf_counter()
         rollout, stats = once(r + 1)
         seconds.append(time.perf_counter() - start)
+        progress(sampler_name(engine), r, repeats, 0, 1, start)
     jax.monitoring.unregister_event_duration_listener(listener)
     useful = np.asarray(rollout.lengths, np.int64)  # a stop token is part of the response
     num_rows = len(useful)
@@ -349,18 +358,20 @@ def run_tunix(sampler, tokenizer, prompts, samples, new_tokens, rows, repeats) -
     max_prompt = max(len(p) for p in prompts)
     runs = batches(len(strings), rows)
 
-    def call(batch, seed):
+    def call(batch, seed, r, index, start):
         out = sampler(batch + [batch[-1]] * (rows - len(batch)), max_generation_steps=new_tokens,
                       max_prompt_length=max_prompt, temperature=1.0, top_p=1.0, eos_tokens=list(tokenizer.stop_ids),
                       seed=seed)
         jax.block_until_ready(out.tokens)
+        if index >= 0:
+            progress("tunix", r, repeats, index, len(runs), start)
         return lengths_before_stop([len(t) for t in out.tokens], new_tokens)
 
-    call(strings[:rows], 0)  # warm-up: compiles the one shape of every call
+    call(strings[:rows], 0, 0, -1, time.perf_counter())  # warm-up: compiles the one shape of every call
     seconds = []
     for r in range(repeats):
         start = time.perf_counter()
-        call_lengths = [call(strings[a:b], (r + 1) * 100_003 + a) for a, b in runs]
+        call_lengths = [call(strings[a:b], (r + 1) * 100_003 + a, r, i, start) for i, (a, b) in enumerate(runs)]
         seconds.append(time.perf_counter() - start)
     useful = np.concatenate([lengths[:b - a] for lengths, (a, b) in zip(call_lengths, runs)])
     return summary("tunix", useful, call_lengths, [rows] * len(runs), seconds)
@@ -374,20 +385,21 @@ def run_transformers(model, tokenizer, prompts, samples, new_tokens, rows, repea
     row_ids = row_prompts(prompts, samples)
     runs = batches(len(row_ids), rows)
 
-    def call(batch):
+    def call(batch, r, index, start):
         width = max(len(p) for p in batch)
         ids = torch.tensor([[pad] * (width - len(p)) + list(p) for p in batch], dtype=torch.long)
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch], dtype=torch.long)
         with torch.no_grad():
             out = model.generate(ids, attention_mask=mask, do_sample=True, top_k=0, top_p=1.0, temperature=1.0,
                                  max_new_tokens=new_tokens, eos_token_id=stop, pad_token_id=pad, use_cache=True)
+        progress("transformers", r, repeats, index, len(runs), start)
         return useful_lengths(out[:, width:].numpy(), stop)
 
     seconds = []
     for r in range(repeats):  # eager torch: nothing to compile
         torch.manual_seed(r + 1)
         start = time.perf_counter()
-        call_lengths = [call(row_ids[a:b]) for a, b in runs]
+        call_lengths = [call(row_ids[a:b], r, i, start) for i, (a, b) in enumerate(runs)]
         seconds.append(time.perf_counter() - start)
     useful = np.concatenate(call_lengths)
     return summary("transformers", useful, call_lengths, [b - a for a, b in runs], seconds)
@@ -466,8 +478,7 @@ def main():
 
     bench = _sampling_bench()
     config, params, tokenizer, prompts = load_workload(args.problems)
-    num_params = sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(params))
-    roof = bench.machine_roofline(num_params, 4 * num_params)
+    roof = bench.machine_roofline(*bench.weight_size(params))
     prompt_lengths = [len(p) for p in prompts]
     load_before = os.getloadavg()
     print(f"SmolLM2-135M f32, {len(prompts)} gsm8k-100 problems (reasoning prompt, {min(prompt_lengths)}-"

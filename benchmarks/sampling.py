@@ -31,6 +31,12 @@ from train_step import median_time  # noqa: E402
 PROMPT_LENGTH = 64
 
 
+def weight_size(params) -> tuple[int, int]:
+    """(parameter count, bytes) of a parameter tree, every leaf counted at its own dtype."""
+    leaves = jax.tree_util.tree_leaves(params)
+    return sum(int(np.prod(x.shape)) for x in leaves), sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in leaves)
+
+
 def machine_roofline(num_params: int, weight_bytes: int) -> dict:
     """Measured f32 matmul FLOP/s and memory read bandwidth, and the decode bounds they imply."""
     n = 2048
@@ -195,8 +201,7 @@ def main():
     from jaxrl_llm.models import load_bundled
 
     config, params, _ = load_bundled("float32")
-    num_params = sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(params))
-    weight_bytes = 4 * num_params
+    num_params, weight_bytes = weight_size(params)
     roof = machine_roofline(num_params, weight_bytes)
     print(f"SmolLM2-135M f32: {num_params / 1e6:.1f}M params, {weight_bytes / 1e6:.0f} MB; measured "
           f"{roof['flops'] / 1e9:.0f} GFLOP/s f32 matmul, {roof['bandwidth'] / 1e9:.1f} GB/s read -> "

@@ -259,3 +259,11 @@ def test_decode_step_bytes_hand_values():
     tiled = decode_step_bench.step_bytes(config, 1000, rows=3, prompt_bucket=16, new_token_bucket=32,
                                          variant="tiled", response_slots_read=8)
     assert tiled == dict(weights=1000, prompt=3 * 16 * 256, response=3 * 8 * 256, gather=0)
+
+
+def test_weight_size_counts_every_leaf_at_its_dtype():
+    import jax.numpy as jnp
+
+    sampling_bench = _load("sampling")
+    params = {"a": jnp.zeros((3, 4), jnp.float32), "b": [jnp.zeros(5, jnp.bfloat16), jnp.zeros((2, 2), jnp.int8)]}
+    assert sampling_bench.weight_size(params) == (12 + 5 + 4, 12 * 4 + 5 * 2 + 4 * 1)
