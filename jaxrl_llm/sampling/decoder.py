@@ -16,7 +16,7 @@ layer's arithmetic lives) with an attention of this module's own; only the data 
   response part is a tuple of separate tile buffers, and a step attends only over the tiles generated so far
   (a `lax.switch` on step // tile): early in a 512-token call a step reads a quarter of the response cache.
   Separate buffers, not slices of one: XLA copies a slice before a dot, and one dot per tile of a shared
-  buffer cost more than the whole (measured: benchmarks/README, "Attention over the tiles reached").
+  buffer cost more than the whole (benchmarks/README, decode_step.py's section, "Tried and not kept").
 - Caches and layer weights are tuples with one entry per layer and the decode step loops over
   layers in Python: a scan over stacked layers would copy every layer's weights and cache slice
   out of the stacked arrays at every step (the dominant cost of a memory-bound decode on CPU).
