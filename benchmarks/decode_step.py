@@ -15,8 +15,10 @@ prompts of 72-193 tokens, up to 512 new tokens). Variants, each a step of one en
   of steps, and averaged over them (the mean step of a call that runs the whole bucket);
 - per_row: one step per row (a scatter of each row's keys/values at its own slot), still a prompt cache per row;
 - shared E: per-row steps, and each row reads its prompt's keys/values from a cache of E entries shared by the
-  rows that continue the same prompt (`prompt_rows`: the continuous engine, `continuous.decode_slots`), gathered
-  layer by layer. One run per `--entries` value.
+  rows that continue the same prompt (`prompt_rows`: the continuous engine before its response cache had tiles),
+  gathered layer by layer. One run per `--entries` value;
+- shared_tiled: the same over a tiled response cache, as `continuous.decode_slots` runs it now, timed with every
+  tile reached (in steady state some slot is deep into its response, and the deepest slot decides the tiles read).
 
 All variants compute the same logits (tested: tests/test_benchmarks_rollouts.py). Reported per variant: seconds
 per step (each loop compiled and run once, then `--repeats` rounds timing every variant in turn, so drift in
@@ -38,7 +40,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-VARIANTS = ("static", "tiled", "per_row", "shared")
+VARIANTS = ("static", "tiled", "per_row", "shared", "shared_tiled")
 
 
 def step_bytes(config, weight_bytes: int, rows: int, prompt_bucket: int, new_token_bucket: int, variant: str,
@@ -50,7 +52,7 @@ def step_bytes(config, weight_bytes: int, rows: int, prompt_bucket: int, new_tok
     per_token = 2 * config.num_layers * config.num_kv_heads * config.head_dim * itemsize  # keys and values
     prompt = rows * prompt_bucket * per_token
     response = rows * (new_token_bucket if response_slots_read is None else response_slots_read) * per_token
-    gather = 2 * prompt if variant == "shared" else 0
+    gather = 2 * prompt if variant.startswith("shared") else 0
     return dict(weights=weight_bytes, prompt=prompt, response=response, gather=gather)
 
 
@@ -95,7 +97,7 @@ def run_steps(params, config, variant: str, prompt_k, prompt_v, response_k, resp
             logits, cache = decode_step(params, layers, config, tokens, lengths, step, cache)
         else:
             logits, cache = decode_step(params, layers, config, tokens, lengths, jnp.full((rows,), step), cache,
-                                        prompt_rows=row_entry if variant == "shared" else None)
+                                        prompt_rows=row_entry if variant.startswith("shared") else None)
         return cache, jnp.argmax(logits, -1).astype(jnp.int32), logits
 
     logits = jnp.zeros((rows, config.vocab_size), jnp.float32)
@@ -117,9 +119,9 @@ def time_variants(params, config, runs, steps: int, repeats: int, tile: int = 0)
     calls = []
     for variant, inputs, first in runs:
         (shared_k, shared_v), (own_k, own_v), (response_k, response_v), lengths, tokens, row_entry = inputs
-        prompt_k, prompt_v = (shared_k, shared_v) if variant == "shared" else (own_k, own_v)
+        prompt_k, prompt_v = (shared_k, shared_v) if variant.startswith("shared") else (own_k, own_v)
         first = jnp.int32(response_k[0].shape[-1] // 2 if first is None else first)
-        if variant == "tiled":
+        if variant.endswith("tiled"):
             response_k, response_v = split_tiles(response_k, tile, 3), split_tiles(response_v, tile, 2)
         calls.append(functools.partial(run_steps, params, config, variant, prompt_k, prompt_v, response_k,
                                        response_v, lengths, tokens, row_entry, first, steps=steps))
@@ -168,8 +170,11 @@ def main():
     # the tiled step at the middle of each tile count's range of steps (its cost grows with the tiles reached)
     tiled = [("tiled", max(entries), start + (tile - args.steps) // 2)
              for start in range(0, args.new_token_bucket, tile)] if tile >= args.steps else []
+    # the continuous engine's step since its cache has tiles too: its deepest slot is deep in steady state, so
+    # timed with every tile reached
+    last = [("shared_tiled", max(entries), tiled[-1][2])] if tiled else []
     runs = ([("static", max(entries), None)] + tiled + [("per_row", max(entries), None)]
-            + [("shared", e, None) for e in entries])
+            + [("shared", e, None) for e in entries] + last)
     # one set of inputs per entry count: static, tiled and per_row read the same arrays as the largest shared run
     inputs = {e: make_inputs(config, args.rows, e, args.prompt_bucket, args.new_token_bucket)
               for e in dict.fromkeys(e for _, e, _ in runs)}
@@ -177,19 +182,19 @@ def main():
                             args.repeats, tile)
     results = []
     for (variant, e, first), step_seconds in zip(runs, seconds):
-        read = None if variant != "tiled" else (first + args.steps) // tile * tile + tile  # slots of reached tiles
+        read = None if first is None else (first + args.steps) // tile * tile + tile  # slots of reached tiles
         moved = step_bytes(config, weight_bytes, args.rows, args.prompt_bucket, args.new_token_bucket, variant,
                            response_slots_read=read)
         floor = sum(moved.values()) / roofline["bandwidth"]
-        results.append(dict(variant=variant, entries=e if variant == "shared" else None, first_step=first,
+        results.append(dict(variant=variant, entries=e if variant.startswith("shared") else None, first_step=first,
                             seconds=step_seconds, bytes=moved, floor_seconds=floor))
     static = results[0]["seconds"]
     print("\n| variant | s per step | vs static | GB read per step | memory floor s | share of bandwidth |")
     print("|---|---|---|---|---|---|")
     for r in results:
-        name = {"shared": f"shared, {r['entries']} entries",
-                "tiled": f"tiled, steps {r['first_step']}-{(r['first_step'] or 0) + args.steps - 1}"}.get(r["variant"],
-                                                                                                        r["variant"])
+        steps = f"steps {r['first_step']}-{(r['first_step'] or 0) + args.steps - 1}"
+        name = {"shared": f"shared, {r['entries']} entries", "tiled": f"tiled, {steps}",
+                "shared_tiled": f"shared, {r['entries']} entries, tiled, {steps}"}.get(r["variant"], r["variant"])
         print(f"| {name} | {r['seconds']:.4f} | {r['seconds'] / static:.2f}x | {sum(r['bytes'].values()) / 1e9:.2f} | "
               f"{r['floor_seconds']:.4f} | {r['floor_seconds'] / r['seconds']:.0%} |")
     tiled_seconds = [r["seconds"] for r in results if r["variant"] == "tiled"]

@@ -230,9 +230,9 @@ def test_decode_step_variants_compute_the_same_logits():
     np.testing.assert_array_equal(own_k[1][4], shared_k[1][0])  # row 4 holds entry 0's keys
     logits = {}
     for variant in decode_step_bench.VARIANTS:
-        prompt_k, prompt_v = (shared_k, shared_v) if variant == "shared" else (own_k, own_v)
+        prompt_k, prompt_v = (shared_k, shared_v) if variant.startswith("shared") else (own_k, own_v)
         keys, values = response_k, response_v
-        if variant == "tiled":
+        if variant.endswith("tiled"):
             keys, values = decode_step_bench.split_tiles(keys, 4, 3), decode_step_bench.split_tiles(values, 4, 2)
             assert len(keys[0]) == 4 and keys[0][1].shape[-1] == 4
         logits[variant] = np.asarray(decode_step_bench.run_steps(
@@ -242,6 +242,7 @@ def test_decode_step_variants_compute_the_same_logits():
     np.testing.assert_allclose(logits["tiled"], logits["static"], atol=1e-5, rtol=0)
     np.testing.assert_allclose(logits["per_row"], logits["static"], atol=1e-5, rtol=0)
     np.testing.assert_allclose(logits["shared"], logits["static"], atol=1e-5, rtol=0)
+    np.testing.assert_allclose(logits["shared_tiled"], logits["static"], atol=1e-5, rtol=0)
 
 
 def test_decode_step_bytes_hand_values():

@@ -80,14 +80,75 @@ def test_write_tiles_puts_the_token_in_its_tile_only():
         np.testing.assert_array_equal(got, want)
 
 
-def test_tiled_cache_refuses_per_row_steps(tiny):
+def test_write_tiles_with_a_step_per_row():
+    tiles = tuple(jnp.full((2, 1, 4, 1), float(i)) for i in range(3))  # [B, KV, T, d] (values' layout)
+    new = jnp.array([10.0, 20.0]).reshape(2, 1, 1, 1)
+    written = _write_tiles(tiles, new, jnp.array([5, 8]), axis=2)  # row 0: tile 1 slot 1; row 1: tile 2 slot 0
+    expected = [np.full((2, 1, 4, 1), float(i)) for i in range(3)]
+    expected[1][0, 0, 1, 0] = 10.0
+    expected[2][1, 0, 0, 0] = 20.0
+    for got, want in zip(written, expected):
+        np.testing.assert_array_equal(got, want)
+
+
+def test_per_row_steps_over_tiles_equal_one_buffer(tiny):
+    """The continuous engine's step (one step per row, rows in different tiles) over a tiled cache gives the
+    logits and cache of one buffer per layer."""
     config, params = tiny
-    cache = empty_row_cache(config, 2, 8, 16, response_tile=8)
-    with pytest.raises(ValueError, match="one step for all rows"):
-        decode_step(params, unstack_layers(params), config, jnp.zeros(2, jnp.int32), jnp.full(2, 3),
-                    jnp.array([0, 1]), cache)
+    rng = np.random.default_rng(0)
+    whole = empty_row_cache(config, 3, 8, 16)
+    whole = jax.tree_util.tree_map(lambda x: jnp.asarray(rng.standard_normal(x.shape), x.dtype), whole)
+    tiled = whole._replace(response_k=tuple(tuple(k[..., s: s + 4] for s in range(0, 16, 4)) for k in whole.response_k),
+                           response_v=tuple(tuple(v[:, :, s: s + 4] for s in range(0, 16, 4)) for v in whole.response_v))
+    tokens, lengths, steps = jnp.array([3, 7, 11]), jnp.array([8, 5, 2]), jnp.array([0, 6, 9])  # tiles 0, 1, 2
+    layers = unstack_layers(params)
+    want, want_cache = decode_step(params, layers, config, tokens, lengths, steps, whole)
+    got, got_cache = decode_step(params, layers, config, tokens, lengths, steps, tiled)
+    np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
+    assert np.abs(np.asarray(want)).max() > 0.1
+    for got_k, want_k in zip(got_cache.response_k, want_cache.response_k):
+        np.testing.assert_allclose(jnp.concatenate(got_k, -1), want_k, atol=1e-6, rtol=0)  # layer 2: rounding
+    for got_v, want_v in zip(got_cache.response_v, want_cache.response_v):
+        np.testing.assert_allclose(jnp.concatenate(got_v, 2), want_v, atol=1e-6, rtol=0)
+
+
+def test_continuous_engine_over_tiles_equals_the_static_engine(tiny):
+    """At a 256-token bucket both engines use tiles of 128; with slots equal to the static call's rows they draw
+    the same rollouts (the continuous engine's rows cross tiles at different iterations)."""
+    from jaxrl_llm.sampling import generate
+
+    config, params = tiny
+    kwargs = dict(num_samples=COUNTS, max_new_tokens=140, rng=jax.random.key(3), stop_ids=[5])
+    static = generate(params, config, PROMPTS, **kwargs)
+    continuous = generate(params, config, PROMPTS, engine="continuous", max_slots=16, **kwargs)
+    assert static.lengths.max() > 128 and len(set(static.lengths.tolist())) > 3  # rows cross tiles, end apart
+    np.testing.assert_array_equal(continuous.tokens, static.tokens)
+    np.testing.assert_allclose(continuous.logprobs, static.logprobs, atol=1e-5)
+
+
+def test_empty_row_cache_checks_the_tile():
+    config = ModelConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4,
+                         num_kv_heads=2, head_dim=8)
     with pytest.raises(ValueError, match="must divide"):
         empty_row_cache(config, 2, 8, 16, response_tile=6)
+
+
+def copies_in_loops(text: str, shapes: set) -> list:
+    """(computation, shape) of every `copy` of a buffer of one of `shapes` in the compiled program's text, outside
+    the entry computation (which sets up the loop's state once) and fused kernels (one kernel's body)."""
+    found, computation = [], None
+    for line in text.splitlines():  # a computation opens at column 0
+        if line and not line[0].isspace() and line.rstrip().endswith("{"):
+            computation = None if line.startswith("ENTRY") else line.split()[0].lstrip("%")
+        copy = re.search(r"= (\w+\[[\d,]*\])\{[\d,]*\} copy\(", line)
+        if copy and copy.group(1) in shapes and computation and not computation.startswith("fused"):
+            found.append((computation, copy.group(1)))
+    return found
+
+
+def tile_shapes(config, rows: int, tile: int) -> set:
+    kv, d = config.num_kv_heads, config.head_dim
+    return {f"f32[{rows},{kv},{d},{tile}]", f"f32[{rows},{kv},{tile},{d}]"}
 
 
 def test_tiled_decode_loop_writes_its_tiles_in_place(tiny):
@@ -101,14 +162,28 @@ def test_tiled_decode_loop_writes_its_tiles_in_place(tiny):
                              jnp.float32(1.0), jnp.int32(NEW_TOKENS), jnp.asarray(_stop_array([5], VOCAB)),
                              jnp.int32(0), jnp.int32(0), greedy=False, top_k=0,
                              use_top_p=False).compile().as_text()
-    rows = plan.row_bucket
-    shapes = {f"f32[{rows},{config.num_kv_heads},{config.head_dim},8]", f"f32[{rows},{config.num_kv_heads},8,"
-              f"{config.head_dim}]"}
-    copies, computation = [], None
-    for line in text.splitlines():  # a computation opens at column 0; fused ones are one kernel's body
-        if line and not line[0].isspace() and line.rstrip().endswith("{"):
-            computation = line.split()[1 if line.startswith("ENTRY") else 0].lstrip("%")
-        found = re.search(r"= (\w+\[[\d,]*\])\{[\d,]*\} copy\(", line)
-        if found and found.group(1) in shapes and not computation.startswith("fused"):
-            copies.append((computation, found.group(1)))
-    assert re.search(r"while\(", text) and re.search(r"conditional\(", text) and copies == []
+    assert re.search(r"while\(", text) and re.search(r"conditional\(", text)
+    assert copies_in_loops(text, tile_shapes(config, plan.row_bucket, 8)) == []
+
+
+def test_continuous_slot_loop_writes_its_tiles_in_place(tiny, monkeypatch):
+    """The same for the continuous engine's slot loop at a 256-token bucket (tiles of 128, per-row writes)."""
+    import jaxrl_llm.sampling.continuous as continuous
+    from jaxrl_llm.sampling import generate
+
+    config, params = tiny
+    calls, real = [], continuous.decode_slots
+
+    def spy(*args, **kwargs):
+        calls.append((args, kwargs))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(continuous, "decode_slots", spy)
+    generate(params, config, PROMPTS, num_samples=COUNTS, max_new_tokens=6, rng=jax.random.key(0),
+             engine="continuous", max_slots=4)
+    (args, kwargs), = calls
+    keys = args[3].keys[0]
+    args = (args[0], args[1], args[2], continuous.empty_prompt_cache(config, keys.shape[0], keys.shape[-1])) + args[4:]
+    text = real.lower(*args, **dict(kwargs, new_token_bucket=256)).compile().as_text()
+    assert re.search(r"conditional\(", text)  # the switch over the tiles reached
+    assert copies_in_loops(text, tile_shapes(config, 4, 128)) == []

@@ -37,7 +37,14 @@ from jax.sharding import Mesh
 
 from jaxrl_llm.models import ModelConfig
 from jaxrl_llm.sampling.buckets import bucket_size, make_plan, round_up
-from jaxrl_llm.sampling.decoder import RowCache, decode_step, empty_row_cache, prefill_layers, unstack_layers
+from jaxrl_llm.sampling.decoder import (
+    RowCache,
+    decode_step,
+    empty_row_cache,
+    prefill_layers,
+    response_tile_size,
+    unstack_layers,
+)
 from jaxrl_llm.sampling.engine import _constrain, row_axes, to_host
 from jaxrl_llm.sampling.token_selection import select_tokens
 
@@ -69,7 +76,8 @@ class SlotState:
     Per sample: tokens [K, N] int32 (pad_id after the end), logprobs [K, N] f32, lengths [K] int32,
     stopped [K] bool. Per slot: slot_sample [S] int32 (the sample it decodes, -1 when idle),
     slot_step [S] int32 (the token it picks next), logits [S, V] f32 (to pick that token from),
-    response_k / response_v: per-layer response caches [S, ...] (`decoder.RowCache` layout).
+    response_k / response_v: per-layer response caches [S, ...] (`decoder.RowCache` layout; tuples of tiles at
+        new-token buckets >= 256, `decoder.response_tile_size`).
     next_sample [] int32: first sample not yet given a slot; iterations [] int32: loop iterations run.
     The prompt cache (E entries): prompts (`PromptCache`), entry_of [Q] int32 (the entry holding prompt j,
     valid once j < prefilled), entry_left [E] int32 (samples of the entry's prompt not yet ended; 0: the
@@ -166,14 +174,14 @@ def decode_slots(params, config: ModelConfig, mesh: Mesh | None, prompts: Prompt
     queue = sample_prompt.shape[0]
     entries = prompts.lengths.shape[0]
     layers = unstack_layers(params)  # sliced once, outside the loop
-    empty = empty_row_cache(config, slots, 1, new_token_bucket)
+    empty = empty_row_cache(config, slots, 1, new_token_bucket, response_tile=response_tile_size(new_token_bucket))
 
     def constrain(state: SlotState) -> SlotState:
         per_slot = ("slot_sample", "slot_step", "logits")
         return dataclasses.replace(
             state, **{name: _constrain(getattr(state, name), mesh) for name in per_slot},
-            response_k=tuple(_constrain(x, mesh) for x in state.response_k),
-            response_v=tuple(_constrain(x, mesh) for x in state.response_v))
+            response_k=jax.tree_util.tree_map(lambda x: _constrain(x, mesh), state.response_k),
+            response_v=jax.tree_util.tree_map(lambda x: _constrain(x, mesh), state.response_v))
 
     def prefill_next(state: SlotState) -> SlotState:
         """Prompts prefilled .. prefilled + c - 1 into the first c free entries (padding rows: nowhere)."""

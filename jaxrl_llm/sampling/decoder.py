@@ -209,8 +209,9 @@ def _attend(q, prompt_k, prompt_v, response_k, response_v, prompt_lengths, step,
 
 
 def _attend_reached(q, prompt_k, prompt_v, tiles_k: tuple, tiles_v: tuple, prompt_lengths, step, config: ModelConfig):
-    """`_attend` over the response tiles that hold a token so far (tiles 0..step // T), one step for all rows:
-    a `lax.switch` with one branch per count of tiles, each reading only its tiles."""
+    """`_attend` over the response tiles that hold a token so far (tiles 0..step // T; with one step per row,
+    up to the deepest row's tile, the other rows masked as in `_attend`): a `lax.switch` with one branch per
+    count of tiles, each reading only its tiles."""
     tile = tiles_k[0].shape[-1]
 
     def over(count):
@@ -218,20 +219,25 @@ def _attend_reached(q, prompt_k, prompt_v, tiles_k: tuple, tiles_v: tuple, promp
             q, prompt_k, prompt_v, tiles_k[:count], tiles_v[:count], prompt_lengths, step, config)
 
     branches = [over(count) for count in range(1, len(tiles_k) + 1)]
-    return jax.lax.switch(step // tile, branches, q, prompt_k, prompt_v, tiles_k, tiles_v)
+    return jax.lax.switch(jnp.max(step) // tile, branches, q, prompt_k, prompt_v, tiles_k, tiles_v)
 
 
 def _write_tiles(tiles: tuple, new: jax.Array, step: jax.Array, axis: int) -> tuple:
     """tiles (consecutive slot ranges of T) with new (size 1 on `axis`) written at slot `step` (one for all
-    rows): every tile gets an in-place write at step mod T, of `new` in tile step // T and of its own old
-    value elsewhere (a conditional write copied every tile buffer; measured 1,440 copies per step)."""
+    rows, or one per row [B]): every tile gets an in-place write at step mod T, of `new` in tile step // T and
+    of its own old value elsewhere (a conditional write copied every tile buffer; measured 1,440 copies per
+    step). With per-row steps each write is a scatter, as `_write_slot`'s."""
     tile = tiles[0].shape[axis]
     slot = step % tile
+    in_tile = (step // tile).reshape(step.shape + (1,) * (new.ndim - step.ndim))  # [] or [B, 1, ...]
     written = []
     for index, buffer in enumerate(tiles):
-        old = jax.lax.dynamic_slice_in_dim(buffer, slot, 1, axis=axis)
-        value = jnp.where(step // tile == index, new.astype(buffer.dtype), old)
-        written.append(jax.lax.dynamic_update_slice_in_dim(buffer, value, slot, axis=axis))
+        if step.ndim == 0:
+            old = jax.lax.dynamic_slice_in_dim(buffer, slot, 1, axis=axis)
+        else:
+            old = jnp.take_along_axis(buffer, slot.reshape((-1,) + (1,) * (buffer.ndim - 1)), axis=axis)
+        value = jnp.where(in_tile == index, new.astype(buffer.dtype), old)
+        written.append(_write_slot(buffer, value, slot, axis))
     return tuple(written)
 
 
@@ -254,9 +260,6 @@ def decode_step(params, layers: list, config: ModelConfig, tokens: jax.Array, pr
     holds one entry per prompt [C, ...] and row b attends to entry prompt_rows[b] (gathered layer by
     layer); prompt_lengths are then the rows' own [B]."""
     step = jnp.asarray(step)
-    if step.ndim and any(isinstance(k, tuple) for k in cache.response_k):
-        raise ValueError("a cache with response tiles takes one step for all rows (the static engine); "
-                         "per-row steps need untiled response buffers (response_tile=0)")
     positions = (prompt_lengths + step)[:, None]
     x = embed_tokens(params, config, tokens[:, None])
     new = {name: [] for name in RowCache._fields}
@@ -264,17 +267,6 @@ def decode_step(params, layers: list, config: ModelConfig, tokens: jax.Array, pr
         const = layer_constants(config, i)
 
         def attend_fn(q, k, v, i=i, window=const["window"]):  # q [B,1,H,d], k, v [B,1,KV,d]
-            if isinstance(cache.response_k[i], tuple):  # tiles: one step for all rows (`response_tile_size`)
-                response_k = _write_tiles(cache.response_k[i], jnp.transpose(k, (0, 2, 3, 1)), step, axis=3)
-                response_v = _write_tiles(cache.response_v[i], jnp.transpose(v, (0, 2, 1, 3)), step, axis=2)
-                attn = _attend_reached(q[:, 0], cache.prompt_k[i], cache.prompt_v[i], response_k, response_v,
-                                       prompt_lengths, step, config)
-                return attn[:, None], (response_k, response_v)
-            slot = step % cache.response_k[i].shape[-1]  # = step, except on a sliding layer's ring
-            response_k = _write_slot(cache.response_k[i],
-                                     jnp.transpose(k, (0, 2, 3, 1)).astype(cache.response_k[i].dtype), slot, axis=3)
-            response_v = _write_slot(cache.response_v[i],
-                                     jnp.transpose(v, (0, 2, 1, 3)).astype(cache.response_v[i].dtype), slot, axis=2)
             prompt_k, prompt_v = cache.prompt_k[i], cache.prompt_v[i]
             if prompt_rows is not None:
                 # The gather's indices depend on this layer's query (a NaN query gives NaN either way), so XLA
@@ -282,6 +274,17 @@ def decode_step(params, layers: list, config: ModelConfig, tokens: jax.Array, pr
                 # (0.72 GB at 64 slots of 256-token prompts on SmolLM2-135M; an optimization barrier did not hold).
                 rows = jnp.where(jnp.isnan(q[0, 0, 0, 0]), 0, prompt_rows)
                 prompt_k, prompt_v = jnp.take(prompt_k, rows, axis=0), jnp.take(prompt_v, rows, axis=0)
+            if isinstance(cache.response_k[i], tuple):  # tiles (`response_tile_size`)
+                response_k = _write_tiles(cache.response_k[i], jnp.transpose(k, (0, 2, 3, 1)), step, axis=3)
+                response_v = _write_tiles(cache.response_v[i], jnp.transpose(v, (0, 2, 1, 3)), step, axis=2)
+                attn = _attend_reached(q[:, 0], prompt_k, prompt_v, response_k, response_v, prompt_lengths, step,
+                                       config)
+                return attn[:, None], (response_k, response_v)
+            slot = step % cache.response_k[i].shape[-1]  # = step, except on a sliding layer's ring
+            response_k = _write_slot(cache.response_k[i],
+                                     jnp.transpose(k, (0, 2, 3, 1)).astype(cache.response_k[i].dtype), slot, axis=3)
+            response_v = _write_slot(cache.response_v[i],
+                                     jnp.transpose(v, (0, 2, 1, 3)).astype(cache.response_v[i].dtype), slot, axis=2)
             attn = _attend(q[:, 0], prompt_k, prompt_v, response_k, response_v, prompt_lengths, step, config, window)
             return attn[:, None], (response_k, response_v)
 
