@@ -112,6 +112,30 @@ def test_per_row_steps_over_tiles_equal_one_buffer(tiny):
         np.testing.assert_allclose(jnp.concatenate(got_v, 2), want_v, atol=1e-6, rtol=0)
 
 
+def test_reading_more_tiles_than_reached_changes_no_bit(tiny):
+    """A row's attention over the tiles it reached equals, bit for bit, its attention over more tiles (the continuous
+    engine reads up to its deepest slot's tile, the static engine up to its step's): the extra tiles add exact zeros."""
+    from jaxrl_llm.sampling.decoder import _attend
+
+    config, _ = tiny
+    rng = np.random.default_rng(1)
+    kv, d, heads = config.num_kv_heads, config.head_dim, config.num_heads
+
+    def normal(*shape):
+        return jnp.asarray(rng.standard_normal(shape).astype(np.float32))
+
+    rows, prompt, tile = 8, 64, 128  # sums long enough that their order shows in the last bit
+    q, prompt_k, prompt_v = normal(rows, heads, d), normal(rows, kv, d, prompt), normal(rows, kv, prompt, d)
+    tiles_k, tiles_v = [normal(rows, kv, d, tile) for _ in range(4)], [normal(rows, kv, tile, d) for _ in range(4)]
+    lengths = jnp.asarray(rng.integers(1, prompt + 1, rows))
+    steps = jnp.asarray(rng.integers(0, 2 * tile, rows))  # all within the first two tiles
+    attend = jax.jit(lambda *args: _attend(*args, config))  # compiled, as in the engines' loops
+    reached = attend(q, prompt_k, prompt_v, tiles_k[:2], tiles_v[:2], lengths, steps)
+    every = attend(q, prompt_k, prompt_v, tiles_k, tiles_v, lengths, steps)
+    np.testing.assert_array_equal(every, reached)
+    assert np.abs(np.asarray(reached)).max() > 0.1
+
+
 def test_continuous_engine_over_tiles_equals_the_static_engine(tiny):
     """At a 256-token bucket both engines use tiles of 128; with slots equal to the static call's rows they draw
     the same rollouts (the continuous engine's rows cross tiles at different iterations)."""

@@ -12,9 +12,10 @@ layer's arithmetic lives) with an attention of this module's own; only the data 
   matmul (no per-step transpose of the cache); values are [rows, kv_heads, slots, head_dim].
 - A sliding-window layer (Mistral, Gemma) keeps min(new-token bucket, window) response slots, a ring:
   generated token t goes to slot t mod that size, overwriting a token the window no longer sees.
-- With `response_tile` > 0 (the static engine's long buckets, `response_tile_size`) a full-attention layer's
-  response part is a tuple of separate tile buffers, and a step attends only over the tiles generated so far
-  (a `lax.switch` on step // tile): early in a 512-token call a step reads a quarter of the response cache.
+- With `response_tile` > 0 (both engines at new-token buckets >= 256, `response_tile_size`) a full-attention
+  layer's response part is a tuple of separate tile buffers, and a step attends only over the tiles generated so
+  far (a `lax.switch` on step // tile, the deepest row's with a step per row): early in a 512-token call a static
+  step reads a quarter of the response cache.
   Separate buffers, not slices of one: XLA copies a slice before a dot, and one dot per tile of a shared
   buffer cost more than the whole (benchmarks/README, decode_step.py's section, "Tried and not kept").
 - Caches and layer weights are tuples with one entry per layer and the decode step loops over
@@ -196,14 +197,17 @@ def _attend(q, prompt_k, prompt_v, response_k, response_v, prompt_lengths, step,
     response_scores = jnp.where(response_ok, response_scores, -jnp.inf)
     top = jnp.maximum(prompt_scores.max(-1, keepdims=True), response_scores.max(-1, keepdims=True))
     prompt_w, response_w = jnp.exp(prompt_scores - top), jnp.exp(response_scores - top)
-    total = prompt_w.sum(-1, keepdims=True) + response_w.sum(-1, keepdims=True)
     dtype = prompt_v.dtype
+    total = prompt_w.sum(-1, keepdims=True)
     out = jnp.einsum("bkgs,bksd->bkgd", prompt_w.astype(dtype), prompt_v, preferred_element_type=f32)
+    # Tile by tile, in order: a tile past a row's step adds exact zeros, so reading more tiles than a row needs
+    # (the continuous engine reads up to its deepest slot's) changes no bit of that row's result.
     start = 0
     for v in response_v:
         tile = v.shape[2]
-        out = out + jnp.einsum("bkgn,bknd->bkgd", response_w[..., start: start + tile].astype(dtype), v,
-                               preferred_element_type=f32)
+        weights = response_w[..., start: start + tile]
+        total = total + weights.sum(-1, keepdims=True)
+        out = out + jnp.einsum("bkgn,bknd->bkgd", weights.astype(dtype), v, preferred_element_type=f32)
         start += tile
     return (out / total).reshape(batch, num_heads * head_dim)
 

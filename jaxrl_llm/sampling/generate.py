@@ -240,7 +240,10 @@ def generate(params, config: ModelConfig, prompts: Sequence[Sequence[int]], *, n
     (`sampling.continuous`); it returns the same rollout as the static engine (same tokens, log-probs
     to f32 rounding) when its slots equal the static call's row bucket; with another slot count f32 rounds
     the other batch shape differently, and a draw that falls that close to a token's CDF boundary picks
-    the neighbouring token (SmolLM2-135M, 3 slots against 4 rows: one row of 8 from its 6th token). It
+    the neighbouring token (SmolLM2-135M, 3 slots against 4 rows: one row of 8 from its 6th token). At
+    new-token buckets >= 256 both engines attend over response tiles but compile them differently, and may
+    round apart the same way (16 gsm8k problems x 8 samples, 64 slots, 512 tokens: one row of 128 from its
+    478th token, log-probs within 2.1e-5 before it). It
     takes no `max_rows_per_call` (the slots bound the cache). Its prompt cache holds one entry per prompt,
     at most max_slots + c of them (c = prompts per prefill call; prompts are prefilled inside the decode
     loop as slots need them, into entries freed by finished prompts), or `max_prompt_entries` (> 0) where

@@ -111,10 +111,11 @@ class SamplingSection:
     max_rows_per_call: int = 0
     # "static": each call's rows decode in lockstep until the longest ends; "continuous": max_slots decode slots
     # take the next pending sample as soon as theirs ends, one prompt cache per prompt (the same rollouts when the
-    # slots match the static call's rows; other slot counts round f32 differently); its steps
+    # slots match the static call's rows, up to f32 rounding at buckets >= 256; other slot counts round f32
+    # differently); its steps
     # and evaluations log sampling_slot_occupancy / eval_slot_occupancy (generated tokens / decoded slot-steps).
-    # The static engine reads only the response tiles generated so far (new-token buckets >= 256), the continuous
-    # one every slot: at 512 new tokens on CPU a static step averages 0.72-0.74x a continuous one (benchmarks/README).
+    # At new-token buckets >= 256 both read only the response tiles generated so far: the static engine up to its
+    # step, the continuous one up to its deepest slot's (in steady state nearly all; benchmarks/README).
     engine: str = "static"
     max_slots: int = 0  # decode slots of the continuous engine; 0: one per sample of the call
     # Entries of the continuous engine's prompt cache (one per prompt being decoded); 0: slots + one prefill
