@@ -196,7 +196,8 @@ def replay_occupancy(lengths: Sequence[int], samples: int, prompt_lengths: Seque
     """The continuous engine's slot-steps and occupancy on a workload's sample lengths (`samples` per prompt,
     prompts of `prompt_lengths`), for each number of slots and each cap on its prompt entries (0: the
     engine's default, min(the prompts' bucket, slots + c)), by `replay_slots` with the engine's own c, slots and
-    entries. Slot options the engine would cap to the same count (`slot_count`) give one set of rows."""
+    entries. Slot options the engine would cap to the same count (`slot_count`) give one set of rows, and caps
+    that give the same entries one row."""
     from jaxrl_llm.sampling import make_plan
     from jaxrl_llm.sampling.continuous import prompt_entries, slot_count
 
@@ -204,14 +205,17 @@ def replay_occupancy(lengths: Sequence[int], samples: int, prompt_lengths: Seque
     plan = make_plan(np.asarray(prompt_lengths), counts, 1)
     useful = int(np.sum(lengths))
     out = []
-    # a slot option above the samples' bucket gives the same slots as a smaller one: replay each count once
+    # a slot option above the samples' bucket gives the same slots as a smaller one, and caps that give the same
+    # entries the same cache: replay each (slots, entries) once, listing every cap that gives it in entry_caps
     for slots in dict.fromkeys(slot_count(max_slots, plan.num_rows) for max_slots in slot_options):
+        caps_of: dict[int, list[int]] = {}
         for cap in entry_caps:
-            entries = prompt_entries(len(counts), slots, plan.prompts_per_prefill, cap)
+            caps_of.setdefault(prompt_entries(len(counts), slots, plan.prompts_per_prefill, cap), []).append(cap)
+        for entries, caps in caps_of.items():
             iterations = replay_slots(lengths, counts, slots, plan.prompts_per_prefill, entries)
-            out.append(dict(slots=slots, entry_cap=cap, entries=entries, prefill_chunk=plan.prompts_per_prefill,
-                            iterations=iterations, slot_steps=iterations * slots,
-                            occupancy=occupancy(useful, iterations * slots)))
+            out.append(dict(slots=slots, entry_cap=caps[0], entry_caps=caps, entries=entries,
+                            prefill_chunk=plan.prompts_per_prefill, iterations=iterations,
+                            slot_steps=iterations * slots, occupancy=occupancy(useful, iterations * slots)))
     return out
 
 
@@ -422,7 +426,7 @@ def print_replay(replayed: list[dict]) -> None:
     print("| slots | max_prompt_entries | entries (prefill chunk c) | iterations | slot-steps | occupancy |")
     print("|---|---|---|---|---|---|")
     for r in replayed:
-        cap = r["entry_cap"] or "default"
+        cap = " or ".join(str(c or "default") for c in r.get("entry_caps", [r["entry_cap"]]))
         print(f"| {r['slots']} | {cap} | {r['entries']} ({r['prefill_chunk']}) | {r['iterations']} | "
               f"{r['slot_steps']} | {r['occupancy']:.1%} |")
 
