@@ -10,7 +10,7 @@ prompts of 72-193 tokens, up to 512 new tokens). Variants, each a step of one en
 
 - static: one step for all rows (the static engine, `engine.decode_rows`): each row has its own prompt cache,
   and the new keys/values of all rows go to one column (a dynamic_update_slice), one response buffer per layer;
-- tiled: the static step over a response cache split in tiles (`decoder.response_tile_size`: 128 slots at a
+- tiled: the static step over a response cache split in tiles (`buckets.response_tile_size`: 128 slots at a
   512-slot bucket), which reads only the tiles generated so far; timed in the middle of each tile count's range
   of steps, and averaged over them (the mean step of a call that runs the whole bucket);
 - per_row: one step per row (a scatter of each row's keys/values at its own slot), still a prompt cache per row;
@@ -157,7 +157,7 @@ def main():
     from sampling import machine_roofline, weight_size  # noqa: E402  (benchmarks/sampling.py)
 
     from jaxrl_llm.models import load_bundled
-    from jaxrl_llm.sampling.decoder import response_tile_size
+    from jaxrl_llm.sampling.buckets import response_tile_size
 
     config, params, _ = load_bundled("float32")
     num_params, weight_bytes = weight_size(params)

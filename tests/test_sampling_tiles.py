@@ -11,14 +11,8 @@ import pytest
 
 from jaxrl_llm.models import ModelConfig, init_params
 from jaxrl_llm.sampling import collect, decode, make_plan, prefill
-from jaxrl_llm.sampling.decoder import (
-    RESPONSE_TILE,
-    _write_tiles,
-    decode_step,
-    empty_row_cache,
-    response_tile_size,
-    unstack_layers,
-)
+from jaxrl_llm.sampling.buckets import RESPONSE_TILE, response_tile_size
+from jaxrl_llm.sampling.decoder import _write_tiles, decode_step, empty_row_cache, unstack_layers
 from jaxrl_llm.sampling.engine import decode_rows
 from jaxrl_llm.sampling.generate import _stop_array
 

@@ -25,6 +25,20 @@ def round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
+RESPONSE_TILE = 128  # smallest response tile; a dot over fewer slots costs more per slot on CPU
+MAX_RESPONSE_TILES = 8  # tiles per layer at most: the step's switch compiles one branch per tile count
+
+
+def response_tile_size(new_token_bucket: int) -> int:
+    """Response tile of both engines' decode caches for a new-token bucket (`decoder.empty_row_cache`): 0 (one
+    buffer) below two tiles of RESPONSE_TILE, else max(RESPONSE_TILE, bucket / MAX_RESPONSE_TILES) when that
+    divides the bucket (it does for every bucket of `bucket_size` >= 256: 256 -> 128, 512 -> 128, 3072 -> 384)."""
+    if new_token_bucket < 2 * RESPONSE_TILE:
+        return 0
+    tile = max(RESPONSE_TILE, new_token_bucket // MAX_RESPONSE_TILES)
+    return tile if new_token_bucket % tile == 0 else 0
+
+
 @dataclasses.dataclass(frozen=True)
 class SamplingPlan:
     """Where every output row comes from and the padded shapes of one `generate` call.
@@ -41,7 +55,7 @@ class SamplingPlan:
     prompt_bucket: int            # padded prompt length
     new_token_bucket: int         # padded max_new_tokens (token buffer width)
     prompts_per_prefill: int
-    response_tile: int = 0        # response cache tile of the decode step (`decoder.response_tile_size`); 0: none
+    response_tile: int = 0        # response cache tile of the decode step (`response_tile_size`); 0: none
 
     @property
     def cache_length(self) -> int:
@@ -60,9 +74,7 @@ def make_plan(
     rows to powers of two (then multiples of 256) and a multiple of `row_multiple` (the number of
     devices the rows are split over); prompts per prefill call to a power of two such that
     prompts x prompt_bucket stays within `prefill_tokens_per_call` (at least one prompt); the response
-    cache's tile by `decoder.response_tile_size` of the new-token bucket."""
-    from jaxrl_llm.sampling.decoder import response_tile_size
-
+    cache's tile by `response_tile_size` of the new-token bucket."""
     row_prompt = np.repeat(np.arange(len(counts), dtype=np.int32), counts)
     active = np.flatnonzero(counts > 0).astype(np.int32)
     num_rows = int(row_prompt.shape[0])

@@ -36,13 +36,12 @@ import numpy as np
 from jax.sharding import Mesh
 
 from jaxrl_llm.models import ModelConfig
-from jaxrl_llm.sampling.buckets import bucket_size, make_plan, round_up
+from jaxrl_llm.sampling.buckets import bucket_size, make_plan, response_tile_size, round_up
 from jaxrl_llm.sampling.decoder import (
     RowCache,
     decode_step,
     empty_row_cache,
     prefill_layers,
-    response_tile_size,
     unstack_layers,
 )
 from jaxrl_llm.sampling.engine import _constrain, row_axes, to_host
@@ -77,7 +76,7 @@ class SlotState:
     stopped [K] bool. Per slot: slot_sample [S] int32 (the sample it decodes, -1 when idle),
     slot_step [S] int32 (the token it picks next), logits [S, V] f32 (to pick that token from),
     response_k / response_v: per-layer response caches [S, ...] (`decoder.RowCache` layout; tuples of tiles at
-        new-token buckets >= 256, `decoder.response_tile_size`).
+        new-token buckets >= 256, `buckets.response_tile_size`).
     next_sample [] int32: first sample not yet given a slot; iterations [] int32: loop iterations run.
     The prompt cache (E entries): prompts (`PromptCache`), entry_of [Q] int32 (the entry holding prompt j,
     valid once j < prefilled), entry_left [E] int32 (samples of the entry's prompt not yet ended; 0: the

@@ -12,7 +12,7 @@ layer's arithmetic lives) with an attention of this module's own; only the data 
   matmul (no per-step transpose of the cache); values are [rows, kv_heads, slots, head_dim].
 - A sliding-window layer (Mistral, Gemma) keeps min(new-token bucket, window) response slots, a ring:
   generated token t goes to slot t mod that size, overwriting a token the window no longer sees.
-- With `response_tile` > 0 (both engines at new-token buckets >= 256, `response_tile_size`) a full-attention
+- With `response_tile` > 0 (both engines at new-token buckets >= 256, `buckets.response_tile_size`) a full-attention
   layer's response part is a tuple of separate tile buffers, and a step attends only over the tiles generated so
   far (a `lax.switch` on step // tile, the deepest row's with a step per row): early in a 512-token call a static
   step reads a quarter of the response cache.
@@ -54,20 +54,6 @@ class RowCache(NamedTuple):
     prompt_v: tuple
     response_k: tuple
     response_v: tuple
-
-
-RESPONSE_TILE = 128  # smallest response tile; a dot over fewer slots costs more per slot on CPU
-MAX_RESPONSE_TILES = 8  # tiles per layer at most: the step's switch compiles one branch per tile count
-
-
-def response_tile_size(new_token_bucket: int) -> int:
-    """Response tile of the static engine for a new-token bucket: 0 (one buffer) below two tiles of
-    RESPONSE_TILE, else max(RESPONSE_TILE, bucket / MAX_RESPONSE_TILES) when that divides the bucket
-    (it does for every bucket of `buckets.bucket_size` >= 256: 256 -> 128, 512 -> 128, 3072 -> 384)."""
-    if new_token_bucket < 2 * RESPONSE_TILE:
-        return 0
-    tile = max(RESPONSE_TILE, new_token_bucket // MAX_RESPONSE_TILES)
-    return tile if new_token_bucket % tile == 0 else 0
 
 
 def empty_row_cache(config: ModelConfig, rows: int, prompt_bucket: int, new_token_bucket: int,
@@ -278,7 +264,7 @@ def decode_step(params, layers: list, config: ModelConfig, tokens: jax.Array, pr
                 # (0.72 GB at 64 slots of 256-token prompts on SmolLM2-135M; an optimization barrier did not hold).
                 rows = jnp.where(jnp.isnan(q[0, 0, 0, 0]), 0, prompt_rows)
                 prompt_k, prompt_v = jnp.take(prompt_k, rows, axis=0), jnp.take(prompt_v, rows, axis=0)
-            if isinstance(cache.response_k[i], tuple):  # tiles (`response_tile_size`)
+            if isinstance(cache.response_k[i], tuple):  # tiles (`buckets.response_tile_size`)
                 response_k = _write_tiles(cache.response_k[i], jnp.transpose(k, (0, 2, 3, 1)), step, axis=3)
                 response_v = _write_tiles(cache.response_v[i], jnp.transpose(v, (0, 2, 1, 3)), step, axis=2)
                 attn = _attend_reached(q[:, 0], prompt_k, prompt_v, response_k, response_v, prompt_lengths, step,

@@ -15,8 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxrl_llm.models import ModelConfig
-from jaxrl_llm.sampling.buckets import bucket_size
-from jaxrl_llm.sampling.decoder import response_tile_size
+from jaxrl_llm.sampling.buckets import bucket_size, response_tile_size
 from jaxrl_llm.sampling.engine import decode_rows, init_state, prefill_rows
 from jaxrl_llm.sampling.generate import _stop_array
 
