@@ -215,9 +215,10 @@ decode_step_bench = _load("decode_step")
 
 
 def test_decode_step_variants_compute_the_same_logits():
-    """The data flows of benchmarks/decode_step.py (static step, static step over response tiles, per-row steps,
-    per-row steps reading a shared prompt cache) are the same computation: equal logits after 3 steps of a 2-layer
-    GQA model (the tiled one crossing from its second tile of 4 slots into the third)."""
+    """The data flows of benchmarks/decode_step.py (static step, static step over response tiles, both with one
+    prompt entry per 2 rows, per-row steps, per-row steps reading a shared prompt cache) are the same computation:
+    equal logits after 3 steps of a 2-layer GQA model (the tiled ones crossing from their second tile of 4 slots
+    into the third)."""
     import jax
 
     from jaxrl_llm.models import ModelConfig, init_params
@@ -225,13 +226,16 @@ def test_decode_step_variants_compute_the_same_logits():
     config = ModelConfig(vocab_size=24, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4,
                          num_kv_heads=2, head_dim=8, tie_word_embeddings=True, max_position_embeddings=128)
     params = init_params(config, jax.random.key(0))
-    inputs = decode_step_bench.make_inputs(config, rows=6, entries=4, prompt_bucket=16, new_token_bucket=16)
-    (shared_k, shared_v), (own_k, own_v), (response_k, response_v), lengths, tokens, row_entry = inputs
-    assert row_entry.tolist() == [0, 1, 2, 3, 0, 1]
+    inputs = decode_step_bench.make_inputs(config, rows=6, entries=2, prompt_bucket=16, new_token_bucket=16, group=2)
+    (shared_k, shared_v), (own_k, own_v), (response_k, response_v), lengths, tokens, row_entry, grouped = inputs
+    assert row_entry.tolist() == [0, 0, 1, 1, 0, 0]
     np.testing.assert_array_equal(own_k[1][4], shared_k[1][0])  # row 4 holds entry 0's keys
+    np.testing.assert_array_equal(grouped[0][1][1], shared_k[1][1])  # the grouped cache's entry 1: rows 2 and 3
+    assert grouped[0][0].shape[0] == 3 and lengths[0] == lengths[1] and lengths[2] == lengths[3]
     logits = {}
     for variant in decode_step_bench.VARIANTS:
-        prompt_k, prompt_v = (shared_k, shared_v) if variant.startswith("shared") else (own_k, own_v)
+        prompt_k, prompt_v = {"shared": (shared_k, shared_v), "grouped": grouped}.get(variant.split("_")[0],
+                                                                                  (own_k, own_v))
         keys, values = response_k, response_v
         if variant.endswith("tiled"):
             keys, values = decode_step_bench.split_tiles(keys, 4, 3), decode_step_bench.split_tiles(values, 4, 2)
@@ -244,6 +248,8 @@ def test_decode_step_variants_compute_the_same_logits():
     np.testing.assert_allclose(logits["per_row"], logits["static"], atol=1e-5, rtol=0)
     np.testing.assert_allclose(logits["shared"], logits["static"], atol=1e-5, rtol=0)
     np.testing.assert_allclose(logits["shared_tiled"], logits["static"], atol=1e-5, rtol=0)
+    np.testing.assert_array_equal(logits["grouped"], logits["static"])  # the same sums, one product per group
+    np.testing.assert_allclose(logits["grouped_tiled"], logits["static"], atol=1e-5, rtol=0)
 
 
 def test_decode_step_bytes_hand_values():
@@ -261,6 +267,9 @@ def test_decode_step_bytes_hand_values():
     tiled = decode_step_bench.step_bytes(config, 1000, rows=3, prompt_bucket=16, new_token_bucket=32,
                                          variant="tiled", response_slots_read=8)
     assert tiled == dict(weights=1000, prompt=3 * 16 * 256, response=3 * 8 * 256, gather=0)
+    grouped = decode_step_bench.step_bytes(config, 1000, rows=4, prompt_bucket=16, new_token_bucket=32,
+                                           variant="grouped_tiled", response_slots_read=8, group=2)
+    assert grouped == dict(weights=1000, prompt=2 * 16 * 256, response=4 * 8 * 256, gather=0)
 
 
 def test_weight_size_counts_every_leaf_at_its_dtype():

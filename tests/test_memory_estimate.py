@@ -71,8 +71,10 @@ def test_model_presets_and_their_memory_estimate(name, published, cache_slots):
         # gate/up/down 3 x 2304 x 9216, four norms 4 x 2304) + final norm
         assert published == 256000 * 2304 + 26 * (2 * 2304 * 2048 + 2 * 2304 * 1024 + 3 * 2304 * 9216
                                                   + 4 * 2304) + 2304
-    # rows per device (512 / 8) x slots x kv_heads x head_dim x (k, v) x 2 bytes
-    assert est["kv_cache"] == 64 * cache_slots * mc.num_kv_heads * mc.head_dim * 2 * 2
+    # rows per device (512 / 8) x response slots + prompt entries per device (the 8 samples of a prompt share one:
+    # 64 / 8) x 1024 prompt slots, x kv_heads x head_dim x (k, v) x 2 bytes
+    prompt_slots = mc.num_layers * 1024
+    assert est["kv_cache"] == (64 * (cache_slots - prompt_slots) + 8 * prompt_slots) * mc.num_kv_heads * mc.head_dim * 4
 
 
 def test_shards_match_a_real_placement_on_8_devices():
@@ -120,10 +122,11 @@ def test_tiny_run_by_hand():
     # (16 x 4), target + log Z + E_p[logit] (12); plus the pieces of the embedding's gradient (512 local x 4).
     assert est["logprob_residuals"] == 16 * (64 * 4 + 16 * 4 + 12) + 512 * 4 == 7360
     assert est["train_step"] == 23168 + 162816 + 7360
-    # Sampler: 4 rows (2 per device), cache 16 + 16 slots, 2 layers, 2 kv heads x 4, k and v, f32.
+    # Sampler: 4 rows (2 per device) of 16 response slots, and the 2 samples of a prompt share one entry of 16
+    # prompt slots (1 per device); 2 layers, 2 kv heads x 4, k and v, f32.
     assert est["sample_rows"] == 4
-    assert est["kv_cache"] == 2 * 2 * 32 * 2 * 4 * 2 * 4 == 8192
-    assert est["sampling"] == 8192 + 2 * 2 * 64 * 4
+    assert est["kv_cache"] == 2 * (2 * 16 + 1 * 16) * 2 * 4 * 2 * 4 == 6144
+    assert est["sampling"] == 6144 + 2 * 2 * 64 * 4
     assert est["gvm_norms"] == 0
     assert est["peak"] == 11584 + 23168 + est["train_step"] == 228_096
 
@@ -159,7 +162,7 @@ def test_tiny_run_by_hand():
 
     bf16 = estimate_memory(load_config(None, TINY_RUN + ["model.compute_dtype=bfloat16"]), TINY,
                            {"data": 1, "fsdp": 2, "tensor": 1})
-    assert bf16["kv_cache"] == 8192 // 2 and bf16["params"] == est["params"]
+    assert bf16["kv_cache"] == 6144 // 2 and bf16["params"] == est["params"]
     # bf16 hidden states (16 x 2 B per token), the gradient pieces and the embedding cast to bf16 for the output
     # layer (512 local elements of [64, 16] with fsdp=2, 2 B each).
     assert bf16["logprob_residuals"] == 16 * (64 * 4 + 16 * 2 + 12) + 512 * 2 + 512 * 2
@@ -168,13 +171,14 @@ def test_tiny_run_by_hand():
 def test_continuous_sampler_by_hand():
     """2 prompt caches of 16 slots and 2 decode slots of 16 response slots, 2 layers, 2 kv heads x 4, k and v,
     f32: (2 x 16 + 2 x 16) x 64 x 2 = 8192; one layer's prompt keys/values gathered for 2 slots, 2 x 16 x 64;
-    logits of 2 prompts and twice 2 slots, 6 x 64 x 4. The static engine holds 4 rows of 16 + 16 slots."""
+    logits of 2 prompts and twice 2 slots, 6 x 64 x 4. The static engine holds 4 rows of 16 response slots and 2
+    prompt entries of 16 slots (the 2 samples of a prompt share one)."""
     mesh = {"data": 1, "fsdp": 1, "tensor": 1}
     cfg = load_config(None, TINY_RUN + ["sampling.engine=continuous", "sampling.max_slots=2"])
     est = estimate_memory(cfg, TINY, mesh)
     assert est["kv_cache"] == 8192 and est["sampling"] == 8192 + 2048 + 1536
     static = estimate_memory(load_config(None, TINY_RUN), TINY, mesh)
-    assert static["kv_cache"] == 4 * 32 * 64 * 2 == 16384 and static["sampling"] == 16384 + 2 * 4 * 64 * 4
+    assert static["kv_cache"] == (4 * 16 + 2 * 16) * 64 * 2 == 12288 and static["sampling"] == 12288 + 2 * 4 * 64 * 4
     assert fit_rows_per_call(cfg, TINY, mesh, 1)[1] == 0  # slots, not rows per call, bound it
 
 
@@ -240,11 +244,12 @@ def test_blockwise_attention_and_rows_per_call():
     assert gvm_tiled["gvm_norms"] < gvm_full["gvm_norms"]
 
     # 4 sampled rows over fsdp=2. max_rows_per_call 2: calls of 2 rows, 1 per device; 1: still 2-row calls
-    # (the sampler never decodes a single row); 4 or more: one call of all rows.
-    kv_per_local_row = 2 * 32 * 2 * 4 * 2 * 4  # layers x cache slots x kv heads x head_dim x (k, v) x 4 B
-    for per_call, rows in [(2, 2), (1, 2), (4, 4), (0, 4)]:
+    # (the sampler never decodes a single row); 4 or more: one call of all rows, where a device's 2 rows continue
+    # one prompt and share its entry (with 1 row per device, each row has its own).
+    per_slot = 2 * 2 * 4 * 2 * 4  # layers x kv heads x head_dim x (k, v) x 4 B
+    for per_call, rows, entries in [(2, 2, 1), (1, 2, 1), (4, 4, 1), (0, 4, 1)]:
         e = estimate_memory(load_config(None, TINY_RUN + [f"sampling.max_rows_per_call={per_call}"]), TINY, mesh)
-        assert e["sample_rows"] == rows and e["kv_cache"] == rows // 2 * kv_per_local_row
+        assert e["sample_rows"] == rows and e["kv_cache"] == (rows // 2 * 16 + entries * 16) * per_slot
         assert e["sampling"] == e["kv_cache"] + 2 * (rows // 2) * 64 * 4
 
 
@@ -333,9 +338,11 @@ def test_suggest_layout_splits_rows_when_nothing_else_fits():
 def test_rows_that_fit():
     cfg = load_config(None, TINY_RUN + ["model.remat=false"])
     est = estimate_memory(cfg, TINY, {"data": 1, "fsdp": 2, "tensor": 1})
-    # 2 local rows cost 9216 B, so 4608 B a row; 85% of 100,000 B minus params and AdamW (34,752 B) leaves
-    # 50,248 B: 10 rows per device, 20 over the fsdp=2 split.
-    assert memory_estimate.rows_that_fit(est, 100_000) == 20
+    # 2 local rows cost 7168 B (KV cache 6144 B: 2 rows of 16 response slots and the one 16-slot prompt entry they
+    # share, 2 layers x 64 B a slot; logits 1024 B), so 3584 B a row; 85% of 100,000 B minus params and AdamW
+    # (34,752 B) leaves 50,248 B: 14 rows per device, 28 over the fsdp=2 split.
+    assert est["sampling"] == 7168
+    assert memory_estimate.rows_that_fit(est, 100_000) == 28
     assert memory_estimate.rows_that_fit(est, 30_000) == 0
 
 
@@ -372,18 +379,19 @@ def test_lora_presets_table_is_the_scripts_output_on_the_smallest_fitting_hardwa
 
 
 def test_fit_rows_per_call_lowers_the_sampler_rows_until_they_fit():
-    # 1024 prompts x 2 samples = 2048 rows over fsdp=2; a local row costs 4096 B of KV cache + 512 B of logits.
+    # 1024 prompts x 2 samples = 2048 rows over fsdp=2; a local row costs 2048 B of KV cache for its responses, half
+    # of the 2048-B prompt entry it shares with its prompt's other sample, and 512 B of logits: 3584 B.
     cfg = load_config(None, TINY_RUN + ["sampling.prompts_per_step=1024"])
     mesh = {"data": 1, "fsdp": 2, "tensor": 1}
     whole = estimate_memory(cfg, TINY, mesh)
-    assert whole["sampling"] == 1024 * 4608 and whole["peak"] > 3_000_000
+    assert whole["sampling"] == 1024 * 3584 and whole["peak"] > 3_000_000
     est, rows = fit_rows_per_call(cfg, TINY, mesh, 3_000_000)
-    assert rows == 1024 and est["sample_rows"] == 1024 and est["sampling"] == 512 * 4608
-    assert est["peak"] == 34752 + 512 * 4608 <= 3_000_000
+    assert rows == 1024 and est["sample_rows"] == 1024 and est["sampling"] == 512 * 3584
+    assert est["peak"] == 34752 + 512 * 3584 <= 3_000_000
     # An unreachable budget: halve only while the sampler is the largest term (the train step is 193,344 B).
     est, rows = fit_rows_per_call(cfg, TINY, mesh, 1000)
     assert est["train_step"] == 193_344
-    assert rows == 64 and est["sampling"] == 32 * 4608 < est["train_step"] < 64 * 4608
+    assert rows == 64 and est["sampling"] == 32 * 3584 < est["train_step"] < 64 * 3584
     assert fit_rows_per_call(cfg, TINY, mesh, 10 ** 9)[1] == 0  # fits as configured: unchanged
     _, overrides = suggest_layout(cfg, TINY, 2, 3_000_000)
     assert overrides == {"train.mesh": "fsdp=2", "optim.micro_batch_size": 2, "sampling.max_rows_per_call": 1024}

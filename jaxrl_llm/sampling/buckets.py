@@ -4,6 +4,7 @@ that a new prompt length or a new mix of per-prompt sample counts reuses a compi
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import numpy as np
 
@@ -39,6 +40,18 @@ def response_tile_size(new_token_bucket: int) -> int:
     return tile if new_token_bucket % tile == 0 else 0
 
 
+def prompt_group_size(counts, rows_per_device: int) -> int:
+    """Rows that share one prompt entry of the static engine's cache (`decoder.empty_row_cache`'s `prompt_group`):
+    the largest g that divides every positive sample count and a device's rows, so that with rows ordered by
+    prompt every run of g consecutive rows continues one prompt and no group straddles two devices. E.g. 8 samples
+    of every prompt on 64 rows -> 8; counts (8, 4) -> 4; (6, 6) on 64 rows -> 2; (3, 5) -> 1."""
+    group = int(rows_per_device)
+    for count in np.asarray(counts).ravel():
+        if count > 0:
+            group = math.gcd(group, int(count))
+    return max(group, 1)
+
+
 @dataclasses.dataclass(frozen=True)
 class SamplingPlan:
     """Where every output row comes from and the padded shapes of one `generate` call.
@@ -56,6 +69,7 @@ class SamplingPlan:
     new_token_bucket: int         # padded max_new_tokens (token buffer width)
     prompts_per_prefill: int
     response_tile: int = 0        # response cache tile of the decode step (`response_tile_size`); 0: none
+    prompt_group: int = 1         # consecutive rows per prompt entry of the cache (`prompt_group_size`)
 
     @property
     def cache_length(self) -> int:
@@ -74,7 +88,7 @@ def make_plan(
     rows to powers of two (then multiples of 256) and a multiple of `row_multiple` (the number of
     devices the rows are split over); prompts per prefill call to a power of two such that
     prompts x prompt_bucket stays within `prefill_tokens_per_call` (at least one prompt); the response
-    cache's tile by `response_tile_size` of the new-token bucket."""
+    cache's tile by `response_tile_size` of the new-token bucket; rows per prompt entry by `prompt_group_size`."""
     row_prompt = np.repeat(np.arange(len(counts), dtype=np.int32), counts)
     active = np.flatnonzero(counts > 0).astype(np.int32)
     num_rows = int(row_prompt.shape[0])
@@ -90,6 +104,7 @@ def make_plan(
         new_token_bucket=new_token_bucket,
         prompts_per_prefill=prefill_chunk(prompt_bucket, len(active), row_multiple, prefill_tokens_per_call),
         response_tile=response_tile_size(new_token_bucket),
+        prompt_group=prompt_group_size(counts, row_bucket // row_multiple),
     )
 
 

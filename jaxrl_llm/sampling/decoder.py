@@ -21,6 +21,10 @@ layer's arithmetic lives) with an attention of this module's own; only the data 
 - Caches and layer weights are tuples with one entry per layer and the decode step loops over
   layers in Python: a scan over stacked layers would copy every layer's weights and cache slice
   out of the stacked arrays at every step (the dominant cost of a memory-bound decode on CPU).
+- The static engine keeps one prompt entry per group of g consecutive rows that sample the same prompt (g: the
+  largest that divides every prompt's sample count and a device's rows, `buckets.prompt_group_size`; 8 for
+  GRPO's 8 samples per prompt): the prompt's keys and values are stored once and each step reads them once for the
+  group, in one [g H / KV, d] x [d, P] product per KV head instead of g matrix-vector products.
 - Prefill computes logits only at each prompt's last position.
 - The continuous-batching engine (`sampling.continuous`) runs the same decode step with one step per
   row (rows at different token positions: per-row RoPE positions, cache slots and masks, the cache
@@ -43,7 +47,8 @@ from jaxrl_llm.models.model import attend, decoder_layer, embed_tokens, layer_co
 class RowCache(NamedTuple):
     """Per-layer tuples of key/value buffers for R rows (P = prompt bucket, N = new-token bucket).
 
-    prompt_k [R, KV, d, P], prompt_v [R, KV, P, d]: keys/values of the prompt at positions 0..P-1;
+    prompt_k [R, KV, d, P], prompt_v [R, KV, P, d]: keys/values of the prompt at positions 0..P-1 (or one entry per
+    group of g consecutive rows that continue the same prompt: [R / g, ...], read by `_attend` as one product);
     response_k [R, KV, d, N], response_v [R, KV, N, d]: of generated token t (position
     prompt_length + t) in slot t; on a sliding layer N is min(N, window) and the slot t mod N.
     A tiled layer's response_k / response_v entry is a tuple of N / T buffers [R, KV, d, T] / [R, KV, T, d]:
@@ -57,16 +62,21 @@ class RowCache(NamedTuple):
 
 
 def empty_row_cache(config: ModelConfig, rows: int, prompt_bucket: int, new_token_bucket: int,
-                    dtype=None, response_tile: int = 0) -> RowCache:
+                    dtype=None, response_tile: int = 0, prompt_group: int = 1) -> RowCache:
     """Zero caches; with `response_tile` T > 0 (dividing new_token_bucket) every full-attention layer's
-    response part is a tuple of new_token_bucket / T tile buffers (sliding layers keep their ring)."""
+    response part is a tuple of new_token_bucket / T tile buffers (sliding layers keep their ring). With
+    `prompt_group` g > 1 (dividing rows) the prompt part holds one entry per g consecutive rows, which continue
+    the same prompt (`buckets.prompt_group_size`): rows / g entries."""
     dtype = jnp.dtype(dtype or config.compute_dtype)
     kv, d = config.num_kv_heads, config.head_dim
     if response_tile and new_token_bucket % response_tile:
         raise ValueError(f"response_tile {response_tile} must divide the new-token bucket {new_token_bucket}")
+    if prompt_group < 1 or rows % prompt_group:
+        raise ValueError(f"prompt_group {prompt_group} must be >= 1 and divide the rows ({rows})")
     slots = response_slots(config, new_token_bucket)
-    prompt_k = tuple(jnp.zeros((rows, kv, d, prompt_bucket), dtype) for _ in slots)
-    prompt_v = tuple(jnp.zeros((rows, kv, prompt_bucket, d), dtype) for _ in slots)
+    entries = rows // prompt_group
+    prompt_k = tuple(jnp.zeros((entries, kv, d, prompt_bucket), dtype) for _ in slots)
+    prompt_v = tuple(jnp.zeros((entries, kv, prompt_bucket, d), dtype) for _ in slots)
 
     def response(n, sliding, shape):
         if response_tile and not sliding:
@@ -150,6 +160,22 @@ def prefill_layers(params, layers: list, config: ModelConfig, tokens: jax.Array,
     return _last_logits(params, config, x, lengths), tuple(keys), tuple(values)
 
 
+def _to_groups(x: jax.Array, entries: int) -> jax.Array:
+    """[B, KV, H', ...] per row -> [C, KV, g H', ...] per prompt entry (B = C g, rows of an entry consecutive)."""
+    batch, num_kv, heads = x.shape[:3]
+    group = batch // entries
+    x = x.reshape(entries, group, num_kv, heads, *x.shape[3:])
+    return jnp.swapaxes(x, 1, 2).reshape(entries, num_kv, group * heads, *x.shape[4:])
+
+
+def _to_rows(x: jax.Array, batch: int) -> jax.Array:
+    """`_to_groups`' inverse: [C, KV, g H', ...] -> [B, KV, H', ...]."""
+    entries, num_kv, heads = x.shape[:3]
+    group = batch // entries
+    x = x.reshape(entries, num_kv, group, heads // group, *x.shape[3:])
+    return jnp.swapaxes(x, 1, 2).reshape(batch, num_kv, heads // group, *x.shape[4:])
+
+
 def _attend(q, prompt_k, prompt_v, response_k, response_v, prompt_lengths, step, config: ModelConfig,
             window: int | None = None):
     """softmax(cap(scale q k^T)) v (scale and cap as `models.attend`) of one query per row over prompt
@@ -157,35 +183,46 @@ def _attend(q, prompt_k, prompt_v, response_k, response_v, prompt_lengths, step,
     w positions back (prompt slot s: prompt_length + step - s < w; response slot j, holding generated token
     step - ((step - j) mod n) of a ring of n slots: (step - j) mod n < w). step is [] or one per row [B].
     response_k / response_v are one buffer each or a list of consecutive tiles (slots 0..T-1, T..2T-1, ...),
-    read one dot per tile. q [B, H, d] (head h reads KV head h // (H / KV)); returns [B, H*d]."""
+    read one dot per tile. q [B, H, d] (head h reads KV head h // (H / KV)); returns [B, H*d].
+
+    The prompt part may hold one entry per group of g consecutive rows (prompt_k [B / g, KV, d, P]: the g samples
+    of one prompt, `empty_row_cache`'s `prompt_group`): the group's queries then meet their prompt's keys in one
+    matrix product of g x H / KV rows per KV head, which reads the prompt's keys and values once instead of g
+    times. prompt_lengths stay one per row (equal within a group); a grouped prompt needs one step for all rows."""
     batch, num_heads, head_dim = q.shape
-    num_kv = prompt_k.shape[1]
+    num_kv, entries = prompt_k.shape[1], prompt_k.shape[0]
+    if batch % entries:
+        raise ValueError(f"{batch} rows cannot share {entries} prompt entries in equal consecutive groups")
+    if entries != batch and step.ndim:
+        raise ValueError("a prompt cache shared by groups of rows needs one step for all rows")
     response_k = list(response_k) if isinstance(response_k, (list, tuple)) else [response_k]
     response_v = list(response_v) if isinstance(response_v, (list, tuple)) else [response_v]
     q = q.reshape(batch, num_kv, num_heads // num_kv, head_dim) * jnp.asarray(config.attention_scale, q.dtype)
     f32 = jnp.float32
     cap = config.attn_logit_softcapping
-    prompt_scores = soft_cap(jnp.einsum("bkgd,bkds->bkgs", q, prompt_k.astype(q.dtype), preferred_element_type=f32),
-                             cap)
+    # prompt part per entry [C, KV, g H / KV, P] (C = B and g = 1 without groups: the reshapes are then no-ops)
+    prompt_scores = soft_cap(jnp.einsum("ckmd,ckds->ckms", _to_groups(q, entries), prompt_k.astype(q.dtype),
+                                        preferred_element_type=f32), cap)
     response_scores = soft_cap(jnp.concatenate(
         [jnp.einsum("bkgd,bkdn->bkgn", q, k.astype(q.dtype), preferred_element_type=f32) for k in response_k], -1),
         cap)
     slots = response_scores.shape[-1]
     prompt_index, response_index = jnp.arange(prompt_k.shape[-1]), jnp.arange(slots)
-    prompt_ok = prompt_index[None, :] < prompt_lengths[:, None]
+    entry_lengths = prompt_lengths.reshape(entries, -1)[:, 0]
+    prompt_ok = prompt_index[None, :] < entry_lengths[:, None]
     row_step = step[:, None] if step.ndim else step  # one step per row, or one for all rows
     response_ok = response_index <= row_step
     if window is not None:
-        prompt_ok = prompt_ok & ((prompt_lengths + step)[:, None] - prompt_index[None, :] < window)
+        prompt_ok = prompt_ok & ((entry_lengths + step)[:, None] - prompt_index[None, :] < window)
         response_ok = response_ok & ((row_step - response_index) % slots < window)
     prompt_scores = jnp.where(prompt_ok[:, None, None, :], prompt_scores, -jnp.inf)
     response_ok = response_ok[:, None, None, :] if step.ndim else response_ok
     response_scores = jnp.where(response_ok, response_scores, -jnp.inf)
-    top = jnp.maximum(prompt_scores.max(-1, keepdims=True), response_scores.max(-1, keepdims=True))
-    prompt_w, response_w = jnp.exp(prompt_scores - top), jnp.exp(response_scores - top)
+    top = jnp.maximum(_to_rows(prompt_scores.max(-1, keepdims=True), batch), response_scores.max(-1, keepdims=True))
+    prompt_w, response_w = jnp.exp(prompt_scores - _to_groups(top, entries)), jnp.exp(response_scores - top)
     dtype = prompt_v.dtype
-    total = prompt_w.sum(-1, keepdims=True)
-    out = jnp.einsum("bkgs,bksd->bkgd", prompt_w.astype(dtype), prompt_v, preferred_element_type=f32)
+    total = _to_rows(prompt_w.sum(-1, keepdims=True), batch)
+    out = _to_rows(jnp.einsum("ckms,cksd->ckmd", prompt_w.astype(dtype), prompt_v, preferred_element_type=f32), batch)
     # Tile by tile, in order: a tile past a row's step adds exact zeros, so reading more tiles than a row needs
     # (the continuous engine reads up to its deepest slot's) changes no bit of that row's result.
     start = 0

@@ -2,7 +2,8 @@
 
 State is static (STYLE item 4): every array in `SamplingState` has a bucketed shape fixed before
 decoding starts; the decode loop only overwrites it (the cache in place, as the buffer is donated).
-Each prompt is prefilled once, and its cache is copied to the rows that sample it.
+Each prompt is prefilled once, and its cache is copied to the prompt entries of the rows that sample it (one
+entry per row, or per group of consecutive rows of the same prompt: `decoder.empty_row_cache`'s `prompt_group`).
 """
 
 from __future__ import annotations
@@ -85,12 +86,15 @@ def _constrain_state(state: SamplingState, mesh: Mesh | None) -> SamplingState:
     return SamplingState(**rows, step=state.step, cache=cache)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "mesh", "prompt_bucket", "new_token_bucket", "response_tile"))
+@functools.partial(jax.jit, static_argnames=("config", "mesh", "prompt_bucket", "new_token_bucket", "response_tile",
+                                             "prompt_group"))
 def init_state(config: ModelConfig, mesh: Mesh | None, prompt_lengths: jax.Array, valid: jax.Array, *,
-               prompt_bucket: int, new_token_bucket: int, response_tile: int = 0) -> tuple[SamplingState, jax.Array]:
+               prompt_bucket: int, new_token_bucket: int, response_tile: int = 0,
+               prompt_group: int = 1) -> tuple[SamplingState, jax.Array]:
     """A fresh state for R = len(valid) rows (invalid rows are bucket padding: done from the start)
     and a zero [R, V] buffer for the logits of each row's first token; `response_tile` > 0 splits the
-    response cache in tiles the decode step reads only as far as generated (`decoder.empty_row_cache`)."""
+    response cache in tiles the decode step reads only as far as generated, `prompt_group` g > 1 keeps one
+    prompt entry per g consecutive rows (`decoder.empty_row_cache`)."""
     rows = valid.shape[0]
     state = SamplingState(
         tokens=jnp.zeros((rows, new_token_bucket), jnp.int32),
@@ -100,7 +104,8 @@ def init_state(config: ModelConfig, mesh: Mesh | None, prompt_lengths: jax.Array
         stopped=jnp.zeros((rows,), bool),
         lengths=jnp.zeros((rows,), jnp.int32),
         step=jnp.zeros((), jnp.int32),
-        cache=empty_row_cache(config, rows, prompt_bucket, new_token_bucket, response_tile=response_tile),
+        cache=empty_row_cache(config, rows, prompt_bucket, new_token_bucket, response_tile=response_tile,
+                              prompt_group=prompt_group),
     )
     first_logits = _constrain(jnp.zeros((rows, config.vocab_size), jnp.float32), mesh)
     return _constrain_state(state, mesh), first_logits
@@ -112,21 +117,23 @@ def prefill_rows(params, config: ModelConfig, mesh: Mesh | None, prompt_tokens: 
                  first_logits: jax.Array) -> tuple[SamplingState, jax.Array]:
     """Run C prompts (prompt_tokens [C, L], right-padded, positions 0..L-1) through the model once
     and copy each prompt's cache slots [0, L) and its last-position logits to the rows with
-    row_source[r] = its index in this call (rows with -1 belong to another call and are kept)."""
+    row_source[r] = its index in this call (rows with -1 belong to another call and are kept). With one prompt
+    entry per group of g rows (the cache's prompt part has R / g entries) an entry takes its first row's source:
+    a group's rows continue one prompt."""
     prompt_tokens = _constrain(prompt_tokens, mesh)
     last_logits, keys, values = prefill_cache(params, config, prompt_tokens, prompt_lengths,
                                               state.cache.prompt_k[0].dtype)
-    take = row_source >= 0
-    source = jnp.maximum(row_source, 0)
+    entries = state.cache.prompt_k[0].shape[0]
+    entry_source = row_source.reshape(entries, -1)[:, 0]
 
-    def merge(rows_cache, prompt_cache):
-        copied = jnp.take(prompt_cache, source, axis=0)
-        return jnp.where(take.reshape((-1,) + (1,) * (copied.ndim - 1)), copied, rows_cache)
+    def merge(old, new, source):
+        copied = jnp.take(new, jnp.maximum(source, 0), axis=0)
+        return jnp.where((source >= 0).reshape((-1,) + (1,) * (copied.ndim - 1)), copied, old)
 
     cache = state.cache._replace(
-        prompt_k=tuple(merge(old, keys[i]) for i, old in enumerate(state.cache.prompt_k)),
-        prompt_v=tuple(merge(old, values[i]) for i, old in enumerate(state.cache.prompt_v)))
-    first_logits = merge(first_logits, last_logits)
+        prompt_k=tuple(merge(old, keys[i], entry_source) for i, old in enumerate(state.cache.prompt_k)),
+        prompt_v=tuple(merge(old, values[i], entry_source) for i, old in enumerate(state.cache.prompt_v)))
+    first_logits = merge(first_logits, last_logits, row_source)
     state = dataclasses.replace(state, cache=cache)
     return _constrain_state(state, mesh), _constrain(first_logits, mesh)
 

@@ -11,7 +11,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from jaxrl_llm.models import ModelConfig
-from jaxrl_llm.sampling.buckets import SamplingPlan, bucket_size, make_plan, round_up
+from jaxrl_llm.sampling.buckets import SamplingPlan, bucket_size, make_plan, prompt_group_size, round_up
 from jaxrl_llm.sampling.continuous import SlotStats, check_max_slots, generate_slots
 from jaxrl_llm.sampling.engine import (
     SamplingState,
@@ -114,7 +114,7 @@ def prefill(params, config: ModelConfig, prompts: list[np.ndarray], plan: Sampli
     valid = np.arange(rows) < plan.num_rows
     state, first_logits = init_state(config, mesh, _put(lengths[row_prompt], mesh), _put(valid, mesh),
                                      prompt_bucket=plan.prompt_bucket, new_token_bucket=plan.new_token_bucket,
-                                     response_tile=plan.response_tile)
+                                     response_tile=plan.response_tile, prompt_group=plan.prompt_group)
     per_call = plan.prompts_per_prefill
     for start in range(0, len(plan.prefill_prompts), per_call):
         chunk = plan.prefill_prompts[start: start + per_call]
@@ -168,23 +168,41 @@ def call_row_bucket(num_rows: int, max_rows_per_call: int, row_multiple: int = 1
     return round_up(bucket_size(max(max_rows_per_call, 2)), row_multiple)
 
 
+def call_prompt_group(counts: np.ndarray, max_rows_per_call: int, row_multiple: int = 1) -> int:
+    """Rows per prompt entry of every call of a step with per-prompt sample `counts` split in calls of
+    `max_rows_per_call` rows (`call_plans`): `buckets.prompt_group_size` of the counts each call takes (a prompt
+    whose samples straddle two calls counts in both) and a device's rows of the calls' row bucket."""
+    counts = np.asarray(counts)
+    num_rows = int(counts.sum())
+    rows_per_device = call_row_bucket(num_rows, max_rows_per_call, row_multiple) // row_multiple
+    if max_rows_per_call == 0 or num_rows <= max_rows_per_call:
+        return prompt_group_size(counts, rows_per_device)
+    row_prompt = np.repeat(np.arange(len(counts)), counts)
+    per_call = [np.bincount(row_prompt[start: start + max_rows_per_call], minlength=len(counts))
+                for start in range(0, num_rows, max_rows_per_call)]
+    return prompt_group_size(np.concatenate(per_call), rows_per_device)
+
+
 def call_plans(plan: SamplingPlan, prompt_lengths: np.ndarray, max_new_tokens: int, max_rows_per_call: int, *,
                row_multiple: int = 1, prefill_tokens_per_call: int = 4096) -> list[tuple[int, SamplingPlan]]:
     """Split `plan`'s output rows into consecutive runs of at most `max_rows_per_call` rows (0: one run)
     -> [(first output row, plan of that run)]. A prompt's samples may straddle two runs. Every run keeps
     the whole plan's prompt bucket and prompts per prefill call, and all runs have one row bucket (at least
-    2: XLA's matrix-vector products round differently from its matrix products), so the runs share the
-    compiled prefill and decode programs and compute each row as the single call would, bit for bit."""
+    2: XLA's matrix-vector products round differently from its matrix products) and one prompt group (the
+    largest that suits every run), so the runs share the compiled prefill and decode programs and compute each
+    row as the single call would, bit for bit."""
     if max_rows_per_call == 0 or plan.num_rows <= max_rows_per_call:
         return [(0, plan)]
     row_bucket = call_row_bucket(plan.num_rows, max_rows_per_call, row_multiple)
+    group = call_prompt_group(np.bincount(plan.row_prompt, minlength=len(prompt_lengths)), max_rows_per_call,
+                              row_multiple)
     runs = []
     for start in range(0, plan.num_rows, max_rows_per_call):
         counts = np.bincount(plan.row_prompt[start: start + max_rows_per_call], minlength=len(prompt_lengths))
         run = make_plan(prompt_lengths, counts, max_new_tokens, row_multiple=row_multiple,
                         prefill_tokens_per_call=prefill_tokens_per_call)
         runs.append((start, dataclasses.replace(run, prompt_bucket=plan.prompt_bucket, row_bucket=row_bucket,
-                                                prompts_per_prefill=plan.prompts_per_prefill)))
+                                                prompts_per_prefill=plan.prompts_per_prefill, prompt_group=group)))
     return runs
 
 
@@ -212,7 +230,8 @@ def generate(params, config: ModelConfig, prompts: Sequence[Sequence[int]], *, n
 
     prompts: list of non-empty token-id lists. num_samples: an int for every prompt, or one count per
     prompt (0 allowed: GVM-RAFT gives prompt i its own n_i). Each prompt is prefilled once (length
-    padded to a bucket) and its KV cache copied to its samples' rows; rows are padded to a power-of-two
+    padded to a bucket) and its KV cache copied to its samples' rows (one entry shared by each group of
+    consecutive rows of the prompt, `buckets.prompt_group_size`); rows are padded to a power-of-two
     bucket, so a new mix of counts with the same bucket reuses the compiled programs. Decoding is a
     `lax.while_loop` that ends when every row has emitted a stop id or `max_new_tokens` tokens.
 

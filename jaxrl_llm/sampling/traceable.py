@@ -40,7 +40,7 @@ def sample_tokens(params, config: ModelConfig, prompt_tokens: jax.Array, prompt_
     """Draw `samples_per_prompt` continuations of each right-padded prompt tokens [P, L] (lengths [P]).
 
     Traceable: shapes depend only on (P, L, samples_per_prompt, max_new_tokens); the keyword arguments
-    are static. Each prompt is prefilled once and its cache copied to its samples' rows; the decode is
+    are static. Each prompt is prefilled once into one cache entry its samples' rows share; the decode is
     `generate`'s `lax.while_loop` with the same token selection and per-row random numbers
     fold_in(fold_in(rng, row), t). So with L equal to `generate`'s prompt bucket and P * S a power of
     two, the result equals `generate(..., num_samples=S, rng=rng)` token for token.
@@ -63,7 +63,8 @@ def sample_tokens(params, config: ModelConfig, prompt_tokens: jax.Array, prompt_
     new_token_bucket = bucket_size(max_new_tokens, minimum=16)
     state, first_logits = init_state(config, None, prompt_lengths[row_prompt], jnp.ones((rows,), bool),
                                      prompt_bucket=prompt_len, new_token_bucket=new_token_bucket,
-                                     response_tile=response_tile_size(new_token_bucket))
+                                     response_tile=response_tile_size(new_token_bucket),
+                                     prompt_group=samples_per_prompt)
     state, first_logits = prefill_rows(params, config, None, jnp.asarray(prompt_tokens, jnp.int32), prompt_lengths,
                                        row_prompt, state, first_logits)
     greedy = temperature == 0.0

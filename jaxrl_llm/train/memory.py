@@ -41,9 +41,10 @@ Every term counts what jaxrl_llm itself allocates, per device of a `data x fsdp 
                 plus the output matrix cast to c when c != p (V x D, sharded as its parameter)
   sampling    KV cache of the rows of one sampler call: all of a step's rows, or `sampling.max_rows_per_call`
               of them (the row bucket of `sampling.generate.call_plans`), rows split over data x fsdp:
-              layers x rows x (P_bucket + R_bucket) x kv_heads x head_dim x 2 x c, where a sliding-window
-              layer (Mistral, Gemma) keeps min(R_bucket, window) response slots; plus two [rows, V]
-              f32 logits buffers. With sampling.engine=continuous: layers x (C x P_bucket + S x R_bucket) x
+              layers x (rows / g x P_bucket + rows x R_bucket) x kv_heads x head_dim x 2 x c, where g rows
+              share one prompt entry (`sampling.generate.call_prompt_group`: samples_per_prompt when it divides
+              a device's rows; 1 with GVM's varying counts) and a sliding-window layer (Mistral, Gemma) keeps
+              min(R_bucket, window) response slots; plus two [rows, V] f32 logits buffers. With sampling.engine=continuous: layers x (C x P_bucket + S x R_bucket) x
               kv_heads x head_dim x 2 x c for S decode slots (`sampling.continuous.slot_count`) and
               C = `sampling.continuous.prompt_entries` prompt-cache entries (one per prompt of the step, at
               most S + one prefill chunk of floor_pow2(4096 / P_bucket) prompts, or
@@ -84,6 +85,8 @@ import pathlib
 import re
 from typing import Any
 
+import numpy as np
+
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.lora import LoraSpec, adapter_shapes, resolve_targets
 from jaxrl_llm.models.model import param_shapes
@@ -91,7 +94,7 @@ from jaxrl_llm.models.sharding import MESH_AXES, partition_rules
 from jaxrl_llm.sampling.buckets import bucket_size, prefill_chunk, round_up
 from jaxrl_llm.sampling.continuous import prompt_entries, slot_count
 from jaxrl_llm.sampling.decoder import response_slots
-from jaxrl_llm.sampling.generate import call_row_bucket
+from jaxrl_llm.sampling.generate import call_prompt_group, call_row_bucket
 from jaxrl_llm.train.algorithms import needs_reference
 from jaxrl_llm.train.config import RunConfig, lora_enabled, uses_critic
 from jaxrl_llm.train.packing import bucket, length_bucket
@@ -395,7 +398,12 @@ def estimate_memory(config: RunConfig, model_config: ModelConfig, mesh: dict[str
         sampling = (kv_cache + local_slots * prompt_bucket * kv_bytes
                     + (local_prompts + 2 * local_slots) * mc.vocab_size * 4 + merged_copy)
     else:
-        kv_cache = sum(local_rows * (prompt_bucket + slots) * kv_bytes for slots in response_slots(mc, response_bucket))
+        # One prompt entry per group of rows that continue the same prompt (`sampling.buckets.prompt_group_size`);
+        # GVM's counts change from step to step, so it is counted at one entry per row, the most it can take.
+        group = 1 if gvm else call_prompt_group(np.full(cfg.sampling.prompts_per_step, samples),
+                                                cfg.sampling.max_rows_per_call, batch_split)
+        kv_cache = sum((local_rows // group * prompt_bucket + local_rows * slots) * kv_bytes
+                       for slots in response_slots(mc, response_bucket))
         sampling = kv_cache + 2 * local_rows * mc.vocab_size * 4 + merged_copy
 
     gvm_norms = 0
