@@ -109,7 +109,8 @@ class SamplingSection:
     # Sampled rows (prompts x samples) decoded per sampler call; a step's rows go in several calls of at most
     # this many, with the same tokens as one call (bounds the KV cache). 0: all of a step's rows in one call.
     max_rows_per_call: int = 0
-    # "static": each call's rows decode in lockstep until the longest ends; "continuous": max_slots decode slots
+    # "static": each call's rows decode in lockstep until the longest ends, the samples of a prompt reading one
+    # shared prompt entry (`sampling.buckets.prompt_group_size`); "continuous": max_slots decode slots
     # take the next pending sample as soon as theirs ends, one prompt cache per prompt (the same rollouts when the
     # slots match the static call's rows, up to f32 rounding at buckets >= 256; other slot counts round f32
     # differently); its steps
