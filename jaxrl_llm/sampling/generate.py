@@ -168,19 +168,25 @@ def call_row_bucket(num_rows: int, max_rows_per_call: int, row_multiple: int = 1
     return round_up(bucket_size(max(max_rows_per_call, 2)), row_multiple)
 
 
-def call_prompt_group(counts: np.ndarray, max_rows_per_call: int, row_multiple: int = 1) -> int:
-    """Rows per prompt entry of every call of a step with per-prompt sample `counts` split in calls of
-    `max_rows_per_call` rows (`call_plans`): `buckets.prompt_group_size` of the counts each call takes (a prompt
-    whose samples straddle two calls counts in both) and a device's rows of the calls' row bucket."""
+def call_counts(counts: np.ndarray, max_rows_per_call: int) -> list[tuple[int, np.ndarray]]:
+    """The calls of a step whose output rows (ordered by prompt, `counts[i]` of prompt i) go in consecutive runs of
+    at most `max_rows_per_call` rows (0: one run) -> [(first output row, per-prompt counts of that run)]; a prompt's
+    samples may straddle two runs and count in both."""
     counts = np.asarray(counts)
     num_rows = int(counts.sum())
-    rows_per_device = call_row_bucket(num_rows, max_rows_per_call, row_multiple) // row_multiple
     if max_rows_per_call == 0 or num_rows <= max_rows_per_call:
-        return prompt_group_size(counts, rows_per_device)
+        return [(0, counts)]
     row_prompt = np.repeat(np.arange(len(counts)), counts)
-    per_call = [np.bincount(row_prompt[start: start + max_rows_per_call], minlength=len(counts))
-                for start in range(0, num_rows, max_rows_per_call)]
-    return prompt_group_size(np.concatenate(per_call), rows_per_device)
+    return [(start, np.bincount(row_prompt[start: start + max_rows_per_call], minlength=len(counts)))
+            for start in range(0, num_rows, max_rows_per_call)]
+
+
+def call_prompt_group(counts: np.ndarray, max_rows_per_call: int, row_multiple: int = 1) -> int:
+    """Rows per prompt entry of every call of a step with per-prompt sample `counts` split in calls of
+    `max_rows_per_call` rows (`call_plans`): `buckets.prompt_group_size` of the counts each call takes
+    (`call_counts`) and a device's rows of the calls' row bucket."""
+    rows_per_device = call_row_bucket(int(np.sum(counts)), max_rows_per_call, row_multiple) // row_multiple
+    return prompt_group_size(np.concatenate([c for _, c in call_counts(counts, max_rows_per_call)]), rows_per_device)
 
 
 def call_plans(plan: SamplingPlan, prompt_lengths: np.ndarray, max_new_tokens: int, max_rows_per_call: int, *,
@@ -194,11 +200,10 @@ def call_plans(plan: SamplingPlan, prompt_lengths: np.ndarray, max_new_tokens: i
     if max_rows_per_call == 0 or plan.num_rows <= max_rows_per_call:
         return [(0, plan)]
     row_bucket = call_row_bucket(plan.num_rows, max_rows_per_call, row_multiple)
-    group = call_prompt_group(np.bincount(plan.row_prompt, minlength=len(prompt_lengths)), max_rows_per_call,
-                              row_multiple)
+    calls = call_counts(np.bincount(plan.row_prompt, minlength=len(prompt_lengths)), max_rows_per_call)
+    group = prompt_group_size(np.concatenate([c for _, c in calls]), row_bucket // row_multiple)
     runs = []
-    for start in range(0, plan.num_rows, max_rows_per_call):
-        counts = np.bincount(plan.row_prompt[start: start + max_rows_per_call], minlength=len(prompt_lengths))
+    for start, counts in calls:
         run = make_plan(prompt_lengths, counts, max_new_tokens, row_multiple=row_multiple,
                         prefill_tokens_per_call=prefill_tokens_per_call)
         runs.append((start, dataclasses.replace(run, prompt_bucket=plan.prompt_bucket, row_bucket=row_bucket,
