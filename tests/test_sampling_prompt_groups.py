@@ -10,11 +10,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxrl_llm.models import ModelConfig, init_params
+from jaxrl_llm.models import ModelConfig
 from jaxrl_llm.sampling import buckets, collect, decode, generate, make_plan, prefill
 from jaxrl_llm.sampling.buckets import prompt_group_size
 from jaxrl_llm.sampling.decoder import _attend, empty_row_cache, prefill_cache
 from jaxrl_llm.sampling.generate import _stop_array, call_plans
+from tiny_models import tiny_sampler_model
 
 generate_module = importlib.import_module("jaxrl_llm.sampling.generate")  # the package's `generate` is the function
 
@@ -24,11 +25,7 @@ PROMPTS = [np.array(p, np.int32) for p in ([1, 2, 3], list(range(4, 21)), [9], [
 
 @pytest.fixture(scope="module")
 def tiny():
-    config = ModelConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4,
-                         num_kv_heads=2, head_dim=8, tie_word_embeddings=True, max_position_embeddings=512)
-    params = init_params(config, jax.random.key(0))
-    params["embed"] = params["embed"] * 3.0  # logits spread over a few nats
-    return config, params
+    return tiny_sampler_model(VOCAB)
 
 
 def test_prompt_group_size_hand_values():

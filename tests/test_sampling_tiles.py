@@ -9,12 +9,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxrl_llm.models import ModelConfig, init_params
+from jaxrl_llm.models import ModelConfig
 from jaxrl_llm.sampling import collect, decode, make_plan, prefill
 from jaxrl_llm.sampling.buckets import RESPONSE_TILE, response_tile_size
 from jaxrl_llm.sampling.decoder import _write_tiles, decode_step, empty_row_cache, unstack_layers
 from jaxrl_llm.sampling.engine import decode_rows
 from jaxrl_llm.sampling.generate import _stop_array
+from tiny_models import tiny_sampler_model
 
 VOCAB = 64
 PROMPTS = [np.array(p, np.int32) for p in ([1, 2, 3], list(range(4, 21)), [9], [2, 2], [7, 5, 3, 1, 8, 6])]
@@ -24,11 +25,7 @@ NEW_TOKENS = 30  # bucket 32: tiles of 8 or 4 give 4 or 8 tiles
 
 @pytest.fixture(scope="module")
 def tiny():
-    config = ModelConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4,
-                         num_kv_heads=2, head_dim=8, tie_word_embeddings=True, max_position_embeddings=512)
-    params = init_params(config, jax.random.key(0))
-    params["embed"] = params["embed"] * 3.0  # logits spread over a few nats
-    return config, params
+    return tiny_sampler_model(VOCAB)
 
 
 def rollout(tiny, tile: int, temperature: float):

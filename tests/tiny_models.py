@@ -11,6 +11,8 @@ logit soft-capping, query_pre_attn_scalar != head_dim), "gemma3_text" (window 4 
 norms, local RoPE base 10^4 and a linearly scaled global base 10^6). Their references run transformers'
 eager attention. Weights are drawn wider than the default init and norms/biases are randomised too, so
 every path moves the logits.
+
+`tiny_sampler_model()` is the sampler tests' small jaxrl_llm model, without torch.
 """
 
 from __future__ import annotations
@@ -155,3 +157,19 @@ def position_ids(batch: int, length: int, start: int = 0):
     import numpy as np
 
     return np.tile(np.arange(start, start + length, dtype=np.int32), (batch, 1))
+
+
+def tiny_sampler_model(vocab_size: int = 64, **overrides):
+    """(config, params) of a 2-layer GQA jaxrl_llm model (4 query / 2 KV heads of 8 dims, tied embedding) whose
+    logits spread over a few nats (the embedding scaled up 3x), so sampled tokens differ by key: the sampler
+    tests' model. Needs no torch."""
+    import jax
+
+    from jaxrl_llm.models import ModelConfig, init_params
+
+    base = dict(vocab_size=vocab_size, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4,
+                num_kv_heads=2, head_dim=8, tie_word_embeddings=True, max_position_embeddings=512)
+    config = ModelConfig(**{**base, **overrides})
+    params = init_params(config, jax.random.key(0))
+    params["embed"] = params["embed"] * 3.0
+    return config, params
