@@ -91,6 +91,12 @@ def make_inputs(config, rows: int, entries: int, prompt_bucket: int, new_token_b
     return (shared_k, shared_v), (own_k, own_v), (response_k, response_v), lengths, tokens, row_entry, grouped
 
 
+def prompt_cache(variant: str, shared: tuple, own: tuple, grouped: tuple) -> tuple:
+    """The (keys, values) prompt cache `variant` reads: `make_inputs`' shared cache (shared*), its cache of one entry
+    per group of rows (grouped*), or its per-row cache (the others)."""
+    return {"shared": shared, "grouped": grouped}.get(variant.split("_")[0], own)
+
+
 @functools.partial(jax.jit, static_argnames=("config", "variant", "steps"))
 def run_steps(params, config, variant: str, prompt_k, prompt_v, response_k, response_v, lengths, tokens,
               row_entry, first_step, *, steps: int):
@@ -130,8 +136,7 @@ def time_variants(params, config, runs, steps: int, repeats: int, tile: int = 0)
     calls = []
     for variant, inputs, first in runs:
         (shared_k, shared_v), (own_k, own_v), (response_k, response_v), lengths, tokens, row_entry, grouped = inputs
-        prompt_k, prompt_v = {"shared": (shared_k, shared_v), "grouped": grouped}.get(variant.split("_")[0],
-                                                                                  (own_k, own_v))
+        prompt_k, prompt_v = prompt_cache(variant, (shared_k, shared_v), (own_k, own_v), grouped)
         first = jnp.int32(response_k[0].shape[-1] // 2 if first is None else first)
         if variant.endswith("tiled"):
             response_k, response_v = split_tiles(response_k, tile, 3), split_tiles(response_v, tile, 2)

@@ -234,8 +234,7 @@ def test_decode_step_variants_compute_the_same_logits():
     assert grouped[0][0].shape[0] == 3 and lengths[0] == lengths[1] and lengths[2] == lengths[3]
     logits = {}
     for variant in decode_step_bench.VARIANTS:
-        prompt_k, prompt_v = {"shared": (shared_k, shared_v), "grouped": grouped}.get(variant.split("_")[0],
-                                                                                  (own_k, own_v))
+        prompt_k, prompt_v = decode_step_bench.prompt_cache(variant, (shared_k, shared_v), (own_k, own_v), grouped)
         keys, values = response_k, response_v
         if variant.endswith("tiled"):
             keys, values = decode_step_bench.split_tiles(keys, 4, 3), decode_step_bench.split_tiles(values, 4, 2)
