@@ -6,12 +6,15 @@ JAX in the same run.
     .venv/bin/python benchmarks/train_step.py [--rows 8] [--seq-len 256] [--prompt-len 64]
         [--dtype f32|bf16] [--remat off|full|dots|qkv_attn_mlp] [--micro-batch 8] [--repeats 3] [--layers N]
         [--layers-as scan|unrolled] [--attention-block-size B] [--responses N] [--skip-torch] [--torch-threads N]
-        [--pieces]
+        [--pieces] [--slot-len R]
 
 Batch: `rows` packed rows, each one random prompt of `prompt_len` tokens followed by one response of
 `seq_len - prompt_len` tokens (a `TrainBatch` with one response slot per row, no padding), random
 +-1 advantages (`--responses N`: N responses of equal length after each prompt instead, the trainer's
-packed layout of a prompt's group, in which each response attends to the prompt and to itself; ours only),
+packed layout of a prompt's group, in which each response attends to the prompt and to itself; ours only;
+`--slot-len R`: each response in a slot of R tokens, as when the sampler's max_new_tokens is R and the
+responses stop before it, so the trainer scores the row's positions rather than its S x R slots when
+those are fewer, `train.logprobs.scored_positions`; ours only),
 old log-probs from the trainer's own log-prob function (ratio 1). Both sides score the response tokens only: the log-prob of every response token under a full-vocabulary softmax, the
 clipped surrogate averaged over response tokens (token-mean) and the entropy as a metric, then the
 gradient, a global-norm clip at 1.0 and AdamW (lr 1e-5, weight decay 0.01, none on norms).
@@ -122,10 +125,13 @@ def load_model(layers: int | None):
     return config, params
 
 
-def make_batch(config, params, rows: int, seq_len: int, prompt_len: int, seed: int = 0, responses: int = 1):
+def make_batch(config, params, rows: int, seq_len: int, prompt_len: int, seed: int = 0, responses: int = 1,
+               slot_len: int | None = None):
     """A packed TrainBatch (numpy) of `rows` rows, each a prompt and `responses` responses of equal length
     (`seq_len - prompt_len` tokens between them), old log-probs from the trainer's log-prob function; plus
-    the token matrix [rows, seq_len] and advantages [rows] for the torch side (one response per row)."""
+    the token matrix [rows, seq_len] and advantages [rows] for the torch side (one response per row).
+    `slot_len`: response slots of that many tokens (the sampler's max_new_tokens) instead of the responses'
+    length, as when responses stop before the limit."""
     import jax
 
     from jaxrl_llm.train.packing import bucket, length_bucket, pack_groups
@@ -141,6 +147,9 @@ def make_batch(config, params, rows: int, seq_len: int, prompt_len: int, seed: i
                          f"got {responses}")
     rng = np.random.default_rng(seed)
     resp_len = (seq_len - prompt_len) // responses
+    slot_len = slot_len or resp_len
+    if slot_len < resp_len:
+        raise ValueError(f"--slot-len must be at least the response length {resp_len}, got {slot_len}")
     tokens = rng.integers(1, config.vocab_size, size=(rows, seq_len)).astype(np.int32)
     prompts = [row[:prompt_len].tolist() for row in tokens]
     # Sample i = responses x row + s is the s-th response of its row's prompt.
@@ -149,9 +158,10 @@ def make_batch(config, params, rows: int, seq_len: int, prompt_len: int, seed: i
     groups = [np.arange(responses) + responses * r for r in range(rows)]
     adv = rng.choice([-1.0, 1.0], size=rows * responses).astype(np.float32)
     per_token = np.repeat(adv[:, None], resp_len, 1)
+    samples, per_token = (np.pad(x, ((0, 0), (0, slot_len - resp_len))) for x in (samples, per_token))
     probe = pack_groups(prompts, groups, samples, lengths, seq_multiple=1)
     logp = np.asarray(make_logprob_fn(config)(params, jax.tree_util.tree_map(jax.numpy.asarray, probe)))
-    old = logp[:, :responses].reshape(rows * responses, resp_len)  # [G, S, R] -> [N, R] in the samples' order
+    old = logp[:, :responses].reshape(rows * responses, slot_len)  # [G, S, R] -> [N, R] in the samples' order
     batch = pack_groups(prompts, groups, samples, lengths, advantages=per_token, old_logp=old, seq_multiple=1)
     assert batch.tokens.shape == (rows, seq_len) and batch.pred_index.shape[:2] == (rows, bucket(responses))
     return batch, tokens, adv, old
@@ -294,12 +304,14 @@ def main():
                         help="model.attention_block_size: query x key tiles with an online softmax (default: full)")
     parser.add_argument("--responses", type=int, default=1,
                         help="responses packed after each prompt, sharing its seq-len - prompt-len tokens (ours only)")
+    parser.add_argument("--slot-len", type=int, default=None,
+                        help="response slot length R >= the responses' length (ours only; default: their length)")
     parser.add_argument("--skip-torch", action="store_true")
     parser.add_argument("--torch-threads", type=int, default=os.cpu_count(), help="torch intra-op threads")
     parser.add_argument("--pieces", action="store_true", help="also time forward and forward + backward alone")
     args = parser.parse_args()
-    if args.responses != 1 and not args.skip_torch:
-        parser.error("--responses > 1 packs several responses per row, which the transformers step does not: "
+    if (args.responses != 1 or args.slot_len) and not args.skip_torch:
+        parser.error("--responses > 1 and --slot-len change our packed layout only, not the transformers step's: "
                      "add --skip-torch")
 
     import jax
@@ -317,7 +329,7 @@ def main():
         print(f"measured {name} matmul GFLOP/s (n: rate) {sizes}; peak {rates['peak'] / 1e9:.1f}", flush=True)
 
     batch, tokens, adv, old = make_batch(config, params, args.rows, args.seq_len, args.prompt_len,
-                                         responses=args.responses)
+                                         responses=args.responses, slot_len=args.slot_len)
     n_tokens = int(batch.tokens.size)
     scored = int(batch.mask.sum())
     pairs = attended_pairs(batch.positions, batch.segments)
@@ -325,7 +337,8 @@ def main():
     simple = 6 * num_params * n_tokens
     print(f"SmolLM2-135M, {config.num_layers} layers, {num_params / 1e6:.1f}M params, {args.dtype}, remat "
           f"{args.remat}, attention block {args.attention_block_size or 'none (full)'}, micro-batch {micro_batch}: "
-          f"{args.rows} x {args.seq_len} tokens ({scored} scored, {args.responses} response(s) per row, "
+          f"{args.rows} x {args.seq_len} tokens ({scored} scored, {args.responses} response(s) per row in slots "
+          f"of {batch.pred_index.shape[2]}, "
           f"{pairs} attended pairs); "
           f"model FLOPs/step {flops / 1e9:.1f} G (6 x params x tokens: {simple / 1e9:.1f} G)", flush=True)
 

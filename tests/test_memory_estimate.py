@@ -145,6 +145,13 @@ def test_tiny_run_by_hand():
     assert bounded["row_length"] == 32 and bounded["activations"] == est["activations"]
     assert bounded["logprob_residuals"] == 8 * (64 * 4 + 16 * 4 + 12) + 512 * 4 == 4704
 
+    # Responses filled to an eighth of max_new_tokens=64: rows of 8 + 2 x 8 tokens -> L = 32, shorter than the
+    # 2 x 64 response slots, so the log-probs score the row's 32 positions (the compact layout), not 128 slots.
+    filled = estimate_memory(load_config(None, TINY_RUN + ["sampling.max_new_tokens=64"]), TINY,
+                             {"data": 1, "fsdp": 2, "tensor": 1}, response_fill=0.125)
+    assert filled["row_length"] == 32
+    assert filled["logprob_residuals"] == 32 * (64 * 4 + 16 * 4 + 12) + 512 * 4 == 12672
+
     # Remat policy "dots" also keeps, per layer and token, the projection outputs
     # q 16 + k, v 2 x 8 + o 16 + gate, up 2 x 32 + down 16 = 128 elements.
     dots = estimate_memory(load_config(None, TINY_RUN + ["model.remat=true", "model.remat_policy=dots"]), TINY,

@@ -30,6 +30,7 @@ def test_sharded_step_equals_single_device():
         assert r["metric_rel_diff"][name] < 1e-5, (name, r)
     assert r["metrics"]["clip_fraction"] > 0 and r["metrics"]["kl"] > 0, r  # every loss term is live
     assert r["logprob_diff"] < 1e-5 and r["logprob_replicated"], r
+    assert r["compact"] and r["compact_logprob_diff"] < 1e-5, r  # the step's batch is scored compactly
     # Parameters and Adam moments sharded by the model's rules; counters and the step replicated.
     assert r["specs"]["params/layers/q_proj"] == "P(None, 'fsdp', 'tensor')", r
     assert r["specs"]["params/embed"] == "P('tensor', 'fsdp')", r
@@ -140,8 +141,15 @@ def _step_checks() -> dict:
     adv = rng.choice([-1.0, 0.5, 1.0], size=(24, 1)).astype(np.float32) * mask
     old = (logp + rng.normal(0, 0.3, logp.shape).astype(np.float32)) * mask  # ratios != 1: clipping is live
     ref = (logp + rng.normal(0, 0.3, logp.shape).astype(np.float32)) * mask
-    batch = pack_groups(prompts, members, responses, lengths, advantages=adv, old_logp=old, ref_logp=ref,
-                        row_multiple=4)
+    # The step's batch: R = 12 slots per response, of which at most 6 are tokens, so the 32-token rows are
+    # shorter than their 4 x 12 slots and the log-probs are scored in the compact layout (the probe above
+    # used the slot layout).
+    wide = lambda x: np.pad(x, ((0, 0), (0, 6)))  # noqa: E731
+    batch = pack_groups(prompts, members, wide(responses), lengths, advantages=wide(adv), old_logp=wide(old),
+                        ref_logp=wide(ref), row_multiple=4)
+    compact = batch.tokens.shape[1] < batch.pred_index.shape[1] * batch.pred_index.shape[2]
+    compact_logp = unpack(np.asarray(sharded_logprob(place(params, p_sharding), place(batch, b_sharding))),
+                          members, 24)[:, :6] * mask
     algo = AlgorithmSection(loss="clip", kl_coef=0.1, entropy_coef=0.01)
     denom = np.float32(aggregate_denominator(mask, algo.agg))
 
@@ -198,7 +206,8 @@ def _step_checks() -> dict:
             "metrics": m_single[0], "logprob_diff": float(np.abs(np.asarray(logp_mesh) - logp_single).max()),
             "logprob_replicated": bool(logp_mesh.sharding.is_fully_replicated), "specs": specs,
             "donated": donated, "compiles": compiles, "bad_micro_error": bad_micro, "cov_rel_diff": cov_diff,
-            "cov_live": bool(cov_live)}
+            "cov_live": bool(cov_live), "compact": bool(compact),
+            "compact_logprob_diff": float(np.abs(compact_logp - logp).max())}
 
 
 def _loop_checks() -> dict:

@@ -53,6 +53,51 @@ def test_packed_logprobs_equal_one_row_per_sample():
     np.testing.assert_allclose(got[0, :lengths[0]], direct, atol=2e-5)
 
 
+def test_compact_scoring_equals_slot_scoring_and_unpacked_rows():
+    """Responses that stop well before R: the packed row (L tokens) is shorter than its S x R slots, so
+    `response_logprobs` scores the generated tokens only (compact layout). Log-probs, entropies and the
+    gradient equal the slot layout's and one row per sample; slots past a response's end are 0."""
+    from jaxrl_llm.train.logprobs import scored_positions
+
+    params = models.init_params(TINY, jax.random.PRNGKey(2))
+    prompts, members, responses, lengths, _, mask = _samples(groups=2, per_group=4, resp=16, seed=3)
+    lengths = np.array([1, 3, 2, 16, 4, 1, 2, 5])  # one response reaches R, the others stop early
+    mask = (np.arange(16)[None] < lengths[:, None]).astype(np.float32)
+    batch = pack_groups(prompts, members, responses, lengths, row_multiple=2, seq_multiple=8)
+    rows, slots, resp_len = batch.pred_index.shape
+    assert batch.tokens.shape[1] < slots * resp_len  # 32 positions against 4 x 16 slots
+    pred, targets, (index, valid) = scored_positions(batch)
+    assert pred.shape == (rows, batch.tokens.shape[1])
+    # Row 0 scores its 22 generated tokens first, in slot order: slot 0's one token, then slot 1's three.
+    first = [int(batch.pred_index[0, 0, 0]), *(int(i) for i in batch.pred_index[0, 1, :3])]
+    assert np.asarray(pred[0, :4]).tolist() == first
+    assert np.asarray(targets[0, :4]).tolist() == [int(responses[0, 0]), *responses[1, :3].tolist()]
+    assert int(np.asarray(valid[0]).sum()) == 22 and int(index[0, 16]) == 1  # slot 1, token 0 -> entry 1
+
+    def both(compact):
+        return response_logprobs(params, TINY, batch, chunk=16, with_entropy=True, compact=compact)
+
+    (logp, ent), (slot_logp, slot_ent) = both(None), both(False)
+    packed_mask = np.asarray(batch.mask)
+    np.testing.assert_allclose(np.asarray(logp) * packed_mask, np.asarray(slot_logp) * packed_mask, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(ent) * packed_mask, np.asarray(slot_ent) * packed_mask, atol=1e-6)
+    assert np.all(np.asarray(logp)[packed_mask == 0] == 0) and np.all(np.asarray(ent)[packed_mask == 0] == 0)
+    got = unpack(np.asarray(logp), members, len(lengths)) * mask
+    want = _unpacked_logprobs(params, prompts, members, responses, lengths)
+    np.testing.assert_allclose(got, want, atol=2e-5)
+
+    weights = jnp.asarray(np.random.default_rng(4).normal(size=packed_mask.shape), jnp.float32) * packed_mask
+
+    def objective(compact):
+        def f(p):
+            lp, h = response_logprobs(p, TINY, batch, chunk=16, with_entropy=True, compact=compact)
+            return jnp.sum(weights * (lp + 0.1 * h))
+        return jax.grad(f)(params)
+
+    for got_g, want_g in zip(jax.tree_util.tree_leaves(objective(True)), jax.tree_util.tree_leaves(objective(False))):
+        np.testing.assert_allclose(got_g, want_g, atol=1e-5)
+
+
 def test_large_groups_split_into_rows_give_the_same_logprobs():
     from jaxrl_llm.train.rollouts import row_groups
 

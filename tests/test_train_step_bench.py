@@ -122,6 +122,15 @@ def test_make_batch_packs_responses_after_each_prompt():
             expected = [logp[0, 3, alone[4]], logp[0, 4, alone[5]]]
             np.testing.assert_allclose(old[3 * row + s], expected, rtol=1e-5, atol=1e-6)
             np.testing.assert_allclose(batch.old_logp[row, s], expected, rtol=1e-5, atol=1e-6)
+    # Slots of 5 tokens for the same 2-token responses: the same tokens and old log-probs, zeros past each
+    # response, and a 10-token row shorter than its 4 x 5 slots (scored in the compact layout).
+    wide, _, _, wide_old = bench.make_batch(config, params, rows=2, seq_len=10, prompt_len=4, responses=3, slot_len=5)
+    assert wide.mask.shape == (2, 4, 5) and wide.mask[:, :3, :2].all() and wide.mask.sum() == batch.mask.sum()
+    np.testing.assert_array_equal(wide.tokens, batch.tokens)
+    np.testing.assert_allclose(wide_old[:, :2], old, rtol=1e-5, atol=1e-6)
+    assert not wide_old[:, 2:].any() and not wide.old_logp[:, :, 2:].any()
+    with pytest.raises(ValueError, match="--slot-len"):
+        bench.make_batch(config, params, rows=1, seq_len=10, prompt_len=4, responses=3, slot_len=1)
     with pytest.raises(ValueError, match="--responses"):
         bench.make_batch(config, params, rows=1, seq_len=10, prompt_len=4, responses=4)
     with pytest.raises(ValueError, match="--seq-len 9 .* next one up is 10"):

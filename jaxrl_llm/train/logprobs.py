@@ -197,23 +197,60 @@ _logprobs_entropy.defvjp(_logprobs_entropy_fwd, _logprobs_entropy_bwd)
 
 
 def response_logprobs(params, config, batch, *, chunk: int = 8192, with_entropy: bool = False,
-                      entropy_grad: bool = True):
+                      entropy_grad: bool = True, compact: bool | None = None):
     """Per-token log pi(y_r | x, y_<r) [G, S, R] of the responses of a packed batch (`train.packing`).
 
     One decoder pass over the packed rows (segment-aware attention), then the hidden states that
     predict each response token are gathered and scored against the vocabulary in chunks
     (`chunked_logprobs`; `entropy_grad=False` makes the entropy a metric without gradient;
     `config.remat_logits` recomputes the chunks' logits in the backward pass instead of keeping them).
-    """
+
+    Which positions are scored (`scored_positions`): every response slot, S x R per row, or with `compact`
+    only the generated tokens, moved to the front of a row of L (the packed length) entries. Each generated
+    token of a packed row sits at its own position of the row, so L entries always hold them; the compact
+    layout is the smaller one when responses stop well before R (long-response RL: 8 slots of 3072 new
+    tokens whose responses average a third of that score 24,576 positions per row, of which ~8,200 are
+    tokens). `compact=None` picks it when L < S x R. The generated tokens' values are the same either way
+    (one position's log-softmax does not depend on the others); slots past a response's end (mask 0) hold
+    0 in the compact layout and the log-prob of their padding token in the slot layout."""
     hidden = models.hidden_states(params, config, batch.tokens, batch.positions, segment_ids=batch.segments)
     rows, slots, resp_len = batch.pred_index.shape
-    hidden = jnp.take_along_axis(hidden, batch.pred_index.reshape(rows, slots * resp_len)[..., None], axis=1)
-    out = chunked_logprobs(hidden, output_matrix(params, config), batch.response_tokens.reshape(rows, -1),
+    pred, targets, back = scored_positions(batch, compact)
+    hidden = jnp.take_along_axis(hidden, pred[..., None], axis=1)
+    out = chunked_logprobs(hidden, output_matrix(params, config), targets,
                            chunk=chunk, with_entropy=with_entropy, entropy_grad=entropy_grad,
                            keep_logits=not config.remat_logits, softcap=config.final_logit_softcapping)
-    if with_entropy:
-        return tuple(x.reshape(rows, slots, resp_len) for x in out)
-    return out.reshape(rows, slots, resp_len)
+    out = out if with_entropy else (out,)
+    if back is not None:  # compact entries back to their slots; slots past a response's end get 0
+        index, valid = back
+        out = tuple(jnp.where(valid, jnp.take_along_axis(x, index, axis=1), 0.0) for x in out)
+    out = tuple(x.reshape(rows, slots, resp_len) for x in out)
+    return out if with_entropy else out[0]
+
+
+def scored_positions(batch, compact: bool | None = None):
+    """(hidden index [G, K], target tokens [G, K], back) of the positions `response_logprobs` scores.
+
+    Slot layout (compact False): K = S x R, entry s R + r is response token r of slot s (`pred_index`,
+    `response_tokens` flattened); back is None. Compact layout: K = L, the row's generated tokens (mask 1)
+    in slot order at entries 0, 1, ..., the rest padding (index 0, token 0); back = (index [G, S x R] of
+    each slot entry's compact entry, valid [G, S x R] bool: the mask). Compact assumes what packing gives:
+    a row holds no more generated tokens than positions (entries past L would be dropped).
+    `compact=None`: compact when L < S x R."""
+    rows, slots, resp_len = batch.pred_index.shape
+    width = batch.tokens.shape[1]
+    flat = lambda x: x.reshape(rows, slots * resp_len)  # noqa: E731
+    if compact is None:
+        compact = width < slots * resp_len
+    if not compact:
+        return flat(batch.pred_index), flat(batch.response_tokens), None
+    valid = flat(batch.mask) > 0
+    rank = jnp.cumsum(valid, axis=1, dtype=jnp.int32) - 1  # compact entry of each generated token
+    dest = jnp.where(valid, rank, width)  # out of range: dropped by the scatter
+    row = jnp.arange(rows)[:, None]
+    pred = jnp.zeros((rows, width), jnp.int32).at[row, dest].set(flat(batch.pred_index), mode="drop")
+    targets = jnp.zeros((rows, width), jnp.int32).at[row, dest].set(flat(batch.response_tokens), mode="drop")
+    return pred, targets, (jnp.clip(rank, 0, width - 1), valid)
 
 
 def row_logprobs(params, config, tokens, prompt_lens, response_tokens, *, chunk: int = 8192):

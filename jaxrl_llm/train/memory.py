@@ -34,10 +34,12 @@ Every term counts what jaxrl_llm itself allocates, per device of a `data x fsdp 
                 and up: rows x L x (2 D + q + 2 kv + 2 F) x c
               log-prob residuals: the custom VJP of `train.logprobs.chunked_logprobs` keeps, for the backward
                 pass, the gathered hidden states in c, the int32 targets and two f32 statistics per token
-                (log Z, E_p[logit]), and every vocabulary chunk's f32 logits:
-                rows x (n R) x (V x 4 + D x c + 12), plus the pieces of the output matrix's gradient
+                (log Z, E_p[logit]), and every vocabulary chunk's f32 logits, for K = min(L, n R_max) scored
+                positions per row (n slots of max_new_tokens, or the row's L positions when fewer:
+                `train.logprobs.scored_positions`):
+                rows x K x (V x 4 + D x c + 12), plus the pieces of the output matrix's gradient
                 (V x D x c, sharded as its parameter); with model.remat_logits the logits are recomputed
-                chunk by chunk in the backward pass instead: rows x (n R) x (min(V, 8192) x 4 + D x c + 12);
+                chunk by chunk in the backward pass instead: rows x K x (min(V, 8192) x 4 + D x c + 12);
                 plus the output matrix cast to c when c != p (V x D, sharded as its parameter)
   sampling    KV cache of the rows of one sampler call: all of a step's rows, or `sampling.max_rows_per_call`
               of them (the row bucket of `sampling.generate.call_plans`), rows split over data x fsdp:
@@ -375,8 +377,9 @@ def estimate_memory(config: RunConfig, model_config: ModelConfig, mesh: dict[str
     output_copy = _output_matrix_copy_bytes(mc, mesh, c, p)
     keep_logits = not cfg.model.remat_logits
     head_elements = _output_matrix_elements(mc, mesh)
-    logprob = _logprob_residual_bytes(mc, rows, responses_per_row * response_len, c, keep_logits,
-                                      head_elements) + output_copy
+    # Scored positions: every slot (n x max_new_tokens), or the compact layout's L when that is shorter.
+    scored = min(row_length, responses_per_row * cfg.sampling.max_new_tokens)
+    logprob = _logprob_residual_bytes(mc, rows, scored, c, keep_logits, head_elements) + output_copy
     train_step = gradients + activations + logprob
 
     samples = max(cfg.sampling.gvm_stage1_samples, cfg.sampling.gvm_samples_per_prompt) if gvm \
