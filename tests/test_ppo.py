@@ -78,6 +78,35 @@ def test_value_pass_equals_value_model_apply_on_unpacked_rows():
     assert np.abs(got).max() > 0.05  # a random head gives values far from zero
 
 
+def test_value_pass_reads_generated_tokens_only_when_rows_are_shorter_than_their_slots():
+    """Responses that stop well before R: the packed row is shorter than its S x R slots, so the value pass reads
+    the generated tokens' states only (the policy's compact layout). Values and gradients equal the slot
+    layout's and ValueModel's on unpacked rows; slots past a response's end hold 0."""
+    params = _critic_params(seed=5)
+    prompts, members, responses, _, _, _ = random_groups(UNTIED.vocab_size, groups=2, per_group=4, resp=16, seed=7)
+    lengths = np.array([1, 3, 2, 16, 4, 1, 2, 5])  # one response reaches R, the others stop early
+    mask = (np.arange(16)[None] < lengths[:, None]).astype(np.float32)
+    batch = pack_groups(prompts, members, responses, lengths, row_multiple=2, seq_multiple=8)
+    rows, slots, resp_len = batch.pred_index.shape
+    assert batch.tokens.shape[1] < slots * resp_len
+    packed_mask = np.asarray(batch.mask)
+    compact = np.asarray(response_values(params, UNTIED, batch))
+    slot = np.asarray(response_values(params, UNTIED, batch, compact=False))
+    np.testing.assert_allclose(compact * packed_mask, slot * packed_mask, atol=1e-6)
+    assert np.all(compact[packed_mask == 0] == 0) and np.abs(slot[packed_mask == 0]).max() > 0.05
+    got = unpack(compact, members, len(lengths)) * mask
+    want = np.asarray(_reference_values(params, *_unpacked_rows(prompts, members, responses, lengths))) * mask
+    np.testing.assert_allclose(got, want, atol=2e-5)
+
+    weights = jnp.asarray(np.random.default_rng(8).normal(size=packed_mask.shape), jnp.float32) * packed_mask
+
+    def grads(layout):
+        return jax.grad(lambda p: jnp.sum(weights * response_values(p, UNTIED, batch, compact=layout)))(params)
+
+    for got_g, want_g in zip(jax.tree_util.tree_leaves(grads(True)), jax.tree_util.tree_leaves(grads(False))):
+        np.testing.assert_allclose(got_g, want_g, atol=1e-5)
+
+
 def _critic_batch(params, seed=0):
     prompts, members, responses, lengths, mask = _samples(seed)
     rng = np.random.default_rng(seed + 10)

@@ -25,6 +25,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from jaxrl_llm import models, objectives
 from jaxrl_llm.models.sharding import param_shardings
 from jaxrl_llm.train.config import ConfigError, CriticSection, OptimSection
+from jaxrl_llm.train.logprobs import scored_positions, to_slots
 from jaxrl_llm.train.packing import TrainBatch
 from jaxrl_llm.train.state import TrainState, init_state, make_optimizer, state_shardings
 from jaxrl_llm.train.step import (_replicated, apply_if_finite, jit_packed_pass, micro_shardings, split_micro,
@@ -56,15 +57,17 @@ def value_params(trunk_params, model_config, head=None) -> dict:
     return {"trunk": trunk, "value_head": jax.tree_util.tree_map(lambda x: jnp.array(x, jnp.float32), head)}
 
 
-def response_values(params, config, batch: TrainBatch) -> jax.Array:
+def response_values(params, config, batch: TrainBatch, *, compact: bool | None = None) -> jax.Array:
     """The critic's value of each response token's state [G, S, R] float32: one decoder pass over the packed
-    rows, the hidden state that predicts token r (`batch.pred_index`), then the scalar head."""
+    rows, the hidden state that predicts token r, then the scalar head. The positions read are the policy's
+    (`train.logprobs.scored_positions`: with `compact`, or by default when the row is shorter than its
+    S x R slots, only the generated tokens' states, and slots past a response's end get 0)."""
     hidden = models.hidden_states(params["trunk"], config, batch.tokens, batch.positions, segment_ids=batch.segments)
-    rows, slots, resp_len = batch.pred_index.shape
-    hidden = jnp.take_along_axis(hidden, batch.pred_index.reshape(rows, slots * resp_len)[..., None], axis=1)
+    pred, _, back = scored_positions(batch, compact)
+    hidden = jnp.take_along_axis(hidden, pred[..., None], axis=1)
     head = params["value_head"]
     values = hidden.astype(jnp.float32) @ head["kernel"] + head["bias"]
-    return values[..., 0].reshape(rows, slots, resp_len)
+    return to_slots(values[..., 0], back, batch.pred_index.shape)
 
 
 def critic_loss_fn(params, model_config, clip: float | None, micro: TrainBatch, denom: jax.Array):

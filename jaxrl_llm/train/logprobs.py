@@ -214,17 +214,13 @@ def response_logprobs(params, config, batch, *, chunk: int = 8192, with_entropy:
     (one position's log-softmax does not depend on the others); slots past a response's end (mask 0) hold
     0 in the compact layout and the log-prob of their padding token in the slot layout."""
     hidden = models.hidden_states(params, config, batch.tokens, batch.positions, segment_ids=batch.segments)
-    rows, slots, resp_len = batch.pred_index.shape
     pred, targets, back = scored_positions(batch, compact)
     hidden = jnp.take_along_axis(hidden, pred[..., None], axis=1)
     out = chunked_logprobs(hidden, output_matrix(params, config), targets,
                            chunk=chunk, with_entropy=with_entropy, entropy_grad=entropy_grad,
                            keep_logits=not config.remat_logits, softcap=config.final_logit_softcapping)
     out = out if with_entropy else (out,)
-    if back is not None:  # compact entries back to their slots; slots past a response's end get 0
-        index, valid = back
-        out = tuple(jnp.where(valid, jnp.take_along_axis(x, index, axis=1), 0.0) for x in out)
-    out = tuple(x.reshape(rows, slots, resp_len) for x in out)
+    out = tuple(to_slots(x, back, batch.pred_index.shape) for x in out)
     return out if with_entropy else out[0]
 
 
@@ -251,6 +247,15 @@ def scored_positions(batch, compact: bool | None = None):
     pred = jnp.zeros((rows, width), jnp.int32).at[row, dest].set(flat(batch.pred_index), mode="drop")
     targets = jnp.zeros((rows, width), jnp.int32).at[row, dest].set(flat(batch.response_tokens), mode="drop")
     return pred, targets, (jnp.clip(rank, 0, width - 1), valid)
+
+
+def to_slots(values: jax.Array, back, shape: tuple[int, int, int]) -> jax.Array:
+    """Values of `scored_positions`' entries [G, K] laid out as response slots `shape` [G, S, R]: the slot
+    layout as it is, compact entries moved back to their slots (`back`), slots past a response's end 0."""
+    if back is not None:
+        index, valid = back
+        values = jnp.where(valid, jnp.take_along_axis(values, index, axis=1), 0.0)
+    return values.reshape(shape)
 
 
 def row_logprobs(params, config, tokens, prompt_lens, response_tokens, *, chunk: int = 8192):
