@@ -274,6 +274,9 @@ def test_gvm_norms_and_tensor_split():
     # 8 response tokens a row; the embedding's gradient pieces: [64, 16] split over its vocabulary by tensor=2.
     logprob = 2 * 8 * (64 * 4 + 16 * 4 + 12) + 512 * 4
     assert est["gvm_norms"] == 2 * 64 * 16 * 4 + activations + logprob and est["gvm_chunk_rows"] == 2
+    # Responses that fill a quarter of their 8 columns: the unpacked rows still hold (and score) all 8.
+    short = estimate_memory(cfg, TINY, {"data": 1, "fsdp": 1, "tensor": 2}, response_fill=0.25)
+    assert short["gvm_norms"] == est["gvm_norms"]
     # sampling.gvm_rows_per_chunk=1: one row's gradients, activations and residuals at a time.
     one = estimate_memory(load_config(None, TINY_RUN + ["sampling.allocation=gvm", "sampling.gvm_stage1_samples=4",
                                                         "sampling.gvm_samples_per_prompt=2", "model.remat=true",

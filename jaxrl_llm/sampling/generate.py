@@ -200,10 +200,10 @@ def call_plans(plan: SamplingPlan, prompt_lengths: np.ndarray, max_new_tokens: i
     if max_rows_per_call == 0 or plan.num_rows <= max_rows_per_call:
         return [(0, plan)]
     row_bucket = call_row_bucket(plan.num_rows, max_rows_per_call, row_multiple)
-    calls = call_counts(np.bincount(plan.row_prompt, minlength=len(prompt_lengths)), max_rows_per_call)
-    group = prompt_group_size(np.concatenate([c for _, c in calls]), row_bucket // row_multiple)
+    counts = np.bincount(plan.row_prompt, minlength=len(prompt_lengths))
+    group = call_prompt_group(counts, max_rows_per_call, row_multiple)
     runs = []
-    for start, counts in calls:
+    for start, counts in call_counts(counts, max_rows_per_call):
         run = make_plan(prompt_lengths, counts, max_new_tokens, row_multiple=row_multiple,
                         prefill_tokens_per_call=prefill_tokens_per_call)
         runs.append((start, dataclasses.replace(run, prompt_bucket=plan.prompt_bucket, row_bucket=row_bucket,

@@ -55,8 +55,9 @@ Every term counts what jaxrl_llm itself allocates, per device of a `data x fsdp 
               f32 logits; the S slots are split over data x fsdp as rows are, every device holds the C entries
   gvm norms   (GVM only) per-sample gradients of the subset (default the embedding) for
               `sampling.gvm_rows_per_chunk` (0: `optim.micro_batch_size`) unpacked rows at a time, in p,
-              with those rows' activations and log-prob residuals; a chunk's rows are split over data x fsdp
-              (ceil(chunk / (data x fsdp)) rows per device)
+              with those rows' activations and log-prob residuals (a row is the prompt and all
+              max_new_tokens columns, every one scored, whatever `response_fill`); a chunk's rows are split
+              over data x fsdp (ceil(chunk / (data x fsdp)) rows per device)
 
   critic      (PPO with a critic, algorithm.advantage gae) the value model, counted as the policy's trunk (its
               parameters without lm_head, sharded alike) plus the f32 head: critic = its parameters and AdamW
@@ -413,11 +414,14 @@ def estimate_memory(config: RunConfig, model_config: ModelConfig, mesh: dict[str
     if gvm:
         # A chunk's rows are split over data x fsdp (train.gvm.per_sample_grad_norms rounds the chunk up to it).
         chunk_rows = -(-(cfg.sampling.gvm_rows_per_chunk or cfg.optim.micro_batch_size) // batch_split)
-        unpacked = round_up(cfg.data.max_prompt_tokens + response_len, ROW_SEQ_MULTIPLE)
+        # Unpacked rows hold every max_new_tokens column whatever the fill (train.rollouts.all_rows_batch), and
+        # `train.logprobs.row_logprobs` scores all of them.
+        full_len = cfg.sampling.max_new_tokens
+        unpacked = round_up(cfg.data.max_prompt_tokens + full_len, ROW_SEQ_MULTIPLE)
         gvm_norms = (chunk_rows * _subset_elements(mc, cfg.sampling.gvm_param_subset) * p
                      + _activation_bytes(mc, chunk_rows, unpacked, heads, c, remat, policy,
                                          tiles.attention_block_for(unpacked))
-                     + _logprob_residual_bytes(mc, chunk_rows, response_len, c, keep_logits, head_elements)
+                     + _logprob_residual_bytes(mc, chunk_rows, full_len, c, keep_logits, head_elements)
                      + output_copy)
 
     critic = critic_step = 0
