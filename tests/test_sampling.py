@@ -5,8 +5,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from tiny_models import tiny_sampler_model
 
-from jaxrl_llm.models import ModelConfig, forward, init_params
+from jaxrl_llm.models import forward
 from jaxrl_llm.sampling import (
     FINISH_LENGTH,
     FINISH_STOP,
@@ -23,12 +24,8 @@ VOCAB = 24
 
 @pytest.fixture(scope="module")
 def tiny():
-    """A 2-layer GQA model whose logits spread over a few nats (embedding scaled up)."""
-    config = ModelConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4,
-                         num_kv_heads=2, head_dim=8, tie_word_embeddings=True, max_position_embeddings=512)
-    params = init_params(config, jax.random.key(0))
-    params["embed"] = params["embed"] * 3.0  # largest next-token probability ~0.2
-    return config, params
+    """A 2-layer GQA model whose logits spread over a few nats (largest next-token probability ~0.2)."""
+    return tiny_sampler_model(VOCAB)
 
 
 def teacher_forced_logprobs(params, config, prompts, rollout):

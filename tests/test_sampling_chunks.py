@@ -12,8 +12,8 @@ import textwrap
 import jax
 import numpy as np
 import pytest
+from tiny_models import tiny_sampler_model
 
-from jaxrl_llm.models import ModelConfig, init_params
 from jaxrl_llm.sampling import generate, make_plan
 from jaxrl_llm.sampling.generate import call_plans, call_row_bucket
 from jaxrl_llm.train import load_config
@@ -26,11 +26,7 @@ COUNTS = [3, 0, 5, 1, 2]  # 11 rows; prompt 2's samples straddle calls of 4 rows
 
 @pytest.fixture(scope="module")
 def tiny():
-    config = ModelConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4,
-                         num_kv_heads=2, head_dim=8, tie_word_embeddings=True, max_position_embeddings=512)
-    params = init_params(config, jax.random.key(0))
-    params["embed"] = params["embed"] * 3.0  # logits spread over a few nats, so draws differ by key
-    return config, params
+    return tiny_sampler_model(VOCAB)  # logits spread over a few nats, so draws differ by key
 
 
 def test_call_plans_split_rows_by_hand():

@@ -5,7 +5,8 @@ import jax
 import numpy as np
 import pytest
 
-from jaxrl_llm.models import ModelConfig, init_params
+from tiny_models import tiny_sampler_model
+
 from jaxrl_llm.sampling import FINISH_STOP, generate
 from jaxrl_llm.sampling.continuous import SlotStats, generate_slots
 from jaxrl_llm.sampling.generate import _stop_array
@@ -16,12 +17,7 @@ COUNTS = [3, 5, 0, 2, 4]  # variable n_i, one prompt without samples
 
 
 def _tiny(**overrides):
-    base = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4, num_kv_heads=2,
-                head_dim=8, tie_word_embeddings=True, max_position_embeddings=512)
-    config = ModelConfig(**{**base, **overrides})
-    params = init_params(config, jax.random.key(0))
-    params["embed"] = params["embed"] * 3.0  # largest next-token probability ~0.2
-    return config, params
+    return tiny_sampler_model(VOCAB, **overrides)  # largest next-token probability ~0.2
 
 
 @pytest.fixture(scope="module")
