@@ -215,6 +215,23 @@ def test_train_batches_drop_zero_advantage_rows_but_keep_the_denominator():
     assert kept_kl == 7
 
 
+def test_train_batches_put_padding_rows_in_whole_trailing_micro_batches():
+    from jaxrl_llm.train.config import AlgorithmSection
+    from jaxrl_llm.train.rollouts import build_train_batches
+    from jaxrl_llm.train.step import split_micro
+
+    # Five prompts with a mixed group each: five rows, padded to 8 for micro-batches of 2.
+    scored = _scored([[1, 0], [0, 1, 1], [1, 0], [0, 1], [1, 0, 0]])
+    adv = np.where(scored.rewards[:, None] > 0, 1.0, -1.0) * scored.mask
+    (batch, _, kept), = build_train_batches(scored, adv, scored.logprobs, np.zeros_like(adv), AlgorithmSection(),
+                                            mini_batches=1, micro_batch_size=2, pad_id=0,
+                                            rng=np.random.default_rng(0))
+    assert kept == 12 and batch.tokens.shape[0] == 8
+    per_micro = np.asarray(split_micro(batch, 2).mask).reshape(4, 2, -1).sum(-1)  # [micro-batch, row] tokens
+    assert np.all(per_micro[:2] > 0) and per_micro[2, 0] > 0 and per_micro[2, 1] == 0 and np.all(per_micro[3] == 0)
+    assert batch.mask.sum() == scored.mask.sum()
+
+
 def test_group_selection_and_concat_renumber_prompts():
     from jaxrl_llm.train.rollouts import ScoredRollouts
 

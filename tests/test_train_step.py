@@ -192,6 +192,73 @@ def test_micro_batches_equal_one_batch_and_loss_decreases(algo):
     assert float(again["loss"]) < float(m1["loss"])
 
 
+def test_micro_batch_order_by_hand():
+    from jaxrl_llm.train.packing import micro_batch_order
+    from jaxrl_llm.train.step import split_micro
+
+    order = micro_batch_order(8, 2)
+    assert order.tolist() == [0, 2, 4, 6, 1, 3, 5, 7]
+    # split_micro then takes packed rows 0-1, 2-3, 4-5, 6-7 as micro-batches 0..3
+    assert np.asarray(split_micro(jnp.arange(8)[order], 2)).tolist() == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert micro_batch_order(4, 1).tolist() == micro_batch_order(4, 4).tolist() == [0, 1, 2, 3]
+    with pytest.raises(ValueError, match="multiple of micro_batch_size=4"):
+        micro_batch_order(6, 4)
+
+
+def test_summed_grads_skips_inactive_micro_batches():
+    """An inactive micro-batch's grad_fn does not run (its host callback never fires) and adds nothing."""
+    from jaxrl_llm.train.step import summed_grads
+
+    calls = []
+
+    def grad_fn(params, x):
+        jax.debug.callback(lambda v: calls.append(float(v)), x.sum())
+        return ((params * x).sum(), {"n": x.sum()}), x  # d/dparams (params . x) = x
+
+    xs = jnp.array([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]])
+    params = jnp.array([0.5, -1.0])
+    summed = jax.jit(lambda p, x, on: summed_grads(grad_fn, p, (x,), ("n",), active=on))
+    loss, msum, grads = summed(params, xs, jnp.array([True, False, True]))
+    jax.effects_barrier()
+    assert sorted(calls) == [3.0, 11.0]  # rows 0 and 2 only
+    np.testing.assert_allclose(grads, [6.0, 8.0])
+    np.testing.assert_allclose(float(loss), 0.5 * 6 - 8.0)
+    np.testing.assert_allclose(float(msum["n"]), 14.0)
+
+
+def test_micro_batches_of_padding_rows_are_skipped_and_change_nothing():
+    """Five packed rows padded to 8, ordered so that the last micro-batch of 2 holds padding only: the scanned
+    step marks it inactive (skipped) and its update equals one micro-batch of all 8 rows."""
+    from jaxrl_llm.train.packing import micro_batch_order
+    from jaxrl_llm.train.step import has_tokens, split_micro
+
+    params = models.init_params(TINY, jax.random.PRNGKey(5))
+    prompts, members, responses, lengths, adv, mask = _samples(groups=5, seed=2)
+    old = -np.abs(np.random.default_rng(6).normal(size=mask.shape)).astype(np.float32) * mask
+    packed = pack_groups(prompts, members, responses, lengths, advantages=adv, old_logp=old, row_multiple=2)
+    assert packed.tokens.shape[0] == 8
+    batch = jax.tree_util.tree_map(jnp.asarray, type(packed)(*(x[micro_batch_order(8, 2)] for x in packed)))
+    assert np.asarray(has_tokens(split_micro(batch, 2))).tolist() == [True, True, True, False]
+    algo = AlgorithmSection(loss="clip", entropy_coef=0.01)
+    denom = aggregate_denominator(jnp.asarray(mask), algo.agg)
+    opt = optax.sgd(1.0)
+
+    def run(micro):
+        state = init_state(jax.tree_util.tree_map(jnp.copy, params), opt)
+        return make_train_step(TINY, algo, opt, micro_batch_size=micro)(state, batch, denom)
+
+    (whole, m_whole), (scanned, m_scanned) = run(8), run(2)
+    assert float(m_scanned["finite"]) == 1.0 and int(scanned.step) == 1
+    np.testing.assert_allclose(m_scanned["loss"], m_whole["loss"], rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(m_scanned["entropy"], m_whole["entropy"], rtol=1e-6)
+    moved = False
+    for a, b, p in zip(jax.tree_util.tree_leaves(scanned.params), jax.tree_util.tree_leaves(whole.params),
+                       jax.tree_util.tree_leaves(params)):
+        np.testing.assert_allclose(a, b, atol=1e-6)
+        moved = moved or bool(np.abs(np.asarray(a) - np.asarray(p)).max() > 1e-4)
+    assert moved  # the update did something
+
+
 @pytest.mark.parametrize("micro_batch_size", [2, 4])  # a scan over micro-batches, and one micro-batch
 def test_non_finite_update_is_skipped_and_step_compiles_once(micro_batch_size):
     params = models.init_params(TINY, jax.random.PRNGKey(2))

@@ -28,8 +28,8 @@ from jaxrl_llm.train.config import ConfigError, CriticSection, OptimSection
 from jaxrl_llm.train.logprobs import scored_positions, to_slots
 from jaxrl_llm.train.packing import TrainBatch
 from jaxrl_llm.train.state import TrainState, init_state, make_optimizer, state_shardings
-from jaxrl_llm.train.step import (_replicated, apply_if_finite, jit_packed_pass, micro_shardings, split_micro,
-                                  summed_grads)
+from jaxrl_llm.train.step import (_replicated, apply_if_finite, has_tokens, jit_packed_pass, micro_shardings,
+                                  split_micro, summed_grads)
 
 CRITIC_METRIC_SUMS = ("value_loss", "value_clip_fraction", "tokens")
 
@@ -100,7 +100,8 @@ def make_critic_step(model_config, critic: CriticSection, optimizer: optax.Gradi
         grad_fn = jax.value_and_grad(
             lambda params, mb: critic_loss_fn(params, model_config, critic.value_clip, mb, denom), has_aux=True)
         loss, msum, grads = summed_grads(grad_fn, state.params, (micro,), CRITIC_METRIC_SUMS,
-                                         None if state_sharding is None else state_sharding.params)
+                                         None if state_sharding is None else state_sharding.params,
+                                         active=has_tokens(micro))
         new_state, grad_norm, finite = apply_if_finite(optimizer, state, grads, loss)
         metrics = {"value_loss": loss,
                    "value_clip_fraction": msum["value_clip_fraction"] / jnp.maximum(msum["tokens"], 1.0),

@@ -101,6 +101,19 @@ def pack_groups(prompts: Sequence[Sequence[int]], groups: Sequence[np.ndarray], 
                       response_tokens=response_tokens, **out)
 
 
+def micro_batch_order(rows: int, micro_batch_size: int) -> np.ndarray:
+    """Row order [rows] under which `train.step.split_micro` (slot t of micro-batch j is row t n + j, n = rows /
+    micro_batch_size) makes micro-batch j of rows j m .. j m + m - 1 (m = micro_batch_size): `batch[order]` keeps
+    the packer's trailing padding rows together in whole micro-batches at the end, which the train step skips,
+    instead of one in every micro-batch. Entry p is the packed row placed at position p."""
+    if rows % micro_batch_size:
+        raise ValueError(f"{rows} rows are not a multiple of micro_batch_size={micro_batch_size}")
+    index = np.arange(rows)
+    order = np.empty(rows, np.int64)
+    order[(index % micro_batch_size) * (rows // micro_batch_size) + index // micro_batch_size] = index
+    return order
+
+
 def unpack(values: np.ndarray, groups: Sequence[np.ndarray], num_samples: int) -> np.ndarray:
     """Inverse of the packing layout: [G, S, R] per-slot values -> [N, R] per sample (zeros for samples
     in no group)."""

@@ -16,7 +16,7 @@ import numpy as np
 from jaxrl_llm import objectives
 from jaxrl_llm.sampling import SlotStats, generate
 from jaxrl_llm.train.config import AlgorithmSection, SamplingSection
-from jaxrl_llm.train.packing import TrainBatch, bucket, pack_groups, round_up
+from jaxrl_llm.train.packing import TrainBatch, bucket, micro_batch_order, pack_groups, round_up
 
 
 @dataclasses.dataclass
@@ -206,6 +206,8 @@ def build_train_batches(scored: ScoredRollouts, advantages: np.ndarray, old_logp
     advantage is 0 are dropped (they add nothing to the policy gradient when the KL and entropy terms
     are off: RAFT's rejected samples, groups that all agree), so dropping them leaves the update exact.
     With a critic (`old_values` and `returns` [R, N], PPO) every sample is kept: the value loss needs them all.
+    The rows are ordered for the train step's micro-batches of `micro_batch_size` rows (`packing.micro_batch_order`):
+    the packer's padding rows (up to the power-of-two row count) fill whole micro-batches, which the step skips.
     """
     groups = prompt_groups(scored)
     drop_zero = algo.kl_coef == 0 and algo.entropy_coef == 0 and returns is None
@@ -228,7 +230,8 @@ def build_train_batches(scored: ScoredRollouts, advantages: np.ndarray, old_logp
                                  seq_multiple=seq_multiple, max_row_tokens=max_row_tokens,
                                  advantages=advantages, old_logp=old_logp, ref_logp=ref_logp,
                                  old_values=old_values, returns=returns)
-        out.append((batch, denom, kept))
+        order = micro_batch_order(len(batch.tokens), micro_batch_size)  # padding rows in whole micro-batches
+        out.append((TrainBatch(*(x[order] for x in batch)), denom, kept))
     return out
 
 

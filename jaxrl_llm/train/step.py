@@ -7,7 +7,9 @@ Loss = policy_loss(logp, old_logp, A, mask, agg)             (objectives.policy_
 Every term of a micro-batch is normalised by the denominator of the whole mini-batch (computed on the
 host from the real rows), so summing micro-batch gradients gives exactly the mini-batch gradient.
 Clip-Cov and KL-Cov pick their tokens once over the whole mini-batch (`cov_tokens`) before the
-micro-batch scan, for the same reason.
+micro-batch scan, for the same reason. A micro-batch without a response token (rows that only pad the
+row count to its bucket, which `rollouts.build_train_batches` orders into whole micro-batches at the end)
+adds nothing to any of these sums, so the scan skips its forward and backward passes (`has_tokens`).
 With agg prompt-mean / prompt-mean-unbiased (GVM's M-step) the host scales each sample's advantages so
 that this token-mean equals the M-step loss (`rollouts.prompt_mean_advantages`).
 """
@@ -41,6 +43,13 @@ def split_micro(batch, micro_batch_size: int):
         raise ValueError(f"batch of {rows} rows is not a multiple of micro_batch_size={micro_batch_size}")
     return jax.tree_util.tree_map(
         lambda x: jnp.swapaxes(x.reshape(micro_batch_size, rows // micro_batch_size, *x.shape[1:]), 0, 1), batch)
+
+
+def has_tokens(micro: TrainBatch) -> jax.Array:
+    """[micro-batches] bool: which micro-batches of `split_micro`'s output hold a response token. One without
+    (the packer's padding rows, `packing.micro_batch_order`) adds nothing to any loss, metric or gradient: every
+    term is a sum over the mask."""
+    return jnp.any(micro.mask.reshape(micro.mask.shape[0], -1) > 0, axis=1)
 
 
 def cov_tokens(algo: AlgorithmSection, batch: TrainBatch, rng: jax.Array) -> jax.Array | None:
@@ -101,26 +110,35 @@ def micro_shardings(batch_sharding: Any) -> Any:
 METRIC_SUMS = ("policy_loss", "kl", "entropy", "clip_fraction", "tokens")  # loss_fn's metrics, summed
 
 
-def summed_grads(grad_fn, params, micro, metric_keys, grad_sharding: Any = None):
+def summed_grads(grad_fn, params, micro, metric_keys, grad_sharding: Any = None, active: jax.Array | None = None):
     """(loss, metric sums, gradients) of `grad_fn(params, *xs) -> ((loss, metrics), grads)` summed over the
     micro-batches xs of `micro` (a tuple of trees with a leading micro-batch axis). Each micro-batch's loss
     already carries the whole mini-batch's 1/denom, so the sums are the mini-batch's loss and gradient.
-    Gradients come back in the parameters' dtype; `grad_sharding` places the f32 accumulator like them."""
+    Gradients come back in the parameters' dtype; `grad_sharding` places the f32 accumulator like them.
+    With `active` [micro-batches] bool, a micro-batch marked False is skipped (a conditional: its forward and
+    backward passes do not run); it must add nothing, as a micro-batch without a response token adds nothing."""
     if jax.tree_util.tree_leaves(micro)[0].shape[0] == 1:  # one micro-batch: no scan, no zero-filled accumulator
         (loss, msum), grads = grad_fn(params, *jax.tree_util.tree_map(lambda x: x[0], micro))
     else:
-        def accumulate(carry, xs):
+        def add(carry, xs):
             grads, loss_sum, metric_sum = carry
             (loss, metrics), g = grad_fn(params, *xs)
             grads = jax.tree_util.tree_map(jnp.add, grads, g)
             metric_sum = jax.tree_util.tree_map(jnp.add, metric_sum, metrics)
-            return (grads, loss_sum + loss, metric_sum), None
+            return grads, loss_sum + loss, metric_sum
+
+        def accumulate(carry, inputs):
+            xs, on = inputs
+            if on is None:
+                return add(carry, xs), None
+            return jax.lax.cond(on, add, lambda carry, _: carry, carry, xs), None
 
         zeros = jax.tree_util.tree_map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
         if grad_sharding is not None:  # an f32 gradient buffer per device, split like the parameters
             zeros = jax.lax.with_sharding_constraint(zeros, grad_sharding)
         metric_zeros = {k: jnp.zeros((), jnp.float32) for k in metric_keys}
-        (grads, loss, msum), _ = jax.lax.scan(accumulate, (zeros, jnp.zeros((), jnp.float32), metric_zeros), micro)
+        (grads, loss, msum), _ = jax.lax.scan(accumulate, (zeros, jnp.zeros((), jnp.float32), metric_zeros),
+                                              (micro, active))
     return loss, msum, jax.tree_util.tree_map(lambda g, p: g.astype(p.dtype), grads, params)
 
 
@@ -178,7 +196,8 @@ def make_train_step(model_config, algo: AlgorithmSection, optimizer: optax.Gradi
 
         grad_fn = jax.value_and_grad(trained_loss, has_aux=True)
         loss, msum, grads = summed_grads(grad_fn, state.params, (micro, micro_selected), METRIC_SUMS,
-                                         None if state_sharding is None else state_sharding.params)
+                                         None if state_sharding is None else state_sharding.params,
+                                         active=has_tokens(micro))
         new_state, grad_norm, finite = apply_if_finite(optimizer, state, grads, loss)
         tokens = jnp.maximum(msum["tokens"], 1.0)
         metrics = {"loss": loss, "policy_loss": msum["policy_loss"], "kl": msum["kl"], "entropy": msum["entropy"],
