@@ -135,7 +135,8 @@ def _step_checks() -> dict:
     mask = (np.arange(6)[None] < lengths[:, None]).astype(np.float32)
     probe = pack_groups(prompts, members, responses, lengths, row_multiple=4)
     logp_single = np.asarray(make_logprob_fn(config)(params, probe))
-    sharded_logprob = make_logprob_fn(config, param_sharding=p_sharding, batch_sharding=b_sharding)
+    # the sharded pass in 2 micro-batches of 4 rows (as a run's, optim.micro_batch_size), the reference in one
+    sharded_logprob = make_logprob_fn(config, micro_batch_size=4, param_sharding=p_sharding, batch_sharding=b_sharding)
     logp_mesh = sharded_logprob(place(params, p_sharding), place(probe, b_sharding))
     logp = unpack(logp_single, members, 24) * mask
     adv = rng.choice([-1.0, 0.5, 1.0], size=(24, 1)).astype(np.float32) * mask

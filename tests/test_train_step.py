@@ -226,6 +226,31 @@ def test_summed_grads_skips_inactive_micro_batches():
     np.testing.assert_allclose(float(msum["n"]), 14.0)
 
 
+@pytest.mark.parametrize("micro", [1, 2])
+def test_logprob_pass_in_micro_batches_equals_one_pass_and_skips_padding(micro):
+    """The old/reference log-prob pass of a run (micro-batches of optim.micro_batch_size rows, `jit_packed_pass`)
+    equals one pass over every row; the micro-batches of padding rows are skipped and give 0."""
+    from jaxrl_llm.train.packing import micro_batch_order
+
+    params = models.init_params(TINY, jax.random.PRNGKey(7))
+    prompts, members, responses, lengths, _, mask = _samples(groups=5, seed=4)
+    packed = pack_groups(prompts, members, responses, lengths, row_multiple=2)
+    order = micro_batch_order(8, micro)
+    batch = type(packed)(*(x[order] for x in packed))
+    whole = np.asarray(make_logprob_fn(TINY)(params, batch))
+    got = np.asarray(make_logprob_fn(TINY, micro_batch_size=micro)(params, batch))
+    on = np.asarray(batch.mask)
+    np.testing.assert_allclose(got * on, whole * on, atol=1e-6)
+    assert np.all(got[on > 0] < 0)
+    # Packed rows 5-7 pad 5 rows to 8. Micro-batches of 1: each is skipped. Of 2 (rows 0-1, 2-3, 4-5, 6-7 after
+    # the ordering): rows 6-7 are skipped; row 5 shares a micro-batch with row 4 and is computed.
+    position = np.argsort(order)
+    skipped = position[[5, 6, 7] if micro == 1 else [6, 7]]
+    assert np.all(got[skipped] == 0) and np.abs(whole[skipped]).min() > 0
+    want = _unpacked_logprobs(params, prompts, members, responses, lengths)
+    np.testing.assert_allclose(unpack(got[np.argsort(order)], members, len(lengths)) * mask, want, atol=2e-5)
+
+
 def test_micro_batches_of_padding_rows_are_skipped_and_change_nothing():
     """Five packed rows padded to 8, ordered so that the last micro-batch of 2 holds padding only: the scanned
     step marks it inactive (skipped) and its update equals one micro-batch of all 8 rows."""

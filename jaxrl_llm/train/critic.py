@@ -114,12 +114,15 @@ def make_critic_step(model_config, critic: CriticSection, optimizer: optax.Gradi
                    out_shardings=(state_sharding, replicated))
 
 
-def make_value_fn(model_config, *, param_sharding: Any = None, batch_sharding: Any = None):
-    """Jitted `(params, batch) -> values [G, S, R]` of a packed batch (the critic's values of a rollout); with
-    shardings the values come back replicated."""
+def make_value_fn(model_config, *, micro_batch_size: int | None = None, param_sharding: Any = None,
+                  batch_sharding: Any = None):
+    """Jitted `(params, batch) -> values [G, S, R]` of a packed batch (the critic's values of a rollout), in
+    micro-batches of `micro_batch_size` rows (`train.step.jit_packed_pass`); with shardings the values come
+    back replicated."""
 
     return jit_packed_pass(lambda params, batch: response_values(params, model_config, batch),
-                           param_sharding=param_sharding, batch_sharding=batch_sharding)
+                           micro_batch_size=micro_batch_size, param_sharding=param_sharding,
+                           batch_sharding=batch_sharding)
 
 
 def critic_optimizer(critic: CriticSection, optim: OptimSection) -> optax.GradientTransformation:
@@ -175,5 +178,6 @@ def setup_critic(critic: CriticSection, optim: OptimSection, model_config, trunk
     return Critic(model_config=model_config, state=state, optimizer=optimizer,
                   train_step=make_critic_step(model_config, critic, optimizer, micro_batch_size=optim.micro_batch_size,
                                               state_sharding=state_sharding, batch_sharding=batch_sharding),
-                  value_fn=make_value_fn(model_config, param_sharding=param_sharding, batch_sharding=batch_sharding),
+                  value_fn=make_value_fn(model_config, micro_batch_size=optim.micro_batch_size,
+                                         param_sharding=param_sharding, batch_sharding=batch_sharding),
                   state_sharding=state_sharding)

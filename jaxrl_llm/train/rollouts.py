@@ -259,11 +259,15 @@ def prompt_mean_advantages(scored: ScoredRollouts, advantages: np.ndarray, part:
 
 
 def packed_rollouts(scored: ScoredRollouts, micro_batch_size: int, pad_id: int,
-                    max_row_tokens: int = 0) -> tuple[TrainBatch, list[np.ndarray]]:
-    """Every sample packed by prompt (advantages and log-probs zero): the input of old/reference log-prob
-    passes. Returns the batch and the groups to `packing.unpack` its outputs with."""
-    return _pack_prompts(scored, range(len(scored.records)), prompt_groups(scored), row_multiple=micro_batch_size,
-                         pad_id=pad_id, max_row_tokens=max_row_tokens)
+                    max_row_tokens: int = 0) -> tuple[TrainBatch, list[np.ndarray], np.ndarray]:
+    """Every sample packed by prompt (advantages and log-probs zero): the input of the old/reference log-prob and
+    value passes, its rows ordered for their micro-batches of `micro_batch_size` (`packing.micro_batch_order`:
+    padding rows in whole micro-batches, which the passes skip). Returns the batch, the groups and the order:
+    a pass's output `out` [G, ...] unpacks as `packing.unpack(out[np.argsort(order)], groups, n)`."""
+    batch, groups = _pack_prompts(scored, range(len(scored.records)), prompt_groups(scored),
+                                  row_multiple=micro_batch_size, pad_id=pad_id, max_row_tokens=max_row_tokens)
+    order = micro_batch_order(len(batch.tokens), micro_batch_size)
+    return TrainBatch(*(x[order] for x in batch)), groups, order
 
 
 class RowBatch(NamedTuple):

@@ -224,23 +224,49 @@ def make_train_step(model_config, algo: AlgorithmSection, optimizer: optax.Gradi
     return lora_step
 
 
-def make_logprob_fn(model_config, *, param_sharding: Any = None, batch_sharding: Any = None):
-    """Jitted `(params, batch) -> logp [G, S, R]` of a packed batch (old and reference log-probs).
+def make_logprob_fn(model_config, *, micro_batch_size: int | None = None, param_sharding: Any = None,
+                    batch_sharding: Any = None):
+    """Jitted `(params, batch) -> logp [G, S, R]` of a packed batch (old and reference log-probs), in micro-batches
+    of `micro_batch_size` rows as the train step (`jit_packed_pass`; None: all rows at once).
 
     With shardings, params and batch are taken as placed and the log-probs come back replicated (every
     process can read them: they are small, and the host unpacks them)."""
 
     return jit_packed_pass(lambda params, batch: response_logprobs(params, model_config, batch),
-                           param_sharding=param_sharding, batch_sharding=batch_sharding)
+                           micro_batch_size=micro_batch_size, param_sharding=param_sharding,
+                           batch_sharding=batch_sharding)
 
 
-def jit_packed_pass(fn, *, param_sharding: Any = None, batch_sharding: Any = None):
-    """`fn(params, batch)` jitted; with shardings, params and batch are taken as placed and the result comes
-    back replicated."""
+def jit_packed_pass(fn, *, micro_batch_size: int | None = None, param_sharding: Any = None,
+                    batch_sharding: Any = None):
+    """`fn(params, batch) -> [G, ...]` jitted. With `micro_batch_size` (smaller than the batch) it runs on
+    `split_micro`'s micro-batches one after another (`lax.map`: the memory of one micro-batch's pass, as in the
+    train step), a micro-batch without a response token is skipped (its rows get 0), and the rows come back in
+    the batch's order. With shardings, params and batch are taken as placed and the result comes back
+    replicated."""
+    micro_sharding = micro_shardings(batch_sharding)
+
+    def run(params, batch):
+        rows = batch.tokens.shape[0]
+        if micro_batch_size is None or rows <= micro_batch_size:
+            return fn(params, batch)
+        micro = split_micro(batch, micro_batch_size)
+        if micro_sharding is not None:
+            micro = jax.lax.with_sharding_constraint(micro, micro_sharding)
+        out_shape = jax.eval_shape(fn, params, jax.tree_util.tree_map(lambda x: x[0], micro))
+
+        def each(inputs):
+            mb, on = inputs
+            return jax.lax.cond(on, lambda b: fn(params, b), lambda _: jnp.zeros(out_shape.shape, out_shape.dtype),
+                                mb)
+
+        out = jax.lax.map(each, (micro, has_tokens(micro)))  # [micro-batches, micro_batch_size, ...]
+        return jnp.swapaxes(out, 0, 1).reshape(rows, *out.shape[2:])  # split_micro's inverse
+
     replicated = _replicated(param_sharding, batch_sharding)
     if replicated is None:
-        return jax.jit(fn)
-    return jax.jit(fn, in_shardings=(param_sharding, batch_sharding), out_shardings=replicated)
+        return jax.jit(run)
+    return jax.jit(run, in_shardings=(param_sharding, batch_sharding), out_shardings=replicated)
 
 
 def _replicated(*shardings) -> NamedSharding | None:
