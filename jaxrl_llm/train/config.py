@@ -233,8 +233,9 @@ class OptimSection:
     b2: float = 0.999  # AdamW beta2
     mini_batches: int = 1  # optimizer updates per rollout batch and epoch
     epochs: int = 1  # passes over each rollout batch
-    # Packed rows (prompts, each with its responses) per forward/backward. The demo's 8 prompts make one
-    # micro-batch: no gradient accumulator beside the gradient (a model's size of memory saved).
+    # Packed rows (prompts, each with its responses) per forward/backward, and per forward of the old/reference
+    # log-prob and value passes. The demo's 8 prompts make one micro-batch: no gradient accumulator beside the
+    # gradient (a model's size of memory saved).
     micro_batch_size: int = 8
     # Tokens per packed row at most (prompt + responses; 0: no limit): a prompt's responses are spread over
     # rows that each repeat the prompt (exact; bounds activation memory for long responses).
