@@ -101,13 +101,19 @@ def test_time_limit_interrupts_and_restores_outer_limit():
     assert time.perf_counter() - started < 0.5 + OVERHEAD
 
 
-def test_answers_equal_timeout_is_honoured():
-    # Passes the static screen but makes sympy expand a 9999-term identity: only the timer stops it.
-    # (Not one of HOSTILE: sympy caches results, so a repeated input would come back at once.)
-    slow = (r"\frac{y^{9997}-1}{y-1}", r"\sum_{k=0}^{9996} y^k")
+def test_answers_equal_timeout_is_honoured(monkeypatch):
+    # The screens now turn every slow input we know of away before sympy (the old case here, a 9997-term sum,
+    # returned in 0.0 s), so the comparison itself is made to spin: only the timer can stop it.
+    from jaxrl_llm.rewards import equivalence
+
+    def spin(*args):
+        while True:
+            pass
+
+    monkeypatch.setattr(equivalence, "_equal", spin)
     started = time.perf_counter()
-    assert answers_equal(*slow, timeout=0.3) is False
-    assert time.perf_counter() - started < 0.3 + OVERHEAD
+    assert answers_equal("1", "2", timeout=0.3) is False
+    assert 0.25 < time.perf_counter() - started < 0.3 + OVERHEAD  # it spun until the alarm
 
 
 def test_import_loads_neither_jax_nor_sympy():
