@@ -99,9 +99,8 @@ def make_critic_step(model_config, critic: CriticSection, optimizer: optax.Gradi
             micro = jax.lax.with_sharding_constraint(micro, micro_sharding)
         grad_fn = jax.value_and_grad(
             lambda params, mb: critic_loss_fn(params, model_config, critic.value_clip, mb, denom), has_aux=True)
-        loss, msum, grads = summed_grads(grad_fn, state.params, (micro,), CRITIC_METRIC_SUMS,
-                                         None if state_sharding is None else state_sharding.params,
-                                         active=has_tokens(micro))
+        loss, msum, grads = summed_grads(grad_fn, state.params, (micro,), CRITIC_METRIC_SUMS, has_tokens(micro),
+                                         None if state_sharding is None else state_sharding.params)
         new_state, grad_norm, finite = apply_if_finite(optimizer, state, grads, loss)
         metrics = {"value_loss": loss,
                    "value_clip_fraction": msum["value_clip_fraction"] / jnp.maximum(msum["tokens"], 1.0),

@@ -251,20 +251,22 @@ def update_policy(run: Run, scored: ScoredRollouts, step: int) -> dict[str, Any]
 
 def token_values(run: Run, scored: ScoredRollouts) -> np.ndarray:
     """The critic's values [R, N] of the states before every sampled response token (0 off the mask)."""
-    optim = run.config.optim
-    batch, groups, order = packed_rollouts(scored, optim.micro_batch_size, run.tokenizer.pad_token_id,
-                                           optim.max_row_tokens)
-    values = np.asarray(run.critic.value_fn(run.critic.state.params, run.place_batch(batch)))
-    return unpack(values[np.argsort(order)], groups, scored.num_samples) * scored.mask
+    return per_sample_pass(run, run.critic.value_fn, run.critic.state.params, scored)
 
 
 def token_logprobs(run: Run, params, scored: ScoredRollouts) -> np.ndarray:
     """Teacher-forced log-probs [R, N] of every sampled response under `params`."""
+    return per_sample_pass(run, run.logprob_fn, params, scored)
+
+
+def per_sample_pass(run: Run, pass_fn, params, scored: ScoredRollouts) -> np.ndarray:
+    """`pass_fn(params, batch) -> [G, S, R]` over every sample packed by prompt, back per sample [R, N] (0 off the
+    mask)."""
     optim = run.config.optim
     batch, groups, order = packed_rollouts(scored, optim.micro_batch_size, run.tokenizer.pad_token_id,
                                            optim.max_row_tokens)
-    logp = np.asarray(run.logprob_fn(params, run.place_batch(batch)))
-    return unpack(logp[np.argsort(order)], groups, scored.num_samples) * scored.mask
+    out = np.asarray(pass_fn(params, run.place_batch(batch)))
+    return unpack(out[np.argsort(order)], groups, scored.num_samples) * scored.mask
 
 
 def evaluate_policy(run: Run, label: str, log) -> dict[str, Any]:

@@ -182,16 +182,21 @@ def max_row_responses(scored: ScoredRollouts) -> int:
     return bucket(-(-scored.num_samples // max(1, len(scored.records))))
 
 
-def _pack_prompts(scored: ScoredRollouts, prompt_indices, groups: list[np.ndarray], *, row_multiple: int, pad_id: int,
-                  seq_multiple: int = 32, max_row_tokens: int = 0, **per_token) -> tuple[TrainBatch, list[np.ndarray]]:
+def _pack_prompts(scored: ScoredRollouts, prompt_indices, groups: list[np.ndarray], *, micro_batch_size: int,
+                  pad_id: int, seq_multiple: int = 32, max_row_tokens: int = 0,
+                  **per_token) -> tuple[TrainBatch, list[np.ndarray], np.ndarray]:
     """`groups` (sample indices of the prompts `prompt_indices`) packed into rows of at most
-    `max_row_responses` responses and `max_row_tokens` tokens (0: no limit); `per_token` = advantages /
-    old_logp / ref_logp arrays (else zeros). Returns the batch and each row's sample indices."""
+    `max_row_responses` responses and `max_row_tokens` tokens (0: no limit), the row count padded for micro-batches
+    of `micro_batch_size` rows and the rows ordered for them (`packing.micro_batch_order`: padding rows in whole
+    micro-batches, which the train step and the log-prob / value passes skip); `per_token` = advantages / old_logp /
+    ref_logp arrays (else zeros). Returns the batch, each packed row's sample indices and the order (position p holds
+    packed row order[p]: a pass's output `out` [G, ...] unpacks as `packing.unpack(out[np.argsort(order)], rows, n)`)."""
     prompts, rows = row_groups([scored.records[g]["prompt_ids"] for g in prompt_indices], groups,
                                max_row_responses(scored), lengths=scored.lengths, max_tokens=max_row_tokens)
-    batch = pack_groups(prompts, rows, scored.tokens, scored.lengths, pad_id=pad_id, row_multiple=row_multiple,
+    batch = pack_groups(prompts, rows, scored.tokens, scored.lengths, pad_id=pad_id, row_multiple=micro_batch_size,
                         seq_multiple=seq_multiple, **per_token)
-    return batch, rows
+    order = micro_batch_order(len(batch.tokens), micro_batch_size)
+    return TrainBatch(*(x[order] for x in batch)), rows, order
 
 
 def build_train_batches(scored: ScoredRollouts, advantages: np.ndarray, old_logp: np.ndarray, ref_logp: np.ndarray,
@@ -226,12 +231,11 @@ def build_train_batches(scored: ScoredRollouts, advantages: np.ndarray, old_logp
         kept = sum(len(m) for m in members)
         if kept == 0:
             continue
-        batch, _ = _pack_prompts(scored, part, members, row_multiple=micro_batch_size, pad_id=pad_id,
-                                 seq_multiple=seq_multiple, max_row_tokens=max_row_tokens,
-                                 advantages=advantages, old_logp=old_logp, ref_logp=ref_logp,
-                                 old_values=old_values, returns=returns)
-        order = micro_batch_order(len(batch.tokens), micro_batch_size)  # padding rows in whole micro-batches
-        out.append((TrainBatch(*(x[order] for x in batch)), denom, kept))
+        batch, _, _ = _pack_prompts(scored, part, members, micro_batch_size=micro_batch_size, pad_id=pad_id,
+                                    seq_multiple=seq_multiple, max_row_tokens=max_row_tokens,
+                                    advantages=advantages, old_logp=old_logp, ref_logp=ref_logp,
+                                    old_values=old_values, returns=returns)
+        out.append((batch, denom, kept))
     return out
 
 
@@ -261,13 +265,10 @@ def prompt_mean_advantages(scored: ScoredRollouts, advantages: np.ndarray, part:
 def packed_rollouts(scored: ScoredRollouts, micro_batch_size: int, pad_id: int,
                     max_row_tokens: int = 0) -> tuple[TrainBatch, list[np.ndarray], np.ndarray]:
     """Every sample packed by prompt (advantages and log-probs zero): the input of the old/reference log-prob and
-    value passes, its rows ordered for their micro-batches of `micro_batch_size` (`packing.micro_batch_order`:
-    padding rows in whole micro-batches, which the passes skip). Returns the batch, the groups and the order:
-    a pass's output `out` [G, ...] unpacks as `packing.unpack(out[np.argsort(order)], groups, n)`."""
-    batch, groups = _pack_prompts(scored, range(len(scored.records)), prompt_groups(scored),
-                                  row_multiple=micro_batch_size, pad_id=pad_id, max_row_tokens=max_row_tokens)
-    order = micro_batch_order(len(batch.tokens), micro_batch_size)
-    return TrainBatch(*(x[order] for x in batch)), groups, order
+    value passes, rows ordered for their micro-batches of `micro_batch_size`. Returns `_pack_prompts`'s batch, row
+    groups and order."""
+    return _pack_prompts(scored, range(len(scored.records)), prompt_groups(scored), micro_batch_size=micro_batch_size,
+                         pad_id=pad_id, max_row_tokens=max_row_tokens)
 
 
 class RowBatch(NamedTuple):

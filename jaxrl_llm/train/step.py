@@ -110,12 +110,12 @@ def micro_shardings(batch_sharding: Any) -> Any:
 METRIC_SUMS = ("policy_loss", "kl", "entropy", "clip_fraction", "tokens")  # loss_fn's metrics, summed
 
 
-def summed_grads(grad_fn, params, micro, metric_keys, grad_sharding: Any = None, active: jax.Array | None = None):
+def summed_grads(grad_fn, params, micro, metric_keys, active: jax.Array, grad_sharding: Any = None):
     """(loss, metric sums, gradients) of `grad_fn(params, *xs) -> ((loss, metrics), grads)` summed over the
     micro-batches xs of `micro` (a tuple of trees with a leading micro-batch axis). Each micro-batch's loss
     already carries the whole mini-batch's 1/denom, so the sums are the mini-batch's loss and gradient.
     Gradients come back in the parameters' dtype; `grad_sharding` places the f32 accumulator like them.
-    With `active` [micro-batches] bool, a micro-batch marked False is skipped (a conditional: its forward and
+    A micro-batch marked False in `active` [micro-batches] bool is skipped (a conditional: its forward and
     backward passes do not run); it must add nothing, as a micro-batch without a response token adds nothing."""
     if jax.tree_util.tree_leaves(micro)[0].shape[0] == 1:  # one micro-batch: no scan, no zero-filled accumulator
         (loss, msum), grads = grad_fn(params, *jax.tree_util.tree_map(lambda x: x[0], micro))
@@ -129,8 +129,6 @@ def summed_grads(grad_fn, params, micro, metric_keys, grad_sharding: Any = None,
 
         def accumulate(carry, inputs):
             xs, on = inputs
-            if on is None:
-                return add(carry, xs), None
             return jax.lax.cond(on, add, lambda carry, _: carry, carry, xs), None
 
         zeros = jax.tree_util.tree_map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
@@ -196,8 +194,7 @@ def make_train_step(model_config, algo: AlgorithmSection, optimizer: optax.Gradi
 
         grad_fn = jax.value_and_grad(trained_loss, has_aux=True)
         loss, msum, grads = summed_grads(grad_fn, state.params, (micro, micro_selected), METRIC_SUMS,
-                                         None if state_sharding is None else state_sharding.params,
-                                         active=has_tokens(micro))
+                                         has_tokens(micro), None if state_sharding is None else state_sharding.params)
         new_state, grad_norm, finite = apply_if_finite(optimizer, state, grads, loss)
         tokens = jnp.maximum(msum["tokens"], 1.0)
         metrics = {"loss": loss, "policy_loss": msum["policy_loss"], "kl": msum["kl"], "entropy": msum["entropy"],
