@@ -226,7 +226,8 @@ def test_run_config_key_reaches_the_policy(tmp_path):
 def test_rows_shorter_than_the_minimum_length_take_full_attention():
     # With tiles of 4 from 16 tokens on: a 12-token row computes exactly what full attention computes (the
     # same program: no tile conditionals in it), a 16-token row exactly what tiles without a minimum compute.
-    config = TINY.replace(attention_block_size=4, attention_block_min_length=16)
+    # The XLA path is named: "auto" adds the TPU branch's platform switch (a cond) to every jaxpr.
+    config = TINY.replace(attention_block_size=4, attention_block_min_length=16, attention_impl="xla")
     params = models.init_params(config, jax.random.PRNGKey(2))
 
     def hidden(cfg, length):

@@ -22,6 +22,8 @@ _DTYPES = ("float32", "bfloat16")
 # "qkv_attn_mlp" keeps q, k, v after RoPE, the attention output and the MLP's gate and up projections
 # (recomputes the norms, RoPE, attention scores and softmax, and SiLU: little compute, less memory than no remat).
 REMAT_POLICIES = ("full", "dots", "qkv_attn_mlp")
+# How training rows attend (`models.attention`).
+ATTENTION_IMPLS = ("auto", "xla", "splash", "cudnn")
 _ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
@@ -76,8 +78,11 @@ class ModelConfig:
     rows of fewer than `attention_block_min_length` tokens (default 0: none) still take full attention,
     which is faster on short rows (`attention_block_for`). The KV-cache path is unaffected. `scan_layers`
     runs the training forward's layers as one `lax.scan` (True, the default) or unrolled (False). `remat_logits` recomputes the output logits in the log-prob
-    backward pass (`train.logprobs.chunked_logprobs` with keep_logits=False) instead of keeping them. Like
-    `remat` these are runtime settings: never read from or written to config.json.
+    backward pass (`train.logprobs.chunked_logprobs` with keep_logits=False) instead of keeping them.
+    `attention_impl` (one of ATTENTION_IMPLS) picks how training rows attend (`models.attention`: "auto" is
+    Pallas splash attention where the program is lowered for a TPU, XLA elsewhere); `max_prompt_tokens` bounds
+    a packed row's prompt (the data's bound: longer prompts are dropped), which sizes the fused kernels'
+    regrouped rows. Like `remat` these are runtime settings: never read from or written to config.json.
     """
 
     vocab_size: int
@@ -112,6 +117,8 @@ class ModelConfig:
     attention_block_min_length: int = 0
     scan_layers: bool = True
     remat_logits: bool = False
+    attention_impl: str = "auto"
+    max_prompt_tokens: int | None = None
 
     def __post_init__(self):
         if self.model_type not in SUPPORTED_MODEL_TYPES:
@@ -131,6 +138,11 @@ class ModelConfig:
             raise ValueError(f"attention_block_min_length must be an int >= 0, got {least!r}")
         if not isinstance(self.scan_layers, bool):
             raise ValueError(f"scan_layers must be true or false, got {self.scan_layers!r}")
+        if self.attention_impl not in ATTENTION_IMPLS:
+            raise ValueError(f"attention_impl must be one of {ATTENTION_IMPLS}, got {self.attention_impl!r}")
+        bound = self.max_prompt_tokens
+        if bound is not None and (isinstance(bound, bool) or not isinstance(bound, int) or bound < 1):
+            raise ValueError(f"max_prompt_tokens must be a positive int or None, got {bound!r}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"

@@ -24,8 +24,9 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxrl_llm.models.config import ModelConfig
-from jaxrl_llm.models.layers import (adapted_dense, apply_rope, attention, attention_keep_mask, blocked_attention,
-                                    einsum_f32, gated_mlp, rms_norm, rope_inv_freq, soft_cap)
+from jaxrl_llm.models.attention import self_attention
+from jaxrl_llm.models.layers import (adapted_dense, apply_rope, attention, attention_keep_mask, einsum_f32, gated_mlp,
+                                    rms_norm, rope_inv_freq, soft_cap)
 from jaxrl_llm.models.quant import layer_weight
 
 Params = dict
@@ -235,7 +236,8 @@ def embed_tokens(params: Params, config: ModelConfig, tokens: jax.Array) -> jax.
 
 
 def hidden_states(params: Params, config: ModelConfig, tokens: jax.Array, positions: jax.Array,
-                  *, attention_mask: jax.Array | None = None, segment_ids: jax.Array | None = None) -> jax.Array:
+                  *, attention_mask: jax.Array | None = None, segment_ids: jax.Array | None = None,
+                  slots: int | None = None, response_len: int | None = None) -> jax.Array:
     """Final-norm hidden states [B, T, D] of the pre-norm decoder (Llama / Qwen2 / Qwen3 / Mistral):
     x_0 = embed[tokens]; per layer x += Attn(RMSNorm(x)); x += SwiGLU(RMSNorm(x)); out = RMSNorm(x).
     Gemma: x_0 = sqrt(D) embed[tokens]; x += RMSNorm(Attn(RMSNorm(x))); x += RMSNorm(GeGLU(RMSNorm(x))).
@@ -247,27 +249,26 @@ def hidden_states(params: Params, config: ModelConfig, tokens: jax.Array, positi
     positions where the prompt ends, gives every response exactly the logits of its own unpacked row.
     tokens, positions, segment_ids: int32 [B, T].
 
-    With `config.attention_block_size` set, attention runs in query x key tiles of that size with an
-    online softmax (`layers.blocked_attention`): the same values without the [B, H, T, T] scores, for rows
-    of at least `config.attention_block_min_length` tokens (T); shorter rows take full attention.
+    How attention is computed is `models.attention.self_attention`'s choice (`config.attention_impl`): on XLA,
+    with `config.attention_block_size` set, in query x key tiles of that size with an online softmax
+    (`layers.blocked_attention`) for rows of at least `config.attention_block_min_length` tokens, else full
+    attention; the fused kernels (splash on TPU) take packed rows regrouped per response, sized by `slots`
+    (responses per packed row) and `response_len` (their token slots).
     """
-    block_size = config.attention_block_for(tokens.shape[1])
-    if block_size is None:
+    length = tokens.shape[1]
+    keep = None
+    if config.attention_impl in ("auto", "xla") and config.attention_block_for(length) is None:
         # Packed rows: a token sees its own segment and segment 0 (a shared prefix such as the prompt).
         keep = attention_keep_mask(positions, positions, q_segments=segment_ids, k_segments=segment_ids,
-                                   key_mask=attention_mask)  # [B, T(query), T(key)]
+                                   key_mask=attention_mask)  # [B, T(query), T(key)], once for every layer
 
     def layer(x, layer_in):
         lp, const = layer_in
-        window = const.get("window")
 
         def attend_fn(q, k, v):
-            if block_size is not None:
-                return blocked_attention(q, k, v, positions, block_size, segment_ids=segment_ids,
-                                         key_mask=attention_mask, window=window, scale=config.attention_scale,
-                                         softcap=config.attn_logit_softcapping), None
-            layer_keep = keep if window is None else keep & (positions[:, :, None] - positions[:, None, :] < window)
-            return attend(q, k, v, layer_keep, config), None
+            return self_attention(q, k, v, positions, config, segment_ids=segment_ids, key_mask=attention_mask,
+                                  window=const.get("window"), keep=keep, slots=slots,
+                                  response_len=response_len), None
 
         return decoder_layer(lp, config, x, positions, attend_fn, const.get("inv_freq"))
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import yaml
 
-from jaxrl_llm.models.config import REMAT_POLICIES
+from jaxrl_llm.models.config import ATTENTION_IMPLS, REMAT_POLICIES
 from jaxrl_llm.models.lora import resolve_targets
 
 
@@ -58,6 +58,10 @@ class ModelSection:
     # Recompute the output logits of each vocabulary chunk in the log-prob backward pass instead of keeping
     # them: saves rows x response tokens x vocabulary x 4 bytes per micro-batch for one more output matmul.
     remat_logits: bool = False
+    # How training rows attend (jaxrl_llm/models/attention.py): "auto" takes Pallas splash attention on a TPU
+    # (each packed response regrouped with its prompt into one causal row) and XLA elsewhere; "xla", "splash"
+    # (interpret mode off a TPU: slow, for tests) or "cudnn" (GPU, bf16/fp16; XLA's attention elsewhere) force one.
+    attention_impl: str = "auto"
 
 
 @dataclass(frozen=True)
@@ -300,6 +304,7 @@ _ALLOWED = {
     ("lora", "base_dtype"): {"", "int8", "int4"},
     ("model", "compute_dtype"): {"float32", "bfloat16"},
     ("model", "remat_policy"): set(REMAT_POLICIES),
+    ("model", "attention_impl"): set(ATTENTION_IMPLS),
 }
 
 

@@ -62,7 +62,8 @@ def response_values(params, config, batch: TrainBatch, *, compact: bool | None =
     rows, the hidden state that predicts token r, then the scalar head. The positions read are the policy's
     (`train.logprobs.scored_positions`: with `compact`, or by default when the row is shorter than its
     S x R slots, only the generated tokens' states, and slots past a response's end get 0)."""
-    hidden = models.hidden_states(params["trunk"], config, batch.tokens, batch.positions, segment_ids=batch.segments)
+    hidden = models.hidden_states(params["trunk"], config, batch.tokens, batch.positions, segment_ids=batch.segments,
+                                  slots=batch.pred_index.shape[1], response_len=batch.pred_index.shape[2])
     pred, _, back = scored_positions(batch, compact)
     hidden = jnp.take_along_axis(hidden, pred[..., None], axis=1)
     head = params["value_head"]

@@ -213,7 +213,8 @@ def response_logprobs(params, config, batch, *, chunk: int = 8192, with_entropy:
     tokens). `compact=None` picks it when L < S x R. The generated tokens' values are the same either way
     (one position's log-softmax does not depend on the others); slots past a response's end (mask 0) hold
     0 in the compact layout and the log-prob of their padding token in the slot layout."""
-    hidden = models.hidden_states(params, config, batch.tokens, batch.positions, segment_ids=batch.segments)
+    hidden = models.hidden_states(params, config, batch.tokens, batch.positions, segment_ids=batch.segments,
+                                  slots=batch.pred_index.shape[1], response_len=batch.pred_index.shape[2])
     pred, targets, back = scored_positions(batch, compact)
     hidden = jnp.take_along_axis(hidden, pred[..., None], axis=1)
     out = chunked_logprobs(hidden, output_matrix(params, config), targets,

@@ -156,14 +156,16 @@ def load_prompts(spec: Any, tokenizer, config: RunConfig) -> list[dict]:
     return kept
 
 
-def runtime_model_config(model_config, section) -> Any:
+def runtime_model_config(model_config, section, max_prompt_tokens: int | None = None) -> Any:
     """`model_config` with the run config's runtime model keys (`model.compute_dtype`, `remat`, `remat_policy`,
-    `attention_block_size`, `attention_block_min_length`, `remat_logits`): how the policy is computed, not what
-    it is."""
+    `attention_block_size`, `attention_block_min_length`, `remat_logits`, `attention_impl`): how the policy is
+    computed, not what it is. `max_prompt_tokens` (the data's bound on prompts) sizes the fused attention
+    kernels' regrouped rows."""
     return model_config.replace(compute_dtype=section.compute_dtype, remat=section.remat,
                                 remat_policy=section.remat_policy, attention_block_size=section.attention_block_size,
                                 attention_block_min_length=section.attention_block_min_length,
-                                remat_logits=section.remat_logits)
+                                remat_logits=section.remat_logits, attention_impl=section.attention_impl,
+                                max_prompt_tokens=max_prompt_tokens)
 
 
 def setup_run(config: RunConfig, *, policy=None) -> Run:
@@ -172,7 +174,7 @@ def setup_run(config: RunConfig, *, policy=None) -> Run:
     cfg = config
     map_large_host_allocations()
     model_config, params, tokenizer = policy or load_policy(cfg.model.source, param_dtype=cfg.model.param_dtype)
-    model_config = runtime_model_config(model_config, cfg.model)
+    model_config = runtime_model_config(model_config, cfg.model, cfg.data.max_prompt_tokens)
     optimizer = make_optimizer(cfg.optim)
     lora_spec, adapters = lora_adapters(cfg, model_config) if lora_enabled(cfg) else (None, None)
     if lora_spec is not None and cfg.lora.base_dtype:  # the frozen base's projections as int8 / int4 codes

@@ -1,0 +1,266 @@
+"""How a training row attends: the one place that picks the attention implementation (MaxText's attention_op
+pattern). Every full-sequence pass of the decoder (`models.hidden_states`) calls `self_attention`; the KV-cache
+paths of the sampler keep their own single-query attention.
+
+Implementations (`ModelConfig.attention_impl`, the run config's `model.attention_impl`):
+
+  xla     `layers.attention` on a [B, T, T] keep mask, or `layers.blocked_attention` (online softmax in tiles,
+          tiles no query reads skipped) with `attention_block_size`: any platform, any family.
+  splash  Pallas splash attention (block-sparse flash attention for TPU, jax.experimental.pallas.ops.tpu):
+          compiled for TPU there, run in interpret mode elsewhere (tests on CPU).
+  cudnn   `jax.nn.dot_product_attention(implementation="cudnn")` when the default backend is a GPU (bf16/fp16
+          only); elsewhere the same call with implementation="xla", so the layout is testable on a CPU.
+  auto    (default) splash where the program is lowered for a TPU, xla on every other platform
+          (`jax.lax.platform_dependent`: only the target platform's branch is compiled, so an ahead-of-time
+          compile for a TPU slice on a CPU host gets splash). GPUs stay on xla until the fused path is measured
+          there (benchmarks/README.md, "GPU").
+
+The fused kernels take plain causal rows, not packed ones: a packed row ([prompt | response 1 | ... | response S |
+padding], `train.packing`: segment 0 the prompt at the row's start, segment s + 1 response slot s, each response
+restarting its positions where the prompt ends) is regrouped into S causal rows [prompt | response s | padding]
+of `width` tokens, where a token's index is its position. The regrouping is a gather of q, k and v and a gather
+of the outputs back (prompt outputs from the first group); under differentiation their transposes are
+scatter-adds, which sum the gradients of the prompt's keys and values over the S groups. The price is the
+prompt's self-attention computed S times (about 6% of the attention of a 1024-token prompt with 8 responses of
+3072 tokens). Rows without segments (unpacked rows) are one group each. Padding of a regrouped row carries
+splash segment 0 (real tokens 1), so no real query reads it and every padding query sees at least itself.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxrl_llm.models.config import ATTENTION_IMPLS, ModelConfig  # noqa: F401 (re-exported)
+from jaxrl_llm.models.layers import attention, attention_keep_mask, blocked_attention
+
+log = logging.getLogger(__name__)
+
+SPLASH_BLOCK = 128  # splash's tile (q and kv); the TPU lowering needs the row a multiple of 128
+_NO_WINDOW = np.iinfo(np.int32).max  # `model.layer_constants`' window of a full-attention layer
+_logged: set = set()
+
+
+class Groups(NamedTuple):
+    """Where each token of a regrouped layout comes from. source [B, S, W] int32: the packed index of regrouped
+    token (group s, index w); real [B, S, W] bool: whether that token exists (else padding); back_group,
+    back_index [B, T]: the (group, index) of each packed token's output; back_real [B, T] bool: the packed
+    token is a prompt or response token (its output is read back)."""
+
+    source: jax.Array
+    real: jax.Array
+    back_group: jax.Array
+    back_index: jax.Array
+    back_real: jax.Array
+
+
+def regroup_layout(segment_ids: jax.Array | None, batch: int, length: int, slots: int, width: int,
+                   key_mask: jax.Array | None = None) -> Groups:
+    """The regrouped layout of `batch` rows of `length` tokens: with `segment_ids` [B, T] (packing's layout, at most
+    `slots` responses per row) S = slots groups of `width` tokens; without, each row is one group (width =
+    length) whose real tokens are those of `key_mask` (all when None)."""
+    if segment_ids is None:  # one group per row, on splash's grid of 128 (its padding is not real)
+        width = -(-length // SPLASH_BLOCK) * SPLASH_BLOCK
+        index = jnp.arange(width, dtype=jnp.int32)
+        real = jnp.broadcast_to(index[None, :] < length, (batch, width))
+        if key_mask is not None:
+            real = real & (jnp.pad(key_mask, [(0, 0), (0, width - length)]) != 0)
+        source = jnp.broadcast_to(jnp.minimum(index, length - 1), (batch, 1, width))
+        back_index = jnp.broadcast_to(index[:length], (batch, length))
+        back_real = jnp.ones((batch, length), bool) if key_mask is None else key_mask != 0
+        return Groups(source, real[:, None, :], jnp.zeros((batch, length), jnp.int32), back_index, back_real)
+    seg = segment_ids
+    counts = jnp.stack([(seg == s).sum(axis=1) for s in range(slots + 1)], axis=1).astype(jnp.int32)  # [B, S+1]
+    prompt = counts[:, :1]  # [B, 1]
+    starts = prompt + jnp.cumsum(counts[:, 1:], axis=1) - counts[:, 1:]  # [B, S]: first index of each response
+    w = jnp.arange(width, dtype=jnp.int32)[None, None, :]
+    in_prompt = w < prompt[:, :, None]
+    in_response = (w >= prompt[:, :, None]) & (w - prompt[:, :, None] < counts[:, 1:, None])
+    source = jnp.where(in_prompt, w, starts[:, :, None] + w - prompt[:, :, None])
+    source = jnp.clip(jnp.where(in_prompt | in_response, source, 0), 0, length - 1)
+    t = jnp.arange(length, dtype=jnp.int32)[None, :]
+    group = jnp.clip(seg - 1, 0, slots - 1)  # the prompt (segment 0) reads its outputs from group 0
+    start = jnp.take_along_axis(starts, group, axis=1)
+    index = jnp.where(seg == 0, t, prompt + t - start)
+    back_real = seg <= slots
+    return Groups(source, in_prompt | in_response, group, jnp.clip(jnp.where(back_real, index, 0), 0, width - 1),
+                  back_real)
+
+
+def _gather(x: jax.Array, groups: Groups) -> jax.Array:
+    """[B, T, N, d] -> [B * S, W, N, d] regrouped rows."""
+    batch, _, heads, dim = x.shape
+    _, slots, width = groups.source.shape
+    rows = jnp.take_along_axis(x, groups.source.reshape(batch, slots * width)[:, :, None, None], axis=1)
+    return rows.reshape(batch * slots, width, heads, dim)
+
+
+def _scatter_back(out: jax.Array, groups: Groups, batch: int) -> jax.Array:
+    """[B * S, W, F] regrouped outputs -> [B, T, F], 0 on packed padding."""
+    _, width, features = out.shape
+    slots = groups.source.shape[1]
+    flat = groups.back_group * width + groups.back_index  # [B, T]
+    got = jnp.take_along_axis(out.reshape(batch, slots * width, features), flat[:, :, None], axis=1)
+    return jnp.where(groups.back_real[:, :, None], got, 0).astype(out.dtype)
+
+
+def _splash_rows(q, k, v, real, *, window: int | None, softcap: float | None, interpret: bool):
+    """Causal splash attention on rows q [N, W, H, d], k, v [N, W, KV, d] (q already scaled), real [N, W]
+    (splash segment 1 = real, 0 = padding): [N, W, H * d]."""
+    from jax.experimental.pallas.ops.tpu import splash_attention as splash
+
+    rows, width, heads, dim = q.shape
+    num_kv = k.shape[2]
+    group = heads // num_kv
+    shape = (width, width)
+    mask = splash.CausalMask(shape) if window is None else splash.LocalMask(shape, (window - 1, 0), offset=0)
+    block = min(SPLASH_BLOCK, width)
+    sizes = splash.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block, block_q_dkv=block,
+                              block_kv_dkv=block, block_kv_dkv_compute=block, block_q_dq=block, block_kv_dq=block)
+    # One MQA kernel per KV head, over its query group (GQA): splash takes [heads, T, d] queries, [T, d] keys.
+    kernel = splash.make_splash_mqa_single_device(splash.MultiHeadMask([mask] * group), block_sizes=sizes,
+                                                  attn_logits_soft_cap=softcap, interpret=interpret)
+    ids = real.astype(jnp.int32)
+    qh = q.reshape(rows, width, num_kv, group, dim).transpose(0, 2, 3, 1, 4)  # [N, KV, G, W, d]
+    kh, vh = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [N, KV, W, d]
+
+    def one_row(qr, kr, vr, seg):
+        segments = splash.SegmentIds(q=seg, kv=seg)
+        return jax.vmap(lambda a, b, c: kernel(a, b, c, segment_ids=segments))(qr, kr, vr)
+
+    out = jax.vmap(one_row)(qh, kh, vh, ids)  # [N, KV, G, W, d]
+    return out.transpose(0, 3, 1, 2, 4).reshape(rows, width, heads * dim)
+
+
+def _cudnn_rows(q, k, v, real, *, window: int | None, implementation: str):
+    """Causal `jax.nn.dot_product_attention` on right-padded rows (q unscaled: the call applies `scale`)."""
+    lengths = real.sum(axis=1).astype(jnp.int32)
+    local = None if window is None else (window - 1, 0)
+    out = jax.nn.dot_product_attention(q, k, v, is_causal=True, query_seq_lengths=lengths,
+                                       key_value_seq_lengths=lengths, local_window_size=local,
+                                       implementation=implementation)
+    return out.reshape(*q.shape[:2], -1)
+
+
+def _kernel_rows(impl: str, q, k, v, real, config: ModelConfig, window: int | None, platform: str):
+    """A fused kernel on regrouped rows; `platform` the one the program is lowered for."""
+    scale = config.attention_scale
+    if impl == "splash":
+        q = q * jnp.asarray(scale, q.dtype)
+        return _splash_rows(q, k, v, real, window=window, softcap=config.attn_logit_softcapping,
+                            interpret=platform != "tpu")
+    if impl == "cudnn":
+        if config.attn_logit_softcapping is not None:
+            raise ValueError("attention_impl='cudnn' takes no attention soft-cap (Gemma 2): use 'xla' or 'auto'")
+        q = q * jnp.asarray(scale * q.shape[-1] ** 0.5, q.dtype)  # the call scales by 1/sqrt(d)
+        return _cudnn_rows(q, k, v, real, window=window, implementation="cudnn" if platform == "gpu" else "xla")
+    raise ValueError(f"unknown fused attention {impl!r}")
+
+
+def _fused(impl: str, q, k, v, groups: Groups, config: ModelConfig, window, platform: str):
+    """A fused kernel over the regrouped rows of q, k, v; `window` a layer's (possibly traced) window or None."""
+    batch = q.shape[0]
+    rows = [_gather(x, groups) for x in (q, k, v)]
+    real = groups.real.reshape(-1, groups.real.shape[-1])
+    if window is None or config.sliding_window is None:
+        out = _kernel_rows(impl, *rows, real, config, None, platform)
+    elif isinstance(window, (int, np.integer)):
+        out = _kernel_rows(impl, *rows, real, config, None if window >= _NO_WINDOW else int(window), platform)
+    else:  # a scanned layer's window: the kernels' masks are static, so both are compiled and one runs
+        out = jax.lax.cond(window >= _NO_WINDOW,
+                           lambda *a: _kernel_rows(impl, *a, config, None, platform),
+                           lambda *a: _kernel_rows(impl, *a, config, config.sliding_window, platform),
+                           *rows, real)
+    return _scatter_back(out.astype(v.dtype), groups, batch)
+
+
+def resolve(config: ModelConfig, platform: str) -> str:
+    """The implementation `config.attention_impl` means on `platform` ("cpu", "gpu", "tpu")."""
+    impl = config.attention_impl
+    if impl == "auto":
+        return "splash" if platform == "tpu" else "xla"
+    return impl
+
+
+def group_width(config: ModelConfig, length: int, response_len: int | None) -> int:
+    """Tokens per regrouped row: the row itself when the prompt bound or the response length is unknown, else
+    `config.max_prompt_tokens` + `response_len` (packing drops longer prompts), at most the row, on splash's
+    grid of 128."""
+    width = length
+    if config.max_prompt_tokens is not None and response_len is not None:
+        width = min(length, config.max_prompt_tokens + response_len)
+    return -(-width // SPLASH_BLOCK) * SPLASH_BLOCK
+
+
+def _log_once(config: ModelConfig, impl: str, detail: str) -> None:
+    key = (config.attention_impl, impl, detail)
+    if key not in _logged:
+        _logged.add(key)
+        log.info("attention: %s (model.attention_impl=%s)%s", impl, config.attention_impl, detail)
+
+
+def self_attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array, config: ModelConfig, *,
+                   segment_ids: jax.Array | None = None, key_mask: jax.Array | None = None, window=None,
+                   keep: jax.Array | None = None, slots: int | None = None, response_len: int | None = None):
+    """Attention of a full-sequence training pass, [B, T, H * d]: query i sees key j iff positions[j] <=
+    positions[i], key_mask[j] != 0, segment j is segment i or 0 (with `segment_ids`) and, with a `window` w,
+    positions[i] - positions[j] < w (see `layers.attention_keep_mask`).
+
+    q [B, T, H, d]; k, v [B, T, KV, d]; `keep` the precomputed [B, T, T] mask of the xla path's full attention
+    (without the window); `slots` the responses per packed row and `response_len` their token slots, which size
+    the fused kernels' regrouped rows (without `slots`, packed rows fall back to xla). The fused kernels assume
+    packing's layout (see the module docstring) and give the same values on every prompt and response token;
+    padding tokens' outputs are 0 there.
+    """
+    impl = config.attention_impl
+    length = q.shape[1]
+    fusable = segment_ids is None or slots is not None
+    if impl == "xla" or not fusable:
+        if impl != "xla":
+            _log_once(config, "xla", ": packed rows without their slot count")
+        return _xla(q, k, v, positions, config, segment_ids, key_mask, window, keep)
+    if segment_ids is None:
+        groups = regroup_layout(None, q.shape[0], length, 1, length, key_mask)  # width: length on the grid of 128
+    else:
+        groups = regroup_layout(segment_ids, q.shape[0], length, slots, group_width(config, length, response_len))
+
+    def fused(name, platform):
+        return _fused(name, q, k, v, groups, config, window, platform)
+
+    if impl == "auto":
+        _log_once(config, "splash where lowered for TPU, xla elsewhere", "")
+        return jax.lax.platform_dependent(
+            tpu=lambda: fused("splash", "tpu"),
+            default=lambda: _xla(q, k, v, positions, config, segment_ids, key_mask, window, keep))
+    _log_once(config, impl, f": regrouped rows of {groups.source.shape[-1]} tokens")
+    if impl == "cudnn":  # the cuDNN call checks for cuDNN when traced, so the platform is the default backend's
+        return fused(impl, jax.default_backend())
+    return jax.lax.platform_dependent(tpu=lambda: fused(impl, "tpu"), default=lambda: fused(impl, "cpu"))
+
+
+def _xla(q, k, v, positions, config: ModelConfig, segment_ids, key_mask, window, keep):
+    block_size = config.attention_block_for(q.shape[1])
+    if block_size is not None:
+        return blocked_attention(q, k, v, positions, block_size, segment_ids=segment_ids, key_mask=key_mask,
+                                 window=window, scale=config.attention_scale, softcap=config.attn_logit_softcapping)
+    if keep is None:
+        keep = attention_keep_mask(positions, positions, q_segments=segment_ids, k_segments=segment_ids,
+                                   key_mask=key_mask)
+    if window is not None:
+        keep = keep & (positions[:, :, None] - positions[:, None, :] < window)
+    return attention(q, k, v, keep, scale=config.attention_scale, softcap=config.attn_logit_softcapping)
+
+
+@functools.lru_cache(maxsize=None)
+def splash_available() -> bool:
+    """Whether this JAX has Pallas splash attention."""
+    try:
+        from jax.experimental.pallas.ops.tpu import splash_attention  # noqa: F401
+    except ImportError:
+        return False
+    return True
