@@ -163,19 +163,37 @@ def _kernel_rows(impl: str, q, k, v, real, config: ModelConfig, window: int | No
 
 
 def _fused(impl: str, q, k, v, groups: Groups, config: ModelConfig, window, platform: str):
-    """A fused kernel over the regrouped rows of q, k, v; `window` a layer's (possibly traced) window or None."""
+    """A fused kernel over the regrouped rows of q, k, v; `window` a layer's (possibly traced) window or None.
+    Under a mesh (`jax.set_mesh`, as the train step sets it) the kernel runs per device in a shard_map: a Mosaic
+    kernel cannot be partitioned by the compiler. Rows split over data x fsdp, heads over tensor when it
+    divides the KV heads."""
     batch = q.shape[0]
     rows = [_gather(x, groups) for x in (q, k, v)]
     real = groups.real.reshape(-1, groups.real.shape[-1])
-    if window is None or config.sliding_window is None:
-        out = _kernel_rows(impl, *rows, real, config, None, platform)
-    elif isinstance(window, (int, np.integer)):
-        out = _kernel_rows(impl, *rows, real, config, None if window >= _NO_WINDOW else int(window), platform)
-    else:  # a scanned layer's window: the kernels' masks are static, so both are compiled and one runs
-        out = jax.lax.cond(window >= _NO_WINDOW,
-                           lambda *a: _kernel_rows(impl, *a, config, None, platform),
-                           lambda *a: _kernel_rows(impl, *a, config, config.sliding_window, platform),
-                           *rows, real)
+
+    def kernel(q, k, v, real):
+        if window is None or config.sliding_window is None:
+            return _kernel_rows(impl, q, k, v, real, config, None, platform)
+        if isinstance(window, (int, np.integer)):
+            return _kernel_rows(impl, q, k, v, real, config, None if window >= _NO_WINDOW else int(window), platform)
+        # a scanned layer's window: the kernels' masks are static, so both are compiled and one runs
+        return jax.lax.cond(window >= _NO_WINDOW,
+                            lambda *a: _kernel_rows(impl, *a, config, None, platform),
+                            lambda *a: _kernel_rows(impl, *a, config, config.sliding_window, platform),
+                            q, k, v, real)
+
+    mesh = jax.sharding.get_abstract_mesh()
+    if not mesh.empty and {"data", "fsdp", "tensor"} <= set(mesh.axis_names):
+        from jax.sharding import PartitionSpec as P
+
+        split = ("data", "fsdp")
+        if rows[0].shape[0] % (mesh.shape["data"] * mesh.shape["fsdp"]):
+            split = None
+        heads = "tensor" if config.num_kv_heads % mesh.shape["tensor"] == 0 else None
+        per_head = P(split, None, heads, None)
+        kernel = jax.shard_map(kernel, mesh=mesh, in_specs=(per_head, per_head, per_head, P(split, None)),
+                               out_specs=P(split, None, heads), check_vma=False)
+    out = kernel(*rows, real)
     return _scatter_back(out.astype(v.dtype), groups, batch)
 
 

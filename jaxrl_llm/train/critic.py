@@ -28,8 +28,8 @@ from jaxrl_llm.train.config import ConfigError, CriticSection, OptimSection
 from jaxrl_llm.train.logprobs import scored_positions, to_slots
 from jaxrl_llm.train.packing import TrainBatch
 from jaxrl_llm.train.state import TrainState, init_state, make_optimizer, state_shardings
-from jaxrl_llm.train.step import (_replicated, apply_if_finite, has_tokens, jit_packed_pass, micro_shardings,
-                                  split_micro, summed_grads)
+from jaxrl_llm.train.step import (_replicated, apply_if_finite, has_tokens, jit_packed_pass, mesh_context,
+                                  micro_shardings, split_micro, summed_grads)
 
 CRITIC_METRIC_SUMS = ("value_loss", "value_clip_fraction", "tokens")
 
@@ -95,6 +95,10 @@ def make_critic_step(model_config, critic: CriticSection, optimizer: optax.Gradi
     micro_sharding = micro_shardings(batch_sharding)
 
     def step(state: TrainState, batch: TrainBatch, denom: jax.Array):
+        with mesh_context(replicated):
+            return mesh_step(state, batch, denom)
+
+    def mesh_step(state: TrainState, batch: TrainBatch, denom: jax.Array):
         micro = split_micro(batch, micro_batch_size)
         if micro_sharding is not None:
             micro = jax.lax.with_sharding_constraint(micro, micro_sharding)

@@ -166,7 +166,12 @@ KNOWN_MODELS.update({
         num_heads=32, num_kv_heads=8, head_dim=128, rope_theta=10000.0, tie_word_embeddings=False,
         max_position_embeddings=32768, rms_norm_eps=1e-5, sliding_window=4096),
 })
-for _name, _alias in (("gemma-2-2b", "gemma-2-2b-it"), ("gemma-3-1b-pt", "gemma-3-1b-it"),
+# The bundled SmolLM2-135M-Instruct (models.bundled; shapes from its GGUF header, shared/PEERS.md).
+KNOWN_MODELS["smollm2-135m-instruct"] = ModelConfig(
+    model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9,
+    num_kv_heads=3, head_dim=64, rope_theta=100000.0, tie_word_embeddings=True, max_position_embeddings=8192,
+    rms_norm_eps=1e-5)
+for _name, _alias in (("smollm2-135m-instruct", "bundled"), ("gemma-2-2b", "gemma-2-2b-it"), ("gemma-3-1b-pt", "gemma-3-1b-it"),
                       ("gemma-3-4b-pt", "gemma-3-4b-it"), ("mistral-7b-v0.1", "mistral-7b-instruct-v0.1")):
     KNOWN_MODELS[_alias] = KNOWN_MODELS[_name]
 

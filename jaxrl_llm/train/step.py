@@ -16,6 +16,8 @@ that this token-mean equals the M-step loss (`rollouts.prompt_mean_advantages`).
 
 from __future__ import annotations
 
+import contextlib
+
 from typing import Any
 
 import jax
@@ -181,6 +183,10 @@ def make_train_step(model_config, algo: AlgorithmSection, optimizer: optax.Gradi
     micro_sharding = micro_shardings(batch_sharding)
 
     def step(state: TrainState, batch: TrainBatch, denom: jax.Array, base: Any = None):
+        with mesh_context(replicated):
+            return mesh_step(state, batch, denom, base)
+
+    def mesh_step(state: TrainState, batch: TrainBatch, denom: jax.Array, base: Any = None):
         selected = cov_tokens(algo, batch, jax.random.fold_in(jax.random.PRNGKey(seed), state.step))
         micro, micro_selected = split_micro((batch, selected), micro_batch_size)
         if micro_sharding is not None:
@@ -242,8 +248,13 @@ def jit_packed_pass(fn, *, micro_batch_size: int | None = None, param_sharding: 
     the batch's order. With shardings, params and batch are taken as placed and the result comes back
     replicated."""
     micro_sharding = micro_shardings(batch_sharding)
+    replicated = _replicated(param_sharding, batch_sharding)
 
     def run(params, batch):
+        with mesh_context(replicated):
+            return mesh_run(params, batch)
+
+    def mesh_run(params, batch):
         rows = batch.tokens.shape[0]
         if micro_batch_size is None or rows <= micro_batch_size:
             return fn(params, batch)
@@ -260,10 +271,18 @@ def jit_packed_pass(fn, *, micro_batch_size: int | None = None, param_sharding: 
         out = jax.lax.map(each, (micro, has_tokens(micro)))  # [micro-batches, micro_batch_size, ...]
         return jnp.swapaxes(out, 0, 1).reshape(rows, *out.shape[2:])  # split_micro's inverse
 
-    replicated = _replicated(param_sharding, batch_sharding)
     if replicated is None:
         return jax.jit(run)
     return jax.jit(run, in_shardings=(param_sharding, batch_sharding), out_shardings=replicated)
+
+
+def mesh_context(sharding: NamedSharding | None):
+    """The abstract mesh of `sharding` as the tracing context (`jax.sharding.use_abstract_mesh`), so that code
+    which must know the mesh while traced (a Mosaic kernel wrapped in shard_map, `models.attention`) finds it;
+    nothing without a mesh."""
+    if sharding is None:
+        return contextlib.nullcontext()
+    return jax.sharding.use_abstract_mesh(sharding.mesh.abstract_mesh)
 
 
 def _replicated(*shardings) -> NamedSharding | None:

@@ -1,0 +1,255 @@
+"""Ahead-of-time compilation of a run's programs for a TPU slice, on any machine with libtpu installed (no TPU
+needed): `jax.experimental.topologies.get_topology_desc` gives the slice's devices, the run's mesh is laid over
+them, and each program is lowered from shapes alone (no parameters are loaded or allocated) and compiled for
+that target. XLA then reports each program's per-device arguments, outputs and temporaries, and refuses a
+program that does not fit the chip's HBM.
+
+Programs compiled (the ones a run's step spends its memory in, built by the same functions `train.setup` uses):
+  train_step      the policy update on one mini-batch of packed rows (LoRA: adapters over the frozen, possibly
+                  quantized base)
+  logprob_pass    the old/reference log-prob pass over the same rows
+Not yet compiled here (noted in the report): the sampler's prefill and decode, PPO's critic step and GVM's
+gradient-norm pass; `estimate_memory` still counts them.
+
+libtpu is an optional dependency (`pip install 'jaxrl_llm[tpu]'`); without it `topology_devices` says how to get it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from jaxrl_llm.models import lora, quant
+from jaxrl_llm.models.config import ModelConfig
+from jaxrl_llm.models.model import init_params
+from jaxrl_llm.models.sharding import make_mesh, param_shardings
+from jaxrl_llm.train.algorithms import needs_reference
+from jaxrl_llm.train.config import RunConfig, lora_enabled
+from jaxrl_llm.train.memory import GIB, estimate_memory, model_config_for
+from jaxrl_llm.train.packing import TrainBatch, bucket
+from jaxrl_llm.train.state import init_state, make_optimizer, state_shardings
+from jaxrl_llm.train.step import make_logprob_fn, make_train_step
+
+
+@dataclasses.dataclass(frozen=True)
+class Chip:
+    generation: str  # get_topology_desc's name prefix
+    hbm_bytes: int
+    cores_per_chip: int  # TensorCores counted in a slice's name (v4 and v5p count both cores of a megacore chip)
+    chip_config: str
+    host_bounds: tuple[int, int, int]  # chips per host
+
+
+# HBM per chip from Google Cloud's TPU pages: v4 32 GiB, v5e 16 GiB, v5p 95 GiB, v6e (Trillium) 32 GiB.
+CHIPS = {
+    "v4": Chip("v4", 32 * GIB, 2, "megacore", (2, 2, 1)),
+    "v5litepod": Chip("v5e", 16 * GIB, 1, "default", (2, 2, 1)),
+    "v5e": Chip("v5e", 16 * GIB, 1, "default", (2, 2, 1)),
+    "v5p": Chip("v5p", 95 * GIB, 2, "megacore", (2, 2, 1)),
+    "v6e": Chip("v6e", 32 * GIB, 1, "default", (2, 2, 1)),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Topology:
+    name: str  # as the user wrote it
+    chip: Chip
+    topology_name: str  # get_topology_desc's form, e.g. "v5e:4x4"
+    chips: int
+    host_bounds: tuple[int, int, int]
+
+
+def _grid(chips: int, dims: int) -> tuple[int, ...]:
+    """The chip grid of a slice of `chips` chips: 2-D (v5e, v6e) or 3-D (v4, v5p), sides powers of two, as
+    square as possible with the larger sides last."""
+    if chips < 1 or chips & (chips - 1):
+        raise ValueError(f"a TPU slice has a power-of-two number of chips, got {chips}")
+    sides = [1] * dims
+    for i in range(int(math.log2(chips))):
+        sides[(dims - 1 - i) % dims] *= 2
+    return tuple(sorted(sides))
+
+
+def parse_topology(name: str) -> Topology:
+    """A slice as users name it: `v4-8`, `v4-32`, `v5litepod-8`, `v5litepod-64`, `v5p-8`, `v6e-8`, ... (the
+    number counts TensorCores: two per v4 / v5p chip, one per v5e / v6e chip), or get_topology_desc's
+    `v5e:4x4` / `v4:2x2x2` form."""
+    match = re.fullmatch(r"(v4|v5litepod|v5e|v5p|v6e)-(\d+)", name.strip())
+    if match:
+        chip = CHIPS[match.group(1)]
+        cores = int(match.group(2))
+        if cores % chip.cores_per_chip:
+            raise ValueError(f"topology {name!r}: {chip.generation} slices count {chip.cores_per_chip} cores per chip")
+        chips = cores // chip.cores_per_chip
+        dims = 3 if chip.generation in ("v4", "v5p") else 2
+        grid = _grid(chips, dims)
+    else:
+        match = re.fullmatch(r"(v4|v5e|v5p|v6e):(\d+(?:x\d+)+)", name.strip())
+        if not match:
+            raise ValueError(f"unknown TPU topology {name!r}: expected e.g. v4-32, v5litepod-64, v5p-8, v6e-8 "
+                             "or v5e:4x4")
+        chip = CHIPS[match.group(1)]
+        grid = tuple(int(x) for x in match.group(2).split("x"))
+        chips = math.prod(grid)
+    per_host = tuple(min(g, b) for g, b in zip(grid + (1,) * (3 - len(grid)), chip.host_bounds))
+    if chip.generation in ("v5e", "v6e") and chips == 8:  # one host of 8 chips (v5litepod-8, v6e-8)
+        per_host = (2, 4, 1)
+    topology_name = f"{chip.generation}:{'x'.join(str(g) for g in grid)}"
+    return Topology(name, chip, topology_name, chips, per_host)
+
+
+def topology_devices(topology: Topology) -> list:
+    """The slice's devices (no TPU needed; libtpu must be installed)."""
+    try:
+        import libtpu  # noqa: F401
+    except ImportError:
+        raise RuntimeError("compiling for a TPU needs libtpu: pip install 'jaxrl_llm[tpu]' (or bash scripts/setup.sh "
+                           "tpu), which installs jax[tpu] at this JAX version") from None
+    from jax.experimental import topologies
+
+    desc = topologies.get_topology_desc(platform="tpu", topology_name=topology.topology_name,
+                                        chip_config_name=topology.chip.chip_config,
+                                        chips_per_host_bounds=topology.host_bounds, num_slices=1,
+                                        wrap=(False, False, False))
+    return list(desc.devices)
+
+
+def _abstract(tree, shardings):
+    return jax.tree_util.tree_map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
+
+
+def batch_shapes(cfg: RunConfig, row_length: int, rows: int) -> TrainBatch:
+    """ShapeDtypeStructs of a mini-batch of `rows` packed rows of `row_length` tokens, each a prompt and its
+    responses in S slots of max_new_tokens (S: samples per prompt, or what fits optim.max_row_tokens)."""
+    slots = bucket(cfg.sampling.samples_per_prompt)
+    if cfg.optim.max_row_tokens > 0:
+        slots = bucket(max(1, min(slots, (cfg.optim.max_row_tokens - cfg.data.max_prompt_tokens)
+                                  // cfg.sampling.max_new_tokens)))
+    per_row = (rows, row_length)
+    per_slot = (rows, slots, cfg.sampling.max_new_tokens)
+    i32, f32 = jnp.int32, jnp.float32
+    return TrainBatch(tokens=jax.ShapeDtypeStruct(per_row, i32), positions=jax.ShapeDtypeStruct(per_row, i32),
+                      segments=jax.ShapeDtypeStruct(per_row, i32), pred_index=jax.ShapeDtypeStruct(per_slot, i32),
+                      response_tokens=jax.ShapeDtypeStruct(per_slot, i32),
+                      **{name: jax.ShapeDtypeStruct(per_slot, f32) for name in TrainBatch._fields[5:]})
+
+
+@dataclasses.dataclass
+class ProgramReport:
+    name: str
+    compile_s: float
+    argument_bytes: int
+    output_bytes: int
+    alias_bytes: int
+    temp_bytes: int
+    peak_bytes: int  # arguments + outputs - aliased (donated) + temporaries
+    flops: float | None
+    fits: bool
+    hlo_has_splash: bool
+    error: str = ""
+
+
+def _report(name: str, lowered, hbm_bytes: int) -> ProgramReport:
+    start = time.perf_counter()
+    try:
+        compiled = lowered.compile()
+    except Exception as err:  # XLA refuses a program over HBM at compile time
+        text = str(err).strip().splitlines()[0][:300]
+        return ProgramReport(name, time.perf_counter() - start, 0, 0, 0, 0, 0, None, False, False, text)
+    seconds = time.perf_counter() - start
+    mem = compiled.memory_analysis()
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    peak = mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes + mem.temp_size_in_bytes
+    flops = (cost or {}).get("flops")
+    return ProgramReport(name, seconds, mem.argument_size_in_bytes, mem.output_size_in_bytes,
+                         mem.alias_size_in_bytes, mem.temp_size_in_bytes, peak, flops, peak <= hbm_bytes,
+                         "tpu_custom_call" in compiled.as_text())
+
+
+def compile_run(cfg: RunConfig, topology: str | Topology, *, model_config: ModelConfig | None = None,
+                devices: list | None = None) -> dict[str, Any]:
+    """Compile `cfg`'s programs for `topology` with the run's mesh (`train.mesh`; empty: every device on fsdp)
+    and shardings. Returns {"topology", "devices", "hbm_bytes", "mesh", "estimate" (`estimate_memory` on the
+    same mesh), "programs": [ProgramReport]}."""
+    from jaxrl_llm.train.setup import batch_shardings, runtime_model_config
+
+    topo = parse_topology(topology) if isinstance(topology, str) else topology
+    devices = topology_devices(topo) if devices is None else devices
+    mc = model_config or model_config_for(cfg.model.source)
+    mc = runtime_model_config(mc.replace(param_dtype=cfg.model.param_dtype), cfg.model, cfg.data.max_prompt_tokens)
+    mesh = make_mesh(cfg.train.mesh, devices=devices)
+    sizes = dict(mesh.shape)
+    estimate = estimate_memory(cfg, mc, {k: int(v) for k, v in sizes.items()})
+    split = sizes["data"] * sizes["fsdp"]
+    rows = bucket(-(-cfg.sampling.prompts_per_step // cfg.optim.mini_batches), max(cfg.optim.micro_batch_size, split))
+    batch = batch_shapes(cfg, estimate["row_length"], rows)
+    batch_sharding = batch_shardings(mesh)
+    batch = _abstract(batch, batch_sharding)
+
+    optimizer = make_optimizer(cfg.optim)
+    params = jax.eval_shape(lambda: init_params(mc, jax.random.PRNGKey(0)))
+    lora_kwargs, trained = {}, params
+    if lora_enabled(cfg):
+        spec = lora.LoraSpec(rank=cfg.lora.rank, alpha=cfg.lora.alpha, targets=lora.resolve_targets(cfg.lora.targets))
+        trained = jax.eval_shape(lambda: lora.init_adapters(mc, spec, jax.random.PRNGKey(0)))
+        if cfg.lora.base_dtype:
+            params = jax.eval_shape(lambda p: quant.quantize_base(p, cfg.lora.base_dtype), params)
+    param_sharding = param_shardings(params, mesh)
+    base = _abstract(params, param_sharding)
+    trained_sharding = param_sharding if trained is params else param_shardings(trained, mesh)
+    if trained is not params:
+        lora_kwargs = dict(frozen=base, frozen_sharding=param_sharding, lora_scale=spec.scale)
+    shapes = jax.eval_shape(lambda p: init_state(p, optimizer), trained)
+    state_sharding = state_shardings(shapes, optimizer, trained_sharding)
+    state = _abstract(shapes, state_sharding)
+    denom = jax.ShapeDtypeStruct((), jnp.float32, sharding=NamedSharding(mesh, P()))
+
+    step = make_train_step(mc, cfg.algorithm, optimizer, micro_batch_size=cfg.optim.micro_batch_size,
+                           state_sharding=state_sharding, batch_sharding=batch_sharding, seed=cfg.train.seed,
+                           **lora_kwargs)
+    hbm = topo.chip.hbm_bytes
+    programs = []
+    lowered = (step.jitted.lower(state, batch, denom, base) if lora_kwargs else step.lower(state, batch, denom))
+    programs.append(_report("train_step", lowered, hbm))
+    logprob = make_logprob_fn(mc, micro_batch_size=cfg.optim.micro_batch_size, param_sharding=param_sharding,
+                              batch_sharding=batch_sharding)
+    programs.append(_report("logprob_pass", logprob.lower(base, batch), hbm))
+    # The resident state beside each program: a reference copy when the algorithm needs one (not with LoRA).
+    resident = int(estimate["reference"]) if needs_reference(cfg.algorithm) and not lora_kwargs else 0
+    return {"topology": topo.name, "topology_desc": topo.topology_name, "devices": len(devices), "hbm_bytes": hbm,
+            "mesh": {k: int(v) for k, v in sizes.items()}, "rows": rows, "row_length": estimate["row_length"],
+            "estimate": estimate, "resident_outside": resident, "programs": programs,
+            "not_compiled": ["sampler prefill/decode", "critic step (PPO)", "GVM gradient-norm pass"]}
+
+
+def format_report(result: dict[str, Any]) -> str:
+    """The table `jaxrl-llm compile` prints."""
+    gib = lambda b: f"{b / GIB:7.2f}"  # noqa: E731
+    est = result["estimate"]
+    lines = [f"{result['topology']} ({result['topology_desc']}, {result['devices']} devices, "
+             f"{result['hbm_bytes'] / GIB:.2f} GiB HBM each), mesh {result['mesh']}, "
+             f"{result['rows']} rows x {result['row_length']} tokens per mini-batch",
+             f"{'program':<14} {'compile s':>9} {'args GiB':>8} {'out GiB':>8} {'temp GiB':>8} {'peak GiB':>8} "
+             f"{'HBM %':>6} {'est GiB':>8} {'TFLOP':>8}  fits"]
+    estimates = {"train_step": est["params"] + est["optimizer"] + est["train_step"],
+                 "logprob_pass": est["params"] + est["activations"]}
+    for p in result["programs"]:
+        if p.error:
+            lines.append(f"{p.name:<14} {p.compile_s:9.1f}  does not compile: {p.error}")
+            continue
+        flops = "" if p.flops is None else f"{p.flops / 1e12:8.2f}"
+        lines.append(f"{p.name:<14} {p.compile_s:9.1f} {gib(p.argument_bytes)} {gib(p.output_bytes)} "
+                     f"{gib(p.temp_bytes)} {gib(p.peak_bytes)} {100 * p.peak_bytes / result['hbm_bytes']:6.1f} "
+                     f"{gib(estimates.get(p.name, 0))} {flops:>8}  {'yes' if p.fits else 'NO'}")
+    lines.append(f"estimate_memory peak (every program and the sampler): {est['peak'] / GIB:.2f} GiB per device")
+    lines.append("not compiled yet: " + ", ".join(result["not_compiled"]))
+    return "\n".join(lines)

@@ -1,0 +1,147 @@
+"""models.attention: the fused kernels on regrouped packed rows against the XLA attention the model has always
+used (values and gradients, f32), and the tiny model's train step compiled ahead of time for a TPU v5e topology
+with Pallas splash attention in the program (needs libtpu, a test extra)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxrl_llm.models.attention import group_width, regroup_layout, self_attention
+from jaxrl_llm.models.config import ModelConfig
+from jaxrl_llm.train.packing import pack_groups
+
+HEADS, KV, DIM = 4, 2, 16
+
+
+def _packed(seed: int, prompt_lens, group_sizes, resp_len: int):
+    """A packed batch of random prompts and responses (lengths 1..resp_len) and random q, k, v for it."""
+    rng = np.random.default_rng(seed)
+    prompts = [rng.integers(1, 50, n) for n in prompt_lens]
+    count = sum(group_sizes)
+    responses = rng.integers(1, 50, (count, resp_len))
+    lengths = rng.integers(1, resp_len + 1, count)
+    groups, start = [], 0
+    for size in group_sizes:
+        groups.append(np.arange(start, start + size))
+        start += size
+    batch = pack_groups(prompts, groups, responses, lengths)
+    rows, length = batch.tokens.shape
+    q, k, v = (jnp.asarray(rng.normal(size=(rows, length, heads, DIM)), jnp.float32) for heads in (HEADS, KV, KV))
+    return batch, q, k, v
+
+
+def _config(impl: str, window=None, softcap=None, max_prompt=None) -> ModelConfig:
+    return ModelConfig(vocab_size=50, hidden_size=HEADS * DIM, intermediate_size=8, num_layers=1, num_heads=HEADS,
+                       num_kv_heads=KV, head_dim=DIM, attention_impl=impl, sliding_window=window,
+                       attn_logit_softcapping=softcap, max_prompt_tokens=max_prompt)
+
+
+def _compare(impl: str, batch, q, k, v, *, window=None, softcap=None, max_prompt=None):
+    """Max |fused - xla| over real tokens, of the values and of the gradients of a random projection of them."""
+    positions, segments = jnp.asarray(batch.positions), jnp.asarray(batch.segments)
+    slots, resp_len = batch.pred_index.shape[1:]
+    real = np.asarray(batch.segments) <= slots
+    weights = jax.random.normal(jax.random.PRNGKey(1), (*q.shape[:2], HEADS * DIM)) * real[..., None]
+
+    def run(config):
+        def f(q, k, v):
+            return self_attention(q, k, v, positions, config, segment_ids=segments, window=window, slots=slots,
+                                  response_len=resp_len)
+
+        values = jax.jit(f)(q, k, v)
+        grads = jax.jit(jax.grad(lambda *a: (f(*a) * weights).sum(), argnums=(0, 1, 2)))(q, k, v)
+        return np.asarray(values), [np.asarray(g) for g in grads]
+
+    want, want_grads = run(_config("xla", window, softcap, max_prompt))
+    got, got_grads = run(_config(impl, window, softcap, max_prompt))
+    value_err = np.abs(got - want)[real].max()
+    grad_err = max(np.abs(a - b).max() for a, b in zip(got_grads, want_grads))
+    return value_err, grad_err
+
+
+@pytest.mark.parametrize("impl", ["splash", "cudnn"])
+@pytest.mark.parametrize("case", [
+    # prompt lengths, responses per prompt, response slots, sliding window, soft-cap
+    dict(prompts=(7, 12), sizes=(3, 2), resp=9),
+    dict(prompts=(5, 3, 9), sizes=(1, 4, 2), resp=6, window=5),
+    dict(prompts=(11,), sizes=(2,), resp=20, softcap=5.0),
+])
+def test_fused_kernels_on_regrouped_rows_equal_xla_attention(impl, case):
+    """Splash in interpret mode, and the cuDNN call's layout through implementation="xla", give the packed
+    rows' attention of every prompt and response token, and its gradients, to f32 rounding: GQA (4 query heads
+    on 2 KV heads), several prompt and response lengths, a sliding window, Gemma 2's soft-cap (splash only)."""
+    if impl == "cudnn" and case.get("softcap"):
+        pytest.skip("jax.nn.dot_product_attention takes no soft-cap (the dispatch refuses it)")
+    batch, q, k, v = _packed(len(case["prompts"]), case["prompts"], case["sizes"], case["resp"])
+    value_err, grad_err = _compare(impl, batch, q, k, v, window=case.get("window"), softcap=case.get("softcap"),
+                                   max_prompt=max(case["prompts"]))
+    assert value_err < 2e-6 and grad_err < 5e-6, (value_err, grad_err)
+
+
+def test_regrouped_layout_by_hand():
+    """Row [p0 p1 | a0 a1 a2 | b0 | pad]: group 0 = [p0 p1 a0 a1 a2], group 1 = [p0 p1 b0]; the packed tokens read
+    their outputs back from (group 0, 0..4) and (group 1, 2); padding reads nothing."""
+    segments = jnp.array([[0, 0, 1, 1, 1, 2, 3]])
+    groups = regroup_layout(segments, 1, 7, 2, 6)
+    np.testing.assert_array_equal(groups.real[0], [[1, 1, 1, 1, 1, 0], [1, 1, 1, 0, 0, 0]])
+    source = np.where(groups.real[0], groups.source[0], -1)
+    np.testing.assert_array_equal(source, [[0, 1, 2, 3, 4, -1], [0, 1, 5, -1, -1, -1]])
+    np.testing.assert_array_equal(groups.back_group[0, :6], [0, 0, 0, 0, 0, 1])
+    np.testing.assert_array_equal(groups.back_index[0, :6], [0, 1, 2, 3, 4, 2])
+    np.testing.assert_array_equal(groups.back_real[0], [1, 1, 1, 1, 1, 1, 0])
+    # The regrouped row width: the prompt bound + the response slots on splash's grid of 128, at most the row's.
+    assert group_width(_config("splash", max_prompt=300), 4096, 100) == 512
+    assert group_width(_config("splash"), 1000, 100) == 1024
+
+
+def test_unpacked_rows_with_a_key_mask():
+    """Rows without segments (GVM's unpacked rows): one causal group per row; left-padding keys are not read."""
+    rng = np.random.default_rng(3)
+    q, k, v = (jnp.asarray(rng.normal(size=(2, 10, heads, DIM)), jnp.float32) for heads in (HEADS, KV, KV))
+    positions = jnp.broadcast_to(jnp.arange(10), (2, 10))
+    key_mask = jnp.array([[0, 0, 1, 1, 1, 1, 1, 1, 1, 1], [1] * 10])
+    want = self_attention(q, k, v, positions, _config("xla"), key_mask=key_mask)
+    got = jax.jit(lambda q, k, v: self_attention(q, k, v, positions, _config("splash"), key_mask=key_mask))(q, k, v)
+    real = np.asarray(key_mask) != 0
+    assert np.abs(np.asarray(got) - np.asarray(want))[real].max() < 2e-6
+
+
+def test_auto_compiles_the_same_cpu_program_as_xla():
+    """On a CPU, "auto" lowers only the XLA branch: the compiled program's instructions are those of "xla"."""
+    batch, q, k, v = _packed(0, (7, 12), (3, 2), 9)
+    positions, segments = jnp.asarray(batch.positions), jnp.asarray(batch.segments)
+
+    def instructions(config):
+        f = jax.jit(lambda q, k, v: self_attention(q, k, v, positions, config, segment_ids=segments, slots=4,
+                                                   response_len=9))
+        text = f.lower(q, k, v).compile().as_text()
+        body = text.split("FileNames")[0]
+        return [line.split(", metadata=")[0].split(", stack_frame_id=")[0] for line in body.splitlines()]
+
+    assert instructions(_config("auto")) == instructions(_config("xla"))
+
+
+def test_tiny_train_step_compiles_for_a_v5e_slice_with_splash():
+    """The train step and the log-prob pass of a tiny model compile for a v5e 2x2 slice (fsdp=4) with splash
+    attention's Mosaic kernel in the programs, and XLA's per-device memory is reported."""
+    pytest.importorskip("libtpu")
+    from jaxrl_llm.train.aot import compile_run, format_report, parse_topology
+    from jaxrl_llm.train.config import load_config
+
+    tiny = ModelConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_layers=2, num_heads=4,
+                       num_kv_heads=2, head_dim=32)
+    cfg = load_config(None, ["sampling.max_new_tokens=32", "data.max_prompt_tokens=64", "optim.micro_batch_size=4",
+                             "sampling.prompts_per_step=4", "train.mesh=fsdp=4"])
+    result = compile_run(cfg, "v5e:2x2", model_config=tiny)
+    table = format_report(result)
+    assert result["devices"] == 4 and result["hbm_bytes"] == 16 * 1024 ** 3, table
+    for program in result["programs"]:
+        assert not program.error and program.fits and program.hlo_has_splash, table
+        assert 0 < program.peak_bytes < 1024 ** 3 and program.argument_bytes > 0, table
+    # The names users type: cores per chip on v4 / v5p, one per chip on v5e / v6e.
+    assert parse_topology("v4-32").topology_name == "v4:2x2x4" and parse_topology("v4-32").chips == 16
+    assert parse_topology("v5litepod-64").topology_name == "v5e:8x8"
+    assert parse_topology("v5litepod-8").host_bounds == (2, 4, 1)
+    with pytest.raises(ValueError, match="unknown TPU topology"):
+        parse_topology("v9-8")
