@@ -1,4 +1,4 @@
-"""Command line: `jaxrl-llm train | eval | sample | convert | plot`.
+"""Command line: `jaxrl-llm train | eval | sample | convert | plot | compile`.
 
     jaxrl-llm sample --prompt "What is 7 + 5?"            # bundled SmolLM2-135M-Instruct, greedy
     jaxrl-llm sample --gguf model.gguf --temperature 0.7  # a Llama / Qwen2 / Qwen3 / Gemma 2 / Gemma 3 GGUF
@@ -10,6 +10,7 @@
     jaxrl-llm train --distributed --config ...            # one process per host (TPU pod, SLURM): docs/launch.md
     jaxrl-llm eval --benchmarks arithmetic-heldout gsm8k-100 -k 8
     jaxrl-llm plot runs/default                           # PNG curves of a run
+    jaxrl-llm compile --config configs/paper/... --topology v5litepod-64   # a run's programs for a TPU slice
 """
 
 from __future__ import annotations
@@ -151,6 +152,36 @@ def _cmd_train(args) -> int:
     return 0 if summary.get("status") in ("done", "preempted") else 1
 
 
+def _cmd_compile(args) -> int:
+    # Off a TPU, compiling for one needs only libtpu's compiler: the CPU backend runs the host side, and libtpu
+    # is not asked to open a TPU (which prints errors and takes its lockfile) unless one is named.
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    import dataclasses
+    import json
+
+    from jaxrl_llm.train import load_config
+    from jaxrl_llm.train.aot import LibtpuMissing, compile_run, format_report
+
+    config = load_config(args.config, args.overrides)
+    _say(f"jaxrl-llm compile: {config.model.source} ({config.algorithm.name}) for {args.topology}, "
+         f"train.mesh={config.train.mesh!r}")
+    try:
+        result = compile_run(config, args.topology)
+    except LibtpuMissing as err:
+        print(f"jaxrl-llm compile: error: {err}", file=sys.stderr)
+        return 2
+    _say(format_report(result))
+    if args.json:
+        out = {**result, "programs": [dataclasses.asdict(p) for p in result["programs"]]}
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+    failed = [p.name for p in result["programs"] if not p.fits]
+    if failed:
+        print(f"jaxrl-llm compile: {failed[0]} does not fit {args.topology}'s HBM", file=sys.stderr)
+        return 1
+    return 0
+
+
 def _cmd_eval(args) -> int:
     from jaxrl_llm.eval import evaluate_benchmarks
 
@@ -211,6 +242,15 @@ def build_parser() -> argparse.ArgumentParser:
                             f"{DISTRIBUTED_ENV}=1); see docs/launch.md")
     train.add_argument("overrides", nargs="*", metavar="section.key=value")
     train.set_defaults(run=_cmd_train)
+    compile_ = commands.add_parser(
+        "compile", help="compile a run's programs for a TPU slice (no TPU needed; libtpu: pip install "
+                        "'jaxrl_llm[tpu]') and report each program's memory per chip")
+    compile_.add_argument("--config", metavar="YAML", default=None, help="a preset such as configs/paper/...")
+    compile_.add_argument("--topology", required=True,
+                          help="a slice: v4-8, v4-32, v5litepod-8, v5litepod-64, v5p-8, v6e-8, ... or v5e:4x4")
+    compile_.add_argument("--json", metavar="OUT", default=None, help="write the table as JSON here")
+    compile_.add_argument("overrides", nargs="*", metavar="section.key=value")
+    compile_.set_defaults(run=_cmd_compile)
     evaluation = commands.add_parser("eval", help="avg@k / pass@k / maj@k of a model on benchmark sets")
     _add_model_args(evaluation)
     _add_sampling_args(evaluation, max_new_tokens=32, temperature=1.0)

@@ -141,7 +141,37 @@ def test_tiny_train_step_compiles_for_a_v5e_slice_with_splash():
         assert 0 < program.peak_bytes < 1024 ** 3 and program.argument_bytes > 0, table
     # The names users type: cores per chip on v4 / v5p, one per chip on v5e / v6e.
     assert parse_topology("v4-32").topology_name == "v4:2x2x4" and parse_topology("v4-32").chips == 16
+    assert parse_topology("v4-8").topology_name == "v4:2x2x1" and parse_topology("v5p-128").topology_name == "v5p:4x4x4"
     assert parse_topology("v5litepod-64").topology_name == "v5e:8x8"
     assert parse_topology("v5litepod-8").host_bounds == (2, 4, 1)
     with pytest.raises(ValueError, match="unknown TPU topology"):
         parse_topology("v9-8")
+
+
+def test_compile_command_reports_and_fails_on_a_program_over_hbm(tmp_path, capsys):
+    """`jaxrl-llm compile` prints the table and writes it as JSON, exit 0 when every program fits; a run made
+    too large for a v5e chip's 16 GiB exits 1 naming the program that does not fit."""
+    pytest.importorskip("libtpu")
+    import json
+
+    from jaxrl_llm import cli
+    from jaxrl_llm.train import aot
+
+    tiny = ModelConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_layers=2, num_heads=4,
+                       num_kv_heads=2, head_dim=32)
+    real = aot.compile_run
+    args = ["compile", "--topology", "v5e:2x2", "--json", str(tmp_path / "out.json"), "sampling.max_new_tokens=32",
+            "data.max_prompt_tokens=64", "optim.micro_batch_size=4", "sampling.prompts_per_step=4"]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(aot, "compile_run", lambda cfg, topo: real(cfg, topo, model_config=tiny))
+        assert cli.main(args) == 0
+        assert "train_step" in capsys.readouterr().out
+        saved = json.loads((tmp_path / "out.json").read_text())
+        assert [p["name"] for p in saved["programs"]] == ["train_step", "logprob_pass"]
+        # 4 layers of 3 x 4096 x 65536 f32 weights are 12.9 GB, with AdamW's two moments 38.7 GB: 9.7 GB per chip
+        # of 4 before the gradients and the update's temporaries, over the chip's 16 GiB.
+        huge = tiny.replace(num_layers=4, hidden_size=4096, intermediate_size=65536, num_heads=32, num_kv_heads=8,
+                            head_dim=128)
+        patch.setattr(aot, "compile_run", lambda cfg, topo: real(cfg, topo, model_config=huge))
+        assert cli.main(args) == 1
+        assert "train_step does not fit" in capsys.readouterr().err

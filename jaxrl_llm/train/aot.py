@@ -39,6 +39,10 @@ from jaxrl_llm.train.state import init_state, make_optimizer, state_shardings
 from jaxrl_llm.train.step import make_logprob_fn, make_train_step
 
 
+class LibtpuMissing(RuntimeError):
+    """Compiling for a TPU needs libtpu, an optional dependency."""
+
+
 @dataclasses.dataclass(frozen=True)
 class Chip:
     generation: str  # get_topology_desc's name prefix
@@ -68,14 +72,15 @@ class Topology:
 
 
 def _grid(chips: int, dims: int) -> tuple[int, ...]:
-    """The chip grid of a slice of `chips` chips: 2-D (v5e, v6e) or 3-D (v4, v5p), sides powers of two, as
-    square as possible with the larger sides last."""
+    """The chip grid of a slice of `chips` chips as Google Cloud shapes them: 2-D (v5e, v6e: 2x2, 2x4, 4x4, 4x8,
+    8x8, ...) or 3-D (v4, v5p: 2x2x1, 2x2x2, 2x2x4, 2x4x4, 4x4x4, ...)."""
     if chips < 1 or chips & (chips - 1):
         raise ValueError(f"a TPU slice has a power-of-two number of chips, got {chips}")
     sides = [1] * dims
+    first, then = ([0, 1], [1, 0]) if dims == 2 else ([0, 1, 2], [2, 1, 0])  # then the last side first, cyclically
     for i in range(int(math.log2(chips))):
-        sides[(dims - 1 - i) % dims] *= 2
-    return tuple(sorted(sides))
+        sides[first[i] if i < dims else then[(i - dims) % dims]] *= 2
+    return tuple(sides)
 
 
 def parse_topology(name: str) -> Topology:
@@ -111,7 +116,7 @@ def topology_devices(topology: Topology) -> list:
     try:
         import libtpu  # noqa: F401
     except ImportError:
-        raise RuntimeError("compiling for a TPU needs libtpu: pip install 'jaxrl_llm[tpu]' (or bash scripts/setup.sh "
+        raise LibtpuMissing("compiling for a TPU needs libtpu: pip install 'jaxrl_llm[tpu]' (or bash scripts/setup.sh "
                            "tpu), which installs jax[tpu] at this JAX version") from None
     from jax.experimental import topologies
 
