@@ -247,7 +247,8 @@ def test_decode_step_variants_compute_the_same_logits():
     np.testing.assert_allclose(logits["per_row"], logits["static"], atol=1e-5, rtol=0)
     np.testing.assert_allclose(logits["shared"], logits["static"], atol=1e-5, rtol=0)
     np.testing.assert_allclose(logits["shared_tiled"], logits["static"], atol=1e-5, rtol=0)
-    np.testing.assert_array_equal(logits["grouped"], logits["static"])  # the same sums, one product per group
+    # The same sums, one product per group: a differently shaped program, so to f32 rounding, not bitwise
+    np.testing.assert_allclose(logits["grouped"], logits["static"], rtol=1e-6, atol=1e-6)
     np.testing.assert_allclose(logits["grouped_tiled"], logits["static"], atol=1e-5, rtol=0)
 
 

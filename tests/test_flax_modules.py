@@ -74,8 +74,9 @@ def test_trunk_equals_functional_hidden_states_with_segments(name):
     tokens, positions, _ = _inputs(seed=1)
     segments = np.array([[0, 0, 0, 1, 1, 2, 2]] * 2, np.int32)
     trunk = {k: v for k, v in params.items() if k != "lm_head"}
-    ours = jax.jit(lambda p: Decoder(config, logits=False).apply({"params": p}, tokens, positions,
-                                                                  segment_ids=segments))(trunk)
+    # Inputs as arguments on both sides (closed-over arrays would be constants XLA may fold): one program, bitwise.
+    ours = jax.jit(lambda p, t, q, s: Decoder(config, logits=False).apply({"params": p}, t, q, segment_ids=s))(
+        trunk, tokens, positions, segments)
     ref = hidden_jit(params, config, tokens, positions, segment_ids=segments)
     assert ours.shape == (2, 7, config.hidden_size)
     np.testing.assert_array_equal(np.asarray(ours), np.asarray(ref))
@@ -94,7 +95,8 @@ def test_module_init_gives_the_init_params_tree(name, dtype):
     assert jax.tree.map(lambda x: (x.shape, x.dtype), ours) == jax.tree.map(lambda x: (x.shape, x.dtype), ref)
     assert ("lm_head" in ours) == (not config.tie_word_embeddings)
     # The boxed variables apply as they are, giving forward's logits on the unboxed tree.
-    boxed_logits = jax.jit(lambda v: Decoder(config).apply(v, tokens, positions))(variables)
+    # Inputs as arguments, as forward_jit takes them: the same program, so bitwise.
+    boxed_logits = jax.jit(lambda v, t, q: Decoder(config).apply(v, t, q))(variables, tokens, positions)
     np.testing.assert_array_equal(np.asarray(boxed_logits), np.asarray(forward_jit(ours, config, tokens, positions)))
     # The initialisers of init_params: norms 1 (Gemma's (1 + w) norms 0), biases 0, weights N(0, 0.02^2),
     # layers drawn independently.

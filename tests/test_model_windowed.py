@@ -148,6 +148,8 @@ def test_greedy_generation_matches_transformers(family_model):
     out = generate(params, config, prompts, num_samples=1, max_new_tokens=20, temperature=0.0,
                    rng=jax.random.key(0))
     assert (out.finish_reason == FINISH_LENGTH).all() and (out.lengths == 20).all()
+    # Logits of the two implementations differ by rounding (<= TOL); the argmaxes still agree exactly since the top
+    # two logits along these paths are >= 7e-3 apart (mistral; gemma2 0.09, gemma3 0.02).
     for row, p in enumerate(out.prompt_index):
         assert out.tokens[row].tolist() == transformers_greedy(torch_model, prompts[p], 20), (config.model_type, row)
 

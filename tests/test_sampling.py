@@ -164,6 +164,8 @@ def test_greedy_equals_argmax_of_forward(tiny):
     out = generate(params, config, prompts, num_samples=2, max_new_tokens=10, temperature=0.0,
                    rng=jax.random.key(0))
     width = 16  # right-padded to one width: causal attention makes the padding invisible
+    # The cached decode and the full forward are different programs; their argmaxes agree exactly since the top two
+    # logits along these paths are >= 0.69 apart, far above f32 rounding.
     logits_at = jax.jit(lambda tokens, last: forward(params, config, tokens, jnp.arange(width)[None])[0, last])
     for r, p in enumerate(out.prompt_index):
         seq = list(prompts[p])
@@ -185,6 +187,7 @@ def test_stop_ids_end_rows_and_mask_after(tiny):
                    stop_ids=(stop, VOCAB - 1), rng=jax.random.key(0), pad_id=VOCAB - 2)
     assert out.lengths[0] == first + 1 and out.finish_reason[0] == FINISH_STOP
     assert out.finish_reason_names()[0] == "stop"
+    # Other rows, other programs: greedy tokens agree exactly, here and below (top-two logit gaps >= 1.1 >> rounding).
     np.testing.assert_array_equal(out.tokens[0, : first + 1], free.tokens[0, : first + 1])
     assert (out.tokens[0, first + 1:] == VOCAB - 2).all()
     assert out.mask[0].tolist() == [1.0] * (first + 1) + [0.0] * (9 - first)
@@ -221,7 +224,9 @@ def test_reproducible_and_independent_of_other_rows(tiny):
     c = generate(params, config, prompts + [[6]], num_samples=[3, 1, 9], max_new_tokens=8, rng=jax.random.key(5))
     d = generate(params, config, prompts, num_samples=[3, 1], max_new_tokens=8, rng=jax.random.key(6))
     np.testing.assert_array_equal(a.tokens, b.tokens)
-    np.testing.assert_array_equal(a.tokens, c.tokens[:4])  # 4 rows in a bucket of 4 vs 13 rows in 16
+    # 4 rows in a bucket of 4 vs 13 rows in 16: other programs, but each row draws with the same key, so a token
+    # moves only if f32 rounding puts its draw within ~1e-6 of a CDF boundary (32 draws over 24 tokens).
+    np.testing.assert_array_equal(a.tokens, c.tokens[:4])
     assert not np.array_equal(a.tokens, d.tokens)
 
 

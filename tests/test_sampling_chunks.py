@@ -1,5 +1,5 @@
-"""generate(max_rows_per_call=...): a step's rows decoded in several sampler calls give exactly the rows of
-one call (tokens, log-probs, lengths, finish reasons bit for bit), `call_plans` splits rows by hand-checked
+"""generate(max_rows_per_call=...): a step's rows decoded in several sampler calls give the rows of one call
+(tokens, lengths, finish reasons exactly, log-probs to f32 rounding), `call_plans` splits rows by hand-checked
 counts, and `sampling.max_rows_per_call` reaches the sampler from the run config (tiny model, CPU)."""
 
 import json
@@ -56,7 +56,7 @@ def test_call_row_bucket_hand_values():
 
 
 @pytest.mark.parametrize("temperature, top_k, top_p", [(1.0, 0, 1.0), (0.7, 5, 0.9)])
-def test_chunked_calls_equal_one_call_bitwise(tiny, temperature, top_k, top_p):
+def test_chunked_calls_equal_one_call(tiny, temperature, top_k, top_p):
     config, params = tiny
     kwargs = dict(num_samples=COUNTS, max_new_tokens=6, temperature=temperature, top_k=top_k, top_p=top_p,
                   stop_ids=(5,), rng=jax.random.key(3), pad_id=0)
@@ -64,7 +64,14 @@ def test_chunked_calls_equal_one_call_bitwise(tiny, temperature, top_k, top_p):
     for per_call in (1, 4, 5):
         chunked = generate(params, config, PROMPTS, max_rows_per_call=per_call, **kwargs)
         for name, a, b in zip(whole._fields, whole, chunked):
-            np.testing.assert_array_equal(a, b, err_msg=f"{name} with max_rows_per_call={per_call}")
+            message = f"{name} with max_rows_per_call={per_call}"
+            # Other rows per call compile other programs, whose f32 rounding may differ (by CPU): log-probs to
+            # rounding. Tokens exactly: a row draws with its output row's key in every call, so a token could
+            # only move if rounding put its draw within ~1e-6 of a CDF boundary (24 tokens, 66 draws).
+            if name == "logprobs":
+                np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6, err_msg=message)
+            else:
+                np.testing.assert_array_equal(a, b, err_msg=message)
     # Rows differ from one another and some stop early: the equality above is not that of identical rows.
     assert len({tuple(row) for row in whole.tokens}) > 5 and whole.finish_reason.min() == 0
 
@@ -110,7 +117,10 @@ MESH_SCRIPT = textwrap.dedent("""
     prompts = [[1, 2, 3], [4, 5], [6], [7, 8, 9, 10, 11], [12, 13]]
     whole = generate(params, config, prompts, **kwargs)
     chunked = generate(params, config, prompts, max_rows_per_call=3, **kwargs)  # 3-row calls on 4 row shards
-    print("RESULT", json.dumps({name: bool(np.array_equal(a, b)) for name, a, b in zip(whole._fields, whole, chunked)}))
+    # 3-row calls compile other programs than one call: log-probs to f32 rounding, the rest exactly
+    same = {name: np.allclose(a, b, rtol=1e-6, atol=1e-6) if name == "logprobs" else np.array_equal(a, b)
+            for name, a, b in zip(whole._fields, whole, chunked)}
+    print("RESULT", json.dumps({name: bool(v) for name, v in same.items()}))
 """)
 
 

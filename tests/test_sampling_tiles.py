@@ -56,6 +56,8 @@ def test_tiled_cache_gives_the_rollouts_of_one_buffer(tiny, tile, temperature):
     assert all(v[0].shape[2] == tile for v in state.cache.response_v)
     _, whole = rollout(tiny, 0, temperature)
     assert whole.lengths.max() > 2 * tile  # the rows cross tiles
+    # Tiles compile another program (log-probs below to rounding); tokens exactly: each row draws with the same
+    # key in both, and a draw (64 tokens, ~400 draws) moves only if rounding puts it within ~1e-6 of a CDF boundary.
     np.testing.assert_array_equal(tiled.tokens, whole.tokens)
     np.testing.assert_array_equal(tiled.lengths, whole.lengths)
     np.testing.assert_allclose(tiled.logprobs, whole.logprobs, atol=2e-6)  # a tile's value dot sums in its own order
@@ -103,9 +105,9 @@ def test_per_row_steps_over_tiles_equal_one_buffer(tiny):
         np.testing.assert_allclose(jnp.concatenate(got_v, 2), want_v, atol=1e-6, rtol=0)
 
 
-def test_reading_more_tiles_than_reached_changes_no_bit(tiny):
-    """A row's attention over the tiles it reached equals, bit for bit, its attention over more tiles (the continuous
-    engine reads up to its deepest slot's tile, the static engine up to its step's): the extra tiles add exact zeros."""
+def test_reading_more_tiles_than_reached_changes_nothing(tiny):
+    """A row's attention over the tiles it reached equals its attention over more tiles (the continuous engine reads
+    up to its deepest slot's tile, the static engine up to its step's): the extra tiles add nothing."""
     from jaxrl_llm.sampling.decoder import _attend
 
     config, _ = tiny
@@ -115,7 +117,7 @@ def test_reading_more_tiles_than_reached_changes_no_bit(tiny):
     def normal(*shape):
         return jnp.asarray(rng.standard_normal(shape).astype(np.float32))
 
-    rows, prompt, tile = 8, 64, 128  # sums long enough that their order shows in the last bit
+    rows, prompt, tile = 8, 64, 128  # the engines' tile of 128
     q, prompt_k, prompt_v = normal(rows, heads, d), normal(rows, kv, d, prompt), normal(rows, kv, prompt, d)
     tiles_k, tiles_v = [normal(rows, kv, d, tile) for _ in range(4)], [normal(rows, kv, tile, d) for _ in range(4)]
     lengths = jnp.asarray(rng.integers(1, prompt + 1, rows))
@@ -123,7 +125,9 @@ def test_reading_more_tiles_than_reached_changes_no_bit(tiny):
     attend = jax.jit(lambda *args: _attend(*args, config))  # compiled, as in the engines' loops
     reached = attend(q, prompt_k, prompt_v, tiles_k[:2], tiles_v[:2], lengths, steps)
     every = attend(q, prompt_k, prompt_v, tiles_k, tiles_v, lengths, steps)
-    np.testing.assert_array_equal(every, reached)
+    # To f32 rounding, not bitwise: 2 and 4 tiles are differently shaped programs. Unmasked extra tiles (random
+    # keys and values) would move the output far more.
+    np.testing.assert_allclose(every, reached, rtol=1e-6, atol=1e-6)
     assert np.abs(np.asarray(reached)).max() > 0.1
 
 
@@ -137,6 +141,8 @@ def test_continuous_engine_over_tiles_equals_the_static_engine(tiny):
     static = generate(params, config, PROMPTS, **kwargs)
     continuous = generate(params, config, PROMPTS, engine="continuous", max_slots=16, **kwargs)
     assert static.lengths.max() > 128 and len(set(static.lengths.tolist())) > 3  # rows cross tiles, end apart
+    # The engines are different programs (log-probs to rounding); tokens exactly: each row draws with the same key
+    # in both, and a draw moves only if rounding puts it within ~1e-6 of a CDF boundary (~1e-5 a draw here).
     np.testing.assert_array_equal(continuous.tokens, static.tokens)
     np.testing.assert_allclose(continuous.logprobs, static.logprobs, atol=1e-5)
 

@@ -49,7 +49,9 @@ def test_train_loop_on_mesh_equals_single_device():
     single, sharded = r["single"], r["mesh"]
     assert len(single["rows"]) == len(sharded["rows"]) == 3
     for a, b in zip(single["rows"], sharded["rows"]):
-        # Same samples (the sampler is exact on the mesh), so rewards and lengths agree exactly.
+        # Rewards and lengths exactly: the sharded sampler is another program, and its rounding may move a draw to a
+        # neighbouring token of the random policy's ~flat distribution (see _gvm_checks), which changes no verdict
+        # on random text and no length unless the new token is a stop token (a few in 49k).
         for key in ("reward", "accuracy", "response_length", "groups_kept"):
             assert a[key] == b[key], (key, a, b)
         for key in ("loss", "policy_loss", "entropy", "grad_norm"):
@@ -64,7 +66,7 @@ def test_ppo_with_critic_on_mesh_equals_single_device():
     r = _child("ppo")
     single, sharded = r["single"], r["mesh"]
     assert len(single["rows"]) == len(sharded["rows"]) == 2
-    for a, b in zip(single["rows"], sharded["rows"]):
+    for a, b in zip(single["rows"], sharded["rows"]):  # exactly: see test_train_loop_on_mesh_equals_single_device
         for key in ("reward", "accuracy", "response_length"):
             assert a[key] == b[key], (key, a, b)
         for key in ("loss", "policy_loss", "grad_norm", "value_loss", "value_grad_norm", "explained_variance"):
@@ -83,6 +85,7 @@ def test_gvm_allocation_on_mesh_equals_single_device():
     # character-code sum, so the allocation is uneven: p_i = 0 gets n_i = 0, the others split the budget.
     assert len(set(single["gvm_p"])) > 2 and 0.0 in single["gvm_p"], single
     assert len(set(single["gvm_n"])) > 1 and sum(single["gvm_n"]) == single["gvm_budget"], single
+    # n_i exactly although the norms differ by rounding: a share would have to sit within ~1e-5 of a rounding step.
     assert single["gvm_p"] == sharded["gvm_p"] and single["gvm_n"] == sharded["gvm_n"], (single, sharded)
     np.testing.assert_allclose(sharded["gvm_grad_norm"], single["gvm_grad_norm"], rtol=1e-5)
     assert all(g > 0 for g, p in zip(single["gvm_grad_norm"], single["gvm_p"]) if p > 0), single
