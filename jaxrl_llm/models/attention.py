@@ -28,7 +28,6 @@ splash segment 0 (real tokens 1), so no real query reads it and every padding qu
 
 from __future__ import annotations
 
-import functools
 import logging
 from typing import NamedTuple
 
@@ -272,13 +271,3 @@ def _xla(q, k, v, positions, config: ModelConfig, segment_ids, key_mask, window,
     if window is not None:
         keep = keep & (positions[:, :, None] - positions[:, None, :] < window)
     return attention(q, k, v, keep, scale=config.attention_scale, softcap=config.attn_logit_softcapping)
-
-
-@functools.lru_cache(maxsize=None)
-def splash_available() -> bool:
-    """Whether this JAX has Pallas splash attention."""
-    try:
-        from jax.experimental.pallas.ops.tpu import splash_attention  # noqa: F401
-    except ImportError:
-        return False
-    return True

@@ -8,8 +8,10 @@ Programs compiled (the ones a run's step spends its memory in, built by the same
   train_step      the policy update on one mini-batch of packed rows (LoRA: adapters over the frozen, possibly
                   quantized base)
   logprob_pass    the old/reference log-prob pass over the same rows
-Not yet compiled here (noted in the report): the sampler's prefill and decode, PPO's critic step and GVM's
-gradient-norm pass; `estimate_memory` still counts them.
+  sampler_prefill the static engine's prefill of one sampler call (the worst case: every prompt at
+  sampler_decode  data.max_prompt_tokens, every sample to max_new_tokens) and its decode loop
+Not yet compiled here (noted in the report): the continuous engine, PPO's critic step and GVM's gradient-norm
+pass; `estimate_memory` still counts them.
 
 libtpu is an optional dependency (`pip install 'jaxrl_llm[tpu]'`); without it `topology_devices` says how to get it.
 """
@@ -17,6 +19,8 @@ libtpu is an optional dependency (`pip install 'jaxrl_llm[tpu]'`); without it `t
 from __future__ import annotations
 
 import dataclasses
+import functools
+import importlib.util
 import math
 import re
 import time
@@ -31,7 +35,6 @@ from jaxrl_llm.models import lora, quant
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.model import init_params
 from jaxrl_llm.models.sharding import make_mesh, param_shardings
-from jaxrl_llm.train.algorithms import needs_reference
 from jaxrl_llm.train.config import RunConfig, lora_enabled
 from jaxrl_llm.train.memory import GIB, estimate_memory, model_config_for
 from jaxrl_llm.train.packing import TrainBatch, bucket
@@ -113,11 +116,9 @@ def parse_topology(name: str) -> Topology:
 
 def topology_devices(topology: Topology) -> list:
     """The slice's devices (no TPU needed; libtpu must be installed)."""
-    try:
-        import libtpu  # noqa: F401
-    except ImportError:
+    if importlib.util.find_spec("libtpu") is None:  # an optional extra: looked up, never imported here
         raise LibtpuMissing("compiling for a TPU needs libtpu: pip install 'jaxrl_llm[tpu]' (or bash scripts/setup.sh "
-                           "tpu), which installs jax[tpu] at this JAX version") from None
+                           "tpu), which installs jax[tpu] at this JAX version")
     from jax.experimental import topologies
 
     desc = topologies.get_topology_desc(platform="tpu", topology_name=topology.topology_name,
@@ -157,9 +158,11 @@ class ProgramReport:
     temp_bytes: int
     peak_bytes: int  # arguments + outputs - aliased (donated) + temporaries
     flops: float | None
-    fits: bool
+    fits: bool  # resident + peak <= the chip's HBM
     hlo_has_splash: bool
     error: str = ""
+    resident_bytes: int = 0  # the run's arrays held beside the program, not among its arguments (estimate_memory)
+    estimate_bytes: int = 0  # estimate_memory's terms for what the program holds
 
 
 def _report(name: str, lowered, hbm_bytes: int) -> ProgramReport:
@@ -228,12 +231,77 @@ def compile_run(cfg: RunConfig, topology: str | Topology, *, model_config: Model
     logprob = make_logprob_fn(mc, micro_batch_size=cfg.optim.micro_batch_size, param_sharding=param_sharding,
                               batch_sharding=batch_sharding)
     programs.append(_report("logprob_pass", logprob.lower(base, batch), hbm))
-    # The resident state beside each program: a reference copy when the algorithm needs one (not with LoRA).
-    resident = int(estimate["reference"]) if needs_reference(cfg.algorithm) and not lora_kwargs else 0
+    if cfg.sampling.engine == "static":
+        programs += _sampler_programs(cfg, mc, mesh, base if not lora_kwargs else None, params, hbm)
+    _account(programs, estimate, lora=bool(lora_kwargs), hbm=hbm)
     return {"topology": topo.name, "topology_desc": topo.topology_name, "devices": len(devices), "hbm_bytes": hbm,
             "mesh": {k: int(v) for k, v in sizes.items()}, "rows": rows, "row_length": estimate["row_length"],
-            "estimate": estimate, "resident_outside": resident, "programs": programs,
-            "not_compiled": ["sampler prefill/decode", "critic step (PPO)", "GVM gradient-norm pass"]}
+            "estimate": estimate, "programs": programs,
+            "not_compiled": (["continuous sampler"] if cfg.sampling.engine != "static" else [])
+            + ["critic step (PPO)", "GVM gradient-norm pass"]}
+
+
+def _sampler_programs(cfg: RunConfig, mc: ModelConfig, mesh, policy, param_tree, hbm: int) -> list[ProgramReport]:
+    """The static engine's prefill and decode of one sampler call at the run's worst case (every prompt
+    `data.max_prompt_tokens` long, `samples_per_prompt` samples of `max_new_tokens`), rows split over data x fsdp
+    as `sampling.generate` splits them. The sampler reads the policy in `model.param_dtype` (LoRA: the merged copy,
+    `policy` None: laid out like an unquantized base)."""
+    from jaxrl_llm.sampling.buckets import make_plan
+    from jaxrl_llm.sampling.engine import decode_rows, init_state, prefill_rows, row_axes
+    from jaxrl_llm.sampling.generate import call_plans
+
+    if policy is None:
+        full = jax.eval_shape(lambda: init_params(mc, jax.random.PRNGKey(0)))
+        policy = _abstract(full, param_shardings(full, mesh))
+    row_multiple = int(np.prod([mesh.shape[a] for a in row_axes(mesh)]))
+    lengths = np.full(cfg.sampling.prompts_per_step, cfg.data.max_prompt_tokens)
+    counts = np.full(cfg.sampling.prompts_per_step, cfg.sampling.samples_per_prompt)
+    plan = make_plan(lengths, counts, cfg.sampling.max_new_tokens, row_multiple=row_multiple)
+    _, run = call_plans(plan, lengths, cfg.sampling.max_new_tokens, cfg.sampling.max_rows_per_call,
+                        row_multiple=row_multiple)[0]
+    rows = NamedSharding(mesh, P(row_axes(mesh)))
+
+    def sds(shape, dtype, sharding=rows):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+
+    def on_rows(tree):  # every leaf split over rows on its first axis, scalars replicated
+        return jax.tree_util.tree_map(
+            lambda x: sds(x.shape, x.dtype, rows if x.ndim else NamedSharding(mesh, P())), tree)
+
+    make = functools.partial(init_state, mc, mesh, prompt_bucket=run.prompt_bucket,
+                             new_token_bucket=run.new_token_bucket, response_tile=run.response_tile,
+                             prompt_group=run.prompt_group)
+    state, first_logits = on_rows(jax.eval_shape(make, sds((run.row_bucket,), jnp.int32),
+                                                 sds((run.row_bucket,), jnp.bool_)))
+    chunk = run.prompts_per_prefill
+    prefill = prefill_rows.lower(policy, mc, mesh, sds((chunk, run.prompt_bucket), jnp.int32),
+                                 sds((chunk,), jnp.int32), sds((run.row_bucket,), jnp.int32), state, first_logits)
+    scalar = NamedSharding(mesh, P())
+    f32, i32 = (sds((), t, scalar) for t in (jnp.float32, jnp.int32))
+    decode = decode_rows.lower(policy, mc, mesh, state, first_logits,
+                               jax.eval_shape(lambda: jax.random.PRNGKey(0)), f32, f32, i32,
+                               sds((8,), jnp.int32, scalar), i32, i32, greedy=False, top_k=0, use_top_p=False)
+    return [_report("sampler_prefill", prefill, hbm), _report("sampler_decode", decode, hbm)]
+
+
+def _account(programs: list[ProgramReport], est: dict[str, Any], *, lora: bool, hbm: int) -> None:
+    """Each program's resident neighbours (`estimate_memory`'s terms for the run's arrays that live across the
+    step but are not the program's arguments) and the estimate of what the program itself holds; `fits` is
+    resident + XLA's peak against the chip's HBM. The train step's arguments are the state (and a LoRA base);
+    the log-prob pass and the sampler read the policy (LoRA: the sampler reads the merged copy) beside the
+    optimizer state; a reference copy (full fine-tuning with a KL term) and a critic stay resident throughout."""
+    other = est["reference"] + est["critic"]
+    resident = {"train_step": other, "logprob_pass": est["optimizer"] + other,
+                "sampler_prefill": est["params"] + est["optimizer"] + other if lora else est["optimizer"] + other}
+    resident["sampler_decode"] = resident["sampler_prefill"]
+    sampler_estimate = est["sampling"] + (0 if lora else est["params"])
+    estimate = {"train_step": est["params"] + est["optimizer"] + est["train_step"],
+                "logprob_pass": est["params"] + est["activations"] + est["logprob_residuals"],
+                "sampler_prefill": sampler_estimate, "sampler_decode": sampler_estimate}
+    for program in programs:
+        program.resident_bytes = int(resident.get(program.name, 0))
+        program.estimate_bytes = int(estimate.get(program.name, 0))
+        program.fits = not program.error and program.resident_bytes + program.peak_bytes <= hbm
 
 
 def format_report(result: dict[str, Any]) -> str:
@@ -243,18 +311,19 @@ def format_report(result: dict[str, Any]) -> str:
     lines = [f"{result['topology']} ({result['topology_desc']}, {result['devices']} devices, "
              f"{result['hbm_bytes'] / GIB:.2f} GiB HBM each), mesh {result['mesh']}, "
              f"{result['rows']} rows x {result['row_length']} tokens per mini-batch",
-             f"{'program':<14} {'compile s':>9} {'args GiB':>8} {'out GiB':>8} {'temp GiB':>8} {'peak GiB':>8} "
-             f"{'HBM %':>6} {'est GiB':>8} {'TFLOP':>8}  fits"]
-    estimates = {"train_step": est["params"] + est["optimizer"] + est["train_step"],
-                 "logprob_pass": est["params"] + est["activations"]}
+             "GiB per chip: XLA's arguments, outputs, temporaries and peak of the program; resident = the run's "
+             "other arrays beside it; est = estimate_memory's terms for the program",
+             f"{'program':<16} {'compile s':>9} {'args':>7} {'out':>7} {'temp':>7} {'peak':>7} {'resident':>8} "
+             f"{'HBM %':>6} {'est':>7} {'TFLOP':>8}  fits"]
     for p in result["programs"]:
         if p.error:
-            lines.append(f"{p.name:<14} {p.compile_s:9.1f}  does not compile: {p.error}")
+            lines.append(f"{p.name:<16} {p.compile_s:9.1f}  does not compile: {p.error}")
             continue
         flops = "" if p.flops is None else f"{p.flops / 1e12:8.2f}"
-        lines.append(f"{p.name:<14} {p.compile_s:9.1f} {gib(p.argument_bytes)} {gib(p.output_bytes)} "
-                     f"{gib(p.temp_bytes)} {gib(p.peak_bytes)} {100 * p.peak_bytes / result['hbm_bytes']:6.1f} "
-                     f"{gib(estimates.get(p.name, 0))} {flops:>8}  {'yes' if p.fits else 'NO'}")
+        share = 100 * (p.peak_bytes + p.resident_bytes) / result["hbm_bytes"]
+        lines.append(f"{p.name:<16} {p.compile_s:9.1f} {gib(p.argument_bytes)} {gib(p.output_bytes)} "
+                     f"{gib(p.temp_bytes)} {gib(p.peak_bytes)} {gib(p.resident_bytes):>8} {share:6.1f} "
+                     f"{gib(p.estimate_bytes)} {flops:>8}  {'yes' if p.fits else 'NO'}")
     lines.append(f"estimate_memory peak (every program and the sampler): {est['peak'] / GIB:.2f} GiB per device")
     lines.append("not compiled yet: " + ", ".join(result["not_compiled"]))
     return "\n".join(lines)

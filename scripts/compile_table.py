@@ -1,0 +1,100 @@
+"""The TPU launch table of docs/launch.md from the compiler: each preset compiled for the slice the memory table
+names for it (`jaxrl-llm compile`, one process per preset and slice), XLA's peak per chip beside the chip's HBM
+and `estimate_memory`.
+
+    python scripts/compile_table.py                         # the presets and slices of ROWS, printed
+    python scripts/compile_table.py --write docs/launch.md  # and written between the compile-table markers
+    python scripts/compile_table.py configs/models/gemma-3-4b-it.yaml --topology v5litepod-64
+
+The overrides of each row are those `scripts/memory_estimate.py` picks for the slice (the layout of least
+estimated peak); needs libtpu (`pip install 'jaxrl_llm[tpu]'`). Each compile runs in its own process and takes
+minutes on a 2-core CPU; the JSON of every run is kept under --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+from jaxrl_llm.train import load_config
+from jaxrl_llm.train.memory import GIB, TARGETS, model_config_for, suggest_layout
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+START, END = "<!-- compile-table:start -->", "<!-- compile-table:end -->"
+HEADROOM = 0.85  # as scripts/memory_estimate.py: the layout is chosen to fit 85% of HBM
+# (preset, slice as users name it, the memory table's target of the same chips)
+ROWS = [
+    ("configs/paper/qwen2.5-math-1.5b_grpo.yaml", "v5litepod-64", "v5e-64"),
+    ("configs/paper/qwen2.5-math-1.5b_gvm_raftpp.yaml", "v5litepod-64", "v5e-64"),
+    ("configs/paper/qwen2.5-math-1.5b_grpo.yaml", "v4-32", "v4-32"),
+    ("configs/paper/qwen2.5-math-7b_grpo.yaml", "v4-32", "v4-32"),
+    ("configs/models/gemma-3-4b-it.yaml", "v5litepod-64", "v5e-64"),
+]
+
+
+def layout_overrides(preset: str, target: str) -> list[str]:
+    config = load_config(ROOT / preset)
+    _, layout = suggest_layout(config, model_config_for(config.model.source), TARGETS[target].devices,
+                               int(HEADROOM * TARGETS[target].hbm_bytes))
+    return [f"{key}={value}" for key, value in layout.items()]
+
+
+def compile_one(preset: str, topology: str, overrides: list[str], out: pathlib.Path) -> dict:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    command = [sys.executable, "-m", "jaxrl_llm.cli", "compile", "--config", str(ROOT / preset), "--topology",
+               topology, "--json", str(out), *overrides]
+    print("$", " ".join(command[1:]), flush=True)
+    done = subprocess.run(command, env={**os.environ, "JAX_PLATFORMS": "cpu"}, text=True, capture_output=True)
+    print(done.stdout, done.stderr[-2000:] if done.returncode not in (0, 1) else "", flush=True)
+    if not out.exists():
+        raise RuntimeError(f"compile of {preset} for {topology} failed (exit {done.returncode})")
+    return json.loads(out.read_text())
+
+
+def table(results: list[tuple[str, str, list[str], dict]]) -> str:
+    lines = ["| preset | slice | overrides | program | compile s | XLA peak | + resident | HBM | estimate | fits |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for preset, topology, overrides, result in results:
+        hbm = result["hbm_bytes"]
+        for p in result["programs"]:
+            if p["error"]:
+                lines.append(f"| {pathlib.Path(preset).stem} | {topology} | `{' '.join(overrides)}` | {p['name']} | "
+                             f"{p['compile_s']:.0f} | does not compile: {p['error'][:80]} | | {hbm / GIB:.1f} | | no |")
+                continue
+            total = p["peak_bytes"] + p["resident_bytes"]
+            lines.append(f"| {pathlib.Path(preset).stem} | {topology} | `{' '.join(overrides)}` | {p['name']} | "
+                         f"{p['compile_s']:.0f} | {p['peak_bytes'] / GIB:.2f} | {total / GIB:.2f} | {hbm / GIB:.1f} "
+                         f"| {p['estimate_bytes'] / GIB:.2f} | {'yes' if p['fits'] else 'no'} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("preset", nargs="?", help="one preset (default: every row of ROWS)")
+    parser.add_argument("--topology", help="with a preset: the slice (v5litepod-64, v4-32, ...)")
+    parser.add_argument("--target", help="with a preset: the memory table's target whose layout to take")
+    parser.add_argument("--out", default="runs/compile", help="folder of the JSON reports")
+    parser.add_argument("--write", metavar="DOC", help="replace the table between the compile-table markers of DOC")
+    args = parser.parse_args(argv)
+    rows = ROWS if args.preset is None else [(args.preset, args.topology, args.target or args.topology)]
+    results = []
+    for preset, topology, target in rows:
+        overrides = layout_overrides(preset, target) if target in TARGETS else []
+        out = pathlib.Path(args.out) / f"{pathlib.Path(preset).stem}_{topology}.json"
+        results.append((preset, topology, overrides, compile_one(preset, topology, overrides, out)))
+    text = table(results)
+    print(text)
+    if args.write:
+        sys.path.insert(0, str(ROOT / "scripts"))
+        from memory_estimate import write_into
+
+        write_into(pathlib.Path(args.write), text, START, END)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
