@@ -66,9 +66,10 @@ def table(results: list[tuple[str, str, list[str], dict]]) -> str:
                              f"{p['compile_s']:.0f} | does not compile: {p['error'][:80]} | | {hbm / GIB:.1f} | | no |")
                 continue
             total = p["peak_bytes"] + p["resident_bytes"]
+            estimate = f"{p['estimate_bytes'] / GIB:.2f}" if p["estimate_bytes"] else "-"
             lines.append(f"| {pathlib.Path(preset).stem} | {topology} | `{' '.join(overrides)}` | {p['name']} | "
                          f"{p['compile_s']:.0f} | {p['peak_bytes'] / GIB:.2f} | {total / GIB:.2f} | {hbm / GIB:.1f} "
-                         f"| {p['estimate_bytes'] / GIB:.2f} | {'yes' if p['fits'] else 'no'} |")
+                         f"| {estimate} | {'yes' if p['fits'] else 'no'} |")
     return "\n".join(lines)
 
 

@@ -291,12 +291,12 @@ def _account(programs: list[ProgramReport], est: dict[str, Any], *, lora: bool, 
     the log-prob pass and the sampler read the policy (LoRA: the sampler reads the merged copy) beside the
     optimizer state; a reference copy (full fine-tuning with a KL term) and a critic stay resident throughout."""
     other = est["reference"] + est["critic"]
+    # estimate_memory has no term of its own for the log-prob pass (a forward pass, bounded by the train step's).
     resident = {"train_step": other, "logprob_pass": est["optimizer"] + other,
                 "sampler_prefill": est["params"] + est["optimizer"] + other if lora else est["optimizer"] + other}
     resident["sampler_decode"] = resident["sampler_prefill"]
     sampler_estimate = est["sampling"] + (0 if lora else est["params"])
     estimate = {"train_step": est["params"] + est["optimizer"] + est["train_step"],
-                "logprob_pass": est["params"] + est["activations"] + est["logprob_residuals"],
                 "sampler_prefill": sampler_estimate, "sampler_decode": sampler_estimate}
     for program in programs:
         program.resident_bytes = int(resident.get(program.name, 0))
@@ -321,9 +321,10 @@ def format_report(result: dict[str, Any]) -> str:
             continue
         flops = "" if p.flops is None else f"{p.flops / 1e12:8.2f}"
         share = 100 * (p.peak_bytes + p.resident_bytes) / result["hbm_bytes"]
+        estimate = gib(p.estimate_bytes) if p.estimate_bytes else f"{'-':>7}"
         lines.append(f"{p.name:<16} {p.compile_s:9.1f} {gib(p.argument_bytes)} {gib(p.output_bytes)} "
                      f"{gib(p.temp_bytes)} {gib(p.peak_bytes)} {gib(p.resident_bytes):>8} {share:6.1f} "
-                     f"{gib(p.estimate_bytes)} {flops:>8}  {'yes' if p.fits else 'NO'}")
+                     f"{estimate} {flops:>8}  {'yes' if p.fits else 'NO'}")
     lines.append(f"estimate_memory peak (every program and the sampler): {est['peak'] / GIB:.2f} GiB per device")
     lines.append("not compiled yet: " + ", ".join(result["not_compiled"]))
     return "\n".join(lines)
