@@ -77,10 +77,24 @@ def _constrain(x: jax.Array, mesh: Mesh | None, axis: int = 0) -> jax.Array:
     return jax.lax.with_sharding_constraint(x, row_sharding(mesh, x.ndim, axis))
 
 
+def cache_sharding(shape: tuple[int, ...], mesh: Mesh) -> NamedSharding:
+    """Where a sampler cache buffer [rows or entries, KV, ...] lives: rows over the row axes, KV heads over `tensor`
+    when it divides them (as the attention's heads are), else every device holds all KV heads of its rows.
+    Pinning the heads keeps the decode loop's carried cache in one sharding: left to the compiler, a tensor-split
+    mesh got a cache output laid out unlike its input (no donation: two caches; `jaxrl-llm compile`)."""
+    tensor = mesh.shape["tensor"] if "tensor" in mesh.axis_names else 1
+    spec = [None] * len(shape)
+    spec[0] = row_axes(mesh) or None
+    if tensor > 1 and shape[1] % tensor == 0:
+        spec[1] = "tensor"
+    return NamedSharding(mesh, PartitionSpec(*spec))
+
+
 def _constrain_state(state: SamplingState, mesh: Mesh | None) -> SamplingState:
     if mesh is None:
         return state
-    cache = jax.tree_util.tree_map(lambda x: _constrain(x, mesh), state.cache)
+    cache = jax.tree_util.tree_map(lambda x: jax.lax.with_sharding_constraint(x, cache_sharding(x.shape, mesh)),
+                                   state.cache)
     rows = {f.name: _constrain(getattr(state, f.name), mesh)
             for f in dataclasses.fields(state) if f.name not in ("step", "cache")}
     return SamplingState(**rows, step=state.step, cache=cache)

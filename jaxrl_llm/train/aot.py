@@ -247,7 +247,7 @@ def _sampler_programs(cfg: RunConfig, mc: ModelConfig, mesh, policy, param_tree,
     as `sampling.generate` splits them. The sampler reads the policy in `model.param_dtype` (LoRA: the merged copy,
     `policy` None: laid out like an unquantized base)."""
     from jaxrl_llm.sampling.buckets import make_plan
-    from jaxrl_llm.sampling.engine import decode_rows, init_state, prefill_rows, row_axes
+    from jaxrl_llm.sampling.engine import cache_sharding, decode_rows, init_state, prefill_rows, row_axes
     from jaxrl_llm.sampling.generate import call_plans
 
     if policy is None:
@@ -268,11 +268,15 @@ def _sampler_programs(cfg: RunConfig, mc: ModelConfig, mesh, policy, param_tree,
         return jax.tree_util.tree_map(
             lambda x: sds(x.shape, x.dtype, rows if x.ndim else NamedSharding(mesh, P())), tree)
 
+    def placed(state):  # as `engine.init_state` places it: the cache by `engine.cache_sharding`
+        cache = jax.tree_util.tree_map(lambda x: sds(x.shape, x.dtype, cache_sharding(x.shape, mesh)), state.cache)
+        return dataclasses.replace(on_rows(dataclasses.replace(state, cache=None)), cache=cache)
+
     make = functools.partial(init_state, mc, mesh, prompt_bucket=run.prompt_bucket,
                              new_token_bucket=run.new_token_bucket, response_tile=run.response_tile,
                              prompt_group=run.prompt_group)
-    state, first_logits = on_rows(jax.eval_shape(make, sds((run.row_bucket,), jnp.int32),
-                                                 sds((run.row_bucket,), jnp.bool_)))
+    state, first_logits = jax.eval_shape(make, sds((run.row_bucket,), jnp.int32), sds((run.row_bucket,), jnp.bool_))
+    state, first_logits = placed(state), on_rows(first_logits)
     chunk = run.prompts_per_prefill
     prefill = prefill_rows.lower(policy, mc, mesh, sds((chunk, run.prompt_bucket), jnp.int32),
                                  sds((chunk,), jnp.int32), sds((run.row_bucket,), jnp.int32), state, first_logits)
