@@ -46,7 +46,8 @@ Every term counts what jaxrl_llm itself allocates, per device of a `data x fsdp 
               layers x (rows / g x P_bucket + rows x R_bucket) x kv_heads x head_dim x 2 x c, where g rows
               share one prompt entry (`sampling.generate.call_prompt_group`: samples_per_prompt when it divides
               a device's rows; 1 with GVM's varying counts) and a sliding-window layer (Mistral, Gemma) keeps
-              min(R_bucket, window) response slots; plus two [rows, V] f32 logits buffers. With sampling.engine=continuous: layers x (C x P_bucket + S x R_bucket) x
+              min(R_bucket, window) response slots, the kv_heads split over tensor where it divides them
+              (`sampling.engine.cache_sharding`); plus two [rows, V] f32 logits buffers. With sampling.engine=continuous: layers x (C x P_bucket + S x R_bucket) x
               kv_heads x head_dim x 2 x c for S decode slots (`sampling.continuous.slot_count`) and
               C = `sampling.continuous.prompt_entries` prompt-cache entries (one per prompt of the step, at
               most S + one prefill chunk of floor_pow2(4096 / P_bucket) prompts, or
@@ -411,8 +412,10 @@ def estimate_memory(config: RunConfig, model_config: ModelConfig, mesh: dict[str
         # GVM's counts change from step to step, so it is counted at one entry per row, the most it can take.
         group = 1 if gvm else call_prompt_group(np.full(cfg.sampling.prompts_per_step, samples),
                                                 cfg.sampling.max_rows_per_call, batch_split)
+        # KV heads split over tensor where it divides them (`sampling.engine.cache_sharding`)
+        head_split = mesh["tensor"] if mc.num_kv_heads % mesh["tensor"] == 0 else 1
         kv_cache = sum((local_rows // group * prompt_bucket + local_rows * slots) * kv_bytes
-                       for slots in response_slots(mc, response_bucket))
+                       for slots in response_slots(mc, response_bucket)) // head_split
         sampling = kv_cache + 2 * local_rows * mc.vocab_size * 4 + merged_copy
 
     gvm_norms = 0
