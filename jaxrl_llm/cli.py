@@ -9,7 +9,7 @@
     jaxrl-llm train --config configs/grpo.yaml optim.lr=1e-5 train.steps=50 [--resume]
     jaxrl-llm train --distributed --config ...            # one process per host (TPU pod, SLURM): docs/launch.md
     jaxrl-llm eval --benchmarks arithmetic-heldout gsm8k-100 -k 8
-    jaxrl-llm plot runs/default                           # PNG curves of a run
+    jaxrl-llm plot runs/default                           # PNG curves of a run (several runs: one figure)
     jaxrl-llm compile --config configs/paper/... --topology v5litepod-64   # a run's programs for a TPU slice
 """
 
@@ -193,9 +193,10 @@ def _cmd_eval(args) -> int:
 
 
 def _cmd_plot(args) -> int:
-    from jaxrl_llm.train.metrics import plot_run
+    from jaxrl_llm.train.plot import plot_run
 
-    _say(f"wrote {plot_run(args.run_dir, args.out)}")
+    drawn = plot_run(args.run_dirs, args.out, x=args.x)
+    _say(f"wrote {drawn.path}\n{drawn.plan.summary()}")
     return 0
 
 
@@ -261,9 +262,12 @@ def build_parser() -> argparse.ArgumentParser:
     evaluation.add_argument("--prompt", default="arithmetic-2shot", help="a prompt preset (jaxrl_llm.data)")
     evaluation.add_argument("--out", default=None, help="write the results as JSON here")
     evaluation.set_defaults(run=_cmd_eval)
-    plot = commands.add_parser("plot", help="PNG curves of a run directory's metrics.jsonl")
-    plot.add_argument("run_dir")
-    plot.add_argument("--out", default=None, help="PNG path (default RUN_DIR/curves.png)")
+    plot = commands.add_parser("plot", help="PNG curves of one or several run directories' metrics.jsonl")
+    plot.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="several: one figure, a colour per run")
+    plot.add_argument("--out", default=None, help="PNG path (default RUN_DIR/curves.png for one run; for several, "
+                                                  "curves_A_vs_B.png in their common folder)")
+    plot.add_argument("--x", choices=("steps", "samples"), default="steps",
+                      help="x-axis: training steps, or samples drawn so far (samples_drawn)")
     plot.set_defaults(run=_cmd_plot)
     return parser
 

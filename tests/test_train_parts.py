@@ -8,7 +8,7 @@ import pytest
 from jaxrl_llm.train.checkpoint import Checkpointer
 from jaxrl_llm.train.config import ConfigError, OptimSection, load_config
 from jaxrl_llm.train.logprobs import chunked_logprobs, gather_response_hidden
-from jaxrl_llm.train.metrics import MetricsWriter, plot_run, read_metrics
+from jaxrl_llm.train.metrics import MetricsWriter, read_metrics
 from jaxrl_llm.train.setup import write_bound_gb
 from jaxrl_llm.train.state import init_state, learning_rate, make_optimizer
 
@@ -89,7 +89,7 @@ def test_checkpoint_with_a_write_bound_smaller_than_one_array_restores_it_exactl
         load_config(None, ["train.save_concurrent_gb=0"])
 
 
-def test_metrics_jsonl_tensorboard_and_plot(tmp_path):
+def test_metrics_jsonl_and_tensorboard(tmp_path):
     writer = MetricsWriter(tmp_path)
     for step in range(3):
         writer.write(step, {"reward": jnp.float32(step / 2), "accuracy": step / 4, "note": "x",
@@ -98,8 +98,6 @@ def test_metrics_jsonl_tensorboard_and_plot(tmp_path):
     rows = read_metrics(tmp_path)
     assert [r["reward"] for r in rows] == [0.0, 0.5, 1.0] and rows[0]["kl"] == "nan"
     assert any((tmp_path / "tensorboard").iterdir())
-    png = plot_run(tmp_path)
-    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 0}) + "\n{oops\n")
     with pytest.raises(ValueError, match=r"metrics.jsonl:2"):
         read_metrics(tmp_path)
@@ -111,6 +109,14 @@ def test_sampling_sd_by_hand():
     # Problem 1: 2 of 4 correct -> p(1-p) unbiased = 2*2/(4*3) = 1/3, / k = 1/12; problem 2: all correct -> 0.
     assert sampling_sd([[1, 0, 1, 0], [1, 1, 1, 1]]) == pytest.approx(np.sqrt(1 / 12) / 2)
     assert sampling_sd([[1], [0]]) == 0.0
+
+
+def test_eval_metrics_log_the_sampling_sd_for_the_plot():
+    from jaxrl_llm.train.loop import eval_metrics
+
+    evaluation = {"accuracy": 0.56, "sampling_sd": 0.015, "pass@4": 0.9}
+    assert eval_metrics(evaluation) == {"eval_accuracy": 0.56, "eval_sampling_sd": 0.015}
+    assert eval_metrics({**evaluation, "sampling_slot_occupancy": 0.7})["eval_slot_occupancy"] == 0.7
 
 
 def test_eval_rows_per_call_follow_the_training_step():

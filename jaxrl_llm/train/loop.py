@@ -292,8 +292,9 @@ def evaluate_policy(run: Run, label: str, log) -> dict[str, Any]:
 
 
 def eval_metrics(evaluation: dict) -> dict:
-    """An evaluation's metrics.jsonl entries: eval_accuracy, and eval_slot_occupancy with the continuous engine."""
-    out = {"eval_accuracy": evaluation["accuracy"]}
+    """An evaluation's metrics.jsonl entries: eval_accuracy, its sampling noise eval_sampling_sd (`sampling_sd`), and
+    eval_slot_occupancy with the continuous engine."""
+    out = {"eval_accuracy": evaluation["accuracy"], "eval_sampling_sd": evaluation["sampling_sd"]}
     if "sampling_slot_occupancy" in evaluation:
         out["eval_slot_occupancy"] = evaluation["sampling_slot_occupancy"]
     return out

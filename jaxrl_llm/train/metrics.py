@@ -1,4 +1,4 @@
-"""Run metrics: one JSON line per step, TensorBoard events, and PNG curves (`jaxrl-llm plot RUN_DIR`)."""
+"""Run metrics: one JSON line per step and TensorBoard events; `train/plot.py` draws them (`jaxrl-llm plot`)."""
 
 from __future__ import annotations
 
@@ -8,11 +8,6 @@ import pathlib
 from typing import Any
 
 import jax
-
-# Curves drawn by `plot`, in order; each becomes one panel when present in the log.
-PLOT_KEYS = ("eval_accuracy", "reward", "accuracy", "acceptance_rate", "response_length", "entropy", "kl",
-             "clip_fraction", "grad_norm", "samples_drawn")
-
 
 class MetricsWriter:
     """Appends metrics to RUN_DIR/metrics.jsonl and TensorBoard events; only process 0 writes."""
@@ -69,32 +64,3 @@ def read_metrics(run_dir: str | pathlib.Path) -> list[dict[str, Any]]:
             except json.JSONDecodeError as err:
                 raise ValueError(f"{path}:{line_no}: not a JSON line ({err})") from None
     return rows
-
-
-def plot_run(run_dir: str | pathlib.Path, out: str | pathlib.Path | None = None) -> pathlib.Path:
-    """Draw every PLOT_KEYS curve found in RUN_DIR/metrics.jsonl into one PNG; returns its path."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rows = read_metrics(run_dir)
-    keys = [k for k in PLOT_KEYS if any(isinstance(r.get(k), (int, float)) for r in rows)]
-    if not keys:
-        raise ValueError(f"{run_dir}/metrics.jsonl holds none of the plotted metrics {PLOT_KEYS}")
-    cols = min(3, len(keys))
-    nrows = -(-len(keys) // cols)
-    fig, axes = plt.subplots(nrows, cols, figsize=(4.5 * cols, 3.2 * nrows), squeeze=False)
-    for ax, key in zip(axes.flat, keys):
-        pts = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), (int, float))]
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o" if len(pts) < 30 else None)
-        ax.set_title(key)
-        ax.set_xlabel("step")
-        ax.grid(alpha=0.3)
-    for ax in list(axes.flat)[len(keys):]:
-        ax.axis("off")
-    fig.tight_layout()
-    out = pathlib.Path(out) if out else pathlib.Path(run_dir) / "curves.png"
-    fig.savefig(out, dpi=100)
-    plt.close(fig)
-    return out
