@@ -138,7 +138,8 @@ def main():
             os.chdir(spec["workdir"])
         with open("main.py", "wb") as f:
             f.write(code)
-        if spec["drop_privileges"]:
+        if spec["drop_privileges"] and os.getuid() != spec["uid"]:
+            os.chown(".", spec["uid"], spec["gid"])
             os.chown("main.py", spec["uid"], spec["gid"])
         pid = os.fork()
     except BaseException as exc:  # noqa: BLE001 - any setup failure is reported, never half-run

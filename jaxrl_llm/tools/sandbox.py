@@ -158,9 +158,18 @@ def _command(mechanism: str, spec: dict, mountpoint: str) -> tuple[list[str], di
         return ["unshare", *user, *_NAMESPACES, "--", python, "-I", "-S", _INIT, json.dumps(spec)], spec
     if mechanism == "bwrap":
         init = "/.jaxrl_llm_sandbox_init.py"
-        spec.update(mountpoint=None, workdir="/sandbox", uid=os.getuid(), gid=os.getgid(), drop_privileges=True,
-                    env=_program_env("/sandbox"))
-        cmd = ["bwrap", "--unshare-all", "--die-with-parent", "--new-session", "--cap-drop", "ALL"]
+        root = os.geteuid() == 0
+        # As root: no user namespace; the init keeps root's capabilities only to chown /sandbox and switch
+        # to a fresh uid. Otherwise bubblewrap's user namespace, every capability dropped.
+        uid = 1_000_000_000 + secrets.randbelow(100_000_000) if root else os.getuid()
+        spec.update(mountpoint=None, workdir="/sandbox", uid=uid, gid=uid if root else os.getgid(),
+                    drop_privileges=True, env=_program_env("/sandbox"))
+        namespaces = ["--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts", "--unshare-cgroup-try"]
+        cmd = ["bwrap", *(namespaces + ["--cap-add", "ALL"] if root else ["--unshare-all", "--cap-drop", "ALL"]),
+               "--die-with-parent", "--new-session"]
+        parents = sorted({str(p) for path in binds for p in pathlib.Path(path).parents if str(p) != "/"})
+        for parent in parents:  # traversable by the fresh uid (bubblewrap would copy /root's 0700)
+            cmd += ["--perms", "0755", "--dir", parent]
         for path in binds:
             cmd += ["--ro-bind", path, path]
         for link, target in links:
