@@ -66,7 +66,7 @@ def pids_with(marker: str) -> list[int]:
     found = []
     for entry in filter(str.isdigit, os.listdir("/proc")):
         try:
-            if marker.encode() in pathlib.Path(f"/proc/{entry}/cmdline").read_bytes():
+            if marker.encode() in pathlib.Path(f"/proc/{entry}/cmdline").read_bytes() and int(entry) != os.getpid():
                 found.append(int(entry))
         except OSError:
             pass
@@ -100,7 +100,7 @@ def main():
             survivors = pids_with(marker)
             escaped = escape.exists()
             escape.unlink(missing_ok=True)
-            lines = [line.split(": ", 1)[1] for line in result.stdout.splitlines()]
+            lines = [line.split(": ", 1)[1] for line in result.stdout.splitlines() if ": " in line]
             print(f"| `{mechanism}` | {ms:.0f} | " + " | ".join(lines) + f" | {'no' if survivors else 'yes'} |"
                   + (" (a file was written outside)" if escaped else ""))
             for pid in survivors:  # the daemon this probe started (isolation "none" lets it live)

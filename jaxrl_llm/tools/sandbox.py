@@ -241,11 +241,11 @@ def _communicate(proc, code: bytes, status_r: int, deadline: float):
     os.set_blocking(stdin, False)
     pending = memoryview(code)
     selector.register(stdin, selectors.EVENT_WRITE)
-    truncated = late = False
+    truncated = late = init_gone = False
     while selector.get_map():
         remaining = deadline - time.monotonic()
         if remaining <= 0:
-            late = True
+            late = not init_gone
             _kill_group(proc)
             break
         for key, _ in selector.select(remaining):
@@ -253,9 +253,10 @@ def _communicate(proc, code: bytes, status_r: int, deadline: float):
             if fd == stdin:
                 try:
                     pending = pending[os.write(fd, pending[:65536]):]
-                except (BrokenPipeError, BlockingIOError) as exc:
-                    if isinstance(exc, BrokenPipeError):
-                        pending = pending[:0]
+                except BlockingIOError:
+                    pass
+                except BrokenPipeError:  # the init ended before reading it all (a setup error says why)
+                    pending = pending[:0]
                 if not pending:
                     selector.unregister(fd)
                     proc.stdin.close()
@@ -263,6 +264,8 @@ def _communicate(proc, code: bytes, status_r: int, deadline: float):
             chunk = os.read(fd, 65536)
             if not chunk:
                 selector.unregister(fd)
+                if fd == status_r:  # the init is gone; a daemon that escaped it (isolation "none") may hold
+                    deadline, init_gone = min(deadline, time.monotonic() + 0.5), True  # the pipes: stop soon
                 continue
             buffer = buffers[fd]
             room = MAX_OUTPUT_BYTES - len(buffer) if fd != status_r else len(chunk)
