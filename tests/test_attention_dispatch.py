@@ -2,6 +2,8 @@
 used (values and gradients, f32), and the tiny model's train step compiled ahead of time for a TPU v5e topology
 with Pallas splash attention in the program (needs libtpu, a test extra)."""
 
+import pathlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -10,6 +12,8 @@ import pytest
 from jaxrl_llm.models.attention import group_width, regroup_layout, self_attention
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.train.packing import pack_groups
+
+CONFIGS = pathlib.Path(__file__).resolve().parents[1] / "configs"
 
 HEADS, KV, DIM = 4, 2, 16
 
@@ -123,8 +127,9 @@ def test_auto_compiles_the_same_cpu_program_as_xla():
 
 
 def test_tiny_train_step_compiles_for_a_v5e_slice_with_splash():
-    """The train step and the log-prob pass of a tiny model compile for a v5e 2x2 slice (fsdp=4) with splash
-    attention's Mosaic kernel in the programs, the sampler's prefill and decode beside them, and XLA's
+    """The train step, the log-prob pass and GVM's gradient-norm pass of a tiny model compile for a v5e 2x2 slice
+    (fsdp=4) with splash attention's Mosaic kernel in the programs (in a shard_map under the mesh: a Mosaic
+    kernel left to the partitioner fails to lower), the sampler's prefill and decode beside them, and XLA's
     per-device memory is reported."""
     pytest.importorskip("libtpu")
     from jaxrl_llm.train.aot import compile_run, format_report, parse_topology
@@ -132,18 +137,19 @@ def test_tiny_train_step_compiles_for_a_v5e_slice_with_splash():
 
     tiny = ModelConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_layers=2, num_heads=4,
                        num_kv_heads=2, head_dim=32)
-    cfg = load_config(None, ["sampling.max_new_tokens=32", "data.max_prompt_tokens=64", "optim.micro_batch_size=4",
-                             "sampling.prompts_per_step=4", "train.mesh=fsdp=4"])
+    cfg = load_config(CONFIGS / "gvm_raftpp.yaml", ["sampling.max_new_tokens=32", "data.max_prompt_tokens=64",
+                                                  "optim.micro_batch_size=4", "sampling.prompts_per_step=4",
+                                                  "train.mesh=fsdp=4"])
     result = compile_run(cfg, "v5e:2x2", model_config=tiny)
     table = format_report(result)
     assert result["devices"] == 4 and result["hbm_bytes"] == 16 * 1024 ** 3, table
     names = [program.name for program in result["programs"]]
-    assert names == ["train_step", "logprob_pass", "sampler_prefill", "sampler_decode"], table
+    assert names == ["train_step", "logprob_pass", "gvm_grad_norms", "sampler_prefill", "sampler_decode"], table
     for program in result["programs"]:
         assert not program.error and program.fits, table
         assert 0 < program.peak_bytes < 1024 ** 3 and program.argument_bytes > 0, table
         # Training rows attend through splash; the sampler attends over its KV cache (XLA).
-        assert program.hlo_has_splash == (program.name in ("train_step", "logprob_pass")), table
+        assert program.hlo_has_splash == (program.name in ("train_step", "logprob_pass", "gvm_grad_norms")), table
     # The names users type: cores per chip on v4 / v5p, one per chip on v5e / v6e.
     assert parse_topology("v4-32").topology_name == "v4:2x2x4" and parse_topology("v4-32").chips == 16
     assert parse_topology("v4-8").topology_name == "v4:2x2x1" and parse_topology("v5p-128").topology_name == "v5p:4x4x4"
@@ -154,8 +160,9 @@ def test_tiny_train_step_compiles_for_a_v5e_slice_with_splash():
 
 
 def test_compile_command_reports_and_fails_on_a_program_over_hbm(tmp_path, capsys):
-    """`jaxrl-llm compile` prints the table and writes it as JSON, exit 0 when every program fits; a run made
-    too large for a v5e chip's 16 GiB exits 1 naming the program that does not fit."""
+    """`jaxrl-llm compile` prints the table and writes it as JSON, exit 0 when every program fits (PPO on the
+    continuous engine: its critic step and the engine's decode loop among them); a run made too large for a v5e
+    chip's 16 GiB exits 1 naming the program that does not fit."""
     pytest.importorskip("libtpu")
     import json
 
@@ -165,15 +172,17 @@ def test_compile_command_reports_and_fails_on_a_program_over_hbm(tmp_path, capsy
     tiny = ModelConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_layers=2, num_heads=4,
                        num_kv_heads=2, head_dim=32)
     real = aot.compile_run
-    args = ["compile", "--topology", "v5e:2x2", "--json", str(tmp_path / "out.json"), "sampling.max_new_tokens=32",
-            "data.max_prompt_tokens=64", "optim.micro_batch_size=4", "sampling.prompts_per_step=4"]
+    args = ["compile", "--config", str(CONFIGS / "ppo.yaml"), "--topology", "v5e:2x2", "--json", str(tmp_path / "out.json"),
+            "sampling.max_new_tokens=32", "data.max_prompt_tokens=64", "optim.micro_batch_size=4",
+            "sampling.prompts_per_step=4", "sampling.engine=continuous", "sampling.max_slots=8"]
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(aot, "compile_run", lambda cfg, topo: real(cfg, topo, model_config=tiny))
         assert cli.main(args) == 0
         assert "train_step" in capsys.readouterr().out
         saved = json.loads((tmp_path / "out.json").read_text())
-        assert [p["name"] for p in saved["programs"]] == ["train_step", "logprob_pass", "sampler_prefill",
-                                                          "sampler_decode"]
+        assert [p["name"] for p in saved["programs"]] == ["train_step", "logprob_pass", "critic_step",
+                                                          "sampler_continuous"]
+        assert all(p["fits"] and not p["error"] and p["peak_bytes"] > 0 for p in saved["programs"])
         # 4 layers of 3 x 4096 x 65536 f32 weights are 12.9 GB, with AdamW's two moments 38.7 GB: 9.7 GB per chip
         # of 4 before the gradients and the update's temporaries, over the chip's 16 GiB.
         huge = tiny.replace(num_layers=4, hidden_size=4096, intermediate_size=65536, num_heads=32, num_kv_heads=8,

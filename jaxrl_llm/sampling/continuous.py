@@ -302,18 +302,12 @@ def check_max_slots(max_slots) -> None:
         raise ValueError(f"max_slots must be an int >= 1 (decode slots of the continuous engine), got {max_slots!r}")
 
 
-def generate_slots(params, config: ModelConfig, prompts: list[np.ndarray], counts: np.ndarray, *,
-                   max_new_tokens: int, temperature: float, top_p: float, top_k: int, stop_ids: np.ndarray,
-                   rng: jax.Array, pad_id: int, max_slots: int, prefill_tokens_per_call: int = 4096,
-                   max_prompt_entries: int = 0, mesh: Mesh | None = None):
-    """The continuous engine behind `generate(..., engine="continuous")` on checked inputs (prompts as
-    int32 arrays, counts [len(prompts)] with a positive sum, stop_ids padded by `generate._stop_array`).
-    Returns (tokens [R, max_new_tokens], logprobs, lengths [R], stopped [R], row_prompt [R], SlotStats)
-    as numpy arrays, R = counts.sum(), rows ordered by prompt then sample. `params` must already be placed
-    on `mesh` when one is given (`models.sharding.shard_params`)."""
-    check_max_slots(max_slots)
+def slot_inputs(config: ModelConfig, prompts: list[np.ndarray], counts: np.ndarray, *, max_new_tokens: int,
+                pad_id: int, max_slots: int, prefill_tokens_per_call: int = 4096, max_prompt_entries: int = 0,
+                row_multiple: int = 1):
+    """(plan, (prompt cache, queue, sample_prompt, num_samples), static keywords of `decode_slots`) of a
+    `generate_slots` call: the arrays its decode loop starts from (`jaxrl_llm.train.aot` lowers the same)."""
     lengths = np.array([len(p) for p in prompts])
-    row_multiple = 1 if mesh is None else int(np.prod([mesh.shape[a] for a in row_axes(mesh)]))
     plan = make_plan(lengths, counts, max_new_tokens, row_multiple=row_multiple,
                      prefill_tokens_per_call=prefill_tokens_per_call)
     active = plan.prefill_prompts
@@ -336,12 +330,30 @@ def generate_slots(params, config: ModelConfig, prompts: list[np.ndarray], count
     entry[active] = np.arange(len(active), dtype=np.int32)
     sample_prompt = np.zeros(plan.row_bucket, np.int32)
     sample_prompt[: plan.num_rows] = entry[plan.row_prompt]
+    static = {"slots": slots, "new_token_bucket": plan.new_token_bucket, "prefill_chunk": per_call}
+    return plan, (cache, queue, jnp.asarray(sample_prompt), jnp.int32(plan.num_rows)), static
+
+
+def generate_slots(params, config: ModelConfig, prompts: list[np.ndarray], counts: np.ndarray, *,
+                   max_new_tokens: int, temperature: float, top_p: float, top_k: int, stop_ids: np.ndarray,
+                   rng: jax.Array, pad_id: int, max_slots: int, prefill_tokens_per_call: int = 4096,
+                   max_prompt_entries: int = 0, mesh: Mesh | None = None):
+    """The continuous engine behind `generate(..., engine="continuous")` on checked inputs (prompts as
+    int32 arrays, counts [len(prompts)] with a positive sum, stop_ids padded by `generate._stop_array`).
+    Returns (tokens [R, max_new_tokens], logprobs, lengths [R], stopped [R], row_prompt [R], SlotStats)
+    as numpy arrays, R = counts.sum(), rows ordered by prompt then sample. `params` must already be placed
+    on `mesh` when one is given (`models.sharding.shard_params`)."""
+    check_max_slots(max_slots)
+    row_multiple = 1 if mesh is None else int(np.prod([mesh.shape[a] for a in row_axes(mesh)]))
+    plan, inputs, static = slot_inputs(config, prompts, counts, max_new_tokens=max_new_tokens, pad_id=pad_id,
+                                       max_slots=max_slots, prefill_tokens_per_call=prefill_tokens_per_call,
+                                       max_prompt_entries=max_prompt_entries, row_multiple=row_multiple)
     greedy = temperature == 0.0
-    state = decode_slots(params, config, mesh, cache, queue, jnp.asarray(sample_prompt), jnp.int32(plan.num_rows), rng,
-                         jnp.float32(1.0 if greedy else temperature), jnp.float32(top_p), jnp.int32(max_new_tokens),
-                         jnp.asarray(stop_ids), jnp.int32(pad_id), slots=slots,
-                         new_token_bucket=plan.new_token_bucket, greedy=greedy, top_k=0 if greedy else int(top_k),
-                         use_top_p=not greedy and top_p < 1.0, prefill_chunk=per_call)
+    state = decode_slots(params, config, mesh, *inputs, rng, jnp.float32(1.0 if greedy else temperature),
+                         jnp.float32(top_p), jnp.int32(max_new_tokens), jnp.asarray(stop_ids), jnp.int32(pad_id),
+                         **static, greedy=greedy, top_k=0 if greedy else int(top_k),
+                         use_top_p=not greedy and top_p < 1.0)
+    slots = static["slots"]
     n = plan.num_rows
     out_lengths = to_host(state.lengths)[:n]
     stats = SlotStats(slots=slots, iterations=int(state.iterations), useful_slot_steps=int(out_lengths.sum()))

@@ -10,8 +10,9 @@ Programs compiled (the ones a run's step spends its memory in, built by the same
   logprob_pass    the old/reference log-prob pass over the same rows
   sampler_prefill the static engine's prefill of one sampler call (the worst case: every prompt at
   sampler_decode  data.max_prompt_tokens, every sample to max_new_tokens) and its decode loop
-Not yet compiled here (noted in the report): the continuous engine, PPO's critic step and GVM's gradient-norm
-pass; `estimate_memory` still counts them.
+  sampler_continuous  the continuous engine's decode loop (its prefill inside), instead of the two above
+  critic_step     PPO's critic update on the same mini-batch (with a critic)
+  gvm_grad_norms  GVM's per-sample gradient norms of stage 1's rows (sampling.allocation gvm)
 
 libtpu is an optional dependency (`pip install 'jaxrl_llm[tpu]'`); without it `topology_devices` says how to get it.
 """
@@ -35,7 +36,7 @@ from jaxrl_llm.models import lora, quant
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.model import init_params
 from jaxrl_llm.models.sharding import make_mesh, param_shardings
-from jaxrl_llm.train.config import RunConfig, lora_enabled
+from jaxrl_llm.train.config import RunConfig, lora_enabled, uses_critic
 from jaxrl_llm.train.memory import GIB, estimate_memory, model_config_for
 from jaxrl_llm.train.packing import TrainBatch, bucket
 from jaxrl_llm.train.state import init_state, make_optimizer, state_shardings
@@ -231,35 +232,121 @@ def compile_run(cfg: RunConfig, topology: str | Topology, *, model_config: Model
     logprob = make_logprob_fn(mc, micro_batch_size=cfg.optim.micro_batch_size, param_sharding=param_sharding,
                               batch_sharding=batch_sharding)
     programs.append(_report("logprob_pass", logprob.lower(base, batch), hbm))
+    if uses_critic(cfg):
+        programs.append(_critic_program(cfg, mc, base, batch, batch_sharding, denom, hbm))
+    policy = None if lora_kwargs else base  # LoRA: the sampler and GVM read the merged copy (unquantized)
+    if cfg.sampling.allocation == "gvm":
+        programs.append(_gvm_program(cfg, mc, mesh, policy, hbm))
     if cfg.sampling.engine == "static":
-        programs += _sampler_programs(cfg, mc, mesh, base if not lora_kwargs else None, params, hbm)
+        programs += _sampler_programs(cfg, mc, mesh, policy, hbm)
+    else:
+        programs.append(_continuous_program(cfg, mc, mesh, policy, hbm))
     _account(programs, estimate, lora=bool(lora_kwargs), hbm=hbm)
     return {"topology": topo.name, "topology_desc": topo.topology_name, "devices": len(devices), "hbm_bytes": hbm,
             "mesh": {k: int(v) for k, v in sizes.items()}, "rows": rows, "row_length": estimate["row_length"],
-            "estimate": estimate, "programs": programs,
-            "not_compiled": (["continuous sampler"] if cfg.sampling.engine != "static" else [])
-            + ["critic step (PPO)", "GVM gradient-norm pass"]}
+            "estimate": estimate, "programs": programs}
 
 
-def _sampler_programs(cfg: RunConfig, mc: ModelConfig, mesh, policy, param_tree, hbm: int) -> list[ProgramReport]:
+def _merged_policy(mc: ModelConfig, mesh, policy):
+    """The policy the sampler and GVM read: `policy`, or (None: LoRA) an unquantized copy laid out like a base."""
+    if policy is not None:
+        return policy
+    full = jax.eval_shape(lambda: init_params(mc, jax.random.PRNGKey(0)))
+    return _abstract(full, param_shardings(full, mesh))
+
+
+def _critic_program(cfg: RunConfig, mc: ModelConfig, trunk, batch: TrainBatch, batch_sharding, denom,
+                    hbm: int) -> ProgramReport:
+    """PPO's critic update on the train step's mini-batch, laid out as `train.critic.setup_critic` lays it. Its
+    trunk has the policy's shape (as `estimate_memory` counts it; a `critic.source` of another size is not read)."""
+    from jaxrl_llm.train.critic import critic_optimizer, make_critic_step, value_params
+
+    mesh = denom.sharding.mesh
+    optimizer = critic_optimizer(cfg.critic, cfg.optim)
+    shapes = jax.eval_shape(lambda t: init_state(value_params(t, mc), optimizer), trunk)
+    replicated = NamedSharding(mesh, P())
+    param_sharding = {"trunk": param_shardings(shapes.params["trunk"], mesh),
+                      "value_head": jax.tree_util.tree_map(lambda _: replicated, shapes.params["value_head"])}
+    state_sharding = state_shardings(shapes, optimizer, param_sharding)
+    step = make_critic_step(mc, cfg.critic, optimizer, micro_batch_size=cfg.optim.micro_batch_size,
+                            state_sharding=state_sharding, batch_sharding=batch_sharding)
+    return _report("critic_step", step.lower(_abstract(shapes, state_sharding), batch, denom), hbm)
+
+
+def _gvm_program(cfg: RunConfig, mc: ModelConfig, mesh, policy, hbm: int) -> ProgramReport:
+    """GVM's per-sample gradient-norm pass over stage 1's accepted rows at the worst case (every stage-1 sample
+    accepted, every prompt `data.max_prompt_tokens` long), as `train.gvm.per_sample_grad_norms` runs it."""
+    from jaxrl_llm.train.gvm import _grad_norms, parse_param_subset
+    from jaxrl_llm.train.memory import ROW_SEQ_MULTIPLE
+    from jaxrl_llm.train.packing import round_up
+
+    split = mesh.shape["data"] * mesh.shape["fsdp"]
+    chunk = -(-(cfg.sampling.gvm_rows_per_chunk or cfg.optim.micro_batch_size) // split) * split
+    rows = round_up(cfg.sampling.prompts_per_step * cfg.sampling.gvm_stage1_samples, chunk)
+    length = round_up(cfg.data.max_prompt_tokens + cfg.sampling.max_new_tokens, ROW_SEQ_MULTIPLE)
+    on_rows = NamedSharding(mesh, P(("data", "fsdp")))
+    i32, f32 = jnp.int32, jnp.float32
+    inputs = [jax.ShapeDtypeStruct(shape, dtype, sharding=on_rows) for shape, dtype in
+              (((rows, length), i32), ((rows,), i32), ((rows, cfg.sampling.max_new_tokens), i32),
+               ((rows, cfg.sampling.max_new_tokens), f32))]
+    lowered = _grad_norms.lower(_merged_policy(mc, mesh, policy), mc, parse_param_subset(cfg.sampling.gvm_param_subset),
+                                chunk, *inputs, chunk_sharding=NamedSharding(mesh, P(None, ("data", "fsdp"))))
+    return _report("gvm_grad_norms", lowered, hbm)
+
+
+def _continuous_program(cfg: RunConfig, mc: ModelConfig, mesh, policy, hbm: int) -> ProgramReport:
+    """The continuous engine's decode loop (prefill inside it) of one step's sampling at the worst case: every
+    prompt `data.max_prompt_tokens` long, `samples_per_prompt` samples of `max_new_tokens` each (GVM: the larger
+    of its stage-1 and later counts), `sampling.max_slots` slots, as `sampling.continuous.generate_slots` calls it.
+    The prompt queue and cache are replicated, as the engine's uncommitted host arrays are."""
+    from jaxrl_llm.sampling.buckets import bucket_size
+    from jaxrl_llm.sampling.continuous import decode_slots, slot_inputs
+    from jaxrl_llm.sampling.engine import row_axes
+
+    s = cfg.sampling
+    per_prompt = max(s.gvm_stage1_samples, s.gvm_samples_per_prompt) if s.allocation == "gvm" \
+        else s.samples_per_prompt
+    prompts = [np.zeros(cfg.data.max_prompt_tokens, np.int32)] * s.prompts_per_step
+    counts = np.full(s.prompts_per_step, per_prompt)
+    row_multiple = int(np.prod([mesh.shape[a] for a in row_axes(mesh)]))
+    found = {}
+
+    def inputs():
+        found["plan"], arrays, found["static"] = slot_inputs(
+            mc, prompts, counts, max_new_tokens=s.max_new_tokens, pad_id=0,
+            max_slots=s.max_slots or bucket_size(int(counts.sum())), max_prompt_entries=s.max_prompt_entries, row_multiple=row_multiple)
+        return arrays
+
+    replicated = NamedSharding(mesh, P())
+    arrays = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated),
+                                    jax.eval_shape(inputs))
+    scalar = lambda dtype: jax.ShapeDtypeStruct((), dtype, sharding=replicated)  # noqa: E731
+    key = jax.eval_shape(lambda: jax.random.PRNGKey(0))
+    lowered = decode_slots.lower(_merged_policy(mc, mesh, policy), mc, mesh, *arrays,
+                                 jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=replicated),
+                                 scalar(jnp.float32), scalar(jnp.float32), scalar(jnp.int32),
+                                 jax.ShapeDtypeStruct((8,), jnp.int32, sharding=replicated), scalar(jnp.int32),
+                                 **found["static"], greedy=False, top_k=0, use_top_p=False)
+    return _report("sampler_continuous", lowered, hbm)
+
+
+def _sampler_programs(cfg: RunConfig, mc: ModelConfig, mesh, policy, hbm: int) -> list[ProgramReport]:
     """The static engine's prefill and decode of one sampler call at the run's worst case (every prompt
     `data.max_prompt_tokens` long, `samples_per_prompt` samples of `max_new_tokens`), rows split over data x fsdp
     as `sampling.generate` splits them. The sampler reads the policy in `model.param_dtype` (LoRA: the merged copy,
     `policy` None: laid out like an unquantized base)."""
     from jaxrl_llm.sampling.buckets import make_plan
-    from jaxrl_llm.sampling.engine import cache_sharding, decode_rows, init_state, prefill_rows, row_axes
+    from jaxrl_llm.sampling.engine import cache_sharding, decode_rows, init_state, prefill_rows, row_axes, row_sharding
     from jaxrl_llm.sampling.generate import call_plans
 
-    if policy is None:
-        full = jax.eval_shape(lambda: init_params(mc, jax.random.PRNGKey(0)))
-        policy = _abstract(full, param_shardings(full, mesh))
+    policy = _merged_policy(mc, mesh, policy)
     row_multiple = int(np.prod([mesh.shape[a] for a in row_axes(mesh)]))
     lengths = np.full(cfg.sampling.prompts_per_step, cfg.data.max_prompt_tokens)
     counts = np.full(cfg.sampling.prompts_per_step, cfg.sampling.samples_per_prompt)
     plan = make_plan(lengths, counts, cfg.sampling.max_new_tokens, row_multiple=row_multiple)
     _, run = call_plans(plan, lengths, cfg.sampling.max_new_tokens, cfg.sampling.max_rows_per_call,
                         row_multiple=row_multiple)[0]
-    rows = NamedSharding(mesh, P(row_axes(mesh)))
+    rows = row_sharding(mesh, 1)
 
     def sds(shape, dtype, sharding=rows):
         return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
@@ -291,17 +378,21 @@ def _sampler_programs(cfg: RunConfig, mc: ModelConfig, mesh, policy, param_tree,
 def _account(programs: list[ProgramReport], est: dict[str, Any], *, lora: bool, hbm: int) -> None:
     """Each program's resident neighbours (`estimate_memory`'s terms for the run's arrays that live across the
     step but are not the program's arguments) and the estimate of what the program itself holds; `fits` is
-    resident + XLA's peak against the chip's HBM. The train step's arguments are the state (and a LoRA base);
-    the log-prob pass and the sampler read the policy (LoRA: the sampler reads the merged copy) beside the
-    optimizer state; a reference copy (full fine-tuning with a KL term) and a critic stay resident throughout."""
+    resident + XLA's peak against the chip's HBM. The train step's arguments are the state (and a LoRA base),
+    the critic step's the critic's state; the log-prob pass, the sampler and GVM's norm pass read the policy
+    (LoRA: the merged copy) beside the optimizer state; a reference copy (full fine-tuning with a KL term) and a
+    critic stay resident throughout."""
     other = est["reference"] + est["critic"]
-    # estimate_memory has no term of its own for the log-prob pass (a forward pass, bounded by the train step's).
+    reader = est["params"] + est["optimizer"] + other if lora else est["optimizer"] + other  # reads the policy
+    policy = 0 if lora else est["params"]  # the policy among a reader's arguments
     resident = {"train_step": other, "logprob_pass": est["optimizer"] + other,
-                "sampler_prefill": est["params"] + est["optimizer"] + other if lora else est["optimizer"] + other}
-    resident["sampler_decode"] = resident["sampler_prefill"]
-    sampler_estimate = est["sampling"] + (0 if lora else est["params"])
+                "critic_step": est["params"] + est["optimizer"] + est["reference"], "gvm_grad_norms": reader,
+                "sampler_prefill": reader, "sampler_decode": reader, "sampler_continuous": reader}
+    # estimate_memory has no term of its own for the log-prob pass (a forward pass, bounded by the train step's).
     estimate = {"train_step": est["params"] + est["optimizer"] + est["train_step"],
-                "sampler_prefill": sampler_estimate, "sampler_decode": sampler_estimate}
+                "critic_step": est["critic"] + est["critic_step"], "gvm_grad_norms": policy + est["gvm_norms"],
+                "sampler_prefill": policy + est["sampling"], "sampler_decode": policy + est["sampling"],
+                "sampler_continuous": policy + est["sampling"]}
     for program in programs:
         program.resident_bytes = int(resident.get(program.name, 0))
         program.estimate_bytes = int(estimate.get(program.name, 0))
@@ -317,18 +408,17 @@ def format_report(result: dict[str, Any]) -> str:
              f"{result['rows']} rows x {result['row_length']} tokens per mini-batch",
              "GiB per chip: XLA's arguments, outputs, temporaries and peak of the program; resident = the run's "
              "other arrays beside it; est = estimate_memory's terms for the program",
-             f"{'program':<16} {'compile s':>9} {'args':>7} {'out':>7} {'temp':>7} {'peak':>7} {'resident':>8} "
+             f"{'program':<18} {'compile s':>9} {'args':>7} {'out':>7} {'temp':>7} {'peak':>7} {'resident':>8} "
              f"{'HBM %':>6} {'est':>7} {'TFLOP':>8}  fits"]
     for p in result["programs"]:
         if p.error:
-            lines.append(f"{p.name:<16} {p.compile_s:9.1f}  does not compile: {p.error}")
+            lines.append(f"{p.name:<18} {p.compile_s:9.1f}  does not compile: {p.error}")
             continue
         flops = "" if p.flops is None else f"{p.flops / 1e12:8.2f}"
         share = 100 * (p.peak_bytes + p.resident_bytes) / result["hbm_bytes"]
         estimate = gib(p.estimate_bytes) if p.estimate_bytes else f"{'-':>7}"
-        lines.append(f"{p.name:<16} {p.compile_s:9.1f} {gib(p.argument_bytes)} {gib(p.output_bytes)} "
+        lines.append(f"{p.name:<18} {p.compile_s:9.1f} {gib(p.argument_bytes)} {gib(p.output_bytes)} "
                      f"{gib(p.temp_bytes)} {gib(p.peak_bytes)} {gib(p.resident_bytes):>8} {share:6.1f} "
                      f"{estimate} {flops:>8}  {'yes' if p.fits else 'NO'}")
     lines.append(f"estimate_memory peak (every program and the sampler): {est['peak'] / GIB:.2f} GiB per device")
-    lines.append("not compiled yet: " + ", ".join(result["not_compiled"]))
     return "\n".join(lines)

@@ -34,6 +34,7 @@ from jaxrl_llm.train.config import SamplingSection
 from jaxrl_llm.train.gvm_history import GvmHistory
 from jaxrl_llm.train.logprobs import row_logprobs
 from jaxrl_llm.train.rollouts import ScoredRollouts, all_rows_batch, count_slot_use, sample_and_score
+from jaxrl_llm.train.step import mesh_context
 
 
 # ---- per-sample gradient norms ----------------------------------------------------------------------------
@@ -91,9 +92,13 @@ def _grad_norms(params, model_config, paths, rows_per_chunk, tokens, prompt_lens
     # Chunks of `rows_per_chunk` rows (whole chunks: the caller pads), vmapped one chunk at a time, so the
     # per-row gradients of one chunk are the only ones alive at once; on a mesh each chunk's rows are split
     # over the batch axes, so every device differentiates rows_per_chunk / (data x fsdp) rows of a chunk.
-    chunks = tuple(constrain(x.reshape(-1, rows_per_chunk, *x.shape[1:]))
-                   for x in (tokens, prompt_lens, response_tokens, mask))
-    return constrain(jax.lax.map(jax.vmap(row_norm), chunks)).reshape(-1)
+    # Traced under the mesh (`train.step.mesh_context`): a fused attention kernel (splash on TPU) runs in a
+    # shard_map there, and vmap's spmd_axis_name splits its batched rows over data x fsdp as the chunk is split.
+    with mesh_context(chunk_sharding):
+        chunks = tuple(constrain(x.reshape(-1, rows_per_chunk, *x.shape[1:]))
+                       for x in (tokens, prompt_lens, response_tokens, mask))
+        rows = jax.vmap(row_norm, spmd_axis_name=None if chunk_sharding is None else ("data", "fsdp"))
+        return constrain(jax.lax.map(rows, chunks)).reshape(-1)
 
 
 def per_sample_grad_norms(params, model_config, tokens, prompt_lens, response_tokens, mask, *,
