@@ -121,7 +121,7 @@ def plan_panels(runs: Sequence[Sequence[Mapping]]) -> Plan:
         panels.append(Panel("held-out accuracy (eval_accuracy)", ("eval_accuracy",), "eval"))
     panels += [Panel(" = ".join(g), tuple(g), "series") for g in series]
     if any(_series(steps, TIME_STAGES[0]) for steps, _ in tables):
-        panels.append(Panel("seconds per step", tuple(k for k in (*TIME_STAGES, "time_wall_s")), "time"))
+        panels.append(Panel("seconds per step", (*TIME_STAGES, "time_wall_s"), "time"))
     if any(_series(steps, "tokens_per_s") for steps, _ in tables):
         panels.append(Panel("tokens_per_s", ("tokens_per_s",), "series"))
     gaps = tuple(tuple((r["step"], NON_FINITE if r.get("skipped_update") else NO_UPDATE) for r in steps
@@ -146,7 +146,8 @@ def plot_run(run_dirs: str | pathlib.Path | Sequence[str | pathlib.Path], out: s
              *, x: str = "steps") -> Drawn:
     """Draw `plan_panels` of one run or several into one PNG (default: RUN_DIR/curves.png for one run, the runs'
     common parent's curves_<names>.png for several); x is "steps" or "samples" (cumulative samples_drawn)."""
-    dirs = [pathlib.Path(run_dirs)] if isinstance(run_dirs, (str, pathlib.Path)) else [pathlib.Path(d) for d in run_dirs]
+    one = isinstance(run_dirs, (str, pathlib.Path))
+    dirs = [pathlib.Path(d) for d in ([run_dirs] if one else run_dirs)]
     if not dirs:
         raise ValueError("plot needs at least one run directory")
     if x not in ("steps", "samples"):
@@ -161,6 +162,7 @@ def plot_run(run_dirs: str | pathlib.Path | Sequence[str | pathlib.Path], out: s
 
 
 def default_out(dirs: Sequence[pathlib.Path]) -> pathlib.Path:
+    """RUN_DIR/curves.png for one run; for several, curves_A_vs_B.png in the folder that holds them all."""
     if len(dirs) == 1:
         return dirs[0] / "curves.png"
     parents = {d.resolve().parent for d in dirs}
@@ -233,7 +235,8 @@ def draw(plan: Plan, tables: Sequence[tuple[list[dict], list[dict]]], labels: Se
     overlays = [k for k, target in EVAL_OVERLAYS.items() if any(target in p.keys for p in plan.panels)
                 and any(_series(evals, k) for _, evals in tables)]
     if overlays:
-        handles.append(Line2D([], [], ls="", marker="D", ms=4, color=ink, label=f"at evaluations: {', '.join(overlays)}"))
+        handles.append(Line2D([], [], ls="", marker="D", ms=4, color=ink,
+                              label=f"at evaluations: {', '.join(overlays)}"))
     reasons = {why for gaps in plan.gaps for _, why in gaps}
     handles += [Patch(facecolor="0.5", alpha=0.25, hatch="//" if why == NON_FINITE else None, label=why)
                 for why in (NO_UPDATE, NON_FINITE) if why in reasons]
@@ -282,10 +285,12 @@ def _draw_eval(ax, evals, xof, color, annotate) -> bool:
                         alpha=0.2, linewidth=0)
         ax.errorbar(xs, ys, yerr=sds, fmt="none", ecolor=color, capsize=3)
     if annotate and len(points) <= 8:
-        for xi, yi, sd in zip(xs, ys, sds):
+        for i, (xi, yi, sd) in enumerate(zip(xs, ys, sds)):  # the last label above left, the others below right
+            last = i == len(xs) - 1 and i > 0
             ax.annotate(f"{yi:.3f}" + (f" ± {sd:.3f}" if sd is not None else ""), (xi, yi), fontsize=8,
-                        textcoords="offset points", xytext=(0, 7), ha="center", va="bottom")
-        ax.margins(x=0.15, y=0.25)
+                        textcoords="offset points", xytext=(-6, 5) if last else (6, -6),
+                        ha="right" if last else "left", va="bottom" if last else "top")
+        ax.margins(x=0.05, y=0.2)
     return any(sd is None for sd in sds)
 
 
