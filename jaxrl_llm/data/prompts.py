@@ -20,6 +20,14 @@ DEFAULT_USER_SUFFIX = " Let's think step by step and output the final answer wit
 
 # Single-step exemplars for the 2-term, 1-digit arithmetic task; both problems are in its training
 # split (tests check), so the held-out evaluation never shows the model its own answers.
+PYTHON_TOOL_SYSTEM = ("You can run Python: write a ```python block, and its output comes back in an ```output "
+                      "block. Put the final answer in \\boxed{}.")
+PYTHON_TOOL_EXEMPLARS = (
+    ("Calculate 23 * 41.", "```python\nprint(23 * 41)\n```\n```output\n943\n```\n23 * 41 = 943 \\boxed{943}"),
+    ("Calculate 7 + 5.", "7 + 5 = 12 \\boxed{12}"),
+    ("Calculate 318 - 64 * 2.",
+     "```python\nprint(318 - 64 * 2)\n```\n```output\n190\n```\n318 - 64 * 2 = 190 \\boxed{190}"),
+)
 ARITHMETIC_EXEMPLARS = (
     ("Calculate 8 - 3.", "8 - 3 = 5 \\boxed{5}"),
     ("Calculate 4 + 3.", "4 + 3 = 7 \\boxed{7}"),
@@ -86,6 +94,9 @@ PROMPT_PRESETS = {
     # One more exemplar with a negative result, which the 2-shot prompt almost never gets right.
     "arithmetic-3shot": PromptTemplate(system=None, user_suffix="",
                                        fewshot=ARITHMETIC_EXEMPLARS + (("Calculate 2 - 7.", "2 - 7 = -5 \\boxed{-5}"),)),
+    # Tool use (`tools.env: python`): a system prompt naming the tool and its Markdown format, two exemplars that
+    # call it and one that does not (tools.env's output blocks are written as the environment writes them).
+    "python-tool-3shot": PromptTemplate(system=PYTHON_TOOL_SYSTEM, user_suffix="", fewshot=PYTHON_TOOL_EXEMPLARS),
     "raw": PromptTemplate(chat=False),
     # The bare question and "=" (for small models trained from scratch on a procedural task).
     "bare": PromptTemplate(chat=False, system=None, user_suffix="", raw_format="{question}="),

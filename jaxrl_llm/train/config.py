@@ -267,6 +267,24 @@ class TrainSection:
 
 
 @dataclass(frozen=True)
+class ToolsSection:
+    """Tool-integrated rollouts (`sampling.multiturn`, `tools.env`): with an environment, each sample is a
+    conversation in which the model may call the tool in a fenced block (```python ... ```) and reads its output
+    (appended with loss mask 0) before it goes on; sampling.max_new_tokens bounds a conversation's tokens after
+    the prompt, observations included. The answer is scored on the model's own tokens."""
+
+    env: str = ""  # "" (single-turn text), "python" (tools.run_python in its sandbox) or "calculator"
+    max_turns: int = 3  # tool calls per conversation; after that many the next stop ends it
+    max_observation_tokens: int = 48  # a longer tool output is cut, and the observation says so
+    max_output_chars: int = 400  # characters of a tool's output kept before encoding
+    timeout_s: float = 5.0  # wall-clock limit of one python call
+    memory_mb: int = 512  # address-space limit of one python call
+    isolation: str = "auto"  # run_python's: auto (unshare, else bwrap, else refuse), unshare, bwrap, none
+    workers: int = 4  # tool calls run at once (threads; each python call is its own sandboxed process)
+    malformed_penalty: float = 0.0  # subtracted from the reward of a conversation that ends inside an unclosed call
+
+
+@dataclass(frozen=True)
 class RunConfig:
     model: ModelSection = field(default_factory=ModelSection)
     lora: LoraSection = field(default_factory=LoraSection)
@@ -276,6 +294,7 @@ class RunConfig:
     critic: CriticSection = field(default_factory=CriticSection)
     optim: OptimSection = field(default_factory=OptimSection)
     train: TrainSection = field(default_factory=TrainSection)
+    tools: ToolsSection = field(default_factory=ToolsSection)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -298,6 +317,8 @@ _ALLOWED = {
                            "prompt-mean", "prompt-mean-unbiased"},
     ("algorithm", "kl_kind"): {"k1", "k2", "k3", "abs"},
     ("algorithm", "reward"): {"binary", "signed"},
+    ("tools", "env"): {"", "python", "calculator"},
+    ("tools", "isolation"): {"auto", "unshare", "bwrap", "none"},
     ("algorithm", "group_filter"): {"none", "mixed"},
     ("algorithm", "old_logp"): {"auto", "recompute", "sampler"},
     ("model", "param_dtype"): {"float32", "bfloat16"},
@@ -520,6 +541,13 @@ def validate(config: RunConfig) -> None:
         ("train.keep_checkpoints", config.train.keep_checkpoints >= 1, "must be >= 1"),
         ("train.save_concurrent_gb", config.train.save_concurrent_gb > 0, "must be > 0"),
         ("train.max_bad_steps", config.train.max_bad_steps >= 1, "must be >= 1"),
+        ("tools.max_turns", config.tools.max_turns >= 0, "must be >= 0"),
+        ("tools.max_observation_tokens", config.tools.max_observation_tokens >= 8, "must be >= 8"),
+        ("tools.max_output_chars", config.tools.max_output_chars >= 16, "must be >= 16"),
+        ("tools.timeout_s", config.tools.timeout_s > 0, "must be > 0"),
+        ("tools.memory_mb", config.tools.memory_mb >= 64, "must be >= 64"),
+        ("tools.workers", config.tools.workers >= 1, "must be >= 1"),
+        ("tools.malformed_penalty", config.tools.malformed_penalty >= 0, "must be >= 0"),
     ]
     for key, ok, reason in checks:
         if not ok:

@@ -33,7 +33,8 @@ from jaxrl_llm.objectives import gvm_allocate
 from jaxrl_llm.train.config import SamplingSection
 from jaxrl_llm.train.gvm_history import GvmHistory
 from jaxrl_llm.train.logprobs import row_logprobs
-from jaxrl_llm.train.rollouts import ScoredRollouts, all_rows_batch, count_slot_use, sample_and_score
+from jaxrl_llm.train.rollouts import (ScoredRollouts, ToolUse, all_rows_batch, count_slot_use, count_tool_use,
+                                      sample_and_score)
 from jaxrl_llm.train.step import mesh_context
 
 
@@ -253,7 +254,7 @@ def allocate_samples(accept_rate: np.ndarray, grad_norm: np.ndarray, sampling: S
 
 def gvm_rollouts(params, model_config, tokenizer, records: list[dict], sampling: SamplingSection, scorer,
                  rng: jax.Array, *, rows_per_chunk: int = 8, mesh=None, history: GvmHistory | None = None,
-                 visit: int = 0) -> tuple[ScoredRollouts, dict[str, Any]]:
+                 visit: int = 0, tools: ToolUse | None = None) -> tuple[ScoredRollouts, dict[str, Any]]:
     """Stage 1, gradient norms, allocation and stage 2 for one batch of prompts -> (scored, info).
 
     `scored` holds one group per prompt with n_i > 0 (prompt indices renumbered); when every n_i is 0 it
@@ -272,11 +273,13 @@ def gvm_rollouts(params, model_config, tokenizer, records: list[dict], sampling:
 
     def draw(counts, key):
         t0 = time.perf_counter()
-        out = sample_and_score(params, model_config, tokenizer, records, counts, sampling, scorer, key, mesh=mesh)
+        out = sample_and_score(params, model_config, tokenizer, records, counts, sampling, scorer, key, mesh=mesh,
+                               tools=tools)
         info["score_s"] += scorer.last_seconds
         info["sample_s"] += time.perf_counter() - t0 - scorer.last_seconds
         info["drawn"] += out.num_samples
         count_slot_use(info, out.slot_stats)
+        count_tool_use(info, out.tool_stats)
         return out
 
     def norm_sums(scored, max_rows_per_prompt=0):

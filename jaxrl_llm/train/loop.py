@@ -31,8 +31,9 @@ from jaxrl_llm.train.gvm import gvm_rollouts
 from jaxrl_llm.train.gvm_history import GvmHistory
 from jaxrl_llm.train.packing import unpack
 from jaxrl_llm.train.resume import any_process, host_values, new_books, preemption_guard, restore, save
-from jaxrl_llm.train.rollouts import (ScoredRollouts, build_train_batches, count_slot_use, counting_generate,
-                                      engine_options, packed_rollouts, sample_and_score, slot_occupancy)
+from jaxrl_llm.train.rollouts import (ScoredRollouts, build_train_batches, count_slot_use, count_tool_use,
+                                      counting_generate, engine_options, packed_rollouts, sample_and_score,
+                                      slot_occupancy, tool_generate, tool_metrics)
 from jaxrl_llm.train.setup import Run, release_free_host_memory, setup_run
 from jaxrl_llm.train.state import learning_rate
 
@@ -151,13 +152,14 @@ def collect_rollouts(run: Run, step: int, books: dict) -> tuple[ScoredRollouts, 
         t0 = time.perf_counter()
         scored = sample_and_score(policy, run.model_config, run.tokenizer, records,
                                   per_prompt, cfg.sampling, run.scorer,
-                                  jax.random.fold_in(key, info["rounds"]), mesh=run.mesh)
+                                  jax.random.fold_in(key, info["rounds"]), mesh=run.mesh, tools=run.tools)
         info["sample_s"] += time.perf_counter() - t0  # scoring time is measured inside the scorer
         info["score_s"] += run.scorer.last_seconds
         info["sample_s"] -= run.scorer.last_seconds
         info["rounds"] += 1
         info["drawn"] += scored.num_samples
         count_slot_use(info, scored.slot_stats)
+        count_tool_use(info, scored.tool_stats)
         info["prompts"] += len(records)
         if algo.group_filter == "mixed" or algo.dynamic_sampling:
             keep = mixed_groups(scored.rewards, scored.prompt_index, len(records))
@@ -186,7 +188,7 @@ def collect_gvm_rollouts(run: Run, key: jax.Array, books: dict, step: int) -> tu
         history = books.setdefault("gvm_history", GvmHistory(decay=cfg.sampling.gvm_history_decay))
     scored, info = gvm_rollouts(run.policy_params(), run.model_config, run.tokenizer, next(run.data), cfg.sampling,
                                 run.scorer, key, rows_per_chunk=cfg.optim.micro_batch_size, mesh=run.mesh,
-                                history=history, visit=step)
+                                history=history, visit=step, tools=run.tools)
     if cfg.algorithm.group_filter == "mixed" and not info.get("skip_update"):
         keep = mixed_groups(scored.rewards, scored.prompt_index, len(scored.records))
         info["filtered"] += int((~keep).sum())
@@ -273,17 +275,21 @@ def evaluate_policy(run: Run, label: str, log) -> dict[str, Any]:
     """avg@k on the held-out set, with its sampling noise (see `sampling_sd`)."""
     cfg = run.config
     slot_use: dict = {}
+    generate_fn = {"generate_fn": counting_generate(slot_use)} if cfg.sampling.engine == "continuous" else {}
+    if run.tools is not None:
+        generate_fn = {"generate_fn": tool_generate(run.tools, run.tokenizer, slot_use,
+                                                    **engine_options(cfg.sampling))}
     metrics = evaluate(run.policy_params(), run.model_config, run.tokenizer, run.eval_records,
                        k=cfg.train.eval_samples, max_new_tokens=cfg.sampling.max_new_tokens,
                        temperature=cfg.train.eval_temperature, top_p=cfg.sampling.top_p, top_k=cfg.sampling.top_k,
                        template=cfg.data.prompt, seed=cfg.train.seed + 1000, return_samples=True, mesh=run.mesh,
-                       samples_per_call=eval_rows_per_call(cfg.sampling), **engine_options(cfg.sampling),
-                       **({"generate_fn": counting_generate(slot_use)} if cfg.sampling.engine == "continuous" else {}))
+                       samples_per_call=eval_rows_per_call(cfg.sampling),
+                       **({} if run.tools is not None else engine_options(cfg.sampling)), **generate_fn)
     correct = [s["correct"] for s in metrics.pop("samples")]
     k = cfg.train.eval_samples
     result = {"accuracy": float(metrics[f"avg@{k}"]), "sampling_sd": sampling_sd(correct),
               **{key: value for key, value in metrics.items() if isinstance(value, (int, float))},
-              **slot_occupancy(slot_use)}
+              **slot_occupancy(slot_use), **tool_metrics(slot_use)}
     log(f"eval {label}: avg@{k} = {result['accuracy']:.3f} (sampling sd {result['sampling_sd']:.3f}) over "
         f"{len(correct)} problems, pass@{k} = {metrics[f'pass@{k}']:.3f}, format {metrics['format_rate']:.2f} "
         f"({metrics['seconds']:.0f}s)")
@@ -297,6 +303,9 @@ def eval_metrics(evaluation: dict) -> dict:
     out = {"eval_accuracy": evaluation["accuracy"], "eval_sampling_sd": evaluation["sampling_sd"]}
     if "sampling_slot_occupancy" in evaluation:
         out["eval_slot_occupancy"] = evaluation["sampling_slot_occupancy"]
+    for key in ("tool_call_rate", "tool_calls", "tool_errors"):  # tool use (tools.env)
+        if key in evaluation:
+            out[f"eval_{key}"] = evaluation[key]
     return out
 
 
@@ -337,6 +346,7 @@ def step_metrics(run: Run, scored: ScoredRollouts, round_info: dict, update: dic
         "updates": update["updates"], "skipped_update": 0 if update["finite"] else 1,
         **{f"time_{k}": v for k, v in times.items()},
         **slot_occupancy(round_info),  # continuous engine: useful / decoded slot-steps of the step's sampler calls
+        **tool_metrics(round_info),  # tool use (tools.env): turns, tool calls, errors, timeouts per sample
         **round_info.get("gvm", {}),  # the GVM allocation (n_i against p_i) on steps that ran stage 1
     }
 

@@ -53,11 +53,12 @@ def length_bucket(n: int, multiple: int) -> int:
 def pack_groups(prompts: Sequence[Sequence[int]], groups: Sequence[np.ndarray], responses: np.ndarray,
                 lengths: np.ndarray, *, advantages: np.ndarray | None = None, old_logp: np.ndarray | None = None,
                 ref_logp: np.ndarray | None = None, old_values: np.ndarray | None = None,
-                returns: np.ndarray | None = None, pad_id: int = 0, row_multiple: int = 1,
-                seq_multiple: int = 32) -> TrainBatch:
+                returns: np.ndarray | None = None, masks: np.ndarray | None = None, pad_id: int = 0,
+                row_multiple: int = 1, seq_multiple: int = 32) -> TrainBatch:
     """Pack samples into rows: row g holds prompts[g] then the responses `groups[g]` (indices into
     `responses` [N, R] with `lengths` [N]). Per-token arrays [N, R] (advantages, old/ref log-probs, the
-    critic's old values and returns) are laid out like the responses; absent ones are zeros. Empty groups
+    critic's old values and returns) are laid out like the responses; absent ones are zeros. `masks` [N, R]:
+    the loss mask of each response's tokens (a multi-turn sample's tool output is 0); None: 1 on all n tokens. Empty groups
     are skipped. The row count is padded to `bucket(., row_multiple)`, the response slots to a power of
     two, the length to
     `length_bucket(., seq_multiple)`.
@@ -92,7 +93,7 @@ def pack_groups(prompts: Sequence[Sequence[int]], groups: Sequence[np.ndarray], 
             # token 0 is predicted by the prompt's last position, token t by the response's token t - 1
             pred_index[row, slot, :n] = np.concatenate([[len(prompt) - 1], start + np.arange(n - 1)])
             response_tokens[row, slot, :n] = responses[i, :n]
-            out["mask"][row, slot, :n] = 1.0
+            out["mask"][row, slot, :n] = 1.0 if masks is None else masks[i, :n]
             for key, values in per_token.items():
                 out[key][row, slot, :n] = values[i, :n]
             start += n

@@ -7,6 +7,7 @@ Each function is one named stage of `train/loop.py`; arrays are NumPy here (the 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from typing import NamedTuple, Sequence
 
@@ -15,8 +16,10 @@ import numpy as np
 
 from jaxrl_llm import objectives
 from jaxrl_llm.sampling import SlotStats, generate
-from jaxrl_llm.train.config import AlgorithmSection, SamplingSection
+from jaxrl_llm.train.config import AlgorithmSection, SamplingSection, ToolsSection
 from jaxrl_llm.train.packing import TrainBatch, bucket, micro_batch_order, pack_groups, round_up
+
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
@@ -34,6 +37,9 @@ class ScoredRollouts:
     # the continuous engine's slot use in the sampler call that drew these rows (None: the static engine);
     # read it where the rows are drawn (`count_slot_use`): select_groups and concat leave it out
     slot_stats: SlotStats | None = None
+    # tool use of these rows' conversations (`MultiTurnRollout.summary` sums; None: single-turn), read like
+    # slot_stats where the rows are drawn (`count_tool_use`)
+    tool_stats: dict | None = None
 
     @property
     def num_samples(self) -> int:
@@ -66,10 +72,42 @@ def engine_options(sampling: SamplingSection) -> dict:
             "max_prompt_entries": sampling.max_prompt_entries}
 
 
+@dataclasses.dataclass(frozen=True)
+class ToolUse:
+    """A run's tool environment (`tools.env`) and its limits (the `tools` config section)."""
+
+    env: object
+    section: ToolsSection
+
+
+def make_tool_use(section: ToolsSection) -> ToolUse | None:
+    """The environment `tools.env` names with its limits, or None for single-turn text."""
+    if not section.env:
+        return None
+    from jaxrl_llm.tools import env as environments
+
+    if section.env == "python":
+        from jaxrl_llm.tools import resolve_isolation
+
+        # at start, not at the first call: a machine without a sandbox fails here, naming what is missing
+        mechanism = resolve_isolation(section.isolation)
+        logger.info("tools: python runs under %s isolation", mechanism)
+        env = environments.python_env(timeout_s=section.timeout_s, memory_mb=section.memory_mb,
+                                      isolation=section.isolation, max_output_chars=section.max_output_chars)
+    else:
+        env = environments.ENVIRONMENTS[section.env](max_output_chars=section.max_output_chars)
+    return ToolUse(env, section)
+
+
 def sample_and_score(params, model_config, tokenizer, records: list[dict], counts, sampling: SamplingSection,
-                     scorer: "RewardScorer", rng: jax.Array, *, mesh=None) -> ScoredRollouts:
+                     scorer: "RewardScorer", rng: jax.Array, *, mesh=None, tools: ToolUse | None = None) -> ScoredRollouts:
     """Draw counts[i] (or `counts` each) samples of every prompt and score them; at most
-    `sampling.max_rows_per_call` rows are decoded per sampler call (0: all in one), by `sampling.engine`."""
+    `sampling.max_rows_per_call` rows are decoded per sampler call (0: all in one), by `sampling.engine`.
+    With `tools`, each sample is a conversation with the tool (`sampling.multiturn.generate_multiturn`), scored
+    on the model's own tokens, `tools.malformed_penalty` off the reward of one that ends inside a call."""
+    if tools is not None:
+        return _sample_and_score_tools(params, model_config, tokenizer, records, counts, sampling, scorer, rng,
+                                       mesh=mesh, tools=tools)
     rollout, stats = generate(params, model_config, [r["prompt_ids"] for r in records], num_samples=counts,
                               max_new_tokens=sampling.max_new_tokens, temperature=sampling.temperature,
                               top_p=sampling.top_p, top_k=sampling.top_k, stop_ids=tokenizer.stop_ids, rng=rng,
@@ -86,6 +124,51 @@ def sample_and_score(params, model_config, tokenizer, records: list[dict], count
                           slot_stats=stats if sampling.engine == "continuous" else None)
 
 
+def _sample_and_score_tools(params, model_config, tokenizer, records, counts, sampling: SamplingSection, scorer,
+                            rng, *, mesh, tools: ToolUse) -> ScoredRollouts:
+    from jaxrl_llm.sampling.multiturn import generate_multiturn
+
+    section = tools.section
+    rollout = generate_multiturn(params, model_config, tokenizer, records, tools.env, num_samples=counts,
+                                 max_new_tokens=sampling.max_new_tokens, max_turns=section.max_turns,
+                                 max_observation_tokens=section.max_observation_tokens,
+                                 temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
+                                 rng=rng, mesh=mesh, tool_workers=section.workers,
+                                 max_rows_per_call=sampling.max_rows_per_call, **engine_options(sampling))
+    golds = [records[i]["answer"] for i in rollout.prompt_index]
+    model_lengths = rollout.mask.sum(axis=1).astype(np.int32)
+    correct, rewards = scorer(rollout.model_text, golds, model_lengths)
+    rewards = rewards - np.float32(section.malformed_penalty) * rollout.malformed.astype(np.float32)
+    stats = rollout.summary()
+    stats = {key: value * len(rollout.lengths) if key not in ("tool_seconds", "sampler_rounds") else value
+             for key, value in stats.items()}  # sums, so rounds and stages add up; count_tool_use divides
+    stats["samples"] = len(rollout.lengths)
+    return ScoredRollouts(records=list(records), prompt_index=rollout.prompt_index, tokens=rollout.tokens,
+                          mask=rollout.mask, logprobs=rollout.logprobs, lengths=rollout.lengths,
+                          rewards=rewards.astype(np.float32), correct=correct,
+                          slot_stats=rollout.slot_stats if sampling.engine == "continuous" else None,
+                          tool_stats=stats)
+
+
+def count_tool_use(info: dict, stats: dict | None) -> None:
+    """Add a draw's tool-use sums to a step's books (nothing for single-turn rows)."""
+    if stats is not None:
+        books = info.setdefault("tool_sums", {})
+        for key, value in stats.items():
+            books[key] = books.get(key, 0.0) + value
+
+
+def tool_metrics(info: dict) -> dict:
+    """Per-sample means of the tool-use sums `count_tool_use` gathered (turns, tool_calls, tool_call_rate,
+    tool_errors, tool_timeouts, malformed_calls, truncated), tool_seconds and sampler_rounds summed; {} without."""
+    sums = info.get("tool_sums")
+    if not sums:
+        return {}
+    n = max(sums["samples"], 1)
+    return {key: (value if key in ("tool_seconds", "sampler_rounds") else value / n)
+            for key, value in sums.items() if key != "samples"}
+
+
 def count_slot_use(info: dict, stats: SlotStats | None) -> None:
     """Add a sampler call's slot-steps to a step's books (nothing for None: the static engine in training)."""
     if stats is not None:
@@ -99,6 +182,39 @@ def counting_generate(slot_use: dict):
         rollout, stats = generate(*args, return_stats=True, **kwargs)
         count_slot_use(slot_use, stats)
         return rollout
+
+    return generate_fn
+
+
+def tool_generate(tools: ToolUse, tokenizer, info: dict, **engine):
+    """An evaluation's `generate_fn` for tool use: each sample a conversation (`generate_multiturn`), returned as
+    a `Rollout` of the model's own tokens (observations left out: what gets scored; finish "length" for a
+    conversation that ran out of budget), its tool use added to `info` (`count_tool_use`)."""
+    from jaxrl_llm.sampling import FINISH_LENGTH, FINISH_STOP, Rollout
+    from jaxrl_llm.sampling.multiturn import generate_multiturn
+
+    section = tools.section
+
+    def generate_fn(params, config, prompt_ids, *, num_samples, max_new_tokens, temperature, top_p, top_k, rng,
+                    stop_ids=(), mesh=None, **kwargs):
+        records = [{"prompt_ids": list(p)} for p in prompt_ids]
+        out = generate_multiturn(params, config, tokenizer, records, tools.env, num_samples=num_samples,
+                                 max_new_tokens=max_new_tokens, max_turns=section.max_turns,
+                                 max_observation_tokens=section.max_observation_tokens, temperature=temperature,
+                                 top_p=top_p, top_k=top_k, rng=rng, mesh=mesh, tool_workers=section.workers,
+                                 **{**engine, **kwargs})
+        stats = {key: value * len(out.lengths) if key not in ("tool_seconds", "sampler_rounds") else value
+                 for key, value in out.summary().items()}
+        count_tool_use(info, {**stats, "samples": len(out.lengths)})
+        tokens = np.full(out.tokens.shape, tokenizer.pad_token_id, np.int32)
+        logprobs = np.zeros(out.tokens.shape, np.float32)
+        for row in range(len(out.lengths)):
+            own = out.mask[row] > 0
+            tokens[row, :own.sum()], logprobs[row, :own.sum()] = out.tokens[row][own], out.logprobs[row][own]
+        lengths = out.mask.sum(axis=1).astype(np.int32)
+        mask = (np.arange(tokens.shape[1]) < lengths[:, None]).astype(np.float32)
+        return Rollout(prompt_index=out.prompt_index, tokens=tokens, mask=mask, logprobs=logprobs, lengths=lengths,
+                       finish_reason=np.where(out.truncated, FINISH_LENGTH, FINISH_STOP).astype(np.int32))
 
     return generate_fn
 
@@ -193,8 +309,8 @@ def _pack_prompts(scored: ScoredRollouts, prompt_indices, groups: list[np.ndarra
     packed row order[p]: a pass's output `out` [G, ...] unpacks as `packing.unpack(out[np.argsort(order)], rows, n)`)."""
     prompts, rows = row_groups([scored.records[g]["prompt_ids"] for g in prompt_indices], groups,
                                max_row_responses(scored), lengths=scored.lengths, max_tokens=max_row_tokens)
-    batch = pack_groups(prompts, rows, scored.tokens, scored.lengths, pad_id=pad_id, row_multiple=micro_batch_size,
-                        seq_multiple=seq_multiple, **per_token)
+    batch = pack_groups(prompts, rows, scored.tokens, scored.lengths, masks=scored.mask, pad_id=pad_id,
+                        row_multiple=micro_batch_size, seq_multiple=seq_multiple, **per_token)
     order = micro_batch_order(len(batch.tokens), micro_batch_size)
     return TrainBatch(*(x[order] for x in batch)), rows, order
 

@@ -48,7 +48,7 @@ from jaxrl_llm.train.config import ConfigError, RunConfig, lora_enabled, uses_cr
 from jaxrl_llm.train.critic import Critic, critic_trunk, setup_critic
 from jaxrl_llm.train.metrics import MetricsWriter
 from jaxrl_llm.train.packing import TrainBatch
-from jaxrl_llm.train.rollouts import RewardScorer
+from jaxrl_llm.train.rollouts import RewardScorer, ToolUse, make_tool_use
 from jaxrl_llm.train.state import TrainState, init_state, make_optimizer, state_shardings
 from jaxrl_llm.train.step import make_logprob_fn, make_train_step
 
@@ -76,6 +76,7 @@ class Run:
     lora_spec: Any = None  # LoRA: the adapters' models.lora.LoraSpec
     merge_fn: Any = None  # LoRA: jitted (base, adapters) -> base + s A B, on the base's shardings
     critic: Critic | None = None  # PPO with a critic (algorithm.advantage gae): the value model
+    tools: ToolUse | None = None  # tool-integrated rollouts (tools.env): the environment and its limits
 
     def policy_params(self):
         """The policy's full parameter tree: the state's params, or under LoRA the base with the adapters
@@ -229,7 +230,7 @@ def setup_run(config: RunConfig, *, policy=None) -> Run:
                                                                      (state, None if critic is None else critic.state))),
         metrics=MetricsWriter(out_dir), out_dir=out_dir, mesh=mesh, state_sharding=state_sharding,
         batch_sharding=batch_sharding, base_params=None if lora_spec is None else params, lora_spec=lora_spec,
-        merge_fn=merge_fn, critic=critic)
+        merge_fn=merge_fn, critic=critic, tools=make_tool_use(cfg.tools))
 
 
 def make_critic(cfg: RunConfig, model_config, policy_params, mesh, batch_sharding) -> Critic:

@@ -1,0 +1,195 @@
+"""Multi-turn rollouts: conversations that call tools between assistant turns, many at once.
+
+`generate_multiturn` keeps a batch of conversations. Each round it decodes one assistant turn of every open
+conversation with `generate` (the static or continuous engine, every row its own prompt: the record's prompt
+ids, then the conversation so far), stopping at the end of sequence, the conversation's remaining token budget
+or a token whose text holds one of the environment's stop strings (a code fence). The environment answers every
+stopped turn (`tools.env`): continue, observe (a tool ran; its output is appended) or end. The tool calls of a
+round run in a thread pool, all at once; a conversation waiting for its tool holds the others only until the
+round's calls return (the next round decodes every conversation that continues).
+
+Token in, token out: the sampled ids are kept as sampled (never decoded and re-encoded); an observation is
+encoded once and appended with loss mask 0 and log-prob 0. The result is laid out like a single-turn rollout,
+so every algorithm trains on it unchanged: `tokens` [R, N] holds the model's turns and the observations after
+the prompt, `mask` is 1 on the model's tokens only, N = `max_new_tokens` bounds the whole conversation.
+
+Every round re-prefills each conversation's whole context (no KV cache is kept across a tool call).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import functools
+from typing import Any, Sequence
+
+import jax
+import numpy as np
+
+from jaxrl_llm.sampling.continuous import SlotStats
+from jaxrl_llm.sampling.generate import FINISH_STOP, generate
+
+
+@dataclasses.dataclass
+class MultiTurnRollout:
+    """Conversations as arrays, one row per sample, ordered by prompt then sample (as `generate`'s `Rollout`).
+
+    tokens [R, N] int32: the model's turns and the observations, pad after; mask [R, N] float32: 1 on the
+    model's tokens; logprobs [R, N]: the sampler's (temperature 1) on the model's tokens, else 0; lengths [R]:
+    tokens of the conversation (observations included). Per row: turns (assistant turns decoded), tool_calls,
+    tool_errors, tool_timeouts, malformed (ended inside an unclosed call), truncated (ran out of budget),
+    tool_seconds, and model_text (the model's tokens decoded, observations left out: what gets scored).
+    """
+
+    prompt_index: np.ndarray
+    tokens: np.ndarray
+    mask: np.ndarray
+    logprobs: np.ndarray
+    lengths: np.ndarray
+    turns: np.ndarray
+    tool_calls: np.ndarray
+    tool_errors: np.ndarray
+    tool_timeouts: np.ndarray
+    malformed: np.ndarray
+    truncated: np.ndarray
+    tool_seconds: np.ndarray
+    model_text: list[str]
+    rounds: int = 0  # sampler calls (one per round)
+    slot_stats: SlotStats | None = None  # slot-steps summed over rounds (iterations = slot-steps, one "slot")
+
+    def summary(self) -> dict[str, float]:
+        """Per-sample means of the tool metrics (turns, tool_calls, tool_call_rate: samples with a call,
+        tool_errors, tool_timeouts, malformed, truncated), tool_seconds summed, rounds."""
+        n = max(len(self.lengths), 1)
+        return {"turns": float(self.turns.sum() / n), "tool_calls": float(self.tool_calls.sum() / n),
+                "tool_call_rate": float((self.tool_calls > 0).sum() / n),
+                "tool_errors": float(self.tool_errors.sum() / n), "tool_timeouts": float(self.tool_timeouts.sum() / n),
+                "malformed_calls": float(self.malformed.sum() / n), "truncated": float(self.truncated.sum() / n),
+                "tool_seconds": float(self.tool_seconds.sum()), "sampler_rounds": float(self.rounds)}
+
+
+@functools.lru_cache(maxsize=8)
+def stop_token_ids(tokenizer, strings: tuple[str, ...]) -> tuple[int, ...]:
+    """Every vocabulary id whose text contains one of `strings` (a fence may be its own token or part of one:
+    "```", " ```", "```\\n"...), so a turn stops wherever the model writes it."""
+    vocab = int(tokenizer.vocab_size)
+    return tuple(i for i in range(vocab) if any(s in tokenizer.decode([i]) for s in strings))
+
+
+@dataclasses.dataclass
+class _Conversation:
+    prompt: int
+    record: dict
+    tokens: list = dataclasses.field(default_factory=list)
+    mask: list = dataclasses.field(default_factory=list)
+    logprobs: list = dataclasses.field(default_factory=list)
+    turn_start: int = 0  # where the model's text since the last observation starts in `tokens`
+    turns: int = 0
+    tool_calls: int = 0
+    tool_errors: int = 0
+    tool_timeouts: int = 0
+    malformed: bool = False
+    truncated: bool = False
+    tool_seconds: float = 0.0
+
+
+def generate_multiturn(params, config, tokenizer, records: Sequence[dict], env, *, num_samples, max_new_tokens: int,
+                       max_turns: int = 4, max_observation_tokens: int = 64, temperature: float = 1.0,
+                       top_p: float = 1.0, top_k: int = 0, rng: jax.Array, mesh=None, tool_workers: int = 4,
+                       **engine: Any) -> MultiTurnRollout:
+    """Sample `num_samples` (an int, or one count per record) conversations of each record (its "prompt_ids"
+    start them) with `env` answering the turns. `max_new_tokens` bounds a conversation's tokens after the
+    prompt (model and observations together); `max_turns` its tool calls (a call past them ends it, not run); an observation longer than `max_observation_tokens` is cut, and says so.
+    `engine`: `generate`'s engine keywords (engine, max_slots, max_prompt_entries, max_rows_per_call)."""
+    if max_turns < 0 or max_observation_tokens < 1 or max_new_tokens < 1 or tool_workers < 1:
+        raise ValueError(f"need max_turns >= 0, max_observation_tokens >= 1, max_new_tokens >= 1 and "
+                         f"tool_workers >= 1, got {max_turns}, {max_observation_tokens}, {max_new_tokens}, "
+                         f"{tool_workers}")
+    counts = np.broadcast_to(np.asarray(num_samples, np.int64), (len(records),))
+    conversations = [_Conversation(prompt=i, record=records[i]) for i in range(len(records)) for _ in range(counts[i])]
+    eos = tuple(int(s) for s in tokenizer.stop_ids)
+    stops = tuple(sorted(set(eos) | set(stop_token_ids(tokenizer, tuple(env.stop_strings)))))
+    open_rows = list(range(len(conversations)))
+    rounds, slot_steps, useful = 0, 0, 0
+    min_rows = max(1, len(conversations) // 4)
+    with concurrent.futures.ThreadPoolExecutor(max_workers=tool_workers) as pool:
+        while open_rows:
+            active = [conversations[i] for i in open_rows]
+            contexts = [list(records[c.prompt]["prompt_ids"]) + c.tokens for c in active]
+            # Few shapes, few compilations: every call decodes up to the whole budget (a row past its own is
+            # cut), and the rows are padded with repeats to at least a quarter of the first round's
+            # (`generate` buckets them to powers of two): 64 conversations decode in calls of 64, 32 or 16 rows.
+            contexts += [contexts[i % len(contexts)] for i in range(max(0, min_rows - len(contexts)))]
+            out, stats = generate(params, config, contexts, num_samples=1, max_new_tokens=max_new_tokens,
+                                  temperature=temperature, top_p=top_p, top_k=top_k, stop_ids=stops,
+                                  rng=jax.random.fold_in(rng, rounds), pad_id=tokenizer.pad_token_id, mesh=mesh,
+                                  return_stats=True, **engine)
+            rounds += 1
+            slot_steps += stats.slot_steps
+            useful += stats.useful_slot_steps
+            stopped = []
+            for row, c in enumerate(active):
+                room = max_new_tokens - len(c.tokens)
+                n = min(int(out.lengths[row]), room)
+                new = out.tokens[row, :n].tolist()
+                c.tokens += new
+                c.mask += [1.0] * n
+                c.logprobs += out.logprobs[row, :n].tolist()
+                at_stop = n == int(out.lengths[row]) and out.finish_reason[row] == FINISH_STOP
+                at_eos = at_stop and n > 0 and new[-1] in eos
+                c.truncated = len(c.tokens) >= max_new_tokens and not at_eos
+                ended = at_eos or c.truncated or not at_stop
+                stopped.append((c, tokenizer.decode(c.tokens[c.turn_start:], skip_special_tokens=True), ended))
+            answers = pool.map(lambda s: env.step(s[0].record, s[1], ended=s[2],
+                                                  calls_left=max_turns - s[0].tool_calls), stopped)
+            still_open = []
+            for i, (c, _, _), result in zip(open_rows, stopped, answers):
+                if result.action == "continue":
+                    still_open.append(i)
+                    continue
+                c.turns += 1
+                c.malformed |= result.malformed
+                if result.action == "end":
+                    continue
+                c.tool_calls += 1
+                c.tool_errors += int(result.error)
+                c.tool_timeouts += int(result.timed_out)
+                c.tool_seconds += result.seconds
+                observation = [int(t) for t in tokenizer.encode(result.observation)]
+                if len(observation) > max_observation_tokens:
+                    note = [int(t) for t in tokenizer.encode("\n[observation truncated]\n```\n")]
+                    keep = max_observation_tokens - len(note)
+                    observation = observation[:keep] + note if keep > 0 else observation[:max_observation_tokens]
+                room = max_new_tokens - len(c.tokens)
+                if len(observation) >= room:  # no room left to answer after it
+                    c.truncated = True
+                    continue
+                c.tokens += observation
+                c.mask += [0.0] * len(observation)
+                c.logprobs += [0.0] * len(observation)
+                c.turn_start = len(c.tokens)
+                still_open.append(i)
+            open_rows = still_open
+    return _as_arrays(conversations, tokenizer, max_new_tokens, rounds,
+                      SlotStats(slots=1, iterations=slot_steps, useful_slot_steps=useful))
+
+
+def _as_arrays(conversations: list[_Conversation], tokenizer, width: int, rounds: int,
+               slot_stats: SlotStats | None) -> MultiTurnRollout:
+    rows = len(conversations)
+    tokens = np.full((rows, width), tokenizer.pad_token_id, np.int32)
+    mask = np.zeros((rows, width), np.float32)
+    logprobs = np.zeros((rows, width), np.float32)
+    for r, c in enumerate(conversations):
+        n = len(c.tokens)
+        tokens[r, :n], mask[r, :n], logprobs[r, :n] = c.tokens, c.mask, c.logprobs
+    field = lambda name, dtype: np.array([getattr(c, name) for c in conversations], dtype)  # noqa: E731
+    text = [tokenizer.decode([t for t, m in zip(c.tokens, c.mask) if m], skip_special_tokens=True)
+            for c in conversations]
+    return MultiTurnRollout(
+        prompt_index=field("prompt", np.int32), tokens=tokens, mask=mask, logprobs=logprobs,
+        lengths=np.array([len(c.tokens) for c in conversations], np.int32), turns=field("turns", np.int32),
+        tool_calls=field("tool_calls", np.int32), tool_errors=field("tool_errors", np.int32),
+        tool_timeouts=field("tool_timeouts", np.int32), malformed=field("malformed", bool),
+        truncated=field("truncated", bool), tool_seconds=field("tool_seconds", np.float64), model_text=text,
+        rounds=rounds, slot_stats=slot_stats)

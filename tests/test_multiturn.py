@@ -1,0 +1,194 @@
+"""Multi-turn tool rollouts: the environment's answers (tools.env), the conversation driver
+(sampling.multiturn) against a scripted policy, token for token, and on a real model the trainer's log-probs of
+the model's tokens against the sampler's (token in, token out; tool output masked out of the loss)."""
+
+import jax
+import numpy as np
+import pytest
+
+from jaxrl_llm.sampling import FINISH_LENGTH, FINISH_STOP, Rollout
+from jaxrl_llm.sampling import multiturn
+from jaxrl_llm.tools import ToolResult
+from jaxrl_llm.tools.env import CodeBlockEnv, TurnResult, calculator_env
+
+FENCE_ID, EOS_ID, PAD_ID = 1, 2, 0
+
+
+class CharTokenizer:
+    """One token per ASCII character (id = code point + 3), "```" its own token (1), end of sequence 2."""
+
+    vocab_size = 131
+    pad_token_id = PAD_ID
+    stop_ids = (EOS_ID,)
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        ids = []
+        for i, part in enumerate(text.split("```")):
+            if i:
+                ids.append(FENCE_ID)
+            ids += [ord(ch) + 3 for ch in part]
+        return ids
+
+    def decode(self, ids, skip_special_tokens: bool = False) -> str:
+        out = []
+        for i in ids:
+            i = int(i)
+            if i == FENCE_ID:
+                out.append("```")
+            elif i >= 3:
+                out.append(chr(i - 3))
+            elif not skip_special_tokens:
+                out.append(["<pad>", "", "<eos>"][i])
+        return "".join(out)
+
+
+TOK = CharTokenizer()
+
+
+def test_code_block_env_answers_each_kind_of_turn():
+    env = calculator_env()
+    assert env.step({}, "Let me compute.\n```", ended=False) == TurnResult("continue")  # a fence that opens
+    done = env.step({}, "```calculator\n6 * 7\n```", ended=False)
+    assert (done.action, done.observation, done.tool_call, done.error) == ("observe", "\n```output\n42\n```\n",
+                                                                          True, False)
+    assert env.step({}, "```calculator\n1 / 0\n```", ended=False).error
+    assert env.step({}, "so \\boxed{42}", ended=True) == TurnResult("end")
+    assert env.step({}, "```calculator\n6 *", ended=True) == TurnResult("end", malformed=True)
+    # a fence that closes a block of another tag is no call: decode on
+    assert env.step({}, "```output\n3\n```", ended=False) == TurnResult("continue")
+    assert env.step({}, "```calculator\n6 * 7\n```", ended=False, calls_left=0) == TurnResult("end")  # not run
+    long = CodeBlockEnv("python", lambda code: ToolResult("x" * 1000 + "\n", "", 0, False), max_output_chars=60)
+    text = long.step({}, "```python\nprint('x' * 1000)\n```", ended=False).observation
+    note = "\n[output truncated: 1000 characters, 60 shown]"
+    assert text == "\n```output\n" + "x" * (60 - len(note)) + note + "\n```\n"
+    slow = CodeBlockEnv("python", lambda code: ToolResult("", "", -9, True))
+    out = slow.step({}, "```python\nwhile True: pass\n```", ended=False)
+    assert out.timed_out and not out.error and "TimeoutError" in out.observation
+    failing = CodeBlockEnv("python", lambda code: ToolResult("", "Traceback\n  File a\n  line\nNameError: y", 1, False))
+    assert failing.step({}, "```python\ny\n```", ended=False).observation == \
+        "\n```output\n  File a\n  line\nNameError: y\n```\n"
+
+
+class ScriptedPolicy:
+    """A stand-in for `generate`: the reply to a context is the next chunk of `script` (text up to and including
+    the next stop id), by how many of the conversation's own characters it already holds; log-prob -0.5 per
+    token. Records every call's contexts."""
+
+    def __init__(self, prompt_len: int, script: list[int]):
+        self.prompt_len, self.script, self.calls = prompt_len, script, []
+
+    def __call__(self, params, config, contexts, *, num_samples, max_new_tokens, stop_ids, **kwargs):
+        self.calls.append([list(c) for c in contexts])
+        rows = len(contexts)
+        tokens = np.zeros((rows, max_new_tokens), np.int32)
+        lengths = np.zeros(rows, np.int32)
+        finish = np.full(rows, FINISH_LENGTH, np.int32)
+        for r, context in enumerate(contexts):
+            done = self._position(context[self.prompt_len:])  # the model's own tokens so far
+            reply = []
+            for t in self.script[done:]:
+                reply.append(t)
+                if t in stop_ids or len(reply) == max_new_tokens:
+                    break
+            tokens[r, :len(reply)] = reply
+            lengths[r] = len(reply)
+            finish[r] = FINISH_STOP if reply and reply[-1] in stop_ids else FINISH_LENGTH
+        mask = (np.arange(max_new_tokens) < lengths[:, None]).astype(np.float32)
+        return Rollout(np.arange(rows, dtype=np.int32), tokens, mask, -0.5 * mask, lengths, finish), \
+            multiturn.SlotStats(slots=rows, iterations=int(lengths.max()), useful_slot_steps=int(lengths.sum()))
+
+    @staticmethod
+    def _position(own):
+        text = TOK.decode(own)
+        while "\n```output\n" in text:  # drop each observation the driver appended
+            start = text.index("\n```output\n")
+            end = text.index("```\n", start + len("\n```output\n")) + len("```\n")
+            text = text[:start] + text[end:]
+        return len(TOK.encode(text))
+
+
+def _run(script: str, *, prompt="Q?", samples=1, **kwargs):
+    """The conversation of a policy that writes `script` (then the end of sequence) with the calculator."""
+    records = [{"prompt_ids": TOK.encode(prompt)}]
+    policy = ScriptedPolicy(len(records[0]["prompt_ids"]), TOK.encode(script) + [EOS_ID])
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(multiturn, "generate", lambda *a, **k: policy(*a, **k))
+        out = multiturn.generate_multiturn(None, None, TOK, records, calculator_env(), num_samples=samples,
+                                           rng=jax.random.key(0), **{"max_new_tokens": 120, **kwargs})
+    return out, policy
+
+
+def test_a_conversation_keeps_the_sampled_tokens_and_masks_the_tool_output():
+    out, policy = _run("```calculator\n6 * 7\n```\nso \\boxed{42}")
+    observation = TOK.encode("\n```output\n42\n```\n")
+    call = TOK.encode("```calculator\n6 * 7\n```")
+    answer = TOK.encode("\nso \\boxed{42}") + [EOS_ID]
+    expected = call + observation + answer
+    n = len(expected)
+    assert out.lengths.tolist() == [n]
+    assert out.tokens[0, :n].tolist() == expected and (out.tokens[0, n:] == PAD_ID).all()
+    assert out.mask[0].tolist() == [1.0] * len(call) + [0.0] * len(observation) + [1.0] * len(answer) + [0.0] * (120 - n)
+    assert np.allclose(out.logprobs[0], -0.5 * out.mask[0])
+    assert (out.turns.tolist(), out.tool_calls.tolist(), out.tool_errors.tolist()) == ([2], [1], [0])
+    assert not out.malformed[0] and not out.truncated[0]
+    assert out.model_text == ["```calculator\n6 * 7\n```\nso \\boxed{42}"]
+    # three sampler rounds: to the opening fence (decode on), to the closing one (the call), to the end; the
+    # later rounds continue from exactly the tokens sampled before, observation included
+    assert out.rounds == 3
+    prompt = TOK.encode("Q?")
+    assert policy.calls[2][0] == prompt + call + observation
+    assert policy.calls[1][0] == prompt + call[:1]
+    summary = out.summary()
+    assert summary["tool_calls"] == 1.0 and summary["tool_call_rate"] == 1.0 and summary["sampler_rounds"] == 3.0
+
+
+def test_limits_on_calls_observations_and_budget():
+    out, _ = _run("```calculator\n1+1\n```\n```calculator\n2+2\n```\ndone", max_turns=1)
+    # the second call is not run: the conversation ends at its closing fence
+    assert out.tool_calls.tolist() == [1] and out.turns.tolist() == [2]
+    assert "```output\n4" not in TOK.decode(out.tokens[0, :out.lengths[0]])
+    assert out.mask[0].sum() == len(TOK.encode("```calculator\n1+1\n```\n```calculator\n2+2\n```"))
+
+    big = "```calculator\n10**40\n```\nok"
+    out, _ = _run(big, max_observation_tokens=40)
+    observed = out.tokens[0][out.mask[0] == 0][:int(out.lengths[0] - out.mask[0].sum())]
+    note = TOK.encode("\n[observation truncated]\n```\n")
+    assert len(observed) == 40 and observed[-len(note):].tolist() == note
+    assert observed[:13].tolist() == TOK.encode("\n```output\n1000")  # the output's start, then the note
+
+    out, _ = _run(big, max_new_tokens=30)  # the call fits, its output does not: cut there
+    assert out.truncated[0] and out.lengths[0] <= 30 and out.tool_calls[0] == 1
+    with pytest.raises(ValueError, match="max_turns"):
+        _run(big, max_turns=-1)
+
+
+def test_the_trainer_scores_the_model_tokens_as_the_sampler_drew_them():
+    """A real model samples conversations (each fence it writes answered by an observation), the trainer packs
+    them and recomputes the log-probs of every token: on the model's tokens they equal the sampler's, and the
+    observation tokens are out of the mask."""
+    from jaxrl_llm.train.logprobs import response_logprobs
+    from jaxrl_llm.train.packing import pack_groups, unpack
+    from tests.tiny_models import tiny_sampler_model
+
+    config, params = tiny_sampler_model(vocab_size=TOK.vocab_size)
+    params["embed"] = params["embed"].at[FENCE_ID].multiply(4.0)  # fences often enough to call a few times
+
+    class AnswerEveryFence:
+        stop_strings = ("```",)
+
+        def step(self, record, text, *, ended, calls_left=1):
+            if ended or calls_left < 1:
+                return TurnResult("end")
+            return TurnResult("observe", observation="\n```output\nok\n```\n", tool_call=True)
+
+    records = [{"prompt_ids": TOK.encode("Q: 1?")}, {"prompt_ids": TOK.encode("Q: 22?")}]
+    out = multiturn.generate_multiturn(params, config, TOK, records, AnswerEveryFence(), num_samples=3,
+                                       max_new_tokens=40, max_turns=3, rng=jax.random.key(3))
+    observed = (out.mask == 0) & (np.arange(40) < out.lengths[:, None])
+    assert out.tool_calls.sum() > 0 and observed.any()  # the test exercises observations
+    groups = [np.flatnonzero(out.prompt_index == g) for g in range(2)]
+    batch = pack_groups([r["prompt_ids"] for r in records], groups, out.tokens, out.lengths, masks=out.mask)
+    trainer = unpack(np.asarray(response_logprobs(params, config, batch)), groups, len(out.lengths))
+    on = out.mask > 0
+    np.testing.assert_allclose(trainer[on], out.logprobs[on], atol=2e-4)
+    assert (unpack(batch.mask, groups, len(out.lengths)) == out.mask).all()
