@@ -52,7 +52,9 @@ def compile_one(preset: str, topology: str, overrides: list[str], out: pathlib.P
     print(done.stdout, done.stderr[-2000:] if done.returncode not in (0, 1) else "", flush=True)
     if not out.exists():
         raise RuntimeError(f"compile of {preset} for {topology} failed (exit {done.returncode})")
-    return json.loads(out.read_text())
+    result = {**json.loads(out.read_text()), "overrides": overrides, "command": " ".join(command[1:])}
+    out.write_text(json.dumps(result, indent=1))
+    return result
 
 
 def table(results: list[tuple[str, str, list[str], dict]]) -> str:
@@ -78,7 +80,7 @@ def main(argv=None) -> int:
     parser.add_argument("preset", nargs="?", help="one preset (default: every row of ROWS)")
     parser.add_argument("--topology", help="with a preset: the slice (v5litepod-64, v4-32, ...)")
     parser.add_argument("--target", help="with a preset: the memory table's target whose layout to take")
-    parser.add_argument("--out", default="runs/compile", help="folder of the JSON reports")
+    parser.add_argument("--out", default=str(ROOT / "benchmarks/results/compile"), help="folder of the JSON reports")
     parser.add_argument("--write", metavar="DOC", help="replace the table between the compile-table markers of DOC")
     parser.add_argument("--reuse", action="store_true", help="take a row's JSON under --out where it exists")
     args = parser.parse_args(argv)
@@ -89,6 +91,7 @@ def main(argv=None) -> int:
         out = pathlib.Path(args.out) / f"{pathlib.Path(preset).stem}_{topology}.json"
         if args.reuse and out.exists():
             result = json.loads(out.read_text())
+            overrides = result.get("overrides", overrides)  # the layout it was compiled with
         else:
             try:
                 result = compile_one(preset, topology, overrides, out)

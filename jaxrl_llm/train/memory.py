@@ -47,7 +47,10 @@ Every term counts what jaxrl_llm itself allocates, per device of a `data x fsdp 
               share one prompt entry (`sampling.generate.call_prompt_group`: samples_per_prompt when it divides
               a device's rows; 1 with GVM's varying counts) and a sliding-window layer (Mistral, Gemma) keeps
               min(R_bucket, window) response slots, the kv_heads split over tensor where it divides them
-              (`sampling.engine.cache_sharding`); plus two [rows, V] f32 logits buffers. With sampling.engine=continuous: layers x (C x P_bucket + S x R_bucket) x
+              (`sampling.engine.cache_sharding`); where tensor > 1 does not divide them, the decode loop
+              holds the cache twice (XLA's temporaries on a TPU: Qwen2.5-1.5B's 2 KV heads on tensor=4 held
+              5.58 GiB beside a 5.47 GiB cache per chip, `jaxrl-llm compile`); plus two [rows, V] f32 logits
+              buffers. With sampling.engine=continuous: layers x (C x P_bucket + S x R_bucket) x
               kv_heads x head_dim x 2 x c for S decode slots (`sampling.continuous.slot_count`) and
               C = `sampling.continuous.prompt_entries` prompt-cache entries (one per prompt of the step, at
               most S + one prefill chunk of floor_pow2(4096 / P_bucket) prompts, or
@@ -416,7 +419,9 @@ def estimate_memory(config: RunConfig, model_config: ModelConfig, mesh: dict[str
         head_split = mesh["tensor"] if mc.num_kv_heads % mesh["tensor"] == 0 else 1
         kv_cache = sum((local_rows // group * prompt_bucket + local_rows * slots) * kv_bytes
                        for slots in response_slots(mc, response_bucket)) // head_split
-        sampling = kv_cache + 2 * local_rows * mc.vocab_size * 4 + merged_copy
+        # a tensor axis that cannot split the KV heads: the decode loop copies the cache (XLA on TPU)
+        decode_copy = kv_cache if mesh["tensor"] > 1 and head_split == 1 else 0
+        sampling = kv_cache + decode_copy + 2 * local_rows * mc.vocab_size * 4 + merged_copy
 
     gvm_norms = 0
     if gvm:
