@@ -13,7 +13,8 @@ encoded once and appended with loss mask 0 and log-prob 0. The result is laid ou
 so every algorithm trains on it unchanged: `tokens` [R, N] holds the model's turns and the observations after
 the prompt, `mask` is 1 on the model's tokens only, N = `max_new_tokens` bounds the whole conversation.
 
-Every round re-prefills each conversation's whole context (no KV cache is kept across a tool call).
+The first round prefills each prompt once for all its samples; every later round re-prefills each open
+conversation's whole context (no KV cache is kept across a tool call).
 """
 
 from __future__ import annotations
@@ -115,12 +116,16 @@ def generate_multiturn(params, config, tokenizer, records: Sequence[dict], env, 
     with concurrent.futures.ThreadPoolExecutor(max_workers=tool_workers) as pool:
         while open_rows:
             active = [conversations[i] for i in open_rows]
-            contexts = [list(records[c.prompt]["prompt_ids"]) + c.tokens for c in active]
-            # Few shapes, few compilations: every call decodes up to the whole budget (a row past its own is
-            # cut), and the rows are padded with repeats to at least a quarter of the first round's
-            # (`generate` buckets them to powers of two): 64 conversations decode in calls of 64, 32 or 16 rows.
-            contexts += [contexts[i % len(contexts)] for i in range(max(0, min_rows - len(contexts)))]
-            out, stats = generate(params, config, contexts, num_samples=1, max_new_tokens=max_new_tokens,
+            if rounds == 0:  # every conversation at its prompt: each prompt prefilled once for its samples
+                contexts, per_context = [list(r["prompt_ids"]) for r in records], counts
+            else:
+                contexts = [list(records[c.prompt]["prompt_ids"]) + c.tokens for c in active]
+                # Few shapes, few compilations: every call decodes up to the whole budget (a row past its own
+                # is cut), and the rows are padded with repeats to at least a quarter of the first round's
+                # (`generate` buckets them to powers of two): 64 conversations decode in 64, 32 or 16 rows.
+                contexts += [contexts[i % len(contexts)] for i in range(max(0, min_rows - len(contexts)))]
+                per_context = 1
+            out, stats = generate(params, config, contexts, num_samples=per_context, max_new_tokens=max_new_tokens,
                                   temperature=temperature, top_p=top_p, top_k=top_k, stop_ids=stops,
                                   rng=jax.random.fold_in(rng, rounds), pad_id=tokenizer.pad_token_id, mesh=mesh,
                                   return_stats=True, **engine)
