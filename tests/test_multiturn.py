@@ -2,6 +2,8 @@
 (sampling.multiturn) against a scripted policy, token for token, and on a real model the trainer's log-probs of
 the model's tokens against the sampler's (token in, token out; tool output masked out of the loss)."""
 
+import dataclasses
+
 import jax
 import numpy as np
 import pytest
@@ -77,7 +79,8 @@ class ScriptedPolicy:
     def __init__(self, prompt_len: int, script: list[int]):
         self.prompt_len, self.script, self.calls = prompt_len, script, []
 
-    def __call__(self, params, config, contexts, *, num_samples, max_new_tokens, stop_ids, **kwargs):
+    def __call__(self, params, config, contexts, *, num_samples, max_new_tokens, stop_ids, pair_stop_ids=(),
+                 **kwargs):
         self.calls.append([list(c) for c in contexts])
         rows = len(contexts)
         tokens = np.zeros((rows, max_new_tokens), np.int32)
@@ -85,14 +88,16 @@ class ScriptedPolicy:
         finish = np.full(rows, FINISH_LENGTH, np.int32)
         for r, context in enumerate(contexts):
             done = self._position(context[self.prompt_len:])  # the model's own tokens so far
-            reply = []
+            reply, pairs = [], 0
             for t in self.script[done:]:
                 reply.append(t)
-                if t in stop_ids or len(reply) == max_new_tokens:
+                pairs += t in pair_stop_ids
+                if t in stop_ids or (t in pair_stop_ids and pairs % 2 == 0) or len(reply) == max_new_tokens:
                     break
             tokens[r, :len(reply)] = reply
             lengths[r] = len(reply)
-            finish[r] = FINISH_STOP if reply and reply[-1] in stop_ids else FINISH_LENGTH
+            ended_at_stop = reply and (reply[-1] in stop_ids or (reply[-1] in pair_stop_ids and pairs % 2 == 0))
+            finish[r] = FINISH_STOP if ended_at_stop else FINISH_LENGTH
         mask = (np.arange(max_new_tokens) < lengths[:, None]).astype(np.float32)
         return Rollout(np.arange(rows, dtype=np.int32), tokens, mask, -0.5 * mask, lengths, finish), \
             multiturn.SlotStats(slots=rows, iterations=int(lengths.max()), useful_slot_steps=int(lengths.sum()))
@@ -107,13 +112,13 @@ class ScriptedPolicy:
         return len(TOK.encode(text))
 
 
-def _run(script: str, *, prompt="Q?", samples=1, **kwargs):
-    """The conversation of a policy that writes `script` (then the end of sequence) with the calculator."""
+def _run(script: str, *, prompt="Q?", samples=1, env=None, **kwargs):
+    """The conversation of a policy that writes `script` (then the end of sequence) with `env` (the calculator)."""
     records = [{"prompt_ids": TOK.encode(prompt)}]
     policy = ScriptedPolicy(len(records[0]["prompt_ids"]), TOK.encode(script) + [EOS_ID])
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(multiturn, "generate", lambda *a, **k: policy(*a, **k))
-        out = multiturn.generate_multiturn(None, None, TOK, records, calculator_env(), num_samples=samples,
+        out = multiturn.generate_multiturn(None, None, TOK, records, env or calculator_env(), num_samples=samples,
                                            rng=jax.random.key(0), **{"max_new_tokens": 120, **kwargs})
     return out, policy
 
@@ -132,14 +137,19 @@ def test_a_conversation_keeps_the_sampled_tokens_and_masks_the_tool_output():
     assert (out.turns.tolist(), out.tool_calls.tolist(), out.tool_errors.tolist()) == ([2], [1], [0])
     assert not out.malformed[0] and not out.truncated[0]
     assert out.model_text == ["```calculator\n6 * 7\n```\nso \\boxed{42}"]
-    # three sampler rounds: to the opening fence (decode on), to the closing one (the call), to the end; the
-    # later rounds continue from exactly the tokens sampled before, observation included
-    assert out.rounds == 3
+    # two sampler rounds: to the fence that closes the call (paired stops), then to the end; the second
+    # continues from exactly the tokens sampled before, observation included
+    assert out.rounds == 2
     prompt = TOK.encode("Q?")
-    assert policy.calls[2][0] == prompt + call + observation
-    assert policy.calls[1][0] == prompt + call[:1]
+    assert policy.calls[1][0] == prompt + call + observation
     summary = out.summary()
-    assert summary["tool_calls"] == 1.0 and summary["tool_call_rate"] == 1.0 and summary["sampler_rounds"] == 3.0
+    assert summary["tool_calls"] == 1.0 and summary["tool_call_rate"] == 1.0 and summary["sampler_rounds"] == 2.0
+    # unpaired, a turn also stops at the fence that opens the call: a round more, the same conversation
+    unpaired = dataclasses.replace(calculator_env(), paired_stops=False)
+    again, policy = _run("```calculator\n6 * 7\n```\nso \\boxed{42}", env=unpaired)
+    assert again.rounds == 3 and policy.calls[1][0] == prompt + call[:1] and policy.calls[2][0] == prompt + call + \
+        observation
+    assert (again.tokens == out.tokens).all() and (again.mask == out.mask).all()
 
 
 def test_limits_on_calls_observations_and_budget():
@@ -239,3 +249,28 @@ def test_the_training_loop_runs_on_conversations(tmp_path, algorithm):
     assert any("eval_tool_call_rate" in r for r in rows)
     if algorithm == "gae":
         assert all("value_loss" in r for r in steps)
+
+
+@pytest.mark.parametrize("engine", ["static", "continuous"])
+def test_paired_stops_end_a_row_at_its_second_pair_token(engine):
+    """`generate(..., pair_stop_ids=[x])` ends each row right after the second x it samples (the random numbers
+    depend on row and step only, so the tokens before are those of a run without stops); rows with fewer than two
+    run to the budget."""
+    from jaxrl_llm.sampling import generate
+    from tests.tiny_models import tiny_sampler_model
+
+    config, params = tiny_sampler_model(vocab_size=16)
+    prompts = [[3, 4, 5], [6, 7], [8, 9, 10, 11]]
+    common = dict(num_samples=3, max_new_tokens=24, rng=jax.random.key(5), engine=engine)
+    free = generate(params, config, prompts, **common)
+    x = int(np.bincount(free.tokens[free.mask > 0].ravel(), minlength=16).argmax())  # the most frequent token
+    paired = generate(params, config, prompts, pair_stop_ids=[x], **common)
+    ends = []
+    for row in range(len(free.lengths)):
+        hits = np.flatnonzero(free.tokens[row] == x)
+        end = int(hits[1]) + 1 if hits.size >= 2 else 24
+        ends.append(end)
+        assert paired.lengths[row] == end
+        assert (paired.tokens[row, :end] == free.tokens[row, :end]).all()
+        assert paired.finish_reason[row] == (FINISH_STOP if hits.size >= 2 else FINISH_LENGTH)
+    assert any(e < 24 for e in ends)  # the pair stops some rows

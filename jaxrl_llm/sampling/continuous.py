@@ -44,7 +44,7 @@ from jaxrl_llm.sampling.decoder import (
     prefill_layers,
     unstack_layers,
 )
-from jaxrl_llm.sampling.engine import _constrain, row_axes, to_host
+from jaxrl_llm.sampling.engine import _constrain, paired_stop_hits, row_axes, to_host
 from jaxrl_llm.sampling.token_selection import select_tokens
 
 logger = logging.getLogger(__name__)
@@ -147,12 +147,13 @@ class PromptQueue(NamedTuple):
 
 
 @functools.partial(jax.jit, static_argnames=("config", "mesh", "slots", "new_token_bucket", "greedy", "top_k",
-                                             "use_top_p", "prefill_chunk"), donate_argnames=("prompts",))
+                                             "use_top_p", "prefill_chunk", "paired_stops"),
+                   donate_argnames=("prompts",))
 def decode_slots(params, config: ModelConfig, mesh: Mesh | None, prompts: PromptCache, queue_prompts: PromptQueue,
                  sample_prompt: jax.Array, num_samples: jax.Array, rng: jax.Array,
                  temperature: jax.Array, top_p: jax.Array, max_new_tokens: jax.Array, stop_ids: jax.Array,
                  pad_id: jax.Array, *, slots: int, new_token_bucket: int, greedy: bool, top_k: int, use_top_p: bool,
-                 prefill_chunk: int) -> SlotState:
+                 prefill_chunk: int, paired_stops: bool = False) -> SlotState:
     """Decode samples 0 .. num_samples - 1 (sample k continues prompt sample_prompt[k] [K] of
     `queue_prompts`) on `slots` slots until every sample ended; returns the final `SlotState`.
 
@@ -245,6 +246,10 @@ def decode_slots(params, config: ModelConfig, mesh: Mesh | None, prompts: Prompt
         tokens, logprobs = select_tokens(state.logits, uniform, temperature, top_p, greedy=greedy, top_k=top_k,
                                          use_top_p=use_top_p)
         hit_stop = active & jnp.any(tokens[:, None] == stop_ids[None, :], axis=-1)
+        if paired_stops:  # the slot's sample's tokens before t (`engine.paired_stop_hits`)
+            written = state.tokens[sample]
+            written = jnp.where(jnp.arange(written.shape[1])[None, :] < t[:, None], written, -1)
+            hit_stop = hit_stop | (active & paired_stop_hits(tokens, stop_ids, written, config.vocab_size))
         ended = active & (hit_stop | (t + 1 >= max_new_tokens))
         row = jnp.where(active, sample, queue)  # out of range: dropped
         entry = state.entry_of[sample_prompt[sample]]
@@ -337,7 +342,7 @@ def slot_inputs(config: ModelConfig, prompts: list[np.ndarray], counts: np.ndarr
 def generate_slots(params, config: ModelConfig, prompts: list[np.ndarray], counts: np.ndarray, *,
                    max_new_tokens: int, temperature: float, top_p: float, top_k: int, stop_ids: np.ndarray,
                    rng: jax.Array, pad_id: int, max_slots: int, prefill_tokens_per_call: int = 4096,
-                   max_prompt_entries: int = 0, mesh: Mesh | None = None):
+                   max_prompt_entries: int = 0, mesh: Mesh | None = None, paired_stops: bool = False):
     """The continuous engine behind `generate(..., engine="continuous")` on checked inputs (prompts as
     int32 arrays, counts [len(prompts)] with a positive sum, stop_ids padded by `generate._stop_array`).
     Returns (tokens [R, max_new_tokens], logprobs, lengths [R], stopped [R], row_prompt [R], SlotStats)
@@ -352,7 +357,7 @@ def generate_slots(params, config: ModelConfig, prompts: list[np.ndarray], count
     state = decode_slots(params, config, mesh, *inputs, rng, jnp.float32(1.0 if greedy else temperature),
                          jnp.float32(top_p), jnp.int32(max_new_tokens), jnp.asarray(stop_ids), jnp.int32(pad_id),
                          **static, greedy=greedy, top_k=0 if greedy else int(top_k),
-                         use_top_p=not greedy and top_p < 1.0)
+                         use_top_p=not greedy and top_p < 1.0, paired_stops=paired_stops)
     slots = static["slots"]
     n = plan.num_rows
     out_lengths = to_host(state.lengths)[:n]

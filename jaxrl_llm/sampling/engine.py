@@ -160,17 +160,30 @@ def _row_uniforms(rng: jax.Array, rows: int, step: jax.Array, row_offset: jax.Ar
     return jax.vmap(jax.random.uniform)(keys)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "mesh", "greedy", "top_k", "use_top_p"),
+def paired_stop_hits(tokens: jax.Array, stop_ids: jax.Array, written: jax.Array, vocab_size: int) -> jax.Array:
+    """[rows] bool: token t of each row is a pair-stop id (stored in `stop_ids` as id + vocab_size,
+    `generate._stop_array`) that closes a pair, i.e. an odd number of them came before it among the row's
+    `written` [rows, N] tokens (negative: not written): a row stops at the second, fourth, ... (a code fence that
+    closes a block)."""
+    pair = stop_ids - vocab_size
+    valid = pair >= 0  # the plain stop ids and the -1 padding are no pair ids
+    is_pair = jnp.any((tokens[:, None] == pair[None, :]) & valid, axis=-1)
+    seen = jnp.sum(jnp.any((written[:, :, None] == pair[None, None, :]) & valid, axis=-1), axis=1)
+    return is_pair & (seen % 2 == 1)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "mesh", "greedy", "top_k", "use_top_p", "paired_stops"),
                    donate_argnames=("state",))
 def decode_rows(params, config: ModelConfig, mesh: Mesh | None, state: SamplingState,
                 first_logits: jax.Array, rng: jax.Array, temperature: jax.Array, top_p: jax.Array,
                 max_new_tokens: jax.Array, stop_ids: jax.Array, pad_id: jax.Array, row_offset: jax.Array = 0, *,
-                greedy: bool, top_k: int, use_top_p: bool) -> SamplingState:
+                greedy: bool, top_k: int, use_top_p: bool, paired_stops: bool = False) -> SamplingState:
     """Generate until every row is done: token 0 from `first_logits`, then a `lax.while_loop` that
     feeds each row's token t - 1 (position prompt_length + t - 1) and picks token t.
 
     A row is done after a token in `stop_ids` (-1 entries are padding) or after `max_new_tokens`
-    tokens; the loop exits when all rows are done. Done rows keep flowing through the batch (static
+    tokens; with `paired_stops`, also after a pair-stop id that closes a pair (`paired_stop_hits`). The loop
+    exits when all rows are done. Done rows keep flowing through the batch (static
     shapes) but write pad_id, log-prob 0 and do not grow. Row r draws its numbers as output row
     row_offset + r (`_row_uniforms`): a step split into several calls samples what one call would.
     """
@@ -187,6 +200,9 @@ def decode_rows(params, config: ModelConfig, mesh: Mesh | None, state: SamplingS
         t = state.step
         column = jnp.where(active, tokens, pad_id)[:, None]
         hit_stop = active & jnp.any(tokens[:, None] == stop_ids[None, :], axis=-1)
+        if paired_stops:  # columns before t hold each row's tokens (pad_id once done)
+            before = jnp.where(jnp.arange(state.tokens.shape[1])[None, :] < t, state.tokens, -1)
+            hit_stop = hit_stop | (active & paired_stop_hits(tokens, stop_ids, before, config.vocab_size))
         return dataclasses.replace(
             state,
             tokens=jax.lax.dynamic_update_slice(state.tokens, column, (0, t)),

@@ -83,10 +83,15 @@ def _check_prompts(prompts, config: ModelConfig, max_new_tokens: int) -> list[np
     return arrays
 
 
-def _stop_array(stop_ids: Sequence[int], vocab_size: int) -> np.ndarray:
-    stop = np.asarray(sorted(set(int(s) for s in stop_ids)), np.int32)
-    if stop.size and (stop.min() < 0 or stop.max() >= vocab_size):
-        raise ValueError(f"stop_ids must lie in [0, {vocab_size}), got {stop.tolist()}")
+def _stop_array(stop_ids: Sequence[int], vocab_size: int, pair_stop_ids: Sequence[int] = ()) -> np.ndarray:
+    """The decode loops' stop array: stop ids, then pair-stop ids stored as id + vocab_size (no token matches
+    them as immediate stops; `engine.paired_stop_hits` reads them back), padded with -1 to a bucket."""
+    for name, ids in (("stop_ids", stop_ids), ("pair_stop_ids", pair_stop_ids)):
+        bad = [int(s) for s in ids if not 0 <= int(s) < vocab_size]
+        if bad:
+            raise ValueError(f"{name} must lie in [0, {vocab_size}), got {sorted(bad)}")
+    stop = np.asarray(sorted(set(int(s) for s in stop_ids)) + sorted(set(int(s) + vocab_size for s in pair_stop_ids)),
+                      np.int32)
     padded = np.full(bucket_size(stop.size, minimum=4), -1, np.int32)  # -1 never matches a token
     padded[: stop.size] = stop
     return padded
@@ -133,14 +138,15 @@ def prefill(params, config: ModelConfig, prompts: list[np.ndarray], plan: Sampli
 
 def decode(params, config: ModelConfig, state: SamplingState, first_logits: jax.Array, *, max_new_tokens: int,
            temperature: float, top_p: float, top_k: int, stop_ids: np.ndarray, rng: jax.Array, pad_id: int,
-           mesh: Mesh | None = None, row_offset: int = 0) -> SamplingState:
+           mesh: Mesh | None = None, row_offset: int = 0, paired_stops: bool = False) -> SamplingState:
     """Run the decode loop on a prefilled state (see `engine.decode_rows`); its row r draws the random
     numbers of output row row_offset + r."""
     greedy = temperature == 0.0
     return decode_rows(params, config, mesh, state, first_logits, rng,
                        jnp.float32(temperature if not greedy else 1.0), jnp.float32(top_p),
                        jnp.int32(max_new_tokens), jnp.asarray(stop_ids), jnp.int32(pad_id), jnp.int32(row_offset),
-                       greedy=greedy, top_k=0 if greedy else int(top_k), use_top_p=not greedy and top_p < 1.0)
+                       greedy=greedy, top_k=0 if greedy else int(top_k), use_top_p=not greedy and top_p < 1.0,
+                       paired_stops=paired_stops)
 
 
 def collect(state: SamplingState, plan: SamplingPlan, max_new_tokens: int, pad_id: int = 0) -> Rollout:
@@ -229,7 +235,7 @@ def generate(params, config: ModelConfig, prompts: Sequence[Sequence[int]], *, n
              temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, stop_ids: Sequence[int] = (),
              rng: jax.Array, pad_id: int = 0, mesh: Mesh | None = None,
              prefill_tokens_per_call: int = 4096, max_rows_per_call: int = 0, engine: str = "static",
-             max_slots: int | None = None, max_prompt_entries: int = 0,
+             max_slots: int | None = None, max_prompt_entries: int = 0, pair_stop_ids: Sequence[int] = (),
              return_stats: bool = False) -> Rollout | tuple[Rollout, SlotStats]:
     """Sample `num_samples[i]` continuations of each token prompt; returns a `Rollout`.
 
@@ -238,7 +244,9 @@ def generate(params, config: ModelConfig, prompts: Sequence[Sequence[int]], *, n
     padded to a bucket) and its KV cache copied to its samples' rows (one entry shared by each group of
     consecutive rows of the prompt, `buckets.prompt_group_size`); rows are padded to a power-of-two
     bucket, so a new mix of counts with the same bucket reuses the compiled programs. Decoding is a
-    `lax.while_loop` that ends when every row has emitted a stop id or `max_new_tokens` tokens.
+    `lax.while_loop` that ends when every row has emitted a stop id or `max_new_tokens` tokens. A row also
+    stops at the second (fourth, ...) token of `pair_stop_ids` it emits: a code fence that closes a block,
+    not the one that opens it (`sampling.multiturn`).
 
     temperature = 0 is greedy (argmax). Otherwise token t is drawn from softmax(logits / temperature)
     restricted to the top_k largest logits (0 = all) and then to the smallest set of tokens whose
@@ -318,12 +326,13 @@ def generate(params, config: ModelConfig, prompts: Sequence[Sequence[int]], *, n
 
         params = shard_params(params, mesh)
         row_multiple = int(np.prod([mesh.shape[a] for a in row_axes(mesh)]))
-    stop = _stop_array(stop_ids, config.vocab_size)
+    stop = _stop_array(stop_ids, config.vocab_size, pair_stop_ids)
+    paired = len(pair_stop_ids) > 0
     if engine == "continuous":
         rollout, stats = _continuous_rollout(params, config, prompt_arrays, counts, max_new_tokens=max_new_tokens,
                                    temperature=temperature, top_p=top_p, top_k=top_k, stop_ids=stop, rng=rng,
                                    pad_id=pad_id, max_slots=max_slots, prefill_tokens_per_call=prefill_tokens_per_call,
-                                   max_prompt_entries=max_prompt_entries, mesh=mesh)
+                                   max_prompt_entries=max_prompt_entries, mesh=mesh, paired_stops=paired)
         return (rollout, stats) if return_stats else rollout
     lengths = np.array([len(p) for p in prompt_arrays])
     plan = make_plan(lengths, counts, max_new_tokens, row_multiple=row_multiple,
@@ -334,7 +343,7 @@ def generate(params, config: ModelConfig, prompts: Sequence[Sequence[int]], *, n
         state, first_logits = prefill(params, config, prompt_arrays, run, pad_id=pad_id, mesh=mesh)
         state = decode(params, config, state, first_logits, max_new_tokens=max_new_tokens, temperature=temperature,
                        top_p=top_p, top_k=top_k, stop_ids=stop, rng=rng, pad_id=pad_id, mesh=mesh,
-                       row_offset=first_row)
+                       row_offset=first_row, paired_stops=paired)
         rollouts.append(collect(state, run, max_new_tokens, pad_id))
     rollout = rollouts[0] if len(rollouts) == 1 else _concat(rollouts)
     if not return_stats:

@@ -3,7 +3,8 @@
 `generate_multiturn` keeps a batch of conversations. Each round it decodes one assistant turn of every open
 conversation with `generate` (the static or continuous engine, every row its own prompt: the record's prompt
 ids, then the conversation so far), stopping at the end of sequence, the conversation's remaining token budget
-or a token whose text holds one of the environment's stop strings (a code fence). The environment answers every
+or a token whose text holds one of the environment's stop strings (a code fence; with `env.paired_stops` only
+every second one, a fence that closes a block, so a call costs one round). The environment answers every
 stopped turn (`tools.env`): continue, observe (a tool ran; its output is appended) or end. The tool calls of a
 round run in a thread pool, all at once; a conversation waiting for its tool holds the others only until the
 round's calls return (the next round decodes every conversation that continues).
@@ -109,7 +110,10 @@ def generate_multiturn(params, config, tokenizer, records: Sequence[dict], env, 
     counts = np.broadcast_to(np.asarray(num_samples, np.int64), (len(records),))
     conversations = [_Conversation(prompt=i, record=records[i]) for i in range(len(records)) for _ in range(counts[i])]
     eos = tuple(int(s) for s in tokenizer.stop_ids)
-    stops = tuple(sorted(set(eos) | set(stop_token_ids(tokenizer, tuple(env.stop_strings)))))
+    fences = tuple(sorted(set(stop_token_ids(tokenizer, tuple(env.stop_strings))) - set(eos)))
+    # paired: a turn stops at a fence that closes a block, not at the one that opens it (one round per call)
+    paired = bool(getattr(env, "paired_stops", False))
+    stops = eos if paired else tuple(sorted(set(eos) | set(fences)))
     open_rows = list(range(len(conversations)))
     rounds, slot_steps, useful = 0, 0, 0
     min_rows = max(1, len(conversations) // 4)
@@ -127,6 +131,7 @@ def generate_multiturn(params, config, tokenizer, records: Sequence[dict], env, 
                 per_context = 1
             out, stats = generate(params, config, contexts, num_samples=per_context, max_new_tokens=max_new_tokens,
                                   temperature=temperature, top_p=top_p, top_k=top_k, stop_ids=stops,
+                                  pair_stop_ids=fences if paired else (),
                                   rng=jax.random.fold_in(rng, rounds), pad_id=tokenizer.pad_token_id, mesh=mesh,
                                   return_stats=True, **engine)
             rounds += 1

@@ -58,6 +58,8 @@ class Environment(Protocol):
     conversations at once; it must not hold state across conversations."""
 
     stop_strings: tuple[str, ...]
+    # optional: True stops a turn only at every second stop string (a fence that closes a block)
+    paired_stops: bool
 
     def step(self, record: dict, text: str, *, ended: bool, calls_left: int = 1) -> TurnResult:
         """`text`: what the model wrote since the last observation (or since the prompt); `ended`: the turn
@@ -77,6 +79,7 @@ class CodeBlockEnv:
     tool: Callable[[str], ToolResult]
     max_output_chars: int = 400
     stop_strings: tuple[str, ...] = (FENCE,)
+    paired_stops: bool = True  # a turn stops at a fence that closes a block (`sampling.generate`'s pair stops)
 
     def __post_init__(self):
         if not re.fullmatch(r"[A-Za-z0-9_+-]+", self.tag):
