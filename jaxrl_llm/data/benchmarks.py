@@ -8,6 +8,9 @@ Offline sets shipped with the package (no download):
 - ``champ``: the 270 competition problems of the PyPI package ``champ-dataset`` (MIT); converted by
   ``champ_from_json``. Many of its answers are closed forms or sentences ("No", "2^(n-1)").
 
+- ``code-basic``: 32 small Python function tasks written for this project, each answer its tests (one
+  ``assert`` per line) for `jaxrl_llm.rewards.code_reward` (``algorithm.verifier: code``).
+
 Licence notices of the shipped files are in ``jaxrl_llm/data/files/NOTICE``. User files in the
 MATH500 / Minerva / OlympiadBench / AIME24 / AMC23 JSONL formats load with ``load_benchmark(path)``.
 """
@@ -86,6 +89,7 @@ BENCHMARKS: dict[str, Callable[[], list[dict]]] = {
     "arithmetic-heldout": lambda: ArithmeticTask().heldout_records(),
     "gsm8k-100": _shipped("gsm8k_100.jsonl", "gsm8k-100"),
     "champ": _shipped("champ.jsonl", "champ"),
+    "code-basic": _shipped("code_basic.jsonl", "code-basic"),
 }
 
 

@@ -5,6 +5,7 @@ Importing this package loads neither JAX nor sympy; sympy and the LaTeX parser l
 Reward callables share one signature, ``(completions, golds, **meta) -> list[float]``.
 """
 
+from jaxrl_llm.rewards.code import code_reward, extract_code, run_tests
 from jaxrl_llm.rewards.equivalence import DEFAULT_TIMEOUT, VerifierConfig, answers_equal, math_reward
 from jaxrl_llm.rewards.extract import boxed_answer, extract_answer, extract_choice, last_boxed
 from jaxrl_llm.rewards.normalize import choice_letter, normalize_answer
@@ -34,11 +35,13 @@ __all__ = [
     "boxed_answer",
     "build_reward_fn",
     "choice_letter",
+    "code_reward",
     "combine_rewards",
     "complexity_problem",
     "correctness_reward",
     "extract_answer",
     "extract_choice",
+    "extract_code",
     "format_reward",
     "last_boxed",
     "math_reward",
@@ -46,6 +49,7 @@ __all__ = [
     "overlong_penalty",
     "overlong_reward",
     "register_reward",
+    "run_tests",
     "score_batch",
     "time_limit",
     "to_sympy",

@@ -20,6 +20,7 @@ import dataclasses
 import functools
 from typing import Callable, Mapping, Sequence
 
+from jaxrl_llm.rewards.code import code_reward
 from jaxrl_llm.rewards.equivalence import DEFAULT_TIMEOUT, VerifierConfig, math_reward
 from jaxrl_llm.rewards.extract import extract_answer
 from jaxrl_llm.rewards.pool import VerifierPool, score_batch
@@ -145,6 +146,7 @@ REWARD_REGISTRY: dict[str, tuple[RewardFn, frozenset[str], frozenset[str]]] = {
     "correctness": (correctness_reward, frozenset({"signed", "timeout", "conventions"}), frozenset()),
     "format": (format_reward, frozenset(), frozenset()),
     "overlong": (overlong_reward, frozenset({"max_len", "buffer", "factor"}), frozenset({"max_len", "buffer"})),
+    "code_tests": (code_reward, frozenset({"mode", "timeout_s", "memory_mb", "isolation", "workers"}), frozenset()),
 }
 
 

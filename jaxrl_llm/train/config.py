@@ -184,6 +184,11 @@ class AlgorithmSection:
     kl_kind: str = "k3"  # the KL estimator (objectives.kl_penalty)
     entropy_coef: float = 0.0  # weight of the entropy bonus (subtracted from the loss)
     reward: str = "binary"  # binary {0, 1} | signed {-1, +1}
+    # math: the final answer against the gold answer (rewards.correctness_reward); code: the completion's python
+    # run against the record's tests in the sandbox (rewards.code_reward, the gold answer holding the tests,
+    # e.g. data.train: code-basic); correct = every test passed
+    verifier: str = "math"
+    code_reward: str = "fraction"  # verifier code: fraction (of tests passed) | all (1 only when every test passes)
     format_reward: float = 0.0  # weight of a bonus for responses with an extractable final answer; 0 disables
     group_filter: str = "none"  # none | mixed (drop groups whose rewards all agree)
     dynamic_sampling: bool = False  # DAPO: resample until enough mixed groups
@@ -317,6 +322,8 @@ _ALLOWED = {
                            "prompt-mean", "prompt-mean-unbiased"},
     ("algorithm", "kl_kind"): {"k1", "k2", "k3", "abs"},
     ("algorithm", "reward"): {"binary", "signed"},
+    ("algorithm", "verifier"): {"math", "code"},
+    ("algorithm", "code_reward"): {"fraction", "all"},
     ("tools", "env"): {"", "python", "calculator"},
     ("tools", "isolation"): {"auto", "unshare", "bwrap", "none"},
     ("algorithm", "group_filter"): {"none", "mixed"},

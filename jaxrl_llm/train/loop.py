@@ -283,7 +283,7 @@ def evaluate_policy(run: Run, label: str, log) -> dict[str, Any]:
                        k=cfg.train.eval_samples, max_new_tokens=cfg.sampling.max_new_tokens,
                        temperature=cfg.train.eval_temperature, top_p=cfg.sampling.top_p, top_k=cfg.sampling.top_k,
                        template=cfg.data.prompt, seed=cfg.train.seed + 1000, return_samples=True, mesh=run.mesh,
-                       samples_per_call=eval_rows_per_call(cfg.sampling),
+                       samples_per_call=eval_rows_per_call(cfg.sampling), **code_verifier(cfg),
                        **({} if run.tools is not None else engine_options(cfg.sampling)), **generate_fn)
     correct = [s["correct"] for s in metrics.pop("samples")]
     k = cfg.train.eval_samples
@@ -295,6 +295,19 @@ def evaluate_policy(run: Run, label: str, log) -> dict[str, Any]:
         f"({metrics['seconds']:.0f}s)")
     release_free_host_memory()  # the KV caches and logits of its sampler calls
     return result
+
+
+def code_verifier(cfg) -> dict:
+    """`evaluate`'s verify for code tasks (algorithm.verifier code): correct when every test passes; {} for math."""
+    if cfg.algorithm.verifier != "code":
+        return {}
+    from jaxrl_llm.rewards import run_tests
+
+    def verify(completion: str, tests: str) -> float:
+        passed, total = run_tests(completion, tests, timeout_s=cfg.train.verifier_timeout)
+        return float(passed == total)
+
+    return {"verify": verify}
 
 
 def eval_metrics(evaluation: dict) -> dict:

@@ -228,8 +228,9 @@ def slot_occupancy(info: dict) -> dict:
 
 
 class RewardScorer:
-    """Verifier verdicts and rewards: r = correctness ({0, 1}, or {-1, +1} when signed) + shaping terms
-    (format bonus, DAPO overlong penalty) from `jaxrl_llm.rewards.build_reward_fn`."""
+    """Verifier verdicts and rewards: r = correctness ({0, 1}, or {-1, +1} when signed; with algorithm.verifier
+    code the fraction of the task's tests passed, or all, from `rewards.code_reward`) + shaping terms (format
+    bonus, DAPO overlong penalty) from `jaxrl_llm.rewards.build_reward_fn`."""
 
     def __init__(self, algo: AlgorithmSection, sampling: SamplingSection, *, timeout: float, workers: int):
         from jaxrl_llm import rewards
@@ -237,6 +238,7 @@ class RewardScorer:
         self.pool = rewards.VerifierPool(workers, timeout=timeout) if workers > 0 else None
         self.timeout = timeout
         self.signed = algo.reward == "signed"
+        self.code = algo.code_reward if algo.verifier == "code" else None  # code tasks: tests in the sandbox
         shaping = {}
         if algo.format_reward:
             shaping["format"] = {"weight": algo.format_reward}
@@ -250,9 +252,14 @@ class RewardScorer:
         from jaxrl_llm import rewards
 
         started = time.perf_counter()
-        verdict = rewards.correctness_reward(texts, golds, pool=self.pool, timeout=self.timeout)
-        correct = np.asarray(verdict, np.float32) > 0
-        reward = np.where(correct, 1.0, -1.0 if self.signed else 0.0).astype(np.float32)
+        if self.code is not None:  # the fraction of tests passed (or all), correct when all pass
+            score = np.asarray(rewards.code_reward(texts, golds, mode=self.code, timeout_s=self.timeout), np.float32)
+            correct = score >= 1.0
+            reward = (2.0 * score - 1.0 if self.signed else score).astype(np.float32)
+        else:
+            verdict = rewards.correctness_reward(texts, golds, pool=self.pool, timeout=self.timeout)
+            correct = np.asarray(verdict, np.float32) > 0
+            reward = np.where(correct, 1.0, -1.0 if self.signed else 0.0).astype(np.float32)
         if self.shaping is not None:
             reward += np.asarray(self.shaping(texts, golds, lengths=lengths), np.float32)
         self.last_seconds = time.perf_counter() - started
