@@ -1,6 +1,6 @@
 """Pure jax.numpy objectives for RL on verifiable rewards: advantages (and GAE), policy and value
-losses, KL, aggregation (with GVM's M-step, each prompt weighted equally), PRL shaping, GVM allocation and DAPO
-shaping.
+losses, KL, aggregation (with GVM's M-step, each prompt weighted equally), PRL shaping, GVM allocation, DAPO
+shaping and the sampler/trainer mismatch correction.
 
 Arrays in, arrays out: shapes are [B] per sequence and [B, T] per token, and `mask` is the
 response-token mask (1.0 on generated tokens, 0.0 on prompt and padding). This package imports
@@ -18,6 +18,11 @@ from jaxrl_llm.objectives.advantages import (
     rloo_advantages,
 )
 from jaxrl_llm.objectives.aggregate import AGG_MODES, LossTerms, aggregate, aggregate_denominator, aggregate_terms
+from jaxrl_llm.objectives.correction import (
+    ROLLOUT_CORRECTION_LEVELS,
+    ROLLOUT_CORRECTION_MODES,
+    rollout_correction,
+)
 from jaxrl_llm.objectives.cov import COV_LOSS_KINDS, cov_selection, token_covariance
 from jaxrl_llm.objectives.dapo import overlong_penalty
 from jaxrl_llm.objectives.gvm import gvm_allocate
@@ -39,6 +44,8 @@ __all__ = [
     "KL_KINDS",
     "POLICY_LOSS_KINDS",
     "PROMPT_MEAN_MODES",
+    "ROLLOUT_CORRECTION_LEVELS",
+    "ROLLOUT_CORRECTION_MODES",
     "LossTerms",
     "aggregate",
     "aggregate_denominator",
@@ -62,6 +69,7 @@ __all__ = [
     "reinforce_pp_advantages",
     "reinforce_rej_advantages",
     "rloo_advantages",
+    "rollout_correction",
     "token_covariance",
     "value_loss",
     "value_loss_terms",

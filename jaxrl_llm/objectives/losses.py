@@ -44,7 +44,7 @@ def _sequence_log_ratio(log_ratio, mask):
 def policy_loss_terms(logp, old_logp, advantages, mask, *, kind: str = "clip", clip_low: float = 0.2,
                       clip_high: float = 0.2, dual_clip: float | None = None, agg: str = "token-mean",
                       max_len: int | None = None, cov_selected=None, rng=None, cov_fraction: float = 2e-4,
-                      cov_low: float = 1.0, cov_high: float = 5.0, kl_cov_coef: float = 1.0
+                      cov_low: float = 1.0, cov_high: float = 5.0, kl_cov_coef: float = 1.0, weights=None
                       ) -> tuple[LossTerms, dict[str, jax.Array]]:
     """The unreduced policy loss `LossTerms(total, denom)` and the metrics of `policy_loss`.
 
@@ -55,7 +55,8 @@ def policy_loss_terms(logp, old_logp, advantages, mask, *, kind: str = "clip", c
     divided by the summed `denom` equal the full-batch gradient (the pattern of tunix's LossOutput).
     GSPO's sequence ratio is a statistic of one row, so it splits with the rows too. Clip-Cov and
     KL-Cov select tokens over the whole batch: pass the full batch's `cov_selection` as `cov_selected`
-    to each micro-batch, or the selection is made over the micro-batch alone.
+    to each micro-batch, or the selection is made over the micro-batch alone. Per-token `weights` (the
+    sampler/trainer correction, `rollout_correction`) belong to their rows and split with them.
 
     Returns:
       (LossTerms(total, denom), metrics) with the arguments and metrics of `policy_loss`.
@@ -63,6 +64,8 @@ def policy_loss_terms(logp, old_logp, advantages, mask, *, kind: str = "clip", c
     logp, old_logp, mask = jnp.asarray(logp), jnp.asarray(old_logp), jnp.asarray(mask)
     advantages = jnp.asarray(advantages)
     _check_inputs(logp, old_logp, advantages, mask, kind, clip_low, clip_high, dual_clip)
+    if weights is not None and jnp.shape(weights) != logp.shape:
+        raise ValueError(f"policy_loss: weights must have logp's shape {logp.shape}, got {jnp.shape(weights)}")
     check_mode(agg, max_len, "policy_loss")
     # Ratios of bfloat16 log-probs are too coarse for clipping at 1 +/- 0.2: compute in float32 or wider.
     logp = logp.astype(jnp.promote_types(logp.dtype, jnp.float32))
@@ -124,6 +127,8 @@ def policy_loss_terms(logp, old_logp, advantages, mask, *, kind: str = "clip", c
     else:
         per_token = -adv * jnp.where(on, logp, 0.0)
 
+    if weights is not None:  # constants of the update, like the advantages
+        per_token = per_token * jax.lax.stop_gradient(jnp.asarray(weights)).astype(logp.dtype)
     terms = aggregate_terms(per_token, mask, agg, max_len=max_len)
 
     def masked_mean(x):
@@ -151,7 +156,7 @@ def policy_loss_terms(logp, old_logp, advantages, mask, *, kind: str = "clip", c
 def policy_loss(logp, old_logp, advantages, mask, *, kind: str = "clip", clip_low: float = 0.2,
                 clip_high: float = 0.2, dual_clip: float | None = None, agg: str = "token-mean",
                 max_len: int | None = None, denom=None, cov_selected=None, rng=None, cov_fraction: float = 2e-4,
-                cov_low: float = 1.0, cov_high: float = 5.0, kl_cov_coef: float = 1.0
+                cov_low: float = 1.0, cov_high: float = 5.0, kl_cov_coef: float = 1.0, weights=None
                 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Policy-gradient loss of PPO / GRPO / DAPO / RAFT++ (kind="clip"), RAFT (kind="vanilla"), GSPO,
     CISPO, Clip-Cov and KL-Cov.
@@ -186,7 +191,8 @@ def policy_loss(logp, old_logp, advantages, mask, *, kind: str = "clip", clip_lo
                   Reasoning Language Models" (their code penalises |logp - old_logp|; the k2 form
                   here has the same zero and a gradient that vanishes with the log-ratio)
 
-    then reduced over the response mask with `aggregate(l, mask, agg, max_len=max_len)`.
+    then, with per-token `weights` w_t (the sampler/trainer mismatch correction of `rollout_correction`),
+    l_t <- w_t l_t, and reduced over the response mask with `aggregate(l, mask, agg, max_len=max_len)`.
 
     Gradient (token-mean over N tokens, clip): d loss / d logp_t = -A r_t / N where the unclipped
     branch is active, 0 where the ratio is clipped (and -A r_t / N is replaced by 0 under the dual
@@ -216,6 +222,8 @@ def policy_loss(logp, old_logp, advantages, mask, *, kind: str = "clip", clip_lo
       rng: clip_cov without cov_selected: the jax.random key of the draw.
       cov_fraction, cov_low, cov_high: the selection of `cov_selection` (paper: 2e-4, 1, 5).
       kl_cov_coef: kl_cov's penalty weight (paper: 1).
+      weights: optional [B, T] per-token weights multiplying the per-token loss (constants: stop_gradient);
+        None leaves the loss as it is. The metrics describe the unweighted tokens.
 
     Returns:
       (loss scalar, metrics) with metrics over the masked tokens: clip_frac_low (A < 0 and
@@ -228,5 +236,6 @@ def policy_loss(logp, old_logp, advantages, mask, *, kind: str = "clip", clip_lo
     terms, metrics = policy_loss_terms(logp, old_logp, advantages, mask, kind=kind, clip_low=clip_low,
                                        clip_high=clip_high, dual_clip=dual_clip, agg=agg, max_len=max_len,
                                        cov_selected=cov_selected, rng=rng, cov_fraction=cov_fraction,
-                                       cov_low=cov_low, cov_high=cov_high, kl_cov_coef=kl_cov_coef)
+                                       cov_low=cov_low, cov_high=cov_high, kl_cov_coef=kl_cov_coef,
+                                       weights=weights)
     return safe_divide(terms.total, terms.denom if denom is None else denom), metrics

@@ -93,3 +93,34 @@ def explained_variance(returns: np.ndarray, values: np.ndarray, mask: np.ndarray
     r, v = returns[on].astype(np.float64), values[on].astype(np.float64)
     var_r = r.var() if r.size else 0.0
     return float(1.0 - (r - v).var() / var_r) if var_r > 0 else 0.0
+
+
+def rollout_weights(algo: AlgorithmSection, train_logp: np.ndarray, sampler_logp: np.ndarray,
+                    mask: np.ndarray) -> tuple[np.ndarray | None, dict[str, float]]:
+    """The sampler/trainer mismatch correction of a rollout batch: (weights [R, N] or None, metrics).
+
+    weights = `objectives.rollout_correction(train_logp, sampler_logp, mask)` with algorithm.rollout_correction
+    (the level), _mode, _low and _high; None when the correction is off. train_logp are the trainer's log-probs of
+    the sampled tokens at the start of the update (the recomputed old log-probs), sampler_logp the sampler's. The
+    metrics (rollout_mismatch_kl, and with the correction on rollout_corrected_fraction, rollout_weight_mean,
+    rollout_ratio_min, rollout_ratio_max) are measured whenever both log-probs exist.
+
+    The weights are computed here, on the host, once per rollout batch rather than in the train step: both
+    log-probs are constants of the whole update (every epoch and mini-batch), a row's weights depend on that row
+    alone, and the caller folds them into the advantages, A_t <- w_t A_t. For the losses the correction allows
+    (clip with or without dual clip, vanilla, gspo, gspo_token, cispo) the per-token loss is positively homogeneous
+    in A, l(w A) = w l(A) for w >= 0 (gspo: per row, its loss being one value on every token), so this is
+    `policy_loss(..., weights=w)` exactly, under any micro-batching, with no per-token field more in the packed
+    batch. The KL and entropy terms are not weighted. A token of weight 0 has advantage 0 and counts as unclipped in
+    clip_fraction; a sample whose every weight is 0 is dropped from the update like any sample without advantage
+    (and, with agg prompt-mean, leaves its prompt's D_i).
+    """
+    weights, found = objectives.rollout_correction(
+        jnp.asarray(train_logp), jnp.asarray(sampler_logp), jnp.asarray(mask), level=algo.rollout_correction or "token",
+        mode=algo.rollout_correction_mode, low=algo.rollout_correction_low, high=algo.rollout_correction_high)
+    metrics = {"rollout_mismatch_kl": float(found["mismatch_kl"])}
+    if not algo.rollout_correction:
+        return None, metrics
+    metrics.update({f"rollout_{k}": float(found[k]) for k in ("corrected_fraction", "weight_mean", "ratio_min",
+                                                              "ratio_max")})
+    return np.asarray(weights, np.float32), metrics

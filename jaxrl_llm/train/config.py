@@ -209,6 +209,17 @@ class AlgorithmSection:
     # advantage gae: normalise the per-token advantages to mean 0 and standard deviation 1 over all response
     # tokens of the rollout batch (verl's and OpenRLHF's whitening of GAE advantages).
     whiten_advantages: bool = True
+    # Sampler/trainer mismatch correction (objectives.rollout_correction, docs/rollout_correction.md): "" off, or
+    # the level of the ratio r = pi_trainer / pi_sampler of the sampled tokens: "token" (r_t per token),
+    # "sequence" (the product over the response) or "geometric" (its geometric mean); each token's policy loss is
+    # multiplied by its weight. It needs the trainer's own old log-probs: old_logp auto then recomputes them (one
+    # more forward pass per step); old_logp sampler is refused.
+    rollout_correction: str = ""
+    # truncate (TIS: w = min(r, high)) | mask (MIS: w = r inside [low, high], else 0) | reject (w = 1 inside
+    # [low, high], else 0)
+    rollout_correction_mode: str = "truncate"
+    rollout_correction_low: float = 0.0  # mask / reject: ratios below this get weight 0 (at most 1)
+    rollout_correction_high: float = 2.0  # truncate: the cap of the weight; mask / reject: ratios above get 0 (>= 1)
 
 
 @dataclass(frozen=True)
@@ -333,6 +344,8 @@ _ALLOWED = {
     ("model", "compute_dtype"): {"float32", "bfloat16"},
     ("model", "remat_policy"): set(REMAT_POLICIES),
     ("model", "attention_impl"): set(ATTENTION_IMPLS),
+    ("algorithm", "rollout_correction"): {"", "token", "sequence", "geometric"},
+    ("algorithm", "rollout_correction_mode"): {"truncate", "mask", "reject"},
 }
 
 
@@ -528,6 +541,17 @@ def validate(config: RunConfig) -> None:
         ("algorithm.kl_reward_coef", config.algorithm.kl_reward_coef >= 0, "must be >= 0"),
         ("algorithm.kl_reward_coef", config.algorithm.kl_reward_coef == 0 or uses_critic(config),
          "needs algorithm.advantage=gae (the KL penalty is part of the critic's token rewards)"),
+        ("algorithm.rollout_correction_low", 0 <= config.algorithm.rollout_correction_low <= 1,
+         "must be in [0, 1] (a token whose ratio is 1 keeps its weight)"),
+        ("algorithm.rollout_correction_high", config.algorithm.rollout_correction_high >= 1,
+         "must be >= 1 (a token whose ratio is 1 keeps its weight)"),
+        ("algorithm.old_logp", not (config.algorithm.rollout_correction and config.algorithm.old_logp == "sampler"),
+         "cannot be 'sampler' with algorithm.rollout_correction: the correction weighs the trainer's recomputed "
+         "old log-probs against the sampler's (use 'auto' or 'recompute')"),
+        ("algorithm.loss", not config.algorithm.rollout_correction
+         or config.algorithm.loss not in ("clip_cov", "kl_cov"),
+         "cannot be clip_cov or kl_cov with algorithm.rollout_correction: the trainer folds the weights into the "
+         "advantages, which would change their covariance selection (and kl_cov's penalty is not linear in A)"),
         ("algorithm.prl_eta", config.algorithm.prl_eta is None or not uses_critic(config),
          "cannot be combined with algorithm.advantage=gae (both set per-token advantages)"),
         ("algorithm.agg", config.algorithm.agg not in ("prompt-mean", "prompt-mean-unbiased")

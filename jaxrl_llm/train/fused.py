@@ -90,6 +90,8 @@ def check_fused_config(config: RunConfig) -> None:
         ("lora.rank", not lora_enabled(config), "must be 0 with no lora.adapter (the fused loop trains every weight)"),
         ("sampling.max_rows_per_call", config.sampling.max_rows_per_call == 0,
          "must be 0 (the fused loop samples every row of an iteration in one call)"),
+        ("algorithm.rollout_correction", not algo.rollout_correction,
+         "must be empty (the correction runs in train.loop, not on the fused path yet)"),
     ]
     for key, ok, reason in problems:
         if not ok:

@@ -25,7 +25,7 @@ from jaxrl_llm import models
 from jaxrl_llm.eval import evaluate
 from jaxrl_llm.models.peft_io import save_peft
 from jaxrl_llm.train.algorithms import (explained_variance, gae_token_advantages, mixed_groups, needs_reference,
-                                        sequence_advantages, token_advantages)
+                                        rollout_weights, sequence_advantages, token_advantages)
 from jaxrl_llm.train.config import RunConfig
 from jaxrl_llm.train.gvm import gvm_rollouts
 from jaxrl_llm.train.gvm_history import GvmHistory
@@ -210,8 +210,8 @@ def update_policy(run: Run, scored: ScoredRollouts, step: int) -> dict[str, Any]
     cfg, algo = run.config, run.config.algorithm
     if scored.num_samples == 0:
         return {"finite": True, "updates": 0}
-    use_sampler = algo.old_logp == "sampler" or (
-        algo.old_logp == "auto" and cfg.optim.epochs * cfg.optim.mini_batches == 1)
+    use_sampler = not algo.rollout_correction and (algo.old_logp == "sampler" or (
+        algo.old_logp == "auto" and cfg.optim.epochs * cfg.optim.mini_batches == 1))
     old_logp = scored.logprobs if use_sampler else token_logprobs(run, run.policy_params(), scored)
     ref_logp = token_logprobs(run, run.ref_params, scored) if needs_reference(algo) else np.zeros_like(old_logp)
     old_values = returns = None
@@ -227,6 +227,10 @@ def update_policy(run: Run, scored: ScoredRollouts, step: int) -> dict[str, Any]
         out.update(explained_variance=explained_variance(returns, old_values, scored.mask),
                    value_mean=float(old_values[on].mean()), return_mean=float(returns[on].mean()),
                    advantage_mean=float(advantages[on].mean()))
+    if not use_sampler:  # the trainer's and the sampler's log-probs of the same tokens: their gap, and its correction
+        weights, correction = rollout_weights(algo, old_logp, scored.logprobs, scored.mask)
+        advantages = advantages if weights is None else advantages * weights
+        out.update(correction)
     rng = np.random.default_rng([cfg.train.seed, step])
     sums: dict[str, float] = {}
     updates, finite = 0, True
@@ -355,7 +359,8 @@ def step_metrics(run: Run, scored: ScoredRollouts, round_info: dict, update: dic
         "tokens_per_s": tokens / max(times["sample_s"], 1e-9),
         **{k: update[k] for k in ("loss", "policy_loss", "kl", "entropy", "clip_fraction", "grad_norm",
                                   "value_loss", "value_clip_fraction", "value_grad_norm", "explained_variance",
-                                  "value_mean", "return_mean") if k in update},
+                                  "value_mean", "return_mean", "rollout_mismatch_kl", "rollout_corrected_fraction",
+                                  "rollout_weight_mean", "rollout_ratio_min", "rollout_ratio_max") if k in update},
         "updates": update["updates"], "skipped_update": 0 if update["finite"] else 1,
         **{f"time_{k}": v for k, v in times.items()},
         **slot_occupancy(round_info),  # continuous engine: useful / decoded slot-steps of the step's sampler calls
