@@ -19,6 +19,7 @@ import json
 import pathlib
 import re
 import sys
+import textwrap
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -279,8 +280,8 @@ def table() -> str:
         lines.append(f"| {r.figure} | {r.ours} | {r.peer} | {ratio_text(r)} | {r.limit or '-'} | {r.machine} | "
                      f"{r.date} | {r.commit} | {files}, C{cmds.index(r.command) + 1} |")
     lines.append("")
-    lines.append("Commands, from the repository root (`/tmp/rlb` is a venv with the peers beside jaxrl_llm, as "
-                 "described under \"The notebook\"):")
+    lines.append("Commands, from the repository root (`/tmp/rlb` was a venv holding the peers beside jaxrl_llm, "
+                 "installed as the notebook's first paragraph says):")
     lines.append("")
     lines += [f"- C{i}: " + ", then ".join(f"`{c}`" for c in cmd.split("\n")) for i, cmd in enumerate(cmds, 1)]
     lines.append("")
@@ -300,9 +301,11 @@ def how_fast() -> str:
     gpu_s, gpu_t = pick("Sampler, Qwen2.5-1.5B", "transformers"), pick("Train step, Qwen2.5", "transformers")
     ver_a, ver_s = pick("Verifier accuracy", "math-verify"), pick("Verifier speed", "math-verify")
     demo = pick("README's demo", "the same demo")
-    return "\n".join([
-        f"- **CPU** (2 cores): a whole GRPO step is {x(demo_trl)} faster than TRL's and {x(demo_tunix)} faster than "
-        f"tunix's on the demo's shape, {x(long_trl)} TRL's with responses of up to 512 tokens; rollouts "
+    version = lambda r: r.peer.split(" `")[0]
+    lines = [
+        f"- **CPU** (2 cores): a whole GRPO step is {x(demo_trl)} faster than {version(demo_trl)}'s and {x(demo_tunix)} "
+        f"faster than {version(demo_tunix)}'s on the demo's shape, {x(long_trl)} faster than TRL's with responses of "
+        f"up to 512 tokens; rollouts "
         f"{x(roll_tunix)} tunix and {x(roll_tf)} transformers; the train step {x(step)} transformers' "
         f"(MFU {step.of_limit[0]:.0%}).",
         f"- **GPU** (one H200): sampling {x(gpu_s)} transformers `generate` on Qwen2.5-1.5B at 512 rows "
@@ -312,7 +315,8 @@ def how_fast() -> str:
         f"- **Verifier and memory**: accuracy {ver_a.ours} against math-verify's {ver_a.peer.split(': ')[1]} at "
         f"{x(ver_s)} its speed; the demo peaks at {demo.ours.split(',')[0]} against "
         f"{demo.peer.split(': ')[1].split(',')[0]} when it trains every weight.",
-    ])
+    ]
+    return "\n".join(textwrap.fill(line, 118, subsequent_indent="  ", break_on_hyphens=False) for line in lines)
 
 
 def figure(path: pathlib.Path = FIGURE) -> None:
