@@ -8,8 +8,9 @@ The bundled SmolLM2-135M-Instruct (f32) on held-out 2-3 digit products with the 
 configs/tool_demo.yaml samples them. Each setting runs `repeats` times with the same key; the first run compiles
 the sampler's shapes and is reported apart, the others are timed. Reported per setting: conversations per second,
 the model's tokens per second (observations not counted), sampler rounds, tool calls, seconds in tools, and the
-accuracy of the final answers (math verifier on the model's own text). Every round after the first re-prefills
-each open conversation: no prefix reuse across turns yet, so "with prefix reuse" has no row.
+accuracy of the final answers (math verifier on the model's own text). "Prompt prefill shared": every round
+prefills each prompt once and feeds each conversation's tokens so far as forced tokens (`generate`'s
+`forced_prefixes`); "re-prefilled": every round after the first prefills each conversation's whole context.
 """
 
 from __future__ import annotations
@@ -71,16 +72,20 @@ def main(argv=None) -> int:
         return {"model_tokens": int(out.lengths.sum()), "texts": texts, "rounds": 1, "tool_calls": 0.0,
                 "tool_seconds": 0.0}
 
-    def multi_turn(paired: bool):
+    def multi_turn(paired: bool, reuse: bool = True):
         env = dataclasses.replace(python_env(), paired_stops=paired)
         out = generate_multiturn(params, config, tokenizer, records, env, num_samples=args.samples,
-                                 max_new_tokens=args.max_new_tokens, max_turns=2, max_observation_tokens=32, rng=rng)
+                                 max_new_tokens=args.max_new_tokens, max_turns=2, max_observation_tokens=32, rng=rng,
+                                 reuse_prompt_prefill=reuse)
         summary = out.summary()
         return {"model_tokens": int(out.mask.sum()), "texts": out.model_text, "rounds": out.rounds,
                 "tool_calls": summary["tool_calls"], "tool_seconds": summary["tool_seconds"]}
 
-    for name, run in (("single-turn, no tool", single_turn), ("python tool, paired stops", lambda: multi_turn(True)),
-                      ("python tool, unpaired stops", lambda: multi_turn(False))):
+    settings = (("single-turn, no tool", single_turn),
+                ("python tool: paired stops, prompt prefill shared", lambda: multi_turn(True)),
+                ("python tool: paired stops, every round re-prefilled", lambda: multi_turn(True, reuse=False)),
+                ("python tool: unpaired stops, prompt prefill shared", lambda: multi_turn(False)))
+    for name, run in settings:
         times = []
         for repeat in range(args.repeats):
             start = time.perf_counter()

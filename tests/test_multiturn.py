@@ -74,21 +74,25 @@ def test_code_block_env_answers_each_kind_of_turn():
 class ScriptedPolicy:
     """A stand-in for `generate`: the reply to a context is the next chunk of `script` (text up to and including
     the next stop id), by how many of the conversation's own characters it already holds; log-prob -0.5 per
-    token. Records every call's contexts."""
+    token. A row's context is its prompt, then its forced prefix when given (returned ahead of the reply, as
+    `generate` returns it). Records every call's row contexts."""
 
     def __init__(self, prompt_len: int, script: list[int]):
         self.prompt_len, self.script, self.calls = prompt_len, script, []
 
     def __call__(self, params, config, contexts, *, num_samples, max_new_tokens, stop_ids, pair_stop_ids=(),
-                 **kwargs):
-        self.calls.append([list(c) for c in contexts])
-        rows = len(contexts)
-        tokens = np.zeros((rows, max_new_tokens), np.int32)
-        lengths = np.zeros(rows, np.int32)
-        finish = np.full(rows, FINISH_LENGTH, np.int32)
-        for r, context in enumerate(contexts):
+                 forced_prefixes=None, **kwargs):
+        counts = np.broadcast_to(np.asarray(num_samples), (len(contexts),))
+        prompts = [list(c) for c, n in zip(contexts, counts) for _ in range(n)]
+        forced = forced_prefixes or [[] for _ in prompts]
+        rows = [p + list(f) for p, f in zip(prompts, forced)]
+        self.calls.append(rows)
+        tokens = np.zeros((len(rows), max_new_tokens), np.int32)
+        lengths = np.zeros(len(rows), np.int32)
+        finish = np.full(len(rows), FINISH_LENGTH, np.int32)
+        for r, context in enumerate(rows):
             done = self._position(context[self.prompt_len:])  # the model's own tokens so far
-            reply, pairs = [], 0
+            reply, pairs = list(forced[r]), sum(t in pair_stop_ids for t in forced[r])
             for t in self.script[done:]:
                 reply.append(t)
                 pairs += t in pair_stop_ids
@@ -99,8 +103,8 @@ class ScriptedPolicy:
             ended_at_stop = reply and (reply[-1] in stop_ids or (reply[-1] in pair_stop_ids and pairs % 2 == 0))
             finish[r] = FINISH_STOP if ended_at_stop else FINISH_LENGTH
         mask = (np.arange(max_new_tokens) < lengths[:, None]).astype(np.float32)
-        return Rollout(np.arange(rows, dtype=np.int32), tokens, mask, -0.5 * mask, lengths, finish), \
-            multiturn.SlotStats(slots=rows, iterations=int(lengths.max()), useful_slot_steps=int(lengths.sum()))
+        return Rollout(np.arange(len(rows), dtype=np.int32), tokens, mask, -0.5 * mask, lengths, finish), \
+            multiturn.SlotStats(slots=len(rows), iterations=int(lengths.max()), useful_slot_steps=int(lengths.sum()))
 
     @staticmethod
     def _position(own):
@@ -274,3 +278,26 @@ def test_paired_stops_end_a_row_at_its_second_pair_token(engine):
         assert (paired.tokens[row, :end] == free.tokens[row, :end]).all()
         assert paired.finish_reason[row] == (FINISH_STOP if hits.size >= 2 else FINISH_LENGTH)
     assert any(e < 24 for e in ends)  # the pair stops some rows
+
+
+def test_forced_prefixes_continue_rows_as_if_they_had_sampled_them():
+    """`generate(..., forced_prefixes=)`: each row's first tokens given, then sampled on. Forcing each row's own
+    first k tokens of a free run gives that run back (the random numbers depend on row and step; tokens equal,
+    log-probs to float rounding: another program), the forced tokens' log-probs the model's."""
+    from jaxrl_llm.sampling import generate
+    from tests.tiny_models import tiny_sampler_model
+
+    config, params = tiny_sampler_model(vocab_size=16)
+    prompts = [[3, 4, 5], [6, 7]]
+    common = dict(num_samples=[3, 2], max_new_tokens=20, rng=jax.random.key(7), stop_ids=[2])
+    free = generate(params, config, prompts, **common)
+    cut = [min(int(n) - 1, k) for n, k in zip(free.lengths, [0, 3, 7, 1, 12])]
+    forced = generate(params, config, prompts, forced_prefixes=[free.tokens[r, :k].tolist() for r, k in
+                                                                  enumerate(cut)], **common)
+    np.testing.assert_array_equal(forced.tokens, free.tokens)
+    np.testing.assert_array_equal(forced.lengths, free.lengths)
+    np.testing.assert_allclose(forced.logprobs, free.logprobs, atol=1e-5)
+    with pytest.raises(ValueError, match="one per row"):
+        generate(params, config, prompts, forced_prefixes=[[1]], **common)
+    with pytest.raises(ValueError, match="static"):
+        generate(params, config, prompts, forced_prefixes=[[1]] * 5, engine="continuous", **common)

@@ -176,14 +176,17 @@ def paired_stop_hits(tokens: jax.Array, stop_ids: jax.Array, written: jax.Array,
                    donate_argnames=("state",))
 def decode_rows(params, config: ModelConfig, mesh: Mesh | None, state: SamplingState,
                 first_logits: jax.Array, rng: jax.Array, temperature: jax.Array, top_p: jax.Array,
-                max_new_tokens: jax.Array, stop_ids: jax.Array, pad_id: jax.Array, row_offset: jax.Array = 0, *,
+                max_new_tokens: jax.Array, stop_ids: jax.Array, pad_id: jax.Array, row_offset: jax.Array = 0,
+                forced: tuple[jax.Array, jax.Array] | None = None, *,
                 greedy: bool, top_k: int, use_top_p: bool, paired_stops: bool = False) -> SamplingState:
     """Generate until every row is done: token 0 from `first_logits`, then a `lax.while_loop` that
     feeds each row's token t - 1 (position prompt_length + t - 1) and picks token t.
 
     A row is done after a token in `stop_ids` (-1 entries are padding) or after `max_new_tokens`
     tokens; with `paired_stops`, also after a pair-stop id that closes a pair (`paired_stop_hits`). The loop
-    exits when all rows are done. Done rows keep flowing through the batch (static
+    exits when all rows are done. `forced` = (tokens [R, F], lengths [R]): row r's first lengths[r] tokens are
+    forced[r, :lengths[r]] instead of sampled (their log-probs the model's, at temperature 1; no stop among
+    them), then it samples on: a conversation continued from its prompt's shared prefill (`sampling.multiturn`). Done rows keep flowing through the batch (static
     shapes) but write pad_id, log-prob 0 and do not grow. Row r draws its numbers as output row
     row_offset + r (`_row_uniforms`): a step split into several calls samples what one call would.
     """
@@ -192,8 +195,15 @@ def decode_rows(params, config: ModelConfig, mesh: Mesh | None, state: SamplingS
 
     def pick(logits, step):
         uniform = jnp.zeros((rows,), jnp.float32) if greedy else _row_uniforms(rng, rows, step, row_offset)
-        return select_tokens(logits, uniform, temperature, top_p, greedy=greedy, top_k=top_k,
-                             use_top_p=use_top_p)
+        tokens, logprobs = select_tokens(logits, uniform, temperature, top_p, greedy=greedy, top_k=top_k,
+                                         use_top_p=use_top_p)
+        if forced is None:
+            return tokens, logprobs
+        given = forced[0][:, jnp.minimum(step, forced[0].shape[1] - 1)]
+        taken = step < forced[1]
+        given_logprobs = jnp.take_along_axis(jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1),
+                                             given[:, None], axis=-1)[:, 0]
+        return jnp.where(taken, given, tokens), jnp.where(taken, given_logprobs, logprobs)
 
     def record(state, tokens, logprobs):
         active = ~state.done
@@ -203,6 +213,8 @@ def decode_rows(params, config: ModelConfig, mesh: Mesh | None, state: SamplingS
         if paired_stops:  # columns before t hold each row's tokens (pad_id once done)
             before = jnp.where(jnp.arange(state.tokens.shape[1])[None, :] < t, state.tokens, -1)
             hit_stop = hit_stop | (active & paired_stop_hits(tokens, stop_ids, before, config.vocab_size))
+        if forced is not None:  # a forced token never stops its row
+            hit_stop = hit_stop & (t >= forced[1])
         return dataclasses.replace(
             state,
             tokens=jax.lax.dynamic_update_slice(state.tokens, column, (0, t)),

@@ -97,6 +97,18 @@ def _stop_array(stop_ids: Sequence[int], vocab_size: int, pair_stop_ids: Sequenc
     return padded
 
 
+def _forced_rows(prefixes: Sequence[Sequence[int]], first_row: int, rows: int) -> tuple[np.ndarray, np.ndarray]:
+    """(tokens [rows, F], lengths [rows]) of the forced prefixes of a call's rows first_row ..; F a power of two."""
+    part = list(prefixes[first_row: first_row + rows])
+    width = bucket_size(max(map(len, part), default=1), minimum=8)
+    tokens = np.zeros((rows, width), np.int32)
+    lengths = np.zeros(rows, np.int32)
+    for r, prefix in enumerate(part):
+        tokens[r, :len(prefix)] = prefix
+        lengths[r] = len(prefix)
+    return tokens, lengths
+
+
 def _empty_rollout(max_new_tokens: int) -> Rollout:
     return Rollout(np.zeros(0, np.int32), np.zeros((0, max_new_tokens), np.int32),
                    np.zeros((0, max_new_tokens), np.float32), np.zeros((0, max_new_tokens), np.float32),
@@ -138,13 +150,15 @@ def prefill(params, config: ModelConfig, prompts: list[np.ndarray], plan: Sampli
 
 def decode(params, config: ModelConfig, state: SamplingState, first_logits: jax.Array, *, max_new_tokens: int,
            temperature: float, top_p: float, top_k: int, stop_ids: np.ndarray, rng: jax.Array, pad_id: int,
-           mesh: Mesh | None = None, row_offset: int = 0, paired_stops: bool = False) -> SamplingState:
+           mesh: Mesh | None = None, row_offset: int = 0, paired_stops: bool = False,
+           forced: tuple[np.ndarray, np.ndarray] | None = None) -> SamplingState:
     """Run the decode loop on a prefilled state (see `engine.decode_rows`); its row r draws the random
     numbers of output row row_offset + r."""
     greedy = temperature == 0.0
     return decode_rows(params, config, mesh, state, first_logits, rng,
                        jnp.float32(temperature if not greedy else 1.0), jnp.float32(top_p),
                        jnp.int32(max_new_tokens), jnp.asarray(stop_ids), jnp.int32(pad_id), jnp.int32(row_offset),
+                       None if forced is None else (_put(forced[0], mesh), _put(forced[1], mesh)),
                        greedy=greedy, top_k=0 if greedy else int(top_k), use_top_p=not greedy and top_p < 1.0,
                        paired_stops=paired_stops)
 
@@ -236,6 +250,7 @@ def generate(params, config: ModelConfig, prompts: Sequence[Sequence[int]], *, n
              rng: jax.Array, pad_id: int = 0, mesh: Mesh | None = None,
              prefill_tokens_per_call: int = 4096, max_rows_per_call: int = 0, engine: str = "static",
              max_slots: int | None = None, max_prompt_entries: int = 0, pair_stop_ids: Sequence[int] = (),
+             forced_prefixes: Sequence[Sequence[int]] | None = None,
              return_stats: bool = False) -> Rollout | tuple[Rollout, SlotStats]:
     """Sample `num_samples[i]` continuations of each token prompt; returns a `Rollout`.
 
@@ -246,7 +261,9 @@ def generate(params, config: ModelConfig, prompts: Sequence[Sequence[int]], *, n
     bucket, so a new mix of counts with the same bucket reuses the compiled programs. Decoding is a
     `lax.while_loop` that ends when every row has emitted a stop id or `max_new_tokens` tokens. A row also
     stops at the second (fourth, ...) token of `pair_stop_ids` it emits: a code fence that closes a block,
-    not the one that opens it (`sampling.multiturn`).
+    not the one that opens it (`sampling.multiturn`). `forced_prefixes` (static engine; one token list per row, in
+    row order): each row's first tokens are given, not sampled, and count among its `max_new_tokens` (their
+    log-probs are the model's): a row continues its prompt's shared prefill from a given point.
 
     temperature = 0 is greedy (argmax). Otherwise token t is drawn from softmax(logits / temperature)
     restricted to the top_k largest logits (0 = all) and then to the smallest set of tokens whose
@@ -328,6 +345,12 @@ def generate(params, config: ModelConfig, prompts: Sequence[Sequence[int]], *, n
         row_multiple = int(np.prod([mesh.shape[a] for a in row_axes(mesh)]))
     stop = _stop_array(stop_ids, config.vocab_size, pair_stop_ids)
     paired = len(pair_stop_ids) > 0
+    if forced_prefixes is not None and engine != "static":
+        raise ValueError("forced_prefixes needs engine='static'")
+    if forced_prefixes is not None and len(forced_prefixes) != int(counts.sum()):
+        raise ValueError(f"forced_prefixes: one per row ({int(counts.sum())}), got {len(forced_prefixes)}")
+    if forced_prefixes is not None and max(map(len, forced_prefixes), default=0) >= max_new_tokens:
+        raise ValueError(f"forced_prefixes must be shorter than max_new_tokens ({max_new_tokens})")
     if engine == "continuous":
         rollout, stats = _continuous_rollout(params, config, prompt_arrays, counts, max_new_tokens=max_new_tokens,
                                    temperature=temperature, top_p=top_p, top_k=top_k, stop_ids=stop, rng=rng,
@@ -341,9 +364,10 @@ def generate(params, config: ModelConfig, prompts: Sequence[Sequence[int]], *, n
     for first_row, run in call_plans(plan, lengths, max_new_tokens, int(max_rows_per_call), row_multiple=row_multiple,
                                      prefill_tokens_per_call=prefill_tokens_per_call):
         state, first_logits = prefill(params, config, prompt_arrays, run, pad_id=pad_id, mesh=mesh)
+        forced = None if forced_prefixes is None else _forced_rows(forced_prefixes, first_row, run.row_bucket)
         state = decode(params, config, state, first_logits, max_new_tokens=max_new_tokens, temperature=temperature,
                        top_p=top_p, top_k=top_k, stop_ids=stop, rng=rng, pad_id=pad_id, mesh=mesh,
-                       row_offset=first_row, paired_stops=paired)
+                       row_offset=first_row, paired_stops=paired, forced=forced)
         rollouts.append(collect(state, run, max_new_tokens, pad_id))
     rollout = rollouts[0] if len(rollouts) == 1 else _concat(rollouts)
     if not return_stats:

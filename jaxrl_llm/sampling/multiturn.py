@@ -14,8 +14,10 @@ encoded once and appended with loss mask 0 and log-prob 0. The result is laid ou
 so every algorithm trains on it unchanged: `tokens` [R, N] holds the model's turns and the observations after
 the prompt, `mask` is 1 on the model's tokens only, N = `max_new_tokens` bounds the whole conversation.
 
-The first round prefills each prompt once for all its samples; every later round re-prefills each open
-conversation's whole context (no KV cache is kept across a tool call).
+The first round prefills each prompt once for all its samples. With the static engine every later round does the
+same, and each open conversation's tokens so far are fed to its row as forced tokens (`generate`'s
+`forced_prefixes`: one decode step per token, the prompt's prefill shared by its conversations); the continuous
+engine re-prefills each open conversation's whole context instead. No KV cache is kept across a tool call.
 """
 
 from __future__ import annotations
@@ -98,11 +100,13 @@ class _Conversation:
 def generate_multiturn(params, config, tokenizer, records: Sequence[dict], env, *, num_samples, max_new_tokens: int,
                        max_turns: int = 4, max_observation_tokens: int = 64, temperature: float = 1.0,
                        top_p: float = 1.0, top_k: int = 0, rng: jax.Array, mesh=None, tool_workers: int = 4,
-                       **engine: Any) -> MultiTurnRollout:
+                       reuse_prompt_prefill: bool = True, **engine: Any) -> MultiTurnRollout:
     """Sample `num_samples` (an int, or one count per record) conversations of each record (its "prompt_ids"
     start them) with `env` answering the turns. `max_new_tokens` bounds a conversation's tokens after the
     prompt (model and observations together); `max_turns` its tool calls (a call past them ends it, not run); an observation longer than `max_observation_tokens` is cut, and says so.
-    `engine`: `generate`'s engine keywords (engine, max_slots, max_prompt_entries, max_rows_per_call)."""
+    `engine`: `generate`'s engine keywords (engine, max_slots, max_prompt_entries, max_rows_per_call).
+    `reuse_prompt_prefill` False re-prefills every open conversation after the first round on the static engine
+    too (the continuous engine always does; `benchmarks/tool_rollouts.py` measures both)."""
     if max_turns < 0 or max_observation_tokens < 1 or max_new_tokens < 1 or tool_workers < 1:
         raise ValueError(f"need max_turns >= 0, max_observation_tokens >= 1, max_new_tokens >= 1 and "
                          f"tool_workers >= 1, got {max_turns}, {max_observation_tokens}, {max_new_tokens}, "
@@ -117,11 +121,19 @@ def generate_multiturn(params, config, tokenizer, records: Sequence[dict], env, 
     open_rows = list(range(len(conversations)))
     rounds, slot_steps, useful = 0, 0, 0
     min_rows = max(1, len(conversations) // 4)
+    # The static engine continues every open conversation from its prompt's shared prefill, the conversation's
+    # tokens so far forced (`generate(..., forced_prefixes=)`); the continuous engine re-prefills each one.
+    reuse = reuse_prompt_prefill and engine.get("engine", "static") == "static"
     with concurrent.futures.ThreadPoolExecutor(max_workers=tool_workers) as pool:
         while open_rows:
-            active = [conversations[i] for i in open_rows]
-            if rounds == 0:  # every conversation at its prompt: each prompt prefilled once for its samples
-                contexts, per_context = [list(r["prompt_ids"]) for r in records], counts
+            active = [conversations[i] for i in open_rows]  # in prompt order, as generate orders its rows
+            forced, given = None, [0] * len(active)
+            if rounds == 0 or reuse:  # each prompt prefilled once for its open conversations
+                contexts = [list(r["prompt_ids"]) for r in records]
+                per_context = np.bincount([c.prompt for c in active], minlength=len(records))
+                if rounds > 0:
+                    forced = [c.tokens for c in active]
+                    given = [len(c.tokens) for c in active]
             else:
                 contexts = [list(records[c.prompt]["prompt_ids"]) + c.tokens for c in active]
                 # Few shapes, few compilations: every call decodes up to the whole budget (a row past its own
@@ -131,7 +143,7 @@ def generate_multiturn(params, config, tokenizer, records: Sequence[dict], env, 
                 per_context = 1
             out, stats = generate(params, config, contexts, num_samples=per_context, max_new_tokens=max_new_tokens,
                                   temperature=temperature, top_p=top_p, top_k=top_k, stop_ids=stops,
-                                  pair_stop_ids=fences if paired else (),
+                                  pair_stop_ids=fences if paired else (), forced_prefixes=forced,
                                   rng=jax.random.fold_in(rng, rounds), pad_id=tokenizer.pad_token_id, mesh=mesh,
                                   return_stats=True, **engine)
             rounds += 1
@@ -140,12 +152,13 @@ def generate_multiturn(params, config, tokenizer, records: Sequence[dict], env, 
             stopped = []
             for row, c in enumerate(active):
                 room = max_new_tokens - len(c.tokens)
-                n = min(int(out.lengths[row]), room)
-                new = out.tokens[row, :n].tolist()
+                sampled = int(out.lengths[row]) - given[row]  # after the forced tokens (the conversation so far)
+                n = min(sampled, room)
+                new = out.tokens[row, given[row]:given[row] + n].tolist()
                 c.tokens += new
                 c.mask += [1.0] * n
-                c.logprobs += out.logprobs[row, :n].tolist()
-                at_stop = n == int(out.lengths[row]) and out.finish_reason[row] == FINISH_STOP
+                c.logprobs += out.logprobs[row, given[row]:given[row] + n].tolist()
+                at_stop = n == sampled and out.finish_reason[row] == FINISH_STOP
                 at_eos = at_stop and n > 0 and new[-1] in eos
                 c.truncated = len(c.tokens) >= max_new_tokens and not at_eos
                 ended = at_eos or c.truncated or not at_stop
