@@ -8,13 +8,13 @@ import jax.numpy as jnp
 
 from jaxrl_llm.objectives.aggregate import safe_divide
 from jaxrl_llm.objectives.kl import kl_penalty
+from jaxrl_llm.objectives.losses import _MAX_LOG_RATIO
 
 ROLLOUT_CORRECTION_LEVELS = ("token", "sequence", "geometric")
 ROLLOUT_CORRECTION_MODES = ("truncate", "mask", "reject")
 
-# The log-ratio is clamped before exp(): exp(20) = 4.9e8 is finite in float32, and a sequence's summed log-ratio
-# can be far larger (verl clamps at the same bound).
-_MAX_LOG_RATIO = 20.0
+# The log-ratio is clamped before exp() at the policy loss's bound (losses._MAX_LOG_RATIO = 20: exp(20) = 4.9e8 is
+# finite in float32, and a sequence's summed log-ratio can be far larger; verl clamps at the same bound).
 
 
 def _check(train_logp, sampler_logp, mask, level, mode, low, high):

@@ -71,6 +71,12 @@ class MultiTurnRollout:
                 "malformed_calls": float(self.malformed.sum() / n), "truncated": float(self.truncated.sum() / n),
                 "tool_seconds": float(self.tool_seconds.sum()), "sampler_rounds": float(self.rounds)}
 
+    def sums(self) -> dict[str, float]:
+        """`summary` with the per-sample means as sums and the sample count (`samples`): draws and rounds add up."""
+        n = len(self.lengths)
+        return {**{key: value if key in ("tool_seconds", "sampler_rounds") else value * n
+                   for key, value in self.summary().items()}, "samples": n}
+
 
 @functools.lru_cache(maxsize=8)
 def stop_token_ids(tokenizer, strings: tuple[str, ...]) -> tuple[int, ...]:

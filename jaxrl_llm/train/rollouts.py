@@ -139,10 +139,7 @@ def _sample_and_score_tools(params, model_config, tokenizer, records, counts, sa
     model_lengths = rollout.mask.sum(axis=1).astype(np.int32)
     correct, rewards = scorer(rollout.model_text, golds, model_lengths)
     rewards = rewards - np.float32(section.malformed_penalty) * rollout.malformed.astype(np.float32)
-    stats = rollout.summary()
-    stats = {key: value * len(rollout.lengths) if key not in ("tool_seconds", "sampler_rounds") else value
-             for key, value in stats.items()}  # sums, so rounds and stages add up; count_tool_use divides
-    stats["samples"] = len(rollout.lengths)
+    stats = rollout.sums()  # sums, so rounds and stages add up; tool_metrics divides
     return ScoredRollouts(records=list(records), prompt_index=rollout.prompt_index, tokens=rollout.tokens,
                           mask=rollout.mask, logprobs=rollout.logprobs, lengths=rollout.lengths,
                           rewards=rewards.astype(np.float32), correct=correct,
@@ -203,9 +200,7 @@ def tool_generate(tools: ToolUse, tokenizer, info: dict, **engine):
                                  max_observation_tokens=section.max_observation_tokens, temperature=temperature,
                                  top_p=top_p, top_k=top_k, rng=rng, mesh=mesh, tool_workers=section.workers,
                                  **{**engine, **kwargs})
-        stats = {key: value * len(out.lengths) if key not in ("tool_seconds", "sampler_rounds") else value
-                 for key, value in out.summary().items()}
-        count_tool_use(info, {**stats, "samples": len(out.lengths)})
+        count_tool_use(info, out.sums())
         tokens = np.full(out.tokens.shape, tokenizer.pad_token_id, np.int32)
         logprobs = np.zeros(out.tokens.shape, np.float32)
         for row in range(len(out.lengths)):
