@@ -126,6 +126,14 @@ class SamplingSection:
     # Entries of the continuous engine's prompt cache (one per prompt being decoded); 0: slots + one prefill
     # chunk, so a slot never waits for one. Lower bounds the cache further; slots then wait for a free entry.
     max_prompt_entries: int = 0
+    # The precision the sampler computes the policy in (docs/rollout_correction.md, benchmarks/README.md "Sampler/
+    # trainer gap"): "" (the trainer's: model.param_dtype and model.compute_dtype); "bfloat16" (a bf16 copy of the
+    # weights, bf16 activations and KV cache); "int8" (a copy of the weights with every projection re-quantized to
+    # int8 per output channel, dequantized layer by layer, activations in model.compute_dtype: weight-only int8
+    # serving, and under LoRA the merged W + s A B quantized, not lora.base_dtype's base). Only sampling changes:
+    # the old log-probs, the update and evaluation keep the trainer's precision, so the rollouts come from a
+    # slightly different policy; algorithm.rollout_correction weighs that gap.
+    dtype: str = ""
     # GVM: stage 1 draws N' samples per prompt to estimate p_i and G_i; stage 2 spends prompts x N''.
     gvm_stage1_samples: int = 8  # N': stage-1 samples per prompt
     gvm_samples_per_prompt: int = 8  # N'': stage-2 budget per prompt (samples_per_prompt is unused with gvm)
@@ -301,6 +309,20 @@ class ToolsSection:
 
 
 @dataclass(frozen=True)
+class RolloutsSection:
+    """When rollouts are drawn against training (`train/async_rollouts.py`, docs/async_rollouts.md): "sync", each
+    step's rollouts drawn with the current policy before its update; "async", a sampler thread draws step t's with
+    the policy of max(0, t - max_staleness) steps before, while the trainer trains the steps between."""
+
+    mode: str = "sync"  # "sync" or "async"
+    max_staleness: int = 1  # async: k, the updates between the policy that drew a step's rollouts and the trainer's
+    # async: the last n devices sample (on their own mesh, rollouts.sampler_mesh) and the others train (train.mesh);
+    # the weights go to the sampler's devices after every update. 0: both share every device.
+    sampler_devices: int = 0
+    sampler_mesh: str = ""  # the sampler's mesh over its devices, as train.mesh (empty: every one on fsdp)
+
+
+@dataclass(frozen=True)
 class RunConfig:
     model: ModelSection = field(default_factory=ModelSection)
     lora: LoraSection = field(default_factory=LoraSection)
@@ -311,6 +333,7 @@ class RunConfig:
     optim: OptimSection = field(default_factory=OptimSection)
     train: TrainSection = field(default_factory=TrainSection)
     tools: ToolsSection = field(default_factory=ToolsSection)
+    rollouts: RolloutsSection = field(default_factory=RolloutsSection)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -326,6 +349,7 @@ _ALLOWED = {
     ("sampling", "gvm_weighting"): {"gvm", "solved"},
     ("sampling", "gvm_estimates"): {"stage1", "history"},
     ("sampling", "gvm_budget"): {"prompts", "solvable"},
+    ("sampling", "dtype"): {"", "bfloat16", "int8"},
     ("algorithm", "advantage"): {"raft", "grpo", "drgrpo", "rloo", "reinforce_rej", "reinforce_pp",
                                  "reinforce_pp_baseline", "gae"},
     ("algorithm", "loss"): {"clip", "vanilla", "gspo", "gspo_token", "cispo", "clip_cov", "kl_cov"},
@@ -337,6 +361,7 @@ _ALLOWED = {
     ("algorithm", "code_reward"): {"fraction", "all"},
     ("tools", "env"): {"", "python", "calculator"},
     ("tools", "isolation"): {"auto", "unshare", "bwrap", "none"},
+    ("rollouts", "mode"): {"sync", "async"},
     ("algorithm", "group_filter"): {"none", "mixed"},
     ("algorithm", "old_logp"): {"auto", "recompute", "sampler"},
     ("model", "param_dtype"): {"float32", "bfloat16"},
@@ -579,12 +604,28 @@ def validate(config: RunConfig) -> None:
         ("tools.memory_mb", config.tools.memory_mb >= 64, "must be >= 64"),
         ("tools.workers", config.tools.workers >= 1, "must be >= 1"),
         ("tools.malformed_penalty", config.tools.malformed_penalty >= 0, "must be >= 0"),
+        ("rollouts.max_staleness", config.rollouts.max_staleness >= 0, "must be >= 0 (0: the synchronous schedule)"),
+        ("rollouts.sampler_devices", config.rollouts.sampler_devices >= 0, "must be >= 0 (0: share every device)"),
+        ("rollouts.sampler_devices", config.rollouts.mode == "async" or config.rollouts.sampler_devices == 0,
+         "applies to rollouts.mode=async (the synchronous loop samples on the trainer's devices)"),
+        ("rollouts.sampler_mesh", config.rollouts.sampler_devices > 0 or not config.rollouts.sampler_mesh,
+         "applies with rollouts.sampler_devices > 0 (the sampler's own devices)"),
+        ("rollouts.mode", config.rollouts.mode == "sync" or config.sampling.allocation != "gvm",
+         "async cannot be combined with sampling.allocation=gvm yet (its gradient-norm pass runs on the trainer's "
+         "parameters and devices)"),
+        ("rollouts.sampler_devices", config.rollouts.sampler_devices == 0 or not config.lora.base_dtype,
+         "cannot be combined with lora.base_dtype (a quantized base runs on one device only for now)"),
+        ("rollouts.sampler_devices", config.rollouts.sampler_devices == 0 or config.sampling.dtype != "int8",
+         "cannot be combined with sampling.dtype=int8 (a quantized sampler copy runs on one device only for now)"),
     ]
     for key, ok, reason in checks:
         if not ok:
             sec, name = key.split(".")
             raise ConfigError(f"config key '{key}' {reason}, got {d[sec][name]!r}")
     _validate_lora(config.lora)
+    if config.sampling.dtype == "int8" and config.train.mesh:
+        raise ConfigError(f"config key 'sampling.dtype'='int8' (a quantized sampler copy) runs on one device only for "
+                          f"now: leave train.mesh empty ({config.train.mesh!r} given)")
     if config.lora.base_dtype and config.train.mesh:
         raise ConfigError(f"config key 'lora.base_dtype'={config.lora.base_dtype!r} (a quantized base) runs on one "
                           f"device only for now: leave train.mesh empty ({config.train.mesh!r} given)")

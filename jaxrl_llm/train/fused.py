@@ -92,6 +92,10 @@ def check_fused_config(config: RunConfig) -> None:
          "must be 0 (the fused loop samples every row of an iteration in one call)"),
         ("algorithm.rollout_correction", not algo.rollout_correction,
          "must be empty (the correction runs in train.loop, not on the fused path yet)"),
+        ("sampling.dtype", not config.sampling.dtype,
+         "must be empty (the fused loop samples from the trainer's own parameters)"),
+        ("rollouts.mode", config.rollouts.mode == "sync",
+         "must be sync (the fused loop samples and trains in one program, one after the other)"),
     ]
     for key, ok, reason in problems:
         if not ok:

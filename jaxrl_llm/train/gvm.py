@@ -254,7 +254,8 @@ def allocate_samples(accept_rate: np.ndarray, grad_norm: np.ndarray, sampling: S
 
 def gvm_rollouts(params, model_config, tokenizer, records: list[dict], sampling: SamplingSection, scorer,
                  rng: jax.Array, *, rows_per_chunk: int = 8, mesh=None, history: GvmHistory | None = None,
-                 visit: int = 0, tools: ToolUse | None = None) -> tuple[ScoredRollouts, dict[str, Any]]:
+                 visit: int = 0, tools: ToolUse | None = None,
+                 sampler: tuple | None = None) -> tuple[ScoredRollouts, dict[str, Any]]:
     """Stage 1, gradient norms, allocation and stage 2 for one batch of prompts -> (scored, info).
 
     `scored` holds one group per prompt with n_i > 0 (prompt indices renumbered); when every n_i is 0 it
@@ -266,6 +267,8 @@ def gvm_rollouts(params, model_config, tokenizer, records: list[dict], sampling:
     With a `history` (`sampling.gvm_estimates: history`, train/gvm_history.py) stage 1 draws only for the
     prompts the history cannot estimate, p_i and G_i come from the history after this step's stage-1
     counts join it, and the stage-2 counts and norms join it afterwards (`visit`: the step).
+    `sampler` = (params, model_config) the sampler reads instead (sampling.dtype, `Run.sampler_params`); the
+    gradient norms always take `params`.
     """
     info = {"rounds": 2, "drawn": 0, "prompts": len(records), "filtered": 0, "sample_s": 0.0, "score_s": 0.0}
     chunk = sampling.gvm_rows_per_chunk or rows_per_chunk
@@ -273,8 +276,8 @@ def gvm_rollouts(params, model_config, tokenizer, records: list[dict], sampling:
 
     def draw(counts, key):
         t0 = time.perf_counter()
-        out = sample_and_score(params, model_config, tokenizer, records, counts, sampling, scorer, key, mesh=mesh,
-                               tools=tools)
+        out = sample_and_score(*(sampler or (params, model_config)), tokenizer, records, counts, sampling, scorer, key,
+                               mesh=mesh, tools=tools)
         info["score_s"] += scorer.last_seconds
         info["sample_s"] += time.perf_counter() - t0 - scorer.last_seconds
         info["drawn"] += out.num_samples

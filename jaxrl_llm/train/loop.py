@@ -26,6 +26,7 @@ from jaxrl_llm.eval import evaluate
 from jaxrl_llm.models.peft_io import save_peft
 from jaxrl_llm.train.algorithms import (explained_variance, gae_token_advantages, mixed_groups, needs_reference,
                                         rollout_weights, sequence_advantages, token_advantages)
+from jaxrl_llm.train.async_rollouts import AsyncRollouts, SyncRollouts, copy_params
 from jaxrl_llm.train.config import RunConfig
 from jaxrl_llm.train.gvm import gvm_rollouts
 from jaxrl_llm.train.gvm_history import GvmHistory
@@ -63,57 +64,65 @@ def _quiet(*args, **kwargs) -> None:
 
 def _train(run: Run, resume: bool, log) -> dict[str, Any]:
     cfg = run.config
-    start, books = restore(run) if resume else (0, new_books())
+    start, books, in_flight = restore(run) if resume else (0, new_books(), {})
     if start:
         log(f"resumed from step {start} in {run.checkpointer.directory}")
     if "eval_before" not in books["summary"] and cfg.train.eval_problems:
         books["summary"]["eval_before"] = evaluate_policy(run, "before training", log)
         run.metrics.write(0, eval_metrics(books["summary"]["eval_before"]))
     bad_streak = 0
+    rollouts = make_rollouts(run, start, in_flight, books)
+    clock = time.perf_counter()  # the origin of the step's event times (sample_start_s, ...)
     with preemption_guard() as signalled, tqdm(total=cfg.train.steps, initial=start, desc="RL steps",
                                                 dynamic_ncols=True, disable=jax.process_index() != 0) as bar:
-        for step in range(start, cfg.train.steps):
-            t0 = time.perf_counter()
-            scored, round_info = collect_rollouts(run, step, books)
-            t1 = time.perf_counter()
-            if round_info.get("skip_update"):
-                log(f"step {step + 1}: {round_info['skip_reason']}")
-                update_info = {"finite": True, "updates": 0}
-            else:
-                update_info = update_policy(run, scored, step)
-            t2 = time.perf_counter()
-            bad_streak = 0 if update_info["finite"] else bad_streak + 1
-            metrics = step_metrics(run, scored, round_info, update_info, books, step,
-                                   sample_s=round_info["sample_s"], score_s=round_info["score_s"],
-                                   wall_s=t2 - t0, train_s=t2 - t1)
-            done = step + 1
-            preempted = any_process(signalled())  # all processes take part in a save, or none
-            eval_acc = None
-            if cfg.train.eval_every and done % cfg.train.eval_every == 0 and done < cfg.train.steps:
-                evaluation = evaluate_policy(run, f"step {done}", log)
-                eval_acc = evaluation["accuracy"]
-                metrics.update(eval_metrics(evaluation))
-            run.metrics.write(done, metrics)
-            bar.update(1)
-            bar.set_postfix(acc=f"{metrics['accuracy']:.2f}", reward=f"{metrics['reward']:.2f}",
-                            len=f"{metrics['response_length']:.1f}", kept=metrics["groups_kept"])
-            if bad_streak:
-                log(f"step {done}: non-finite loss or gradient, update skipped ({bad_streak} in a row)")
-                if bad_streak >= cfg.train.max_bad_steps:
-                    save(run, done, books, eval_acc)
-                    raise NonFiniteError(f"{bad_streak} consecutive non-finite updates (train.max_bad_steps="
-                                         f"{cfg.train.max_bad_steps}); last good state saved at step {done}")
-            if preempted or (cfg.train.save_every and done % cfg.train.save_every == 0) or eval_acc is not None:
-                save(run, done, books, eval_acc)
-            if preempted:
-                log(f"SIGTERM: saved step {done} to {run.checkpointer.directory}; resume with --resume")
-                books["summary"]["status"] = "preempted"
-                return books["summary"]
+        try:
+            for step in range(start, cfg.train.steps):
+                t0 = time.perf_counter()
+                scored, round_info = rollouts.take(step)
+                count_samples(books, round_info)
+                t1 = time.perf_counter()
+                if round_info.get("skip_update"):
+                    log(f"step {step + 1}: {round_info['skip_reason']}")
+                    update_info = {"finite": True, "updates": 0}
+                else:
+                    update_info = update_policy(run, scored, step)
+                t2 = time.perf_counter()
+                bad_streak = 0 if update_info["finite"] else bad_streak + 1
+                metrics = step_metrics(run, scored, round_info, update_info, books, step,
+                                       sample_s=round_info["sample_s"], score_s=round_info["score_s"],
+                                       wall_s=t2 - t0, train_s=t2 - t1)
+                metrics.update(schedule_metrics(round_info, clock, t1, t2))
+                done = step + 1
+                preempted = any_process(signalled())  # all processes take part in a save, or none
+                eval_acc = None
+                if cfg.train.eval_every and done % cfg.train.eval_every == 0 and done < cfg.train.steps:
+                    evaluation = evaluate_policy(run, f"step {done}", log)
+                    eval_acc = evaluation["accuracy"]
+                    metrics.update(eval_metrics(evaluation))
+                run.metrics.write(done, metrics)
+                bar.update(1)
+                bar.set_postfix(acc=f"{metrics['accuracy']:.2f}", reward=f"{metrics['reward']:.2f}",
+                                len=f"{metrics['response_length']:.1f}", kept=metrics["groups_kept"])
+                if bad_streak:
+                    log(f"step {done}: non-finite loss or gradient, update skipped ({bad_streak} in a row)")
+                    if bad_streak >= cfg.train.max_bad_steps:
+                        save(run, done, books, eval_acc, rollouts.quiesce(done))
+                        raise NonFiniteError(f"{bad_streak} consecutive non-finite updates (train.max_bad_steps="
+                                             f"{cfg.train.max_bad_steps}); last good state saved at step {done}")
+                if preempted or (cfg.train.save_every and done % cfg.train.save_every == 0) or eval_acc is not None:
+                    save(run, done, books, eval_acc, rollouts.quiesce(done))
+                if preempted:
+                    log(f"SIGTERM: saved step {done} to {run.checkpointer.directory}; resume with --resume")
+                    books["summary"]["status"] = "preempted"
+                    return books["summary"]
+                rollouts.publish(done)
+        finally:
+            rollouts.close()
     summary = books["summary"]
     if cfg.train.eval_problems:
         summary["eval_after"] = evaluate_policy(run, "after training", log)
         run.metrics.write(cfg.train.steps, eval_metrics(summary["eval_after"]))
-    save(run, cfg.train.steps, books, summary.get("eval_after", {}).get("accuracy"))
+    save(run, cfg.train.steps, books, summary.get("eval_after", {}).get("accuracy"), {})
     export_dir = run.out_dir / "final"
     params = host_values(run.policy_params())  # a collective: every process takes part
     adapters = host_values(run.state.params) if run.lora_spec is not None else None
@@ -133,26 +142,41 @@ def _train(run: Run, resume: bool, log) -> dict[str, Any]:
 
 # ---- stages -----------------------------------------------------------------------------------------------
 
-def collect_rollouts(run: Run, step: int, books: dict) -> tuple[ScoredRollouts, dict]:
+def make_rollouts(run: Run, start: int, in_flight: dict, books: dict) -> SyncRollouts | AsyncRollouts:
+    """Where the loop's steps take their rollouts (`rollouts.mode`): drawn when asked, or by a sampler thread up
+    to `rollouts.max_staleness` updates ahead (`train/async_rollouts.py`), with the policy copied to the sampler's
+    devices (`rollouts.sampler_devices`) or kept beside the trainer's."""
+    section = run.config.rollouts
+    if section.mode == "sync":
+        return SyncRollouts(lambda step: collect_rollouts(run, step, books))
+    return AsyncRollouts(lambda step, policy: collect_rollouts(run, step, policy=policy), run.sampler_params,
+                         lambda params: copy_params(params, run.split_mesh), start=start,
+                         steps=run.config.train.steps, max_staleness=section.max_staleness, in_flight=in_flight)
+
+
+def collect_rollouts(run: Run, step: int, books: dict | None = None, *, policy=None) -> tuple[ScoredRollouts, dict]:
     """Sample `samples_per_prompt` per prompt and score; with the `mixed` filter keep only groups whose
     rewards differ, and with dynamic sampling (DAPO) draw new prompts until enough groups are kept or
     `max_sampling_rounds` is reached. With GVM allocation, every `gvm_refresh_every`-th step runs the
-    two GVM stages and the steps between sample `gvm_samples_per_prompt` per prompt."""
+    two GVM stages and the steps between sample `gvm_samples_per_prompt` per prompt. `policy`: the sampler's
+    weights (default: the current policy in `sampling.dtype`); `books`: GVM's history lives there. The samples
+    are counted (`count_samples`) where the loop takes them."""
     cfg, algo = run.config, run.config.algorithm
     key = jax.random.fold_in(jax.random.PRNGKey(cfg.train.seed), step)
     gvm = cfg.sampling.allocation == "gvm"
     if gvm and step % cfg.sampling.gvm_refresh_every == 0:
-        return collect_gvm_rollouts(run, key, books, step)
+        return collect_gvm_rollouts(run, key, books or {}, step)
     per_prompt = cfg.sampling.gvm_samples_per_prompt if gvm else cfg.sampling.samples_per_prompt
     kept_parts, info = [], {"rounds": 0, "drawn": 0, "prompts": 0, "filtered": 0, "sample_s": 0.0, "score_s": 0.0}
     need = cfg.sampling.prompts_per_step
-    policy = run.policy_params()  # under LoRA: the adapters merged into the weights once for all rounds
+    if policy is None:  # under LoRA: the adapters merged once for all rounds; in sampling.dtype
+        policy = run.sampler_params()
     while True:
         records = next(run.data)
         t0 = time.perf_counter()
-        scored = sample_and_score(policy, run.model_config, run.tokenizer, records,
+        scored = sample_and_score(policy, run.sampler_model_config, run.tokenizer, records,
                                   per_prompt, cfg.sampling, run.scorer,
-                                  jax.random.fold_in(key, info["rounds"]), mesh=run.mesh, tools=run.tools)
+                                  jax.random.fold_in(key, info["rounds"]), mesh=run.sampler_mesh, tools=run.tools)
         info["sample_s"] += time.perf_counter() - t0  # scoring time is measured inside the scorer
         info["score_s"] += run.scorer.last_seconds
         info["sample_s"] -= run.scorer.last_seconds
@@ -174,7 +198,6 @@ def collect_rollouts(run: Run, step: int, books: dict) -> tuple[ScoredRollouts, 
         keep = np.arange(len(scored.records)) < need
         info["filtered"] += int((~keep).sum())
         scored = scored.select_groups(keep)
-    count_samples(books, info)
     return scored, info
 
 
@@ -186,18 +209,20 @@ def collect_gvm_rollouts(run: Run, key: jax.Array, books: dict, step: int) -> tu
     history = None
     if cfg.sampling.gvm_estimates == "history":
         history = books.setdefault("gvm_history", GvmHistory(decay=cfg.sampling.gvm_history_decay))
-    scored, info = gvm_rollouts(run.policy_params(), run.model_config, run.tokenizer, next(run.data), cfg.sampling,
+    policy = run.policy_params()
+    scored, info = gvm_rollouts(policy, run.model_config, run.tokenizer, next(run.data), cfg.sampling,
                                 run.scorer, key, rows_per_chunk=cfg.optim.micro_batch_size, mesh=run.mesh,
-                                history=history, visit=step, tools=run.tools)
+                                history=history, visit=step, tools=run.tools,
+                                sampler=(run.sampler_params(policy), run.sampler_model_config))
     if cfg.algorithm.group_filter == "mixed" and not info.get("skip_update"):
         keep = mixed_groups(scored.rewards, scored.prompt_index, len(scored.records))
         info["filtered"] += int((~keep).sum())
         scored = scored.select_groups(keep)
-    count_samples(books, info)
     return scored, info
 
 
 def count_samples(books: dict, info: dict) -> None:
+    """Add a step's draws to the run's counters (where the loop takes the step's rollouts)."""
     books["counters"]["samples_drawn"] += info["drawn"]
     books["counters"]["prompts_drawn"] += info["prompts"]
     books["counters"]["prompts_filtered"] += info["filtered"]
@@ -367,6 +392,17 @@ def step_metrics(run: Run, scored: ScoredRollouts, round_info: dict, update: dic
         **tool_metrics(round_info),  # tool use (tools.env): turns, tool calls, errors, timeouts per sample
         **round_info.get("gvm", {}),  # the GVM allocation (n_i against p_i) on steps that ran stage 1
     }
+
+
+def schedule_metrics(round_info: dict, clock: float, train_start: float, train_end: float) -> dict[str, float]:
+    """A step's place in the schedule of sampling and training: the policy version its rollouts were drawn with
+    and their staleness (`rollouts.max_staleness`), the seconds the trainer waited for them, and the step's event
+    times in seconds since the loop started (`benchmarks/async_sim.py` replays them)."""
+    out = {"policy_version": round_info["policy_version"], "staleness": round_info["staleness"],
+           "time_wait_s": round_info["wait_s"], "train_start_s": train_start - clock, "train_end_s": train_end - clock}
+    if "sample_start" in round_info:  # not for rollouts drawn before a --resume (saved in flight)
+        out.update(sample_start_s=round_info["sample_start"] - clock, sample_end_s=round_info["sample_end"] - clock)
+    return out
 
 
 def report(summary: dict, log) -> None:

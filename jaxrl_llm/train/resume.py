@@ -10,6 +10,7 @@ import signal
 import jax
 import numpy as np
 
+from jaxrl_llm.train.async_rollouts import load_in_flight, prune_in_flight, save_in_flight
 from jaxrl_llm.train.config import uses_critic
 from jaxrl_llm.train.gvm_history import GvmHistory
 from jaxrl_llm.train.setup import Run, release_free_host_memory
@@ -19,12 +20,19 @@ def new_books() -> dict:
     return {"counters": {"samples_drawn": 0, "prompts_drawn": 0, "prompts_filtered": 0}, "summary": {}}
 
 
-def save(run: Run, step: int, books: dict, eval_accuracy: float | None) -> None:
+def save(run: Run, step: int, books: dict, eval_accuracy: float | None, in_flight: dict | None = None) -> None:
+    """Checkpoint `step`; `in_flight`: the rollouts of later steps drawn and not yet trained (asynchronous
+    rollouts, `async_rollouts.AsyncRollouts.quiesce`), saved beside it, the data position being the one after them."""
+    in_flight = in_flight or {}
     extra = {"step": step, "data": run.data.get_state(), "counters": books["counters"],
-             "summary": books["summary"], "config": run.config.to_dict()}
+             "summary": books["summary"], "config": run.config.to_dict(), "in_flight_steps": len(in_flight)}
     if "gvm_history" in books:
         extra["gvm_history"] = books["gvm_history"].to_json()
+    if in_flight and jax.process_index() == 0:  # first: a checkpoint never points at a file not yet written
+        save_in_flight(run.out_dir, step, in_flight)
     run.checkpointer.save(step, train_states(run), extra, eval_accuracy=eval_accuracy)
+    if jax.process_index() == 0:
+        prune_in_flight(run.out_dir, run.checkpointer.all_steps())
     release_free_host_memory()  # the write's encoded chunks (CPU backend: 1.4 GB of freed heap otherwise stays)
 
 
@@ -33,11 +41,14 @@ def train_states(run: Run):
     return run.state if run.critic is None else {"policy": run.state, "critic": run.critic.state}
 
 
-def restore(run: Run) -> tuple[int, dict]:
-    """Continue from the latest checkpoint: state, data position and counters (a fresh start if none)."""
+def restore(run: Run) -> tuple[int, dict, dict]:
+    """Continue from the latest checkpoint: state, data position, counters and the rollouts drawn for later steps
+    and not yet trained (asynchronous rollouts; {} otherwise); a fresh start if there is no checkpoint."""
     if run.checkpointer.latest_step() is None:
-        return 0, new_books()
-    check_state_layout(run.config, run.checkpointer.read_extra().get("config", {}), run.checkpointer.directory)
+        return 0, new_books(), {}
+    saved_config = run.checkpointer.read_extra().get("config", {})
+    check_state_layout(run.config, saved_config, run.checkpointer.directory)
+    check_rollout_schedule(run.config, saved_config, run.checkpointer.directory)
     step, states, extra = run.checkpointer.restore(train_states(run))
     if run.critic is None:
         run.state = states
@@ -47,7 +58,7 @@ def restore(run: Run) -> tuple[int, dict]:
     books = {"counters": extra["counters"], "summary": extra["summary"]}
     if "gvm_history" in extra:
         books["gvm_history"] = GvmHistory.from_json(extra["gvm_history"])
-    return step, books
+    return step, books, load_in_flight(run.out_dir, step, extra.get("in_flight_steps", 0))
 
 
 # Keys that shape the saved train state: a resumed run must hold the same ones.
@@ -68,6 +79,19 @@ def check_state_layout(config, saved: dict, directory) -> None:
     if changed:
         raise ValueError(f"cannot resume from {directory}: its train state was saved with other settings ("
                          + "; ".join(changed) + "); resume with the checkpoint's values or use a new train.out_dir")
+
+
+def check_rollout_schedule(config, saved: dict, directory) -> None:
+    """A resumed asynchronous run keeps its schedule: the rollouts saved in flight were drawn for steps
+    t .. t + k - 1 with the versions `rollouts.max_staleness` = k gave them, and the sampler goes on from there."""
+    before = saved.get("rollouts", {"mode": "sync", "max_staleness": 0})
+    now = config.to_dict()["rollouts"]
+    staleness = lambda section: section["max_staleness"] if section["mode"] == "async" else 0  # noqa: E731
+    if staleness(before) != staleness(now):
+        raise ValueError(f"cannot resume from {directory} with another schedule of rollouts: it was saved with "
+                         f"rollouts.mode={before['mode']!r}, max_staleness={before['max_staleness']}, this run has "
+                         f"mode={now['mode']!r}, max_staleness={now['max_staleness']}; resume with the checkpoint's "
+                         f"values or use a new train.out_dir")
 
 
 def any_process(flag: bool) -> bool:

@@ -77,6 +77,12 @@ class Run:
     merge_fn: Any = None  # LoRA: jitted (base, adapters) -> base + s A B, on the base's shardings
     critic: Critic | None = None  # PPO with a critic (algorithm.advantage gae): the value model
     tools: ToolUse | None = None  # tool-integrated rollouts (tools.env): the environment and its limits
+    split_mesh: Any = None  # rollouts.sampler_devices > 0: the sampler's own mesh (None: it samples on `mesh`)
+
+    @property
+    def sampler_mesh(self):
+        """The mesh the sampler decodes on: its own devices' (rollouts.sampler_devices), else the trainer's."""
+        return self.mesh if self.split_mesh is None else self.split_mesh
 
     def policy_params(self):
         """The policy's full parameter tree: the state's params, or under LoRA the base with the adapters
@@ -84,6 +90,21 @@ class Run:
         if self.base_params is None:
             return self.state.params
         return self.merge_fn(self.base_params, self.state.params)
+
+    def sampler_params(self, policy=None):
+        """The weights the sampler reads: `policy` (default `policy_params()`) in `sampling.dtype`
+        (`sampler_weights`); the same tree, not a copy, when that key is empty."""
+        policy = self.policy_params() if policy is None else policy
+        dtype = self.config.sampling.dtype
+        return policy if not dtype else _sampler_weights(policy, dtype)
+
+    @property
+    def sampler_model_config(self) -> models.ModelConfig:
+        """`model_config` as the sampler computes it: bf16 activations and KV cache with sampling.dtype
+        bfloat16, else the trainer's."""
+        if self.config.sampling.dtype == "bfloat16":
+            return self.model_config.replace(param_dtype="bfloat16", compute_dtype="bfloat16")
+        return self.model_config
 
     def place_batch(self, batch: TrainBatch) -> TrainBatch:
         """A host-side packed batch (the same on every process) as arrays on the run's batch sharding."""
@@ -181,8 +202,9 @@ def setup_run(config: RunConfig, *, policy=None) -> Run:
     if lora_spec is not None and cfg.lora.base_dtype:  # the frozen base's projections as int8 / int4 codes
         params = jax.jit(quant.quantize_base, static_argnums=1)(params, cfg.lora.base_dtype)
     mesh = param_sharding = trained_sharding = state_sharding = batch_sharding = None
-    if cfg.train.mesh:
-        mesh = make_mesh(cfg.train.mesh)
+    trainer_devices, sampler_devices = split_devices(cfg)
+    if cfg.train.mesh or sampler_devices:
+        mesh = make_mesh(cfg.train.mesh, devices=trainer_devices)
         check_mesh_fits(mesh, cfg)
         param_sharding, batch_sharding = param_shardings(params, mesh), batch_shardings(mesh)
         trained_sharding = param_sharding if adapters is None else param_shardings(adapters, mesh)
@@ -230,7 +252,24 @@ def setup_run(config: RunConfig, *, policy=None) -> Run:
                                                                      (state, None if critic is None else critic.state))),
         metrics=MetricsWriter(out_dir), out_dir=out_dir, mesh=mesh, state_sharding=state_sharding,
         batch_sharding=batch_sharding, base_params=None if lora_spec is None else params, lora_spec=lora_spec,
-        merge_fn=merge_fn, critic=critic, tools=make_tool_use(cfg.tools))
+        merge_fn=merge_fn, critic=critic, tools=make_tool_use(cfg.tools),
+        split_mesh=make_mesh(cfg.rollouts.sampler_mesh, devices=sampler_devices) if sampler_devices else None)
+
+
+def split_devices(cfg: RunConfig) -> tuple[list | None, list | None]:
+    """(the trainer's devices, the sampler's) with `rollouts.sampler_devices` = n > 0: the last n devices sample,
+    the others train; (None, None) when both share every device."""
+    n = cfg.rollouts.sampler_devices
+    if not n:
+        return None, None
+    if jax.process_count() > 1:
+        raise ConfigError("config key 'rollouts.sampler_devices' runs on one process only for now (the sampler's "
+                          f"devices would span hosts); this run has {jax.process_count()} processes")
+    devices = jax.devices()
+    if n >= len(devices):
+        raise ConfigError(f"config key 'rollouts.sampler_devices'={n} leaves no device to train on: this machine has "
+                          f"{len(devices)} ({devices[0].platform})")
+    return devices[:-n], devices[-n:]
 
 
 def make_critic(cfg: RunConfig, model_config, policy_params, mesh, batch_sharding) -> Critic:
@@ -243,6 +282,23 @@ def make_critic(cfg: RunConfig, model_config, policy_params, mesh, batch_shardin
         trunk = place(trunk, param_shardings(trunk, mesh))
     return setup_critic(cfg.critic, cfg.optim, critic_config, trunk, mesh=mesh, batch_sharding=batch_sharding,
                         head=head)
+
+
+def sampler_weights(policy, dtype: str):
+    """The sampler's copy of the policy's parameter tree in `sampling.dtype`: "bfloat16" casts every floating
+    leaf to bf16; "int8" quantizes every projection (`models.quant.quantize_base`: per output channel,
+    scale_o = max_i |W_io| / 127) and keeps embeddings and norms; "" returns `policy` itself."""
+    if dtype == "bfloat16":
+        return jax.tree_util.tree_map(
+            lambda x: x.astype(jnp.bfloat16) if jnp.issubdtype(x.dtype, jnp.floating) else x, policy)
+    if dtype == "int8":
+        return quant.quantize_base(policy, "int8")
+    if dtype:
+        raise ValueError(f"sampling.dtype must be '', 'bfloat16' or 'int8', got {dtype!r}")
+    return policy
+
+
+_sampler_weights = jax.jit(sampler_weights, static_argnums=1)
 
 
 def merge_policy(base, adapters, scale: float, dtype: str):

@@ -1,0 +1,232 @@
+"""Where a step's rollouts come from: drawn when the trainer asks (`rollouts.mode: sync`, the default), or by a
+sampler thread that works up to `rollouts.max_staleness` = k updates ahead of the trainer (`async`).
+
+    trainer:  take(t) -> update t -> [evaluate, save] -> publish(t + 1) -> take(t + 1) -> ...
+    sampler:  for t = first, first + 1, ...: wait for version v(t) -> draw step t's rollouts with it -> hand over
+
+Version v is the policy after the loop's first v steps (version 0: the initial policy). Step t's rollouts are
+drawn with exactly version v(t) = max(0, t - k): the sampler of step t starts as soon as that version is
+published and step t - 1's rollouts are drawn, while the trainer trains steps t - k .. t - 1. So staleness is
+t - v(t) = min(t, k) on every step, by construction, and no sample is ever older than k versions (none to drop).
+Everything a step draws is a function of its step index (prompts from the data stream in step order, the key
+`fold_in(seed, t)`) and of v(t), so an asynchronous run is deterministic whatever the threads' timing, and k = 0
+runs the synchronous loop's programs on the same values in the same order: equal to it bitwise.
+
+The sampler thread reads the data stream and calls the scorer; the trainer thread never does. The trainer's
+parameters are never read by the sampler: `publish` hands it a copy (on `rollouts.sampler_devices`, a
+device-to-device transfer onto the sampler's own mesh; on shared devices a copy, since the train step donates
+the state's buffers), and the sampler drops a version once no step left to draw needs it.
+
+Checkpoints. The loop saves after update t - 1 and before publishing version t, once the sampler has drawn
+every step it can with the versions it has (`quiesce`: steps up to t + k - 1). The rollouts drawn but not yet
+trained (steps t .. t + k - 1) are saved beside the checkpoint (`save_in_flight`), and the data position saved
+is the one after them; `--resume` hands them back to the trainer and the sampler goes on at step t + k, so a
+resumed run equals the uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import threading
+import time
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxrl_llm.models.sharding import param_shardings
+from jaxrl_llm.train.rollouts import ScoredRollouts
+
+# ScoredRollouts' array fields, saved per in-flight step (records and round info go to JSON)
+_ARRAYS = ("prompt_index", "tokens", "mask", "logprobs", "lengths", "rewards", "correct")
+
+
+class SyncRollouts:
+    """Today's loop: step t's rollouts are drawn when the trainer asks, with the current policy (version t)."""
+
+    def __init__(self, draw: Callable):
+        self.draw = draw  # draw(step) -> (ScoredRollouts, info), with the current policy
+
+    def take(self, step: int) -> tuple[ScoredRollouts, dict]:
+        started = time.perf_counter()
+        scored, info = self.draw(step)
+        info.update(policy_version=step, staleness=0, wait_s=time.perf_counter() - started,
+                    sample_start=started, sample_end=time.perf_counter())
+        return scored, info
+
+    def publish(self, version: int) -> None:
+        pass
+
+    def quiesce(self, step: int) -> dict[int, tuple[ScoredRollouts, dict]]:
+        return {}
+
+    def close(self) -> None:
+        pass
+
+
+class AsyncRollouts:
+    """The sampler thread of `rollouts.mode: async` (see the module docstring).
+
+    `draw(step, params) -> (ScoredRollouts, info)` draws one step's rollouts (it reads the data stream);
+    `snapshot()` -> the trainer's current policy; `place(params)` -> a copy of it where the sampler reads it.
+    `in_flight` holds rollouts restored from a checkpoint for steps `start`, `start + 1`, ...."""
+
+    def __init__(self, draw: Callable, snapshot: Callable, place: Callable, *, start: int, steps: int,
+                 max_staleness: int, in_flight: dict[int, tuple[ScoredRollouts, dict]] | None = None):
+        self.draw, self.snapshot, self.place = draw, snapshot, place
+        self.k, self.steps = max_staleness, steps
+        self.results: dict[int, tuple[ScoredRollouts, dict]] = dict(in_flight or {})
+        self.next_step = start + len(self.results)  # the next step the sampler draws
+        if sorted(self.results) != list(range(start, self.next_step)):
+            raise ValueError(f"in-flight rollouts must be for steps {start}, {start + 1}, ...; got {sorted(self.results)}")
+        self.versions: dict[int, Any] = {}
+        self.error: BaseException | None = None
+        self.stopped = False
+        self.busy = False  # drawing a step (between taking its version and handing over its rollouts)
+        self.cond = threading.Condition()
+        self.thread = threading.Thread(target=self._run, name="jaxrl-sampler", daemon=True)
+        self.publish(start)
+        self.thread.start()
+
+    @staticmethod
+    def version_for(step: int, max_staleness: int) -> int:
+        return max(0, step - max_staleness)
+
+    # ---- the trainer's side ----------------------------------------------------------------------------------
+
+    def publish(self, version: int) -> None:
+        """The policy after `version` steps, for the sampler (only if a step left to draw needs it)."""
+        if version and version + self.k >= self.steps:  # version v is read by step v + k alone (v > 0)
+            return
+        params = self.place(self.snapshot())
+        with self.cond:
+            self.versions[version] = params
+            self.cond.notify_all()
+
+    def take(self, step: int) -> tuple[ScoredRollouts, dict]:
+        """Step `step`'s rollouts, waiting for the sampler if it has not drawn them yet."""
+        started = time.perf_counter()
+        with self.cond:
+            while step not in self.results and self.error is None:
+                self.cond.wait()
+            if self.error is not None:
+                raise RuntimeError(f"the sampler thread failed drawing step {self.next_step + 1} "
+                                   f"(rollouts.mode async)") from self.error
+            scored, info = self.results.pop(step)
+            self.cond.notify_all()
+        info["wait_s"] = time.perf_counter() - started
+        return scored, info
+
+    def quiesce(self, step: int) -> dict[int, tuple[ScoredRollouts, dict]]:
+        """Wait until the sampler has drawn every step it can before version `step` is published (steps up to
+        step + k - 1), then return the rollouts drawn and not yet taken: what a checkpoint at `step` saves."""
+        last = min(step + self.k, self.steps)
+        with self.cond:
+            while self.next_step < last and self.error is None:
+                self.cond.wait()
+            if self.error is not None:
+                raise RuntimeError(f"the sampler thread failed drawing step {self.next_step + 1} "
+                                   f"(rollouts.mode async)") from self.error
+            return dict(self.results)
+
+    def close(self) -> None:
+        """Stop the sampler after the step it is drawing (if any) and wait for it."""
+        with self.cond:
+            self.stopped = True
+            self.cond.notify_all()
+        self.thread.join()
+
+    # ---- the sampler's side ----------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while True:
+                with self.cond:
+                    step = self.next_step
+                    version = self.version_for(step, self.k)
+                    while not self.stopped and step < self.steps and version not in self.versions:
+                        self.cond.wait()
+                    if self.stopped or step >= self.steps:
+                        return
+                    params = self.versions[version]
+                started = time.perf_counter()
+                scored, info = self.draw(step, params)
+                info.update(policy_version=version, staleness=step - version, sample_start=started,
+                            sample_end=time.perf_counter())
+                with self.cond:
+                    self.results[step] = (scored, info)
+                    self.next_step = step + 1
+                    needed = self.version_for(self.next_step, self.k)
+                    for old in [v for v in self.versions if v < needed]:
+                        del self.versions[old]  # no step left to draw reads it
+                    self.cond.notify_all()
+        except BaseException as err:  # handed to the trainer, which raises it from take / quiesce
+            with self.cond:
+                self.error = err
+                self.cond.notify_all()
+
+
+def copy_params(params, mesh=None):
+    """A copy of `params` that the train step's donation cannot free: onto `mesh` (the sampler's own devices,
+    placed by the model's partition rules; a device-to-device transfer) or, on the same devices, a fresh buffer
+    per array."""
+    if mesh is not None:
+        return jax.device_put(params, param_shardings(params, mesh))
+    return jax.tree_util.tree_map(jnp.copy, params)
+
+
+# ---- in-flight rollouts beside a checkpoint ----------------------------------------------------------------
+
+def in_flight_path(out_dir: pathlib.Path, step: int) -> pathlib.Path:
+    return pathlib.Path(out_dir) / "in_flight" / f"{step}.npz"
+
+
+def save_in_flight(out_dir: pathlib.Path, step: int, in_flight: dict[int, tuple[ScoredRollouts, dict]]) -> None:
+    """Write the rollouts drawn for steps step.. but not trained yet (atomically: a temporary file renamed)."""
+    path = in_flight_path(out_dir, step)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    arrays, meta = {}, []
+    for t, (scored, info) in sorted(in_flight.items()):
+        for field in _ARRAYS:
+            arrays[f"{t}/{field}"] = getattr(scored, field)
+        meta.append({"step": t, "records": scored.records, "info": _json_info(info)})
+    arrays["meta"] = np.frombuffer(json.dumps(meta).encode(), np.uint8)
+    tmp = path.with_suffix(".tmp.npz")
+    np.savez(tmp, **arrays)
+    tmp.replace(path)
+
+
+def prune_in_flight(out_dir: pathlib.Path, kept_steps: list[int]) -> None:
+    """Remove the in-flight files of checkpoints no longer kept."""
+    for old in (pathlib.Path(out_dir) / "in_flight").glob("*.npz"):
+        if not old.stem.isdigit() or int(old.stem) not in kept_steps:
+            old.unlink()
+
+
+def load_in_flight(out_dir: pathlib.Path, step: int, expected: int) -> dict[int, tuple[ScoredRollouts, dict]]:
+    """The rollouts `save_in_flight` wrote for the checkpoint at `step` ({} when it wrote none)."""
+    if expected == 0:
+        return {}
+    path = in_flight_path(out_dir, step)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing: the checkpoint at step {step} was saved with {expected} steps of "
+                                f"rollouts drawn and not yet trained (rollouts.mode async), kept in that file")
+    with np.load(path) as data:
+        meta = json.loads(bytes(data["meta"]).decode())
+        out = {}
+        for entry in meta:
+            t = entry["step"]
+            scored = ScoredRollouts(records=entry["records"], **{f: data[f"{t}/{f}"] for f in _ARRAYS})
+            out[t] = (scored, entry["info"])
+    if len(out) != expected:
+        raise ValueError(f"{path} holds {len(out)} steps of in-flight rollouts, the checkpoint expects {expected}")
+    return out
+
+
+def _json_info(info: dict) -> dict:
+    """A round's info as JSON (numbers and nested dicts of numbers; the clock marks are process-local)."""
+    return {k: (_json_info(v) if isinstance(v, dict) else float(v) if isinstance(v, (float, np.floating)) else
+                int(v) if isinstance(v, (int, np.integer)) else v)
+            for k, v in info.items() if k not in ("sample_start", "sample_end")}
