@@ -1,0 +1,151 @@
+"""The sampler/trainer gap: how far the sampler's log-probs of its own tokens are from the trainer's, per
+`sampling.dtype`, on the bundled model and README's demo prompts.
+
+    .venv/bin/python benchmarks/sampler_gap.py [--setups lora_demo,full] [--settings ,bfloat16,int8]
+        [--batches 2] [--adapter DIR] [--json benchmarks/results/sampler_gap.json]
+
+Setups (each a `setup_run` of a config, as `jaxrl-llm train` builds it):
+- lora_demo: configs/lora_demo.yaml, README's demo: LoRA adapters (rank 16, every projection) on the int8 base.
+  The adapters are the demo's at step 0 (B = 0, so the merged policy is the int8 base itself) or, with
+  `--adapter DIR`, a PEFT folder (a trained run's final_adapter/);
+- full: the defaults (`jaxrl-llm train`): every weight trained, f32.
+
+For each setup and each sampler setting (`sampling.dtype`: "" = the trainer's f32, the control; bfloat16; int8)
+the script samples `--batches` of the demo's prompt batches (8 prompts x 8 samples, max 24 new tokens,
+temperature 1, the loop's keys of steps 0, 1, ...) with `Run.sampler_params()` and `Run.sampler_model_config`, as
+`train.loop.collect_rollouts` does, and computes the trainer's log-probs of the same tokens with the loop's
+teacher-forced pass (`train.loop.token_logprobs` of `Run.policy_params()`, f32: the recomputed old log-probs).
+With d_t = train_logp_t - sampler_logp_t over the response tokens it reports:
+- mismatch_kl: the token mean of k3 = exp(d) - d - 1 (`objectives.rollout_correction`'s metric, the loop's
+  rollout_mismatch_kl);
+- max_abs_d, mean_abs_d: max and mean |d_t|;
+- outside_half_two: the fraction of tokens whose ratio exp(d_t) leaves [0.5, 2];
+- tis_corrected_fraction: the fraction of tokens the default TIS (token level, truncate at 2) caps;
+- seq_abs_log_ratio_mean / _max: |sum_t d_t| per response (the sequence-level log-ratio);
+- accuracy (the verifier's), tokens, sample_s (the sampler's wall time, first batch's compile included).
+The f32 control is the floor: the sampler's incremental decode and the trainer's packed teacher-forced pass of
+one f32 policy. Results go to `--json`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import pathlib
+import platform
+import subprocess
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from jaxrl_llm.models.peft_io import load_peft  # noqa: E402
+from jaxrl_llm.objectives import rollout_correction  # noqa: E402
+from jaxrl_llm.train import load_config  # noqa: E402
+from jaxrl_llm.train.loop import token_logprobs  # noqa: E402
+from jaxrl_llm.train.rollouts import sample_and_score  # noqa: E402
+from jaxrl_llm.train.setup import setup_run  # noqa: E402
+
+SETUPS = {"lora_demo": "configs/lora_demo.yaml", "full": None}
+
+
+def gap_metrics(train_logp: np.ndarray, sampler_logp: np.ndarray, mask: np.ndarray) -> dict[str, float]:
+    """The gap's numbers over the masked tokens of one or more rollout batches (see the module docstring)."""
+    on = mask != 0
+    d = np.where(on, train_logp.astype(np.float64) - sampler_logp.astype(np.float64), 0.0)
+    _, found = rollout_correction(jnp.asarray(train_logp), jnp.asarray(sampler_logp), jnp.asarray(mask))
+    seq = np.abs(d.sum(axis=1))[on.any(axis=1)]
+    ratio = np.exp(d[on])
+    return {"mismatch_kl": float(found["mismatch_kl"]),
+            "mismatch_kl_f64": float(np.mean(np.expm1(d[on]) - d[on])),  # the floor's k3 rounds to 0 in f32
+            "max_abs_d": float(np.abs(d[on]).max()),
+            "mean_abs_d": float(np.abs(d[on]).mean()),
+            "outside_half_two": float(np.mean((ratio < 0.5) | (ratio > 2.0))),
+            "tis_corrected_fraction": float(found["corrected_fraction"]),
+            "seq_abs_log_ratio_mean": float(seq.mean()), "seq_abs_log_ratio_max": float(seq.max()),
+            "tokens": int(on.sum())}
+
+
+def measure(run, setting: str, batches: list[list[dict]]) -> dict:
+    """Sample every batch with the sampler in `setting` and score its tokens with the trainer's f32 pass."""
+    run.config = dataclasses.replace(run.config, sampling=dataclasses.replace(run.config.sampling, dtype=setting))
+    cfg = run.config
+    policy = run.policy_params()
+    sampler_params, sampler_config = run.sampler_params(policy), run.sampler_model_config
+    train_parts, sampler_parts, masks, correct, sample_s = [], [], [], [], 0.0
+    for step, records in enumerate(batches):
+        key = jax.random.fold_in(jax.random.fold_in(jax.random.PRNGKey(cfg.train.seed), step), 0)  # the loop's
+        t0 = time.perf_counter()
+        scored = sample_and_score(sampler_params, sampler_config, run.tokenizer, records,
+                                  cfg.sampling.samples_per_prompt, cfg.sampling, run.scorer, key, mesh=run.mesh)
+        sample_s += time.perf_counter() - t0 - run.scorer.last_seconds
+        train_parts.append(token_logprobs(run, policy, scored))
+        width = cfg.sampling.max_new_tokens
+        pad = lambda x: np.pad(x, ((0, 0), (0, width - x.shape[1])))  # noqa: E731
+        sampler_parts.append(pad(scored.logprobs * scored.mask))
+        train_parts[-1] = pad(train_parts[-1])
+        masks.append(pad(scored.mask))
+        correct.append(scored.correct)
+    out = gap_metrics(np.concatenate(train_parts), np.concatenate(sampler_parts), np.concatenate(masks))
+    out.update(accuracy=float(np.concatenate(correct).mean()), sample_s=round(sample_s, 2),
+               sampler_compute_dtype=sampler_config.compute_dtype,
+               sampler_projection_dtype=str(jax.tree_util.tree_leaves(sampler_params["layers"]["q_proj"])[0].dtype))
+    return out
+
+
+def setup(name: str, adapter: str | None):
+    overrides = ["train.eval_problems=0", "train.out_dir=runs/sampler_gap"]
+    if name == "lora_demo" and adapter:
+        overrides.append(f"lora.adapter={adapter}")
+    config = load_config(None if SETUPS[name] is None else ROOT / SETUPS[name], overrides)
+    return setup_run(config)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--setups", default="lora_demo,full")
+    parser.add_argument("--settings", default=",bfloat16,int8", help="sampling.dtype values; '' is the control")
+    parser.add_argument("--batches", type=int, default=2, help="prompt batches of the demo (8 prompts x 8 samples)")
+    parser.add_argument("--adapter", default=None, help="lora_demo: a PEFT adapter folder instead of B = 0")
+    parser.add_argument("--json", default=str(ROOT / "benchmarks/results/sampler_gap.json"))
+    args = parser.parse_args(argv)
+    results = []
+    for name in args.setups.split(","):
+        run = setup(name, args.adapter)
+        try:
+            batches = [next(run.data) for _ in range(args.batches)]
+            for setting in args.settings.split(","):
+                row = {"setup": name, "sampling_dtype": setting or "(trainer's: float32)", **measure(run, setting,
+                                                                                                     batches)}
+                results.append(row)
+                print(json.dumps(row), flush=True)
+        finally:
+            run.close()
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                            text=True).stdout.strip()
+    record = {
+        "benchmark": "sampler/trainer gap per sampling.dtype (benchmarks/sampler_gap.py)",
+        "date": datetime.date.today().isoformat(), "commit": commit,
+        "machine": f"{platform.machine()}, {len(jax.devices())} x {jax.devices()[0].platform}, "
+                   f"{__import__('os').cpu_count()} cores",
+        "command": "benchmarks/sampler_gap.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "adapter": args.adapter or "lora_demo at step 0 (B = 0)",
+        "workload": f"{args.batches} demo prompt batches x 8 prompts x 8 samples, max_new_tokens 24, temperature 1",
+        "rows": results,
+    }
+    path = pathlib.Path(args.json)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
