@@ -21,6 +21,7 @@ from jaxrl_llm.objectives.aggregate import AGG_MODES, LossTerms, aggregate, aggr
 from jaxrl_llm.objectives.correction import (
     ROLLOUT_CORRECTION_LEVELS,
     ROLLOUT_CORRECTION_MODES,
+    decoupled_ppo_loss,
     rollout_correction,
 )
 from jaxrl_llm.objectives.cov import COV_LOSS_KINDS, cov_selection, token_covariance
@@ -51,6 +52,7 @@ __all__ = [
     "aggregate_denominator",
     "aggregate_terms",
     "cov_selection",
+    "decoupled_ppo_loss",
     "entropy_from_logits",
     "gae_advantages",
     "grpo_advantages",

@@ -1,5 +1,6 @@
 """Sampler/trainer mismatch correction: importance weights of the trainer's probabilities of the sampled tokens
-against the sampler's (truncated, TIS; masked, MIS; or rejection), and the size of the gap."""
+against the sampler's (truncated, TIS; masked, MIS; or rejection), and the size of the gap; the decoupled PPO
+objective of asynchronous RL, which weighs a stale behaviour policy the same way."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import jax.numpy as jnp
 
 from jaxrl_llm.objectives.aggregate import safe_divide
 from jaxrl_llm.objectives.kl import kl_penalty
-from jaxrl_llm.objectives.losses import _MAX_LOG_RATIO
+from jaxrl_llm.objectives.losses import _MAX_LOG_RATIO, policy_loss
 
 ROLLOUT_CORRECTION_LEVELS = ("token", "sequence", "geometric")
 ROLLOUT_CORRECTION_MODES = ("truncate", "mask", "reject")
@@ -123,3 +124,42 @@ def rollout_correction(train_logp, sampler_logp, mask, *, level: str = "token", 
         "ratio_max": jnp.where(any_token, jnp.max(jnp.where(on, ratio, -jnp.inf)), 1.0),
     }
     return weights, metrics
+
+
+def decoupled_ppo_loss(logp, proximal_logp, behavior_logp, advantages, mask, *, clip_low: float = 0.2,
+                       clip_high: float = 0.2, weight_cap: float | None = None, agg: str = "token-mean",
+                       max_len: int | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """The decoupled PPO objective of asynchronous RL (Fu et al. 2025, AReaL): the trust region is taken around
+    the proximal policy (the trainer's policy at the start of the update), and the behaviour policy that sampled
+    the tokens (a stale version, or the sampler's other precision) enters only through an importance weight.
+
+    With u_t = exp(logp_t - proximal_logp_t) and w_t = exp(proximal_logp_t - behavior_logp_t),
+
+      l_t = w_t max(-A_t u_t, -A_t clip(u_t, 1 - clip_low, 1 + clip_high))
+
+    and with `weight_cap` = C the tokens whose w_t > C are left out (w_t = 0; AReaL's behav_imp_weight_cap),
+    aggregated like `policy_loss` over every token of the mask. This is `rollout_correction(proximal_logp,
+    behavior_logp, mask, level="token", mode="mask", high=C)` weighing `policy_loss(logp, proximal_logp, ...)`,
+    which is how the trainer runs it (`algorithm.rollout_correction: token`, `_mode: mask`, `_high: C`, the old
+    log-probs recomputed: docs/async_rollouts.md). Both proximal_logp and behavior_logp are constants.
+
+    Returns:
+      (loss, metrics): `policy_loss`'s metrics plus behavior_kl (k3 of the behaviour against the proximal policy,
+      token mean), behavior_weight_mean and capped_fraction (tokens left out by the cap).
+
+    >>> import jax.numpy as jnp
+    >>> prox = jnp.log(jnp.array([[0.5, 0.4]]))
+    >>> behav = jnp.log(jnp.array([[0.25, 0.4]]))  # w = 2 and 1
+    >>> loss, m = decoupled_ppo_loss(prox, prox, behav, jnp.array([1.0]), jnp.ones((1, 2)))
+    >>> round(float(loss), 4)  # u = 1: l = -A w per token, token mean of -2 and -1
+    -1.5
+    """
+    cap = float("inf") if weight_cap is None else float(weight_cap)
+    if cap < 1.0:
+        raise ValueError(f"decoupled_ppo_loss: weight_cap must be >= 1 or None, got {weight_cap}")
+    weights, found = rollout_correction(proximal_logp, behavior_logp, mask, level="token", mode="mask", high=cap)
+    loss, metrics = policy_loss(logp, proximal_logp, advantages, mask, kind="clip", clip_low=clip_low,
+                                clip_high=clip_high, agg=agg, max_len=max_len, weights=weights)
+    metrics.update(behavior_kl=found["mismatch_kl"], behavior_weight_mean=found["weight_mean"],
+                   capped_fraction=found["corrected_fraction"])
+    return loss, metrics

@@ -99,23 +99,26 @@ def _train(run: Run, resume: bool, log) -> dict[str, Any]:
                     evaluation = evaluate_policy(run, f"step {done}", log)
                     eval_acc = evaluation["accuracy"]
                     metrics.update(eval_metrics(evaluation))
-                run.metrics.write(done, metrics)
-                bar.update(1)
-                bar.set_postfix(acc=f"{metrics['accuracy']:.2f}", reward=f"{metrics['reward']:.2f}",
-                                len=f"{metrics['response_length']:.1f}", kept=metrics["groups_kept"])
                 if bad_streak:
                     log(f"step {done}: non-finite loss or gradient, update skipped ({bad_streak} in a row)")
                     if bad_streak >= cfg.train.max_bad_steps:
+                        run.metrics.write(done, metrics)
                         save(run, done, books, eval_acc, rollouts.quiesce(done))
                         raise NonFiniteError(f"{bad_streak} consecutive non-finite updates (train.max_bad_steps="
                                              f"{cfg.train.max_bad_steps}); last good state saved at step {done}")
                 if preempted or (cfg.train.save_every and done % cfg.train.save_every == 0) or eval_acc is not None:
                     save(run, done, books, eval_acc, rollouts.quiesce(done))
+                if not preempted:  # version `done` to the sampler, after the save (which holds the steps before it)
+                    rollouts.publish(done)
+                    metrics["publish_s"] = time.perf_counter() - clock
+                run.metrics.write(done, metrics)
+                bar.update(1)
+                bar.set_postfix(acc=f"{metrics['accuracy']:.2f}", reward=f"{metrics['reward']:.2f}",
+                                len=f"{metrics['response_length']:.1f}", kept=metrics["groups_kept"])
                 if preempted:
                     log(f"SIGTERM: saved step {done} to {run.checkpointer.directory}; resume with --resume")
                     books["summary"]["status"] = "preempted"
                     return books["summary"]
-                rollouts.publish(done)
         finally:
             rollouts.close()
     summary = books["summary"]

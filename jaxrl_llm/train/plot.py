@@ -25,7 +25,8 @@ TIME_STAGES = ("time_sample_s", "time_score_s", "time_train_s")
 EVAL_OVERLAYS = {"eval_slot_occupancy": "sampling_slot_occupancy"}
 # Keys that are the x-axis, the gap markers, or drawn in the evaluation / time panels.
 # The schedule's clock (`loop.schedule_metrics`): event times and the policy version, for replaying a run's schedule.
-SCHEDULE = ("policy_version", "time_wait_s", "sample_start_s", "sample_end_s", "train_start_s", "train_end_s")
+SCHEDULE = ("policy_version", "time_wait_s", "sample_start_s", "sample_end_s", "train_start_s", "train_end_s",
+            "publish_s")
 NOT_SERIES = {"step", "samples_drawn", "updates", "skipped_update", "time_wall_s", "tokens_per_s",
               "eval_accuracy", "eval_sampling_sd", *TIME_STAGES, *EVAL_OVERLAYS, *SCHEDULE}
 NO_UPDATE, NON_FINITE = "no update (updates = 0)", "update skipped: non-finite loss or gradient"
