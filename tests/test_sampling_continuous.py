@@ -462,3 +462,11 @@ def test_slot_loop_updates_the_prompt_cache_in_place(tiny, monkeypatch):
         if found and found.group(1) in shapes and not computation.startswith("fused"):
             copies.append((computation, found.group(1)))
     assert re.search(r"while\(", text) and copies == []
+
+
+def test_default_slots_are_one_per_sample_bucketed():
+    from jaxrl_llm.sampling.continuous import default_slots
+
+    # None or 0: the samples rounded up to the row bucket (powers of two from 4 on); else the given count
+    assert [default_slots(n, None) for n in (1, 3, 5, 9, 16, 17, 64, 100)] == [1, 4, 8, 16, 16, 32, 64, 128]
+    assert default_slots(100, 0) == 128 and default_slots(100, 7) == 7

@@ -302,6 +302,12 @@ def slot_count(max_slots: int, num_rows: int, row_multiple: int = 1) -> int:
     return round_up(max(2, min(int(max_slots), bucket_size(num_rows))), row_multiple)
 
 
+def default_slots(samples: int, max_slots: int | None) -> int:
+    """The slots a caller asks for: `max_slots`, or (None / 0) one per sample rounded up to the row bucket
+    (`buckets.bucket_size`), so calls of nearby sizes share one compiled loop (`slot_count` then bounds it)."""
+    return max_slots if max_slots else bucket_size(int(samples))
+
+
 def check_max_slots(max_slots) -> None:
     if isinstance(max_slots, bool) or not isinstance(max_slots, (int, np.integer)) or max_slots < 1:
         raise ValueError(f"max_slots must be an int >= 1 (decode slots of the continuous engine), got {max_slots!r}")

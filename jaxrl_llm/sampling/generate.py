@@ -12,7 +12,7 @@ from jax.sharding import Mesh
 
 from jaxrl_llm.models import ModelConfig
 from jaxrl_llm.sampling.buckets import SamplingPlan, bucket_size, make_plan, prompt_group_size, round_up
-from jaxrl_llm.sampling.continuous import SlotStats, check_max_slots, generate_slots
+from jaxrl_llm.sampling.continuous import SlotStats, check_max_slots, default_slots, generate_slots
 from jaxrl_llm.sampling.engine import (
     SamplingState,
     decode_rows,
@@ -233,7 +233,7 @@ def call_plans(plan: SamplingPlan, prompt_lengths: np.ndarray, max_new_tokens: i
 
 def _continuous_rollout(params, config: ModelConfig, prompts: list[np.ndarray], counts: np.ndarray, *,
                         max_slots: int | None, **kwargs) -> tuple[Rollout, SlotStats]:
-    slots = bucket_size(int(counts.sum())) if max_slots is None else max_slots  # None: one per sample, bucketed
+    slots = default_slots(int(counts.sum()), max_slots)
     tokens, logprobs, lengths, stopped, row_prompt, stats = generate_slots(params, config, prompts, counts,
                                                                            max_slots=slots, **kwargs)
     mask = (np.arange(tokens.shape[1])[None, :] < lengths[:, None]).astype(np.float32)

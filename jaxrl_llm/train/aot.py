@@ -299,8 +299,7 @@ def _continuous_program(cfg: RunConfig, mc: ModelConfig, mesh, policy, hbm: int)
     prompt `data.max_prompt_tokens` long, `samples_per_prompt` samples of `max_new_tokens` each (GVM: the larger
     of its stage-1 and later counts), `sampling.max_slots` slots, as `sampling.continuous.generate_slots` calls it.
     The prompt queue and cache are replicated, as the engine's uncommitted host arrays are."""
-    from jaxrl_llm.sampling.buckets import bucket_size
-    from jaxrl_llm.sampling.continuous import decode_slots, slot_inputs
+    from jaxrl_llm.sampling.continuous import decode_slots, default_slots, slot_inputs
     from jaxrl_llm.sampling.engine import row_axes
 
     s = cfg.sampling
@@ -314,7 +313,8 @@ def _continuous_program(cfg: RunConfig, mc: ModelConfig, mesh, policy, hbm: int)
     def inputs():
         found["plan"], arrays, found["static"] = slot_inputs(
             mc, prompts, counts, max_new_tokens=s.max_new_tokens, pad_id=0,
-            max_slots=s.max_slots or bucket_size(int(counts.sum())), max_prompt_entries=s.max_prompt_entries, row_multiple=row_multiple)
+            max_slots=default_slots(int(counts.sum()), s.max_slots), max_prompt_entries=s.max_prompt_entries,
+            row_multiple=row_multiple)
         return arrays
 
     replicated = NamedSharding(mesh, P())

@@ -99,7 +99,7 @@ from jaxrl_llm.models.lora import LoraSpec, adapter_shapes, resolve_targets
 from jaxrl_llm.models.model import param_shapes
 from jaxrl_llm.models.sharding import MESH_AXES, partition_rules
 from jaxrl_llm.sampling.buckets import bucket_size, prefill_chunk, round_up
-from jaxrl_llm.sampling.continuous import prompt_entries, slot_count
+from jaxrl_llm.sampling.continuous import default_slots, prompt_entries, slot_count
 from jaxrl_llm.sampling.decoder import response_slots
 from jaxrl_llm.sampling.generate import call_prompt_group, call_row_bucket
 from jaxrl_llm.train.algorithms import needs_reference
@@ -402,7 +402,7 @@ def estimate_memory(config: RunConfig, model_config: ModelConfig, mesh: dict[str
     kv_bytes = mc.num_kv_heads * mc.head_dim * 2 * c  # one token's keys and values in one layer
     if cfg.sampling.engine == "continuous":
         num_rows = cfg.sampling.prompts_per_step * samples
-        all_slots = slot_count(cfg.sampling.max_slots or bucket_size(num_rows), num_rows, batch_split)
+        all_slots = slot_count(default_slots(num_rows, cfg.sampling.max_slots), num_rows, batch_split)
         local_slots = all_slots // batch_split
         chunk = prefill_chunk(prompt_bucket, cfg.sampling.prompts_per_step, batch_split)
         local_prompts = prompt_entries(cfg.sampling.prompts_per_step, all_slots, chunk, cfg.sampling.max_prompt_entries)
