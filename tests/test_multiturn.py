@@ -241,7 +241,7 @@ def test_the_training_loop_runs_on_conversations(tmp_path, algorithm):
                             "tools.env=calculator", f"algorithm.advantage={algorithm}", "tools.max_turns=2"]
     cfg = load_config(None, overrides)
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(setup, "make_tool_use", lambda section: ToolUse(AnswerEveryE(), section))
+        patch.setattr(setup, "make_tool_use", lambda section, *_, **__: ToolUse(AnswerEveryE(), section))
         summary = train(cfg, policy=(config, params, tokenizer))
     assert summary["status"] == "done"
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]

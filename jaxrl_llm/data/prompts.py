@@ -49,6 +49,7 @@ class PromptTemplate:
     ``raw_format(shot_1) + " " + answer_1 + raw_separator + ... + raw_format(question)``.
     The user text is ``user_prefix + question + user_suffix`` (exemplar questions get the same wrapping).
     ``add_special_tokens`` is passed to ``encode`` (True for base models that expect a BOS token).
+    ``tools``: function schemas the chat template renders (``apply_chat_template(..., tools=)``; tools.format chat).
     """
 
     system: str | None = DEFAULT_SYSTEM_PROMPT
@@ -59,6 +60,7 @@ class PromptTemplate:
     raw_format: str = "Question: {question}\nAnswer:"
     raw_separator: str = "\n\n"
     add_special_tokens: bool = False
+    tools: tuple[dict, ...] = ()
 
     def __post_init__(self):
         if not self.chat and "{question}" not in self.raw_format:
@@ -83,7 +85,8 @@ class PromptTemplate:
         if self.chat:
             if tokenizer is None:
                 raise ValueError("a chat prompt needs a tokenizer with apply_chat_template")
-            return tokenizer.apply_chat_template(self.messages(question), add_generation_prompt=True)
+            tools = {"tools": list(self.tools)} if self.tools else {}
+            return tokenizer.apply_chat_template(self.messages(question), add_generation_prompt=True, **tools)
         shots = [f"{self.raw_format.format(question=self.user_text(q))} {a}" for q, a in self.fewshot]
         return self.raw_separator.join(shots + [self.raw_format.format(question=self.user_text(question))])
 
@@ -113,6 +116,8 @@ def prompt_template(preset: str | PromptTemplate = "reasoning", **overrides) -> 
         raise KeyError(f"unknown prompt preset {preset!r}; known: {sorted(PROMPT_PRESETS)}")
     if "fewshot" in overrides and overrides["fewshot"] is not None:
         overrides["fewshot"] = tuple(tuple(shot) for shot in overrides["fewshot"])
+    if "tools" in overrides:
+        overrides["tools"] = tuple(overrides["tools"] or ())
     return dataclasses.replace(template, **overrides)
 
 

@@ -231,11 +231,14 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.hf.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """The prompt text for `messages` ([{"role": ..., "content": ...}]) from the Jinja chat template."""
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None) -> str:
+        """The prompt text for `messages` ([{"role": ..., "content": ...}]) from the Jinja chat template;
+        `tools`: function schemas for a template with a tool role (ignored by one without)."""
         if not self.hf.chat_template:
             raise ValueError("tokenizer has no chat template")
-        return self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        return self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                           tools=tools)
 
     @property
     def eos_token_id(self) -> int:

@@ -112,19 +112,24 @@ class CodeBlockEnv:
                           seconds=seconds)
 
     def format_output(self, result: ToolResult) -> str:
-        """The ```output block of a result: stdout, then stderr's last lines on failure, a note on a timeout,
-        cut to max_output_chars."""
-        body = result.stdout
-        if result.timed_out:
-            body += "\nTimeoutError: the program ran out of time"
-        elif result.returncode != 0:
-            lines = result.stderr.strip().splitlines()
-            body += "\n".join(lines[-3:])
-        body = body.strip("\n")
-        if len(body) > self.max_output_chars:
-            note = f"\n[output truncated: {len(body)} characters, {self.max_output_chars} shown]"
-            body = body[: self.max_output_chars - len(note)] + note
-        return f"\n{FENCE}output\n{body}\n{FENCE}\n"
+        """The ```output block of a result (`output_text`)."""
+        return f"\n{FENCE}output\n{output_text(result, self.max_output_chars)}\n{FENCE}\n"
+
+
+def output_text(result: ToolResult, max_output_chars: int) -> str:
+    """What a tool's result reads as: stdout, then stderr's last lines on failure, a note on a timeout, cut to
+    `max_output_chars` with a note giving the full length."""
+    body = result.stdout
+    if result.timed_out:
+        body += "\nTimeoutError: the program ran out of time"
+    elif result.returncode != 0:
+        lines = result.stderr.strip().splitlines()
+        body += "\n".join(lines[-3:])
+    body = body.strip("\n")
+    if len(body) > max_output_chars:
+        note = f"\n[output truncated: {len(body)} characters, {max_output_chars} shown]"
+        body = body[: max_output_chars - len(note)] + note
+    return body
 
 
 def python_env(*, timeout_s: float = 5.0, memory_mb: int = 512, isolation: str = "auto",

@@ -298,6 +298,10 @@ class ToolsSection:
     the prompt, observations included. The answer is scored on the model's own tokens."""
 
     env: str = ""  # "" (single-turn text), "python" (tools.run_python in its sandbox) or "calculator"
+    # How a call is written (docs/tool_use.md): "markdown", a fenced block tagged with the tool's name, answered by
+    # an output block; "chat", the model's chat template with a tool role (the tools' schemas in the prompt, a JSON
+    # call between the template's markers, the result as a "tool" message), refused at start where it has none
+    format: str = "markdown"
     max_turns: int = 3  # tool calls per conversation; after that many the next stop ends it
     max_observation_tokens: int = 48  # a longer tool output is cut, and the observation says so
     max_output_chars: int = 400  # characters of a tool's output kept before encoding
@@ -360,6 +364,7 @@ _ALLOWED = {
     ("algorithm", "verifier"): {"math", "code"},
     ("algorithm", "code_reward"): {"fraction", "all"},
     ("tools", "env"): {"", "python", "calculator"},
+    ("tools", "format"): {"markdown", "chat"},
     ("tools", "isolation"): {"auto", "unshare", "bwrap", "none"},
     ("rollouts", "mode"): {"sync", "async"},
     ("algorithm", "group_filter"): {"none", "mixed"},

@@ -34,7 +34,7 @@ from jaxrl_llm.train.packing import unpack
 from jaxrl_llm.train.resume import any_process, host_values, new_books, preemption_guard, restore, save
 from jaxrl_llm.train.rollouts import (ScoredRollouts, build_train_batches, count_slot_use, count_tool_use,
                                       counting_generate, engine_options, packed_rollouts, sample_and_score,
-                                      slot_occupancy, tool_generate, tool_metrics)
+                                      run_prompt_template, slot_occupancy, tool_generate, tool_metrics)
 from jaxrl_llm.train.setup import Run, release_free_host_memory, setup_run
 from jaxrl_llm.train.state import learning_rate
 
@@ -314,8 +314,8 @@ def evaluate_policy(run: Run, label: str, log) -> dict[str, Any]:
     metrics = evaluate(run.policy_params(), run.model_config, run.tokenizer, run.eval_records,
                        k=cfg.train.eval_samples, max_new_tokens=cfg.sampling.max_new_tokens,
                        temperature=cfg.train.eval_temperature, top_p=cfg.sampling.top_p, top_k=cfg.sampling.top_k,
-                       template=cfg.data.prompt, seed=cfg.train.seed + 1000, return_samples=True, mesh=run.mesh,
-                       samples_per_call=eval_rows_per_call(cfg.sampling), **code_verifier(cfg),
+                       template=run_prompt_template(cfg), seed=cfg.train.seed + 1000, return_samples=True,
+                       mesh=run.mesh, samples_per_call=eval_rows_per_call(cfg.sampling), **code_verifier(cfg),
                        **({} if run.tools is not None else engine_options(cfg.sampling)), **generate_fn)
     correct = [s["correct"] for s in metrics.pop("samples")]
     k = cfg.train.eval_samples

@@ -16,7 +16,7 @@ import numpy as np
 
 from jaxrl_llm import objectives
 from jaxrl_llm.sampling import SlotStats, generate
-from jaxrl_llm.train.config import AlgorithmSection, SamplingSection, ToolsSection
+from jaxrl_llm.train.config import AlgorithmSection, ConfigError, RunConfig, SamplingSection, ToolsSection
 from jaxrl_llm.train.packing import TrainBatch, bucket, micro_batch_order, pack_groups, round_up
 
 logger = logging.getLogger(__name__)
@@ -80,23 +80,49 @@ class ToolUse:
     section: ToolsSection
 
 
-def make_tool_use(section: ToolsSection) -> ToolUse | None:
-    """The environment `tools.env` names with its limits, or None for single-turn text."""
+def make_tool_use(section: ToolsSection, tokenizer=None, *, model: str = "") -> ToolUse | None:
+    """The environment `tools.env` names with its limits, or None for single-turn text; `tools.format` chat
+    builds it on `tokenizer`'s chat template (a ConfigError naming `model` when that has no tool role)."""
     if not section.env:
         return None
     from jaxrl_llm.tools import env as environments
 
+    limits = {}
     if section.env == "python":
         from jaxrl_llm.tools import resolve_isolation
 
         # at start, not at the first call: a machine without a sandbox fails here, naming what is missing
         mechanism = resolve_isolation(section.isolation)
         logger.info("tools: python runs under %s isolation", mechanism)
-        env = environments.python_env(timeout_s=section.timeout_s, memory_mb=section.memory_mb,
-                                      isolation=section.isolation, max_output_chars=section.max_output_chars)
+        limits = dict(timeout_s=section.timeout_s, memory_mb=section.memory_mb, isolation=section.isolation)
+    if section.format == "chat":
+        from jaxrl_llm.tools.chat_env import ChatTemplateError, chat_tool_env
+
+        try:
+            env = chat_tool_env(tokenizer, section.env, max_output_chars=section.max_output_chars,
+                                max_observation_tokens=section.max_observation_tokens, **limits)
+        except ChatTemplateError as err:
+            raise ConfigError(f"config key 'tools.format'='chat' needs the model's chat template to have a tool "
+                              f"role; the tokenizer of model {model!r}: {err} (tools.format=markdown works with "
+                              "any model)") from None
+        logger.info("tools: chat format, calls written %s ... %s", env.format.call_open, env.format.call_close)
     else:
-        env = environments.ENVIRONMENTS[section.env](max_output_chars=section.max_output_chars)
+        env = environments.ENVIRONMENTS[section.env](max_output_chars=section.max_output_chars, **limits)
     return ToolUse(env, section)
+
+
+def run_prompt_template(cfg: RunConfig):
+    """`data.prompt`, with the tools' schemas for the chat template to render when `tools.format` is chat."""
+    if not cfg.tools.env or cfg.tools.format != "chat":
+        return cfg.data.prompt
+    from jaxrl_llm.data import prompt_template
+    from jaxrl_llm.tools.chat_env import tool_schemas
+
+    template = prompt_template(cfg.data.prompt, tools=tool_schemas(cfg.tools.env))
+    if not template.chat:
+        raise ConfigError(f"config key 'tools.format'='chat' renders the tools through the chat template, but "
+                          f"data.prompt={cfg.data.prompt!r} is a raw-text prompt")
+    return template
 
 
 def sample_and_score(params, model_config, tokenizer, records: list[dict], counts, sampling: SamplingSection,

@@ -48,7 +48,7 @@ from jaxrl_llm.train.config import ConfigError, RunConfig, lora_enabled, uses_cr
 from jaxrl_llm.train.critic import Critic, critic_trunk, setup_critic
 from jaxrl_llm.train.metrics import MetricsWriter
 from jaxrl_llm.train.packing import TrainBatch
-from jaxrl_llm.train.rollouts import RewardScorer, ToolUse, make_tool_use
+from jaxrl_llm.train.rollouts import RewardScorer, ToolUse, make_tool_use, run_prompt_template
 from jaxrl_llm.train.state import TrainState, init_state, make_optimizer, state_shardings
 from jaxrl_llm.train.step import make_logprob_fn, make_train_step
 
@@ -173,7 +173,7 @@ def map_large_host_allocations() -> bool:
 
 def load_prompts(spec: Any, tokenizer, config: RunConfig) -> list[dict]:
     records = data_lib.load_records(spec)
-    kept, _ = data_lib.build_prompts(records, tokenizer, config.data.prompt,
+    kept, _ = data_lib.build_prompts(records, tokenizer, run_prompt_template(config),
                                      max_prompt_tokens=config.data.max_prompt_tokens)
     return kept
 
@@ -252,7 +252,7 @@ def setup_run(config: RunConfig, *, policy=None) -> Run:
                                                                      (state, None if critic is None else critic.state))),
         metrics=MetricsWriter(out_dir), out_dir=out_dir, mesh=mesh, state_sharding=state_sharding,
         batch_sharding=batch_sharding, base_params=None if lora_spec is None else params, lora_spec=lora_spec,
-        merge_fn=merge_fn, critic=critic, tools=make_tool_use(cfg.tools),
+        merge_fn=merge_fn, critic=critic, tools=make_tool_use(cfg.tools, tokenizer, model=cfg.model.source),
         split_mesh=make_mesh(cfg.rollouts.sampler_mesh, devices=sampler_devices) if sampler_devices else None)
 
 
