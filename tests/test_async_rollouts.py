@@ -174,6 +174,15 @@ def test_config_errors_name_the_key():
         load_config(None, ["rollouts.mode=async", "rollouts.sampler_mesh=data=2"])
 
 
+def test_asynchronous_runs_verify_in_a_process_pool():
+    """The sampler thread scores, where the in-process time limit (SIGALRM) does not hold: at least one worker."""
+    from jaxrl_llm.train.setup import verifier_workers
+
+    assert verifier_workers(load_config(None, [])) == 0
+    assert verifier_workers(load_config(None, ["rollouts.mode=async"])) == 1
+    assert verifier_workers(load_config(None, ["rollouts.mode=async", "train.verifier_workers=3"])) == 3
+
+
 # ---- the loop ---------------------------------------------------------------------------------------------------
 
 def _run(out_dir, *extra):

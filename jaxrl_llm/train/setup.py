@@ -28,6 +28,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import functools
+import logging
 import pathlib
 import time
 from typing import Any
@@ -51,6 +52,8 @@ from jaxrl_llm.train.packing import TrainBatch
 from jaxrl_llm.train.rollouts import RewardScorer, ToolUse, make_tool_use, run_prompt_template
 from jaxrl_llm.train.state import TrainState, init_state, make_optimizer, state_shardings
 from jaxrl_llm.train.step import make_logprob_fn, make_train_step
+
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
@@ -236,7 +239,7 @@ def setup_run(config: RunConfig, *, policy=None) -> Run:
     loader = data_lib.LoaderConfig(batch_size=cfg.sampling.prompts_per_step, seed=cfg.data.seed, shard_index=0,
                                    shard_count=1)
     scorer = RewardScorer(cfg.algorithm, cfg.sampling, timeout=cfg.train.verifier_timeout,
-                          workers=cfg.train.verifier_workers)
+                          workers=verifier_workers(cfg))
     return Run(
         config=cfg, model_config=model_config, tokenizer=tokenizer, state=state, ref_params=ref_params,
         optimizer=optimizer,
@@ -254,6 +257,16 @@ def setup_run(config: RunConfig, *, policy=None) -> Run:
         batch_sharding=batch_sharding, base_params=None if lora_spec is None else params, lora_spec=lora_spec,
         merge_fn=merge_fn, critic=critic, tools=make_tool_use(cfg.tools, tokenizer, model=cfg.model.source),
         split_mesh=make_mesh(cfg.rollouts.sampler_mesh, devices=sampler_devices) if sampler_devices else None)
+
+
+def verifier_workers(cfg: RunConfig) -> int:
+    """`train.verifier_workers`, or 1 where 0 would verify without a wall-clock limit: asynchronous rollouts score
+    in the sampler thread, and the in-process limit (SIGALRM) holds in the main thread only."""
+    if cfg.train.verifier_workers == 0 and cfg.rollouts.mode == "async":
+        logger.info("rollouts.mode async: the verifier runs in a pool of 1 process (train.verifier_workers=0 would "
+                    "score in the sampler thread without a time limit)")
+        return 1
+    return cfg.train.verifier_workers
 
 
 def split_devices(cfg: RunConfig) -> tuple[list | None, list | None]:
