@@ -265,14 +265,17 @@ def setup_run(config, **kwargs):
     import jax
     seen["copy_devices"] = sorted({d.id for leaf in jax.tree_util.tree_leaves(copied) for d in leaf.devices()})
     return run
-import jaxrl_llm.train.loop as loop_module
-loop_module.setup_run = setup_run
-out = sys.argv[1]
-summary = train(load_config(None, TINY_RUN + [f"train.out_dir={out}", "rollouts.mode=async", "rollouts.sampler_devices=4",
-                                             "train.mesh=fsdp=4", "train.steps=3"]), policy=tiny_policy())
-rows = [json.loads(l) for l in open(f"{out}/metrics.jsonl") if '"accuracy"' in l]
-print("RESULT " + json.dumps({**seen, "status": summary["status"],
-                              "versions": [r["policy_version"] for r in rows], "grad_norm": rows[-1]["grad_norm"]}))
+
+
+if __name__ == "__main__":  # the verifier's pool starts processes that import this file
+    import jaxrl_llm.train.loop as loop_module
+    loop_module.setup_run = setup_run
+    out = sys.argv[1]
+    summary = train(load_config(None, TINY_RUN + [f"train.out_dir={out}", "rollouts.mode=async", "rollouts.sampler_devices=4",
+                                                 "train.mesh=fsdp=4", "train.steps=3"]), policy=tiny_policy())
+    rows = [json.loads(l) for l in open(f"{out}/metrics.jsonl") if '"accuracy"' in l]
+    print("RESULT " + json.dumps({**seen, "status": summary["status"],
+                                  "versions": [r["policy_version"] for r in rows], "grad_norm": rows[-1]["grad_norm"]}))
 """
 
 
