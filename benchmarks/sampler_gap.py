@@ -1,13 +1,14 @@
 """The sampler/trainer gap: how far the sampler's log-probs of its own tokens are from the trainer's, per
 `sampling.dtype`, on the bundled model and README's demo prompts.
 
-    .venv/bin/python benchmarks/sampler_gap.py [--setups lora_demo,full] [--settings ,bfloat16,int8]
+    .venv/bin/python benchmarks/sampler_gap.py [--setups lora_demo,lora_demo_trained,full] [--settings ,bfloat16,int8]
         [--batches 2] [--adapter DIR] [--json benchmarks/results/sampler_gap.json]
+    .venv/bin/python benchmarks/sampler_gap.py --runs LABEL=RUN_DIR,... --json OUT   # summarize training runs
 
 Setups (each a `setup_run` of a config, as `jaxrl-llm train` builds it):
-- lora_demo: configs/lora_demo.yaml, README's demo: LoRA adapters (rank 16, every projection) on the int8 base.
-  The adapters are the demo's at step 0 (B = 0, so the merged policy is the int8 base itself) or, with
-  `--adapter DIR`, a PEFT folder (a trained run's final_adapter/);
+- lora_demo: configs/lora_demo.yaml, README's demo: LoRA adapters (rank 16, every projection) on the int8 base,
+  at step 0 (B = 0: the merged policy is the dequantized int8 base itself);
+- lora_demo_trained: the same with the adapters of `--adapter DIR` (a PEFT folder: a demo run's final_adapter/);
 - full: the defaults (`jaxrl-llm train`): every weight trained, f32.
 
 For each setup and each sampler setting (`sampling.dtype`: "" = the trainer's f32, the control; bfloat16; int8)
@@ -17,12 +18,15 @@ temperature 1, the loop's keys of steps 0, 1, ...) with `Run.sampler_params()` a
 teacher-forced pass (`train.loop.token_logprobs` of `Run.policy_params()`, f32: the recomputed old log-probs).
 With d_t = train_logp_t - sampler_logp_t over the response tokens it reports:
 - mismatch_kl: the token mean of k3 = exp(d) - d - 1 (`objectives.rollout_correction`'s metric, the loop's
-  rollout_mismatch_kl);
+  rollout_mismatch_kl), and mismatch_kl_f64, the same in float64 (in float32 the floor's k3 rounds to 0);
 - max_abs_d, mean_abs_d: max and mean |d_t|;
 - outside_half_two: the fraction of tokens whose ratio exp(d_t) leaves [0.5, 2];
 - tis_corrected_fraction: the fraction of tokens the default TIS (token level, truncate at 2) caps;
 - seq_abs_log_ratio_mean / _max: |sum_t d_t| per response (the sequence-level log-ratio);
-- accuracy (the verifier's), tokens, sample_s (the sampler's wall time, first batch's compile included).
+- accuracy (the verifier's, of the sampled responses), tokens, sample_s (the sampler's wall time, first batch's
+  compile included);
+- adapter_update_kept (LoRA setups): the share of the adapters' update W' - W the sampler's weights carry,
+  <S - W, W' - W> / |W' - W|^2 over the projections (1 for the f32 merge; None with B = 0).
 The f32 control is the floor: the sampler's incremental decode and the trainer's packed teacher-forced pass of
 one f32 policy. Results go to `--json`.
 """
@@ -46,14 +50,14 @@ import numpy as np
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from jaxrl_llm.models.peft_io import load_peft  # noqa: E402
+from jaxrl_llm.models import quant  # noqa: E402
 from jaxrl_llm.objectives import rollout_correction  # noqa: E402
 from jaxrl_llm.train import load_config  # noqa: E402
 from jaxrl_llm.train.loop import token_logprobs  # noqa: E402
 from jaxrl_llm.train.rollouts import sample_and_score  # noqa: E402
 from jaxrl_llm.train.setup import setup_run  # noqa: E402
 
-SETUPS = {"lora_demo": "configs/lora_demo.yaml", "full": None}
+SETUPS = {"lora_demo": "configs/lora_demo.yaml", "lora_demo_trained": "configs/lora_demo.yaml", "full": None}
 
 
 def gap_metrics(train_logp: np.ndarray, sampler_logp: np.ndarray, mask: np.ndarray) -> dict[str, float]:
@@ -71,6 +75,23 @@ def gap_metrics(train_logp: np.ndarray, sampler_logp: np.ndarray, mask: np.ndarr
             "tis_corrected_fraction": float(found["corrected_fraction"]),
             "seq_abs_log_ratio_mean": float(seq.mean()), "seq_abs_log_ratio_max": float(seq.max()),
             "tokens": int(on.sum())}
+
+
+def adapter_update_kept(base, merged, sampler) -> float | None:
+    """How much of the adapters' update the sampler's weights carry: with D = merged - base and S = sampler - base
+    over every projection (base dequantized), <S, D> / <D, D> (1: all of it; 0: the sampler reads the base).
+    None when the adapters are zero (B = 0)."""
+    base = quant.dequantize_base(base)
+    sampler = quant.dequantize_base(sampler)
+    num = den = 0.0
+    for name, w in base["layers"].items():
+        if not name.endswith("_proj"):
+            continue
+        w = np.asarray(w, np.float64)
+        d = np.asarray(merged["layers"][name], np.float64) - w
+        num += float(np.sum((np.asarray(sampler["layers"][name].astype(jnp.float32), np.float64) - w) * d))
+        den += float(np.sum(d * d))
+    return num / den if den > 0 else None
 
 
 def measure(run, setting: str, batches: list[list[dict]]) -> dict:
@@ -94,6 +115,8 @@ def measure(run, setting: str, batches: list[list[dict]]) -> dict:
         masks.append(pad(scored.mask))
         correct.append(scored.correct)
     out = gap_metrics(np.concatenate(train_parts), np.concatenate(sampler_parts), np.concatenate(masks))
+    if run.base_params is not None:
+        out["adapter_update_kept"] = adapter_update_kept(run.base_params, policy, sampler_params)
     out.update(accuracy=float(np.concatenate(correct).mean()), sample_s=round(sample_s, 2),
                sampler_compute_dtype=sampler_config.compute_dtype,
                sampler_projection_dtype=str(jax.tree_util.tree_leaves(sampler_params["layers"]["q_proj"])[0].dtype))
@@ -102,21 +125,58 @@ def measure(run, setting: str, batches: list[list[dict]]) -> dict:
 
 def setup(name: str, adapter: str | None):
     overrides = ["train.eval_problems=0", "train.out_dir=runs/sampler_gap"]
-    if name == "lora_demo" and adapter:
+    if name == "lora_demo_trained":
+        if not adapter:
+            raise SystemExit("setup lora_demo_trained needs --adapter DIR (a PEFT folder, e.g. a run's final_adapter)")
         overrides.append(f"lora.adapter={adapter}")
     config = load_config(None if SETUPS[name] is None else ROOT / SETUPS[name], overrides)
     return setup_run(config)
 
 
+def summarize_run(directory: pathlib.Path) -> dict:
+    """A training run's numbers from its metrics.jsonl (and train.log, the `/usr/bin/time -v` output beside it):
+    held-out avg@k before / after with their sampling sd, the change in noise sd, the mismatch KL and (with the
+    correction) the corrected fraction per step, the sampler's training accuracy per step, seconds per step."""
+    rows = [json.loads(line) for line in (directory / "metrics.jsonl").read_text().splitlines()]
+    evals = [r for r in rows if "eval_accuracy" in r]
+    steps = [r for r in rows if "updates" in r]
+    before, after = evals[0], evals[-1]
+    noise = (before["eval_sampling_sd"] ** 2 + after["eval_sampling_sd"] ** 2) ** 0.5
+    out = {"eval_before": before["eval_accuracy"], "eval_before_sd": before["eval_sampling_sd"],
+           "eval_after": after["eval_accuracy"], "eval_after_sd": after["eval_sampling_sd"],
+           "change_in_noise_sd": round((after["eval_accuracy"] - before["eval_accuracy"]) / noise, 2),
+           "steps": len(steps), "median_step_s": round(float(np.median([r["time_wall_s"] for r in steps])), 1)}
+    for key in ("rollout_mismatch_kl", "rollout_corrected_fraction", "rollout_weight_mean", "clip_fraction", "accuracy"):
+        if any(key in r for r in steps):
+            out[f"{key}_per_step"] = [round(r[key], 5) if key in r else None for r in steps]
+    log = directory / "train.log"
+    if log.is_file():
+        for line in log.read_text(errors="replace").splitlines():
+            if "Elapsed (wall clock)" in line:
+                out["wall"] = line.split("):", 1)[1].strip()
+            if "Command being timed" in line:
+                out["command"] = line.split(":", 1)[1].strip().strip('"')
+    return out
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--setups", default="lora_demo,full")
+    parser.add_argument("--setups", default="lora_demo,full", help="of " + ",".join(SETUPS))
     parser.add_argument("--settings", default=",bfloat16,int8", help="sampling.dtype values; '' is the control")
     parser.add_argument("--batches", type=int, default=2, help="prompt batches of the demo (8 prompts x 8 samples)")
-    parser.add_argument("--adapter", default=None, help="lora_demo: a PEFT adapter folder instead of B = 0")
+    parser.add_argument("--adapter", default=None, help="lora_demo_trained: a PEFT adapter folder (final_adapter/)")
     parser.add_argument("--json", default=str(ROOT / "benchmarks/results/sampler_gap.json"))
+    parser.add_argument("--runs", default="", help="label=RUN_DIR,...: summarize training runs instead of sampling")
     args = parser.parse_args(argv)
-    results = []
+    if args.runs:
+        runs = {label: summarize_run(pathlib.Path(d)) for label, d in (x.split("=", 1) for x in args.runs.split(","))}
+        path = pathlib.Path(args.json)
+        path.write_text(json.dumps({"benchmark": "training runs with the sampler's precision off the trainer's "
+                                                 "(benchmarks/sampler_gap.py --runs)",
+                                    "date": datetime.date.today().isoformat(), "runs": runs}, indent=1) + "\n")
+        print(json.dumps(runs, indent=1))
+        return 0
+    results, started = [], time.perf_counter()
     for name in args.setups.split(","):
         run = setup(name, args.adapter)
         try:
@@ -136,8 +196,9 @@ def main(argv=None) -> int:
         "machine": f"{platform.machine()}, {len(jax.devices())} x {jax.devices()[0].platform}, "
                    f"{__import__('os').cpu_count()} cores",
         "command": "benchmarks/sampler_gap.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-        "adapter": args.adapter or "lora_demo at step 0 (B = 0)",
+        "adapter": args.adapter,
         "workload": f"{args.batches} demo prompt batches x 8 prompts x 8 samples, max_new_tokens 24, temperature 1",
+        "wall_s": round(time.perf_counter() - started, 1),
         "rows": results,
     }
     path = pathlib.Path(args.json)

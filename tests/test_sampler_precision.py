@@ -5,7 +5,6 @@ the sampler's log-probs of its own tokens off the trainer's f32 ones by a nonzer
 int8 by per-channel rounding of the projections; under LoRA with an int8 base and B = 0 the int8 sampler is the
 trainer's own base (a gap of f32 rounding only)."""
 
-import dataclasses
 import json
 
 import jax
