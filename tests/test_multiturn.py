@@ -176,10 +176,12 @@ def test_limits_on_calls_observations_and_budget():
         _run(big, max_turns=-1)
 
 
-def test_the_trainer_scores_the_model_tokens_as_the_sampler_drew_them():
+@pytest.mark.parametrize("engine", ["static", "continuous"])
+def test_the_trainer_scores_the_model_tokens_as_the_sampler_drew_them(engine):
     """A real model samples conversations (each fence it writes answered by an observation), the trainer packs
     them and recomputes the log-probs of every token: on the model's tokens they equal the sampler's, and the
-    observation tokens are out of the mask."""
+    observation tokens are out of the mask. On the continuous engine the conversations turn over on its slots
+    (a continued one fed its tokens so far again from its prompt's cached prefill), 4 slots for 6 of them."""
     from jaxrl_llm.train.logprobs import response_logprobs
     from jaxrl_llm.train.packing import pack_groups, unpack
     from tests.tiny_models import tiny_sampler_model
@@ -196,8 +198,9 @@ def test_the_trainer_scores_the_model_tokens_as_the_sampler_drew_them():
             return TurnResult("observe", observation="\n```output\nok\n```\n", tool_call=True)
 
     records = [{"prompt_ids": TOK.encode("Q: 1?")}, {"prompt_ids": TOK.encode("Q: 22?")}]
+    slots = {"max_slots": 4, "segment_iterations": 5} if engine == "continuous" else {}
     out = multiturn.generate_multiturn(params, config, TOK, records, AnswerEveryFence(), num_samples=3,
-                                       max_new_tokens=40, max_turns=3, rng=jax.random.key(3))
+                                       max_new_tokens=40, max_turns=3, rng=jax.random.key(3), engine=engine, **slots)
     observed = (out.mask == 0) & (np.arange(40) < out.lengths[:, None])
     assert out.tool_calls.sum() > 0 and observed.any()  # the test exercises observations
     groups = [np.flatnonzero(out.prompt_index == g) for g in range(2)]
@@ -220,11 +223,12 @@ class AnswerEveryE:
         return TurnResult("observe", observation="\n```output\n7\n```\n", tool_call=True, seconds=0.01)
 
 
-@pytest.mark.parametrize("algorithm", ["grpo", "gae"])
-def test_the_training_loop_runs_on_conversations(tmp_path, algorithm):
-    """Two steps of GRPO and of PPO with a critic (GAE over the model's tokens only) on a tiny random policy with
-    `tools.env` set (its environment answering often): the steps update on the conversations and log their tool
-    use, and the evaluation logs its tool-call rate."""
+@pytest.mark.parametrize("algorithm,engine", [("grpo", "static"), ("gae", "continuous")])
+def test_the_training_loop_runs_on_conversations(tmp_path, algorithm, engine):
+    """Two steps of GRPO (conversations in rounds on the static engine) and of PPO with a critic (GAE over the
+    model's tokens only; turns on the continuous engine's slots) on a tiny random policy with `tools.env` set (its
+    environment answering often): the steps update on the conversations and log their tool use, and the
+    evaluation logs its tool-call rate."""
     import json
     import pathlib
     import sys
@@ -238,7 +242,8 @@ def test_the_training_loop_runs_on_conversations(tmp_path, algorithm):
 
     config, params, tokenizer = tiny_policy()
     overrides = TINY_RUN + [f"train.out_dir={tmp_path}", "train.steps=2", "sampling.max_new_tokens=24",
-                            "tools.env=calculator", f"algorithm.advantage={algorithm}", "tools.max_turns=2"]
+                            "tools.env=calculator", f"algorithm.advantage={algorithm}", "tools.max_turns=2",
+                            f"sampling.engine={engine}", "tools.segment_iterations=4"]
     cfg = load_config(None, overrides)
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(setup, "make_tool_use", lambda section, *_, **__: ToolUse(AnswerEveryE(), section))
@@ -301,3 +306,78 @@ def test_forced_prefixes_continue_rows_as_if_they_had_sampled_them():
         generate(params, config, prompts, forced_prefixes=[[1]], **common)
     with pytest.raises(ValueError, match="static"):
         generate(params, config, prompts, forced_prefixes=[[1]] * 5, engine="continuous", **common)
+
+
+class ContinueAtEvery:
+    """Stops a turn at every token holding `text` and lets the model go on, observing nothing."""
+
+    def __init__(self, text: str):
+        self.stop_strings = (text,)
+
+    def step(self, record, text, *, ended, calls_left=1):
+        return TurnResult("end" if ended else "continue")
+
+
+def test_turns_on_the_slots_continue_each_sample_as_one_free_run():
+    """The continuous engine's turns (`continuous.run_slots`): a conversation that stops at every x (the free run's
+    most frequent character) and is given
+    back with nothing observed is fed its own tokens again and samples on with the numbers of its row and
+    position, so it equals the engine's free run without those stops (tokens; log-probs to float rounding,
+    another program), whatever the segment length, on fewer slots than conversations."""
+    from jaxrl_llm.sampling import generate
+    from tests.tiny_models import tiny_sampler_model
+
+    config, params = tiny_sampler_model(vocab_size=TOK.vocab_size)
+    records = [{"prompt_ids": TOK.encode("Q: 1?")}, {"prompt_ids": TOK.encode("Q: 22?")},
+               {"prompt_ids": TOK.encode("What?")}]
+    common = dict(num_samples=[3, 1, 2], max_new_tokens=32, rng=jax.random.key(11), engine="continuous",
+                  max_slots=4)
+    free = generate(params, config, [r["prompt_ids"] for r in records], stop_ids=[EOS_ID], **common)
+    drawn = free.tokens[free.mask > 0].ravel()
+    x = int(np.bincount(drawn[(drawn >= 3) & (drawn != ord("`") + 3)], minlength=TOK.vocab_size).argmax())
+    assert (drawn == x).sum() >= 4  # the test exercises turns
+    for segment in (1, 7):
+        out = multiturn.generate_multiturn(params, config, TOK, records, ContinueAtEvery(chr(x - 3)),
+                                           segment_iterations=segment, **common)
+        np.testing.assert_array_equal(out.tokens, free.tokens)
+        np.testing.assert_array_equal(out.lengths, free.lengths)
+        np.testing.assert_allclose(out.logprobs, free.logprobs, atol=1e-5)
+        assert (out.mask == free.mask).all() and out.tool_calls.sum() == 0
+        assert out.rounds > 4  # segments
+
+
+def test_a_conversation_waiting_for_its_tool_does_not_hold_the_others():
+    """On the continuous engine's slots, one conversation's tool call blocks until every other conversation has
+    ended (they stop at every token and go on): it returns only because the others decode while it waits. The
+    round-based engine would hold them all for it (the wait's 120 s limit would run out)."""
+    import threading
+
+    from tests.tiny_models import tiny_sampler_model
+
+    config, params = tiny_sampler_model(vocab_size=TOK.vocab_size)
+    others_done, lock = threading.Event(), threading.Lock()
+    finished = []
+    waited = []
+
+    class SlowForOne:
+        stop_strings = tuple(chr(c) for c in range(32, 127))  # every printable token ends a turn
+
+        def step(self, record, text, *, ended, calls_left=1):
+            if record["slow"]:
+                waited.append(others_done.wait(timeout=120))
+                return TurnResult("end", seconds=0.0)
+            if ended:
+                with lock:
+                    finished.append(record["id"])
+                    if len(finished) == 4:
+                        others_done.set()
+                return TurnResult("end")
+            return TurnResult("continue")
+
+    records = [{"prompt_ids": TOK.encode("Q: 1?"), "slow": True, "id": 0}] + [
+        {"prompt_ids": TOK.encode(f"Q: {i}{i}?"), "slow": False, "id": i} for i in range(1, 5)]
+    out = multiturn.generate_multiturn(params, config, TOK, records, SlowForOne(), num_samples=1,
+                                       max_new_tokens=12, rng=jax.random.key(2), engine="continuous",
+                                       segment_iterations=2, tool_workers=2)
+    assert waited == [True] and sorted(finished) == [1, 2, 3, 4]
+    assert out.lengths[0] == 1 and (out.lengths[1:] > 1).all()  # the slow one: one token, then its wait

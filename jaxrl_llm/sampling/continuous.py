@@ -66,7 +66,7 @@ class PromptCache(NamedTuple):
 @functools.partial(jax.tree_util.register_dataclass,
                    data_fields=["tokens", "logprobs", "lengths", "stopped", "slot_sample", "slot_step", "logits",
                                 "next_sample", "iterations", "response_k", "response_v", "prompts", "entry_of",
-                                "entry_left", "prefilled"],
+                                "entry_left", "prefilled", "given", "resume", "turn_ended"],
                    meta_fields=[])
 @dataclasses.dataclass(frozen=True)
 class SlotState:
@@ -98,6 +98,9 @@ class SlotState:
     entry_of: jax.Array
     entry_left: jax.Array
     prefilled: jax.Array
+    given: jax.Array
+    resume: jax.Array
+    turn_ended: jax.Array
 
 
 class SlotStats(NamedTuple):
@@ -146,35 +149,34 @@ class PromptQueue(NamedTuple):
     num_prompts: jax.Array
 
 
-@functools.partial(jax.jit, static_argnames=("config", "mesh", "slots", "new_token_bucket", "greedy", "top_k",
-                                             "use_top_p", "prefill_chunk", "paired_stops"),
-                   donate_argnames=("prompts",))
-def decode_slots(params, config: ModelConfig, mesh: Mesh | None, prompts: PromptCache, queue_prompts: PromptQueue,
-                 sample_prompt: jax.Array, num_samples: jax.Array, rng: jax.Array,
-                 temperature: jax.Array, top_p: jax.Array, max_new_tokens: jax.Array, stop_ids: jax.Array,
-                 pad_id: jax.Array, *, slots: int, new_token_bucket: int, greedy: bool, top_k: int, use_top_p: bool,
-                 prefill_chunk: int, paired_stops: bool = False) -> SlotState:
-    """Decode samples 0 .. num_samples - 1 (sample k continues prompt sample_prompt[k] [K] of
-    `queue_prompts`) on `slots` slots until every sample ended; returns the final `SlotState`.
-
-    Prompts are prefilled on demand, `prefill_chunk` at a time in queue order, into free entries of the
-    (empty, donated) prompt cache `prompts` (an entry frees when its prompt's last sample ends): before
-    the slots take pending samples, the loop prefills chunks while fewer prefilled samples are pending
-    than slots are free and a chunk's worth of entries is free. A slot takes a pending sample only once
-    its prompt is prefilled. With E >= slots + prefill_chunk entries no slot ever waits: when the queue's
-    next prompt is not prefilled, every live entry has a sample in a slot, so at least `prefill_chunk`
-    entries are free. With fewer, free slots may wait for an entry; never forever, since an entry frees
-    when its prompt's busy samples end and E >= prefill_chunk.
-
-    A sample ends after a token in `stop_ids` (-1 entries are padding) or after `max_new_tokens` tokens;
-    its slot then takes the lowest pending sample (free slots in index order), which picks its token 0
-    from its prompt's last logits at the next iteration. Idle slots flow through the step and write
-    nothing. With `mesh`, the slots and each prefill chunk are split over its row axes.
-    """
-    queue = sample_prompt.shape[0]
-    entries = prompts.lengths.shape[0]
-    layers = unstack_layers(params)  # sliced once, outside the loop
+def _empty_state(config: ModelConfig, prompts: PromptCache, queue_prompts: PromptQueue, queue: int, pad_id: jax.Array,
+                 *, slots: int, new_token_bucket: int) -> SlotState:
     empty = empty_row_cache(config, slots, 1, new_token_bucket, response_tile=response_tile_size(new_token_bucket))
+    entries = prompts.lengths.shape[0]
+    return SlotState(
+        tokens=jnp.full((queue, new_token_bucket), pad_id, jnp.int32),
+        logprobs=jnp.zeros((queue, new_token_bucket), jnp.float32),
+        lengths=jnp.zeros((queue,), jnp.int32), stopped=jnp.zeros((queue,), bool),
+        slot_sample=jnp.full((slots,), -1, jnp.int32), slot_step=jnp.zeros((slots,), jnp.int32),
+        logits=jnp.zeros((slots, config.vocab_size), jnp.float32),
+        next_sample=jnp.zeros((), jnp.int32), iterations=jnp.zeros((), jnp.int32),
+        response_k=empty.response_k, response_v=empty.response_v, prompts=prompts,
+        entry_of=jnp.full(queue_prompts.tokens.shape[:1], entries, jnp.int32),
+        entry_left=jnp.zeros((entries,), jnp.int32), prefilled=jnp.zeros((), jnp.int32),
+        given=jnp.zeros((queue,), jnp.int32), resume=jnp.zeros((queue,), bool),
+        turn_ended=jnp.zeros((queue,), bool))
+
+
+def _slot_loop(params, config: ModelConfig, mesh: Mesh | None, queue_prompts: PromptQueue, sample_prompt: jax.Array,
+               num_samples: jax.Array, rng: jax.Array, temperature: jax.Array, top_p: jax.Array,
+               max_new_tokens: jax.Array, stop_ids: jax.Array, *, slots: int, greedy: bool, top_k: int,
+               use_top_p: bool, prefill_chunk: int, paired_stops: bool, turns: bool):
+    """(constrain, busy, step) of the slot loop (traced inside `decode_slots` and `run_slots`). With `turns`, a sample
+    that ends keeps its prompt entry (the host ends the conversation, not the loop), is flagged in turn_ended,
+    and the host may give it back (resume): a free slot takes resumed samples before pending ones, feeds the
+    sample's given tokens again (its row's own, one per iteration, no stop among them) and samples on."""
+    queue = sample_prompt.shape[0]
+    layers = unstack_layers(params)  # sliced once, outside the loop
 
     def constrain(state: SlotState) -> SlotState:
         per_slot = ("slot_sample", "slot_step", "logits")
@@ -185,6 +187,7 @@ def decode_slots(params, config: ModelConfig, mesh: Mesh | None, prompts: Prompt
 
     def prefill_next(state: SlotState) -> SlotState:
         """Prompts prefilled .. prefilled + c - 1 into the first c free entries (padding rows: nowhere)."""
+        entries = state.entry_left.shape[0]
         first = state.prefilled
         chunk = [jax.lax.dynamic_slice_in_dim(x, first, prefill_chunk) for x in
                  (queue_prompts.tokens, queue_prompts.lengths, queue_prompts.counts)]
@@ -219,17 +222,33 @@ def decode_slots(params, config: ModelConfig, mesh: Mesh | None, prompts: Prompt
     def refill(state: SlotState) -> SlotState:
         free = state.slot_sample < 0
         limit = queue_prompts.sample_start[state.prefilled]  # samples whose prompt is in the cache
-        candidate = state.next_sample + jnp.cumsum(free) - 1
-        take = free & (candidate < limit)
-        entry = state.entry_of[sample_prompt[jnp.clip(candidate, 0, queue - 1)]]
-        return dataclasses.replace(
-            state, slot_sample=jnp.where(take, candidate, state.slot_sample),
+        rank = jnp.cumsum(free) - 1  # among the free slots, in index order
+        resumed = jnp.zeros((), jnp.int32)
+        if turns:  # resumed samples first, lowest index first
+            resumed = state.resume.sum()
+            waiting = jnp.nonzero(state.resume, size=slots, fill_value=queue)[0]
+            take_resumed = free & (rank < resumed)
+            resumed_sample = waiting[jnp.clip(rank, 0, slots - 1)]
+        candidate = state.next_sample + rank - resumed
+        take = free & (rank >= resumed) & (candidate < limit)
+        sample = candidate
+        if turns:
+            take = take | take_resumed
+            sample = jnp.where(take_resumed, resumed_sample, candidate)
+        entry = state.entry_of[sample_prompt[jnp.clip(sample, 0, queue - 1)]]
+        state = dataclasses.replace(
+            state, slot_sample=jnp.where(take, sample, state.slot_sample),
             slot_step=jnp.where(free, 0, state.slot_step),
             logits=jnp.where(take[:, None], state.prompts.last_logits[entry], state.logits),
-            next_sample=jnp.minimum(state.next_sample + free.sum(), limit))
+            next_sample=jnp.minimum(state.next_sample + jnp.maximum(free.sum() - resumed, 0), limit))
+        if turns:
+            state = dataclasses.replace(state, resume=state.resume.at[jnp.where(take_resumed, resumed_sample, queue)]
+                                        .set(False, mode="drop"))
+        return state
 
     def busy(state: SlotState) -> jax.Array:
-        return jnp.any(state.slot_sample >= 0) | (state.next_sample < num_samples)
+        pending = jnp.any(state.slot_sample >= 0) | (state.next_sample < num_samples)
+        return pending | jnp.any(state.resume) if turns else pending
 
     def step(state: SlotState) -> SlotState:
         # Prefill and refill first, then decode: the prefill writes the prompt cache before this iteration's
@@ -238,6 +257,7 @@ def decode_slots(params, config: ModelConfig, mesh: Mesh | None, prompts: Prompt
         # copied the whole prompt cache twice per iteration (1.9 GB at 64 slots, 80 entries of 256 tokens
         # on SmolLM2-135M). Same iterations either way: prefill and refill end no sample, so `busy` holds
         # before them exactly when it holds after them.
+        entries = state.entry_left.shape[0]
         state = constrain(refill(prefill_on_demand(state)))
         active = state.slot_sample >= 0
         sample = jnp.maximum(state.slot_sample, 0)
@@ -245,11 +265,16 @@ def decode_slots(params, config: ModelConfig, mesh: Mesh | None, prompts: Prompt
         uniform = jnp.zeros((slots,), jnp.float32) if greedy else _uniforms(rng, sample, t)
         tokens, logprobs = select_tokens(state.logits, uniform, temperature, top_p, greedy=greedy, top_k=top_k,
                                          use_top_p=use_top_p)
-        hit_stop = active & jnp.any(tokens[:, None] == stop_ids[None, :], axis=-1)
+        forced = jnp.zeros((slots,), bool)
+        if turns:  # a resumed sample's tokens so far are fed again as they are
+            forced = active & (t < state.given[sample])
+            tokens = jnp.where(forced, state.tokens[sample, t], tokens)
+            logprobs = jnp.where(forced, state.logprobs[sample, t], logprobs)
+        hit_stop = active & ~forced & jnp.any(tokens[:, None] == stop_ids[None, :], axis=-1)
         if paired_stops:  # the slot's sample's tokens before t (`engine.paired_stop_hits`)
             written = state.tokens[sample]
             written = jnp.where(jnp.arange(written.shape[1])[None, :] < t[:, None], written, -1)
-            hit_stop = hit_stop | (active & paired_stop_hits(tokens, stop_ids, written, config.vocab_size))
+            hit_stop = hit_stop | (active & ~forced & paired_stop_hits(tokens, stop_ids, written, config.vocab_size))
         ended = active & (hit_stop | (t + 1 >= max_new_tokens))
         row = jnp.where(active, sample, queue)  # out of range: dropped
         entry = state.entry_of[sample_prompt[sample]]
@@ -265,21 +290,92 @@ def decode_slots(params, config: ModelConfig, mesh: Mesh | None, prompts: Prompt
             stopped=state.stopped.at[row].set(hit_stop, mode="drop"),
             slot_sample=jnp.where(ended, -1, state.slot_sample),
             slot_step=jnp.where(active, t + 1, t), logits=logits, iterations=state.iterations + 1,
-            response_k=cache.response_k, response_v=cache.response_v,
-            entry_left=state.entry_left.at[jnp.where(ended, entry, entries)].add(-1, mode="drop"))
+            response_k=cache.response_k, response_v=cache.response_v)
+        if turns:  # the entry stays: the host ends the conversation
+            state = dataclasses.replace(
+                state, turn_ended=state.turn_ended.at[jnp.where(ended, sample, queue)].set(True, mode="drop"))
+        else:
+            state = dataclasses.replace(
+                state, entry_left=state.entry_left.at[jnp.where(ended, entry, entries)].add(-1, mode="drop"))
         return constrain(state)
 
-    state = SlotState(
-        tokens=jnp.full((queue, new_token_bucket), pad_id, jnp.int32),
-        logprobs=jnp.zeros((queue, new_token_bucket), jnp.float32),
-        lengths=jnp.zeros((queue,), jnp.int32), stopped=jnp.zeros((queue,), bool),
-        slot_sample=jnp.full((slots,), -1, jnp.int32), slot_step=jnp.zeros((slots,), jnp.int32),
-        logits=jnp.zeros((slots, config.vocab_size), jnp.float32),
-        next_sample=jnp.zeros((), jnp.int32), iterations=jnp.zeros((), jnp.int32),
-        response_k=empty.response_k, response_v=empty.response_v, prompts=prompts,
-        entry_of=jnp.full(queue_prompts.tokens.shape[:1], entries, jnp.int32),
-        entry_left=jnp.zeros((entries,), jnp.int32), prefilled=jnp.zeros((), jnp.int32))
+    return constrain, busy, step
+
+
+@functools.partial(jax.jit, static_argnames=("config", "mesh", "slots", "new_token_bucket", "greedy", "top_k",
+                                             "use_top_p", "prefill_chunk", "paired_stops"),
+                   donate_argnames=("prompts",))
+def decode_slots(params, config: ModelConfig, mesh: Mesh | None, prompts: PromptCache, queue_prompts: PromptQueue,
+                 sample_prompt: jax.Array, num_samples: jax.Array, rng: jax.Array,
+                 temperature: jax.Array, top_p: jax.Array, max_new_tokens: jax.Array, stop_ids: jax.Array,
+                 pad_id: jax.Array, *, slots: int, new_token_bucket: int, greedy: bool, top_k: int, use_top_p: bool,
+                 prefill_chunk: int, paired_stops: bool = False) -> SlotState:
+    """Decode samples 0 .. num_samples - 1 (sample k continues prompt sample_prompt[k] [K] of
+    `queue_prompts`) on `slots` slots until every sample ended; returns the final `SlotState`.
+
+    Prompts are prefilled on demand, `prefill_chunk` at a time in queue order, into free entries of the
+    (empty, donated) prompt cache `prompts` (an entry frees when its prompt's last sample ends): before
+    the slots take pending samples, the loop prefills chunks while fewer prefilled samples are pending
+    than slots are free and a chunk's worth of entries is free. A slot takes a pending sample only once
+    its prompt is prefilled. With E >= slots + prefill_chunk entries no slot ever waits: when the queue's
+    next prompt is not prefilled, every live entry has a sample in a slot, so at least `prefill_chunk`
+    entries are free. With fewer, free slots may wait for an entry; never forever, since an entry frees
+    when its prompt's busy samples end and E >= prefill_chunk.
+
+    A sample ends after a token in `stop_ids` (-1 entries are padding) or after `max_new_tokens` tokens;
+    its slot then takes the lowest pending sample (free slots in index order), which picks its token 0
+    from its prompt's last logits at the next iteration. Idle slots flow through the step and write
+    nothing. With `mesh`, the slots and each prefill chunk are split over its row axes.
+    """
+    constrain, busy, step = _slot_loop(params, config, mesh, queue_prompts, sample_prompt, num_samples, rng,
+                                       temperature, top_p, max_new_tokens, stop_ids, slots=slots, greedy=greedy,
+                                       top_k=top_k, use_top_p=use_top_p, prefill_chunk=prefill_chunk,
+                                       paired_stops=paired_stops, turns=False)
+    state = _empty_state(config, prompts, queue_prompts, sample_prompt.shape[0], pad_id, slots=slots,
+                         new_token_bucket=new_token_bucket)
     return jax.lax.while_loop(busy, step, constrain(state))
+
+
+@functools.partial(jax.jit, static_argnames=("config", "slots", "new_token_bucket"), donate_argnames=("prompts",))
+def start_slots(config: ModelConfig, prompts: PromptCache, queue_prompts: PromptQueue, sample_prompt: jax.Array,
+                pad_id: jax.Array, *, slots: int, new_token_bucket: int) -> SlotState:
+    """The slot loop's state before its first iteration (nothing prefilled, every sample pending): `run_slots`
+    goes on from it."""
+    return _empty_state(config, prompts, queue_prompts, sample_prompt.shape[0], pad_id, slots=slots,
+                        new_token_bucket=new_token_bucket)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "mesh", "slots", "greedy", "top_k", "use_top_p",
+                                             "prefill_chunk", "paired_stops"),
+                   donate_argnames=("state",))
+def run_slots(params, config: ModelConfig, mesh: Mesh | None, state: SlotState, queue_prompts: PromptQueue,
+              sample_prompt: jax.Array, num_samples: jax.Array, rng: jax.Array, temperature: jax.Array,
+              top_p: jax.Array, max_new_tokens: jax.Array, stop_ids: jax.Array, iterations: jax.Array, *, slots: int,
+              greedy: bool, top_k: int, use_top_p: bool, prefill_chunk: int, paired_stops: bool = False) -> SlotState:
+    """At most `iterations` more iterations of the slot loop in turns (`_slot_loop`'s `turns`), fewer when no slot
+    is busy and nothing waits for one: samples whose turn ended are flagged (`turn_ended`) and keep their prompt
+    entry; the host reads them, runs their tools while the slots decode the others, and gives the continued
+    ones back with `resume_slots`. The prompt cache must hold every prompt of the call (`slot_inputs(...,
+    every_prompt=True)`): an entry is never freed. Same random numbers as `decode_slots` (sample k's token t)."""
+    constrain, busy, step = _slot_loop(params, config, mesh, queue_prompts, sample_prompt, num_samples, rng,
+                                       temperature, top_p, max_new_tokens, stop_ids, slots=slots, greedy=greedy,
+                                       top_k=top_k, use_top_p=use_top_p, prefill_chunk=prefill_chunk,
+                                       paired_stops=paired_stops, turns=True)
+    stop_at = state.iterations + iterations
+    return jax.lax.while_loop(lambda s: busy(s) & (s.iterations < stop_at), step, constrain(state))
+
+
+@functools.partial(jax.jit, donate_argnames=("state",))
+def resume_slots(state: SlotState, resume: jax.Array, tokens: jax.Array, logprobs: jax.Array, given: jax.Array,
+                 seen: jax.Array) -> SlotState:
+    """The host's answer between `run_slots` calls: samples `resume` [K] bool continue from their rows tokens
+    [K, N] / logprobs (their turns so far and the observations after them), the first given [K] of them fed
+    again before they sample on; the turn_ended flags of `seen` [K] bool are cleared."""
+    return dataclasses.replace(
+        state, tokens=jnp.where(resume[:, None], tokens, state.tokens),
+        logprobs=jnp.where(resume[:, None], logprobs, state.logprobs),
+        lengths=jnp.where(resume, given, state.lengths), given=jnp.where(resume, given, state.given),
+        stopped=state.stopped & ~resume, resume=state.resume | resume, turn_ended=state.turn_ended & ~seen)
 
 
 def prompt_entries(num_prompts: int, slots: int, prefill_chunk: int, limit: int = 0) -> int:
@@ -315,9 +411,10 @@ def check_max_slots(max_slots) -> None:
 
 def slot_inputs(config: ModelConfig, prompts: list[np.ndarray], counts: np.ndarray, *, max_new_tokens: int,
                 pad_id: int, max_slots: int, prefill_tokens_per_call: int = 4096, max_prompt_entries: int = 0,
-                row_multiple: int = 1):
+                row_multiple: int = 1, every_prompt: bool = False):
     """(plan, (prompt cache, queue, sample_prompt, num_samples), static keywords of `decode_slots`) of a
-    `generate_slots` call: the arrays its decode loop starts from (`jaxrl_llm.train.aot` lowers the same)."""
+    `generate_slots` call: the arrays its decode loop starts from (`jaxrl_llm.train.aot` lowers the same).
+    `every_prompt`: an entry of the prompt cache for every prompt of the call (`run_slots` never frees one)."""
     lengths = np.array([len(p) for p in prompts])
     plan = make_plan(lengths, counts, max_new_tokens, row_multiple=row_multiple,
                      prefill_tokens_per_call=prefill_tokens_per_call)
@@ -325,7 +422,7 @@ def slot_inputs(config: ModelConfig, prompts: list[np.ndarray], counts: np.ndarr
     per_call = plan.prompts_per_prefill
     slots = slot_count(max_slots, plan.num_rows, row_multiple)
     queue_bucket = round_up(bucket_size(len(active)), per_call)
-    entries = prompt_entries(len(active), slots, per_call, max_prompt_entries)
+    entries = queue_bucket if every_prompt else prompt_entries(len(active), slots, per_call, max_prompt_entries)
     queue_tokens = np.full((queue_bucket + per_call, plan.prompt_bucket), pad_id, np.int32)
     queue_lengths = np.ones(queue_bucket + per_call, np.int32)  # padding rows: one pad token
     queue_counts = np.zeros(queue_bucket + per_call, np.int32)

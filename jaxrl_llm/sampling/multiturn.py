@@ -1,23 +1,29 @@
 """Multi-turn rollouts: conversations that call tools between assistant turns, many at once.
 
-`generate_multiturn` keeps a batch of conversations. Each round it decodes one assistant turn of every open
-conversation with `generate` (the static or continuous engine, every row its own prompt: the record's prompt
-ids, then the conversation so far), stopping at the end of sequence, the conversation's remaining token budget
-or a token whose text holds one of the environment's stop strings (a code fence; with `env.paired_stops` only
-every second one, a fence that closes a block, so a call costs one round). The environment answers every
-stopped turn (`tools.env`): continue, observe (a tool ran; its output is appended) or end. The tool calls of a
-round run in a thread pool, all at once; a conversation waiting for its tool holds the others only until the
-round's calls return (the next round decodes every conversation that continues).
+`generate_multiturn` keeps a batch of conversations. A turn ends at the end of sequence, the conversation's
+remaining token budget or a token whose text holds one of the environment's stop strings (a code fence; with
+`env.paired_stops` only every second one, a fence that closes a block, so a call costs one turn). The environment
+answers every ended turn (`tools.env`): continue, observe (a tool ran; its output is appended) or end. Tool calls
+run in a thread pool.
+
+On the static engine (and on the continuous one with `reuse_prompt_prefill=False`) the conversations go in rounds:
+each round decodes one turn of every open conversation with `generate` and waits for the round's tool calls, so a
+conversation waiting for its tool holds the others until the round's calls return. On the continuous engine the
+conversations turn over on its slots instead (`continuous.run_slots`): the decode loop returns to the host every
+`segment_iterations` iterations, the turns that ended go to the pool without waiting, and a conversation whose
+answer is back takes the next free slot while the others decode: a slow tool holds only its own conversation.
 
 Token in, token out: the sampled ids are kept as sampled (never decoded and re-encoded); an observation is
 encoded once and appended with loss mask 0 and log-prob 0. The result is laid out like a single-turn rollout,
 so every algorithm trains on it unchanged: `tokens` [R, N] holds the model's turns and the observations after
 the prompt, `mask` is 1 on the model's tokens only, N = `max_new_tokens` bounds the whole conversation.
 
-The first round prefills each prompt once for all its samples. With the static engine every later round does the
-same, and each open conversation's tokens so far are fed to its row as forced tokens (`generate`'s
-`forced_prefixes`: one decode step per token, the prompt's prefill shared by its conversations); the continuous
-engine re-prefills each open conversation's whole context instead. No KV cache is kept across a tool call.
+Each prompt is prefilled once for all its conversations. A continued conversation is fed its tokens so far again,
+one decode step per token on its prompt's cached prefill (`generate`'s `forced_prefixes` on the static engine, the
+resumed slot's given tokens on the continuous one); with `reuse_prompt_prefill=False` the rounds re-prefill each
+open conversation's whole context. No KV cache is kept across a tool call. Sample k's token t is drawn with the
+numbers of its row and position on the continuous engine (as in a single-turn call); the rounds draw each round's
+rows with a key of their own.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ import functools
 from typing import Any, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxrl_llm.sampling.continuous import SlotStats
@@ -58,8 +65,10 @@ class MultiTurnRollout:
     truncated: np.ndarray
     tool_seconds: np.ndarray
     model_text: list[str]
-    rounds: int = 0  # sampler calls (one per round)
-    slot_stats: SlotStats | None = None  # slot-steps summed over rounds (iterations = slot-steps, one "slot")
+    rounds: int = 0  # sampler calls (one per round; on the continuous engine's slots, decode segments)
+    # rounds: slot-steps summed over them (iterations = slot-steps, one "slot"); turns on the continuous engine's
+    # slots: its slots and loop iterations (a continued conversation's fed tokens count as slot-steps, not as useful)
+    slot_stats: SlotStats | None = None
 
     def summary(self) -> dict[str, float]:
         """Per-sample means of the tool metrics (turns, tool_calls, tool_call_rate: samples with a call,
@@ -106,17 +115,20 @@ class _Conversation:
 def generate_multiturn(params, config, tokenizer, records: Sequence[dict], env, *, num_samples, max_new_tokens: int,
                        max_turns: int = 4, max_observation_tokens: int = 64, temperature: float = 1.0,
                        top_p: float = 1.0, top_k: int = 0, rng: jax.Array, mesh=None, tool_workers: int = 4,
-                       reuse_prompt_prefill: bool = True, **engine: Any) -> MultiTurnRollout:
+                       reuse_prompt_prefill: bool = True, segment_iterations: int = 16,
+                       **engine: Any) -> MultiTurnRollout:
     """Sample `num_samples` (an int, or one count per record) conversations of each record (its "prompt_ids"
     start them) with `env` answering the turns. `max_new_tokens` bounds a conversation's tokens after the
     prompt (model and observations together); `max_turns` its tool calls (a call past them ends it, not run); an observation longer than `max_observation_tokens` is cut, and says so.
     `engine`: `generate`'s engine keywords (engine, max_slots, max_prompt_entries, max_rows_per_call).
-    `reuse_prompt_prefill` False re-prefills every open conversation after the first round on the static engine
-    too (the continuous engine always does; `benchmarks/tool_rollouts.py` measures both)."""
-    if max_turns < 0 or max_observation_tokens < 1 or max_new_tokens < 1 or tool_workers < 1:
-        raise ValueError(f"need max_turns >= 0, max_observation_tokens >= 1, max_new_tokens >= 1 and "
-                         f"tool_workers >= 1, got {max_turns}, {max_observation_tokens}, {max_new_tokens}, "
-                         f"{tool_workers}")
+    `reuse_prompt_prefill` False decodes in rounds that re-prefill every open conversation's context after the
+    first (either engine; `benchmarks/tool_rollouts.py` measures each way). `segment_iterations`: the continuous
+    engine's decode iterations between two looks at the ended turns (the rollout's `rounds` counts segments)."""
+    if max_turns < 0 or max_observation_tokens < 1 or max_new_tokens < 1 or tool_workers < 1 \
+            or segment_iterations < 1:
+        raise ValueError(f"need max_turns >= 0, max_observation_tokens >= 1, max_new_tokens >= 1, "
+                         f"tool_workers >= 1 and segment_iterations >= 1, got {max_turns}, {max_observation_tokens}, "
+                         f"{max_new_tokens}, {tool_workers}, {segment_iterations}")
     counts = np.broadcast_to(np.asarray(num_samples, np.int64), (len(records),))
     conversations = [_Conversation(prompt=i, record=records[i]) for i in range(len(records)) for _ in range(counts[i])]
     eos = tuple(int(s) for s in tokenizer.stop_ids)
@@ -130,6 +142,14 @@ def generate_multiturn(params, config, tokenizer, records: Sequence[dict], env, 
     # The static engine continues every open conversation from its prompt's shared prefill, the conversation's
     # tokens so far forced (`generate(..., forced_prefixes=)`); the continuous engine re-prefills each one.
     reuse = reuse_prompt_prefill and engine.get("engine", "static") == "static"
+    if reuse_prompt_prefill and engine.get("engine", "static") == "continuous":
+        with concurrent.futures.ThreadPoolExecutor(max_workers=tool_workers) as pool:
+            segments, stats = _slot_turns(
+                params, config, tokenizer, records, counts, conversations, env, pool, stops=stops,
+                fences=fences if paired else (), eos=eos, max_new_tokens=max_new_tokens, max_turns=max_turns,
+                max_observation_tokens=max_observation_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                rng=rng, mesh=mesh, segment_iterations=segment_iterations, **engine)
+        return _as_arrays(conversations, tokenizer, max_new_tokens, segments, stats)
     with concurrent.futures.ThreadPoolExecutor(max_workers=tool_workers) as pool:
         while open_rows:
             active = [conversations[i] for i in open_rows]  # in prompt order, as generate orders its rows
@@ -157,50 +177,145 @@ def generate_multiturn(params, config, tokenizer, records: Sequence[dict], env, 
             useful += stats.useful_slot_steps
             stopped = []
             for row, c in enumerate(active):
-                room = max_new_tokens - len(c.tokens)
                 sampled = int(out.lengths[row]) - given[row]  # after the forced tokens (the conversation so far)
-                n = min(sampled, room)
-                new = out.tokens[row, given[row]:given[row] + n].tolist()
-                c.tokens += new
-                c.mask += [1.0] * n
-                c.logprobs += out.logprobs[row, given[row]:given[row] + n].tolist()
+                n = min(sampled, max_new_tokens - len(c.tokens))
                 at_stop = n == sampled and out.finish_reason[row] == FINISH_STOP
-                at_eos = at_stop and n > 0 and new[-1] in eos
-                c.truncated = len(c.tokens) >= max_new_tokens and not at_eos
-                ended = at_eos or c.truncated or not at_stop
-                stopped.append((c, tokenizer.decode(c.tokens[c.turn_start:], skip_special_tokens=True), ended))
+                stopped.append((c, *_take_turn(c, out.tokens[row, given[row]:given[row] + n].tolist(),
+                                               out.logprobs[row, given[row]:given[row] + n].tolist(), at_stop,
+                                               eos=eos, max_new_tokens=max_new_tokens, tokenizer=tokenizer)))
             answers = pool.map(lambda s: env.step(s[0].record, s[1], ended=s[2],
                                                   calls_left=max_turns - s[0].tool_calls), stopped)
-            still_open = []
-            for i, (c, _, _), result in zip(open_rows, stopped, answers):
-                if result.action == "continue":
-                    still_open.append(i)
-                    continue
-                c.turns += 1
-                c.malformed |= result.malformed
-                if result.action == "end":
-                    continue
-                c.tool_calls += 1
-                c.tool_errors += int(result.error)
-                c.tool_timeouts += int(result.timed_out)
-                c.tool_seconds += result.seconds
-                observation = [int(t) for t in tokenizer.encode(result.observation)]
-                if len(observation) > max_observation_tokens:
-                    note = [int(t) for t in tokenizer.encode("\n[observation truncated]\n```\n")]
-                    keep = max_observation_tokens - len(note)
-                    observation = observation[:keep] + note if keep > 0 else observation[:max_observation_tokens]
-                room = max_new_tokens - len(c.tokens)
-                if len(observation) >= room:  # no room left to answer after it
-                    c.truncated = True
-                    continue
-                c.tokens += observation
-                c.mask += [0.0] * len(observation)
-                c.logprobs += [0.0] * len(observation)
-                c.turn_start = len(c.tokens)
-                still_open.append(i)
+            still_open = [i for i, (c, _, _), result in zip(open_rows, stopped, answers)
+                          if _answer(c, result, tokenizer, max_new_tokens=max_new_tokens,
+                                     max_observation_tokens=max_observation_tokens)]
             open_rows = still_open
     return _as_arrays(conversations, tokenizer, max_new_tokens, rounds,
                       SlotStats(slots=1, iterations=slot_steps, useful_slot_steps=useful))
+
+
+def _slot_turns(params, config, tokenizer, records, counts, conversations: list[_Conversation], env, pool, *,
+                stops, fences, eos, max_new_tokens: int, max_turns: int, max_observation_tokens: int,
+                temperature: float, top_p: float, top_k: int, rng, mesh, segment_iterations: int,
+                engine: str = "continuous", max_slots: int | None = None, prefill_tokens_per_call: int = 4096,
+                max_prompt_entries: int = 0, max_rows_per_call: int = 0) -> tuple[int, SlotStats]:
+    """The conversations on the continuous engine's slots, turned over in segments of `segment_iterations` loop
+    iterations (`continuous.run_slots`): after each, the turns that ended go to the environment in `pool` (not
+    waited for), and the conversations whose answers are back take slots again (their tokens so far fed again
+    from their prompt's cached prefill, then sampled on) while the others decode: a slow tool holds only its own
+    conversation. Fills `conversations` (in `records` order, as `generate` orders rows); returns (segments run,
+    slot-steps). `max_prompt_entries` is ignored: the prompt cache holds every prompt of the call."""
+    from jaxrl_llm.sampling import continuous
+    from jaxrl_llm.sampling.engine import row_axes, to_host
+    from jaxrl_llm.sampling.generate import _check_prompts, _stop_array
+
+    if max_rows_per_call:
+        raise ValueError("max_rows_per_call applies to the static engine; the continuous engine bounds its cache "
+                         "with max_slots")
+    if max_slots is not None:
+        continuous.check_max_slots(max_slots)
+    prompts = _check_prompts([r["prompt_ids"] for r in records], config, max_new_tokens)
+    row_multiple = 1
+    if mesh is not None:
+        from jaxrl_llm.models.sharding import shard_params
+
+        params = shard_params(params, mesh)
+        row_multiple = int(np.prod([mesh.shape[a] for a in row_axes(mesh)]))
+    total = int(np.sum(counts))
+    plan, (cache, queue, sample_prompt, num_samples), static = continuous.slot_inputs(
+        config, prompts, np.asarray(counts), max_new_tokens=max_new_tokens, pad_id=tokenizer.pad_token_id,
+        max_slots=continuous.default_slots(total, max_slots), prefill_tokens_per_call=prefill_tokens_per_call,
+        row_multiple=row_multiple, every_prompt=True)
+    # the plan's rows are ordered by prompt then sample, as `conversations`
+    assert [conversations[r].prompt for r in range(plan.num_rows)] == plan.row_prompt.tolist()
+    greedy = temperature == 0.0
+    keywords = dict(slots=static["slots"], greedy=greedy, top_k=0 if greedy else int(top_k),
+                    use_top_p=not greedy and top_p < 1.0, prefill_chunk=static["prefill_chunk"],
+                    paired_stops=bool(fences))
+    arguments = (queue, sample_prompt, num_samples, rng, jnp.float32(1.0 if greedy else temperature),
+                 jnp.float32(top_p), jnp.int32(max_new_tokens),
+                 jnp.asarray(_stop_array(stops, config.vocab_size, fences)), jnp.int32(segment_iterations))
+    state = continuous.start_slots(config, cache, queue, sample_prompt, jnp.int32(tokenizer.pad_token_id),
+                                   slots=static["slots"], new_token_bucket=static["new_token_bucket"])
+    width, rows = static["new_token_bucket"], sample_prompt.shape[0]
+    in_engine, waiting, segments = set(range(plan.num_rows)), {}, 0
+    while in_engine or waiting:
+        seen = np.zeros(rows, bool)
+        if in_engine:
+            state = continuous.run_slots(params, config, mesh, state, *arguments, **keywords)
+            segments += 1
+            ended = [r for r in np.flatnonzero(to_host(state.turn_ended)) if r in in_engine]
+            if ended:
+                tokens, logprobs, lengths, stopped = (to_host(x) for x in (state.tokens, state.logprobs,
+                                                                          state.lengths, state.stopped))
+            for r in ended:
+                c = conversations[r]
+                given, n = len(c.tokens), int(lengths[r])
+                text, done = _take_turn(c, tokens[r, given:n].tolist(), logprobs[r, given:n].tolist(),
+                                        bool(stopped[r]), eos=eos, max_new_tokens=max_new_tokens,
+                                        tokenizer=tokenizer)
+                waiting[r] = pool.submit(env.step, c.record, text, ended=done, calls_left=max_turns - c.tool_calls)
+                in_engine.discard(r)
+                seen[r] = True
+        if waiting and not in_engine:  # every slot idle: wait for a tool
+            concurrent.futures.wait(list(waiting.values()), return_when=concurrent.futures.FIRST_COMPLETED)
+        resume = np.zeros(rows, bool)
+        row_tokens = np.full((rows, width), tokenizer.pad_token_id, np.int32)
+        row_logprobs = np.zeros((rows, width), np.float32)
+        given = np.zeros(rows, np.int32)
+        for r in [r for r, f in waiting.items() if f.done()]:
+            c = conversations[r]
+            if _answer(c, waiting.pop(r).result(), tokenizer, max_new_tokens=max_new_tokens,
+                       max_observation_tokens=max_observation_tokens):
+                n = len(c.tokens)
+                resume[r], given[r] = True, n
+                row_tokens[r, :n], row_logprobs[r, :n] = c.tokens, c.logprobs
+                in_engine.add(r)
+        if resume.any() or seen.any():
+            state = continuous.resume_slots(state, resume, row_tokens, row_logprobs, given, seen)
+    iterations = int(state.iterations)
+    useful = int(sum(int(m) for c in conversations for m in c.mask))
+    return segments, SlotStats(slots=static["slots"], iterations=iterations, useful_slot_steps=useful)
+
+
+def _take_turn(c: _Conversation, new: list, logprobs: list, at_stop: bool, *, eos, max_new_tokens: int,
+               tokenizer) -> tuple[str, bool]:
+    """Append a turn's sampled tokens to `c`: (the model's text since the last observation, whether the
+    conversation ended: at the end of sequence, out of budget, or stopped other than at a stop id)."""
+    c.tokens += new
+    c.mask += [1.0] * len(new)
+    c.logprobs += logprobs
+    at_eos = at_stop and len(new) > 0 and new[-1] in eos
+    c.truncated = len(c.tokens) >= max_new_tokens and not at_eos
+    ended = at_eos or c.truncated or not at_stop
+    return tokenizer.decode(c.tokens[c.turn_start:], skip_special_tokens=True), ended
+
+
+def _answer(c: _Conversation, result, tokenizer, *, max_new_tokens: int, max_observation_tokens: int) -> bool:
+    """Book the environment's answer to `c`'s turn (its observation appended, mask 0, cut to
+    `max_observation_tokens` with a note); whether the conversation goes on."""
+    if result.action == "continue":
+        return True
+    c.turns += 1
+    c.malformed |= result.malformed
+    if result.action == "end":
+        return False
+    c.tool_calls += 1
+    c.tool_errors += int(result.error)
+    c.tool_timeouts += int(result.timed_out)
+    c.tool_seconds += result.seconds
+    observation = [int(t) for t in tokenizer.encode(result.observation)]
+    if len(observation) > max_observation_tokens:
+        note = [int(t) for t in tokenizer.encode("\n[observation truncated]\n```\n")]
+        keep = max_observation_tokens - len(note)
+        observation = observation[:keep] + note if keep > 0 else observation[:max_observation_tokens]
+    if len(observation) >= max_new_tokens - len(c.tokens):  # no room left to answer after it
+        c.truncated = True
+        return False
+    c.tokens += observation
+    c.mask += [0.0] * len(observation)
+    c.logprobs += [0.0] * len(observation)
+    c.turn_start = len(c.tokens)
+    return True
 
 
 def _as_arrays(conversations: list[_Conversation], tokenizer, width: int, rounds: int,

@@ -312,6 +312,9 @@ class ToolsSection:
     memory_mb: int = 512  # address-space limit of one python call
     isolation: str = "auto"  # run_python's: auto (unshare, else bwrap, else refuse), unshare, bwrap, none
     workers: int = 4  # tool calls run at once (threads; each python call is its own sandboxed process)
+    # sampling.engine continuous: decode iterations between two looks at the ended turns (their tools start then,
+    # and conversations whose tools are back take free slots while the others decode; docs/tool_use.md)
+    segment_iterations: int = 16
     malformed_penalty: float = 0.0  # subtracted from the reward of a conversation that ends inside an unclosed call
 
 
@@ -611,6 +614,7 @@ def validate(config: RunConfig) -> None:
         ("tools.timeout_s", config.tools.timeout_s > 0, "must be > 0"),
         ("tools.memory_mb", config.tools.memory_mb >= 64, "must be >= 64"),
         ("tools.workers", config.tools.workers >= 1, "must be >= 1"),
+        ("tools.segment_iterations", config.tools.segment_iterations >= 1, "must be >= 1"),
         ("tools.malformed_penalty", config.tools.malformed_penalty >= 0, "must be >= 0"),
         ("rollouts.max_staleness", config.rollouts.max_staleness >= 0, "must be >= 0 (0: the synchronous schedule)"),
         ("rollouts.sampler_devices", config.rollouts.sampler_devices >= 0, "must be >= 0 (0: share every device)"),

@@ -160,6 +160,7 @@ def _sample_and_score_tools(params, model_config, tokenizer, records, counts, sa
                                  max_observation_tokens=section.max_observation_tokens,
                                  temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
                                  rng=rng, mesh=mesh, tool_workers=section.workers,
+                                 segment_iterations=section.segment_iterations,
                                  max_rows_per_call=sampling.max_rows_per_call, **engine_options(sampling))
     golds = [records[i]["answer"] for i in rollout.prompt_index]
     model_lengths = rollout.mask.sum(axis=1).astype(np.int32)
@@ -225,7 +226,7 @@ def tool_generate(tools: ToolUse, tokenizer, info: dict, **engine):
                                  max_new_tokens=max_new_tokens, max_turns=section.max_turns,
                                  max_observation_tokens=section.max_observation_tokens, temperature=temperature,
                                  top_p=top_p, top_k=top_k, rng=rng, mesh=mesh, tool_workers=section.workers,
-                                 **{**engine, **kwargs})
+                                 segment_iterations=section.segment_iterations, **{**engine, **kwargs})
         count_tool_use(info, out.sums())
         tokens = np.full(out.tokens.shape, tokenizer.pad_token_id, np.int32)
         logprobs = np.zeros(out.tokens.shape, np.float32)
