@@ -2,6 +2,7 @@
 `generate` on the same prompts, with and without paired stops (docs/tool_use.md).
 
     .venv/bin/python benchmarks/tool_rollouts.py [--prompts 8] [--samples 8] [--max-new-tokens 64] [--repeats 2]
+                                                 [--slow-every 8] [--slow-s 3] [--only SUBSTRING]
                                                  [--out benchmarks/results/tool_rollouts.json]
 
 The bundled SmolLM2-135M-Instruct (f32) on held-out 2-3 digit products with the `python-tool-3shot` prompt, as
@@ -11,6 +12,10 @@ the model's tokens per second (observations not counted), sampler rounds, tool c
 accuracy of the final answers (math verifier on the model's own text). "Prompt prefill shared": every round
 prefills each prompt once and feeds each conversation's tokens so far as forced tokens (`generate`'s
 `forced_prefixes`); "re-prefilled": every round after the first prefills each conversation's whole context.
+"Continuous engine, slots turn over": the conversations on the continuous engine's slots, their tools run while
+the others decode (`continuous.run_slots`; a continued conversation fed its tokens so far on its prompt's cached
+prefill). "A slow tool": every `slow_every`-th tool call (in the order the calls start) waits `slow_s` seconds
+more, as a tool with a long tail does; rounds wait for it, slots do not.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import os
 import pathlib
 import platform
 import subprocess
+import threading
 import time
 
 import jax
@@ -47,12 +53,35 @@ def _commit() -> str:
         return "unknown"
 
 
+class SlowEvery:
+    """`env` with every `every`-th tool call (counted as calls start) waiting `seconds` more: a tool's long tail."""
+
+    def __init__(self, env, every: int, seconds: float):
+        self.env, self.every, self.seconds = env, every, seconds
+        self.stop_strings, self.paired_stops = env.stop_strings, env.paired_stops
+        self.calls, self.lock = 0, threading.Lock()
+
+    def step(self, record, text, *, ended, calls_left=1):
+        result = self.env.step(record, text, ended=ended, calls_left=calls_left)
+        if result.tool_call:
+            with self.lock:
+                self.calls += 1
+                slow = self.calls % self.every == 0
+            if slow:
+                time.sleep(self.seconds)
+                result = dataclasses.replace(result, seconds=result.seconds + self.seconds)
+        return result
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--samples", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--slow-every", type=int, default=8, help="every n-th call of the slow-tool rows is slow")
+    parser.add_argument("--slow-s", type=float, default=3.0, help="seconds a slow call waits more")
+    parser.add_argument("--only", default="", help="run only the settings whose name holds this")
     parser.add_argument("--out", default=str(ROOT / "benchmarks/results/tool_rollouts.json"))
     args = parser.parse_args(argv)
 
@@ -64,19 +93,21 @@ def main(argv=None) -> int:
     isolation = resolve_isolation("auto")
     rows = []
 
-    def single_turn():
+    def single_turn(engine: str = "static"):
         out = generate(params, config, [r["prompt_ids"] for r in records], num_samples=args.samples,
                        max_new_tokens=args.max_new_tokens, stop_ids=tokenizer.stop_ids, rng=rng,
-                       pad_id=tokenizer.pad_token_id)
+                       pad_id=tokenizer.pad_token_id, engine=engine)
         texts = [tokenizer.decode(list(t[:n]), skip_special_tokens=True) for t, n in zip(out.tokens, out.lengths)]
         return {"model_tokens": int(out.lengths.sum()), "texts": texts, "rounds": 1, "tool_calls": 0.0,
                 "tool_seconds": 0.0}
 
-    def multi_turn(paired: bool, reuse: bool = True):
+    def multi_turn(paired: bool, reuse: bool = True, engine: str = "static", slow: bool = False):
         env = dataclasses.replace(python_env(), paired_stops=paired)
+        if slow:
+            env = SlowEvery(env, args.slow_every, args.slow_s)
         out = generate_multiturn(params, config, tokenizer, records, env, num_samples=args.samples,
                                  max_new_tokens=args.max_new_tokens, max_turns=2, max_observation_tokens=32, rng=rng,
-                                 reuse_prompt_prefill=reuse)
+                                 reuse_prompt_prefill=reuse, engine=engine)
         summary = out.summary()
         return {"model_tokens": int(out.mask.sum()), "texts": out.model_text, "rounds": out.rounds,
                 "tool_calls": summary["tool_calls"], "tool_seconds": summary["tool_seconds"]}
@@ -84,8 +115,17 @@ def main(argv=None) -> int:
     settings = (("single-turn, no tool", single_turn),
                 ("python tool: paired stops, prompt prefill shared", lambda: multi_turn(True)),
                 ("python tool: paired stops, every round re-prefilled", lambda: multi_turn(True, reuse=False)),
-                ("python tool: unpaired stops, prompt prefill shared", lambda: multi_turn(False)))
-    for name, run in settings:
+                ("python tool: unpaired stops, prompt prefill shared", lambda: multi_turn(False)),
+                ("single-turn, no tool, continuous engine", lambda: single_turn("continuous")),
+                ("python tool: paired stops, continuous engine, slots turn over",
+                 lambda: multi_turn(True, engine="continuous")),
+                ("python tool: paired stops, continuous engine, every round re-prefilled",
+                 lambda: multi_turn(True, reuse=False, engine="continuous")),
+                (f"a slow tool (every {args.slow_every}th call +{args.slow_s:g} s): static engine, rounds",
+                 lambda: multi_turn(True, slow=True)),
+                (f"a slow tool (every {args.slow_every}th call +{args.slow_s:g} s): continuous engine, slots turn over",
+                 lambda: multi_turn(True, engine="continuous", slow=True)))
+    for name, run in [(n, r) for n, r in settings if args.only in n]:
         times = []
         for repeat in range(args.repeats):
             start = time.perf_counter()
