@@ -119,7 +119,8 @@ def generate_multiturn(params, config, tokenizer, records: Sequence[dict], env, 
                        **engine: Any) -> MultiTurnRollout:
     """Sample `num_samples` (an int, or one count per record) conversations of each record (its "prompt_ids"
     start them) with `env` answering the turns. `max_new_tokens` bounds a conversation's tokens after the
-    prompt (model and observations together); `max_turns` its tool calls (a call past them ends it, not run); an observation longer than `max_observation_tokens` is cut, and says so.
+    prompt (model and observations together); `max_turns` its tool calls (a call past them ends it, not run); an
+    observation longer than `max_observation_tokens` is cut, and says so.
     `engine`: `generate`'s engine keywords (engine, max_slots, max_prompt_entries, max_rows_per_call).
     `reuse_prompt_prefill` False decodes in rounds that re-prefill every open conversation's context after the
     first (either engine; `benchmarks/tool_rollouts.py` measures each way). `segment_iterations`: the continuous
