@@ -189,6 +189,20 @@ def test_continuous_sampler_by_hand():
     assert fit_rows_per_call(cfg, TINY, mesh, 1)[1] == 0  # slots, not rows per call, bound it
 
 
+def test_tool_conversations_keep_every_prompt_entry():
+    """With tools.env on the continuous engine each prompt of the step keeps its prompt-cache entry (conversations
+    turn over on the slots, `continuous.run_slots`): 16 prompts of 1024 tokens, 2 slots, prefill chunk 4 (4096 /
+    1024) hold 16 entries, not min(16, 2 + 4 rounded up to 4) = 8: 8 more entries x 1024 tokens x 2 kv heads x 4
+    x k, v x 4 B x 2 layers = 1048576 bytes of cache, and their 8 x 64 f32 last logits."""
+    mesh = {"data": 1, "fsdp": 1, "tensor": 1}
+    common = TINY_RUN + ["sampling.engine=continuous", "sampling.max_slots=2", "sampling.prompts_per_step=16",
+                         "data.max_prompt_tokens=1024"]
+    plain = estimate_memory(load_config(None, common), TINY, mesh)
+    tools = estimate_memory(load_config(None, common + ["tools.env=calculator"]), TINY, mesh)
+    assert tools["kv_cache"] - plain["kv_cache"] == 8 * 1024 * 64 * 2 == 1048576
+    assert tools["sampling"] - plain["sampling"] == 1048576 + 8 * 64 * 4
+
+
 def test_critic_by_hand():
     mesh = {"data": 1, "fsdp": 2, "tensor": 1}
     base = estimate_memory(load_config(None, TINY_RUN), TINY, mesh)

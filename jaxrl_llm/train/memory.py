@@ -54,7 +54,8 @@ Every term counts what jaxrl_llm itself allocates, per device of a `data x fsdp 
               kv_heads x head_dim x 2 x c for S decode slots (`sampling.continuous.slot_count`) and
               C = `sampling.continuous.prompt_entries` prompt-cache entries (one per prompt of the step, at
               most S + one prefill chunk of floor_pow2(4096 / P_bucket) prompts, or
-              `sampling.max_prompt_entries` where lower), plus one layer's prompt
+              `sampling.max_prompt_entries` where lower; with tools.env, one per prompt of the step rounded up
+              to the chunk: tool conversations keep their prompt's entry across turns), plus one layer's prompt
               keys/values gathered for the slots (S x P_bucket x kv_heads x head_dim x 2 x c) and (C + 2 S) x V
               f32 logits; the S slots are split over data x fsdp as rows are, every device holds the C entries
   gvm norms   (GVM only) per-sample gradients of the subset (default the embedding) for
@@ -405,7 +406,11 @@ def estimate_memory(config: RunConfig, model_config: ModelConfig, mesh: dict[str
         all_slots = slot_count(default_slots(num_rows, cfg.sampling.max_slots), num_rows, batch_split)
         local_slots = all_slots // batch_split
         chunk = prefill_chunk(prompt_bucket, cfg.sampling.prompts_per_step, batch_split)
-        local_prompts = prompt_entries(cfg.sampling.prompts_per_step, all_slots, chunk, cfg.sampling.max_prompt_entries)
+        if cfg.tools.env:  # conversations turn over on the slots and keep their prompt's entry (`run_slots`)
+            local_prompts = round_up(bucket_size(cfg.sampling.prompts_per_step), chunk)
+        else:
+            local_prompts = prompt_entries(cfg.sampling.prompts_per_step, all_slots, chunk,
+                                           cfg.sampling.max_prompt_entries)
         kv_cache = sum((local_prompts * prompt_bucket + local_slots * slots) * kv_bytes
                        for slots in response_slots(mc, response_bucket))
         sampling = (kv_cache + local_slots * prompt_bucket * kv_bytes
