@@ -203,6 +203,36 @@ def test_tool_conversations_keep_every_prompt_entry():
     assert tools["sampling"] - plain["sampling"] == 1048576 + 8 * 64 * 4
 
 
+def test_sampler_copies_by_hand():
+    """The sampler's own copies of the policy. TINY holds 5712 parameters (embedding 64 x 16, two layers of 2304
+    projection and 32 norm elements, a final norm of 16), 22848 B in f32 on one device; its static sampler holds
+    a 12288 B f32 cache and 2 x 4 x 64 f32 logits (test_continuous_sampler_by_hand)."""
+    one = {"data": 1, "fsdp": 1, "tensor": 1}
+    base = estimate_memory(load_config(None, TINY_RUN), TINY, one)
+    assert base["params"] == 5712 * 4 and base["sampling"] == 12288 + 2048
+    assert base["sampler_copy"] == base["sampler_copies"] == base["sampler_peak"] == 0
+    # sampling.dtype bfloat16: a bf16 copy (5712 x 2) and a bf16 cache (half the f32 one); the logits stay f32
+    bf16 = estimate_memory(load_config(None, TINY_RUN + ["sampling.dtype=bfloat16"]), TINY, one)
+    assert bf16["sampler_copy"] == 11424 and bf16["kv_cache"] == 6144 and bf16["sampling"] == 6144 + 2048 + 11424
+    # int8: 4608 projection elements in 1 B instead of 4 plus 256 f32 scales (each layer's outputs: 16 + 8 + 8
+    # + 16 + 32 + 32 + 16 = 128), the rest in f32
+    int8 = estimate_memory(load_config(None, TINY_RUN + ["sampling.dtype=int8"]), TINY, one)
+    assert int8["sampler_copy"] == 5712 * 4 - 4608 * 3 + 256 * 4 == 10048
+    assert int8["sampling"] == 14336 + 10048
+    # async, k = 2, on the trainer's devices: k + 1 copies of the policy stay beside the trainer's state
+    shared = estimate_memory(load_config(None, TINY_RUN + ["rollouts.mode=async", "rollouts.max_staleness=2"]),
+                             TINY, one)
+    assert shared["sampler_copies"] == 3 * 22848 and shared["peak"] == base["peak"] + 3 * 22848
+    # async on 2 devices of their own (fsdp=2: 2896 elements each): 2 copies and the cache there (4 rows of 16 new
+    # tokens split over 2: 2 x 16 response slots + one shared 16-token prompt entry x 64 B x 2 layers + logits
+    # 2 x 2 x 64 x 4); the trainer's devices hold no sampler term; the peak is the larger group's
+    split = estimate_memory(load_config(None, TINY_RUN + ["rollouts.mode=async", "rollouts.sampler_devices=2"]),
+                            TINY, one)
+    assert split["sampler_copies"] == 2 * 2896 * 4 and split["kv_cache"] == (16 + 2 * 16) * 64 * 2 == 6144
+    assert split["sampler_peak"] == 23168 + 6144 + 1024 and split["sampling"] == 0
+    assert split["peak"] == base["peak"]  # the trainer's devices: no sampler there
+
+
 def test_critic_by_hand():
     mesh = {"data": 1, "fsdp": 2, "tensor": 1}
     base = estimate_memory(load_config(None, TINY_RUN), TINY, mesh)

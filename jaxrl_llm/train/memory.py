@@ -71,6 +71,17 @@ Every term counts what jaxrl_llm itself allocates, per device of a `data x fsdp 
 
   peak = params + optimizer + reference + critic + max(train step, critic step, sampling, gvm norms)
 
+The sampler's own copy of the policy (`sampling.dtype`, `rollouts`): with sampling.dtype bfloat16 the sampler
+reads a bf16 copy (local x 2; its KV cache and logits in bf16 too), with int8 a copy whose projections are int8
+codes plus f32 scales (as a quantized base), counted in sampling (sampler copy). With rollouts.mode async the
+sampler keeps its own copies of the policy versions it may still read, at most max_staleness + 1 of them (each
+local x p, or the sampler copy's size with sampling.dtype): sampler copies. rollouts.sampler_devices = 0: they
+stay beside the trainer's state (added to the resident terms; the sampler's and the trainer's programs take
+turns on a device). rollouts.sampler_devices = n > 0: they and the KV cache live on the sampler's n devices, on
+`rollouts.sampler_mesh` (sampler peak = copies + sampling there, without the merged or cast copy, which is
+made on the trainer's devices before the transfer); the trainer's devices hold the rest (their sampling term is
+only that merged or cast copy); peak = the larger of the two groups'.
+
 With LoRA (`lora.rank` > 0) the base is frozen and only adapters train (a = the adapters' elements per
 device, sharded by the same rules, float32): params = base in p + a x 4; optimizer = 2 a x 4; reference = 0
 (the base is the reference policy); the gradients are the adapters' (a x 4 x 2); and sampling also holds
@@ -329,6 +340,58 @@ def _subset_elements(mc: ModelConfig, subset: str) -> int:
     return total
 
 
+def _sampler_copy_bytes(mc: ModelConfig, mesh: dict[str, int], p: int, dtype: str) -> int:
+    """Bytes per device of the sampler's copy of the policy in `sampling.dtype` ("" : none, it reads the
+    trainer's tree): bf16 values, or int8 projection codes with f32 scales and the rest in p."""
+    if not dtype:
+        return 0
+    local = sharded_param_elements(mc, mesh)[1]
+    if dtype == "bfloat16":
+        return local * 2
+    return local * p - quantized_base_savings(mc, mesh, p, dtype)
+
+
+def _sampling_bytes(cfg: RunConfig, mc: ModelConfig, mesh: dict[str, int], c: int, gvm: bool) -> tuple[int, int, int]:
+    """(rows of one sampler call, KV cache bytes per device, the sampling term without the policy copies) of
+    `cfg`'s sampler on `mesh` with keys, values and logits of the cache in `c` bytes."""
+    batch_split = mesh["data"] * mesh["fsdp"]
+    samples = max(cfg.sampling.gvm_stage1_samples, cfg.sampling.gvm_samples_per_prompt) if gvm \
+        else cfg.sampling.samples_per_prompt
+    sample_rows = call_row_bucket(cfg.sampling.prompts_per_step * samples, cfg.sampling.max_rows_per_call,
+                                  batch_split)
+    local_rows = sample_rows // batch_split
+    prompt_bucket = bucket_size(cfg.data.max_prompt_tokens, minimum=16)
+    response_bucket = bucket_size(cfg.sampling.max_new_tokens, minimum=16)
+    kv_bytes = mc.num_kv_heads * mc.head_dim * 2 * c  # one token's keys and values in one layer
+    if cfg.sampling.engine == "continuous":
+        num_rows = cfg.sampling.prompts_per_step * samples
+        all_slots = slot_count(default_slots(num_rows, cfg.sampling.max_slots), num_rows, batch_split)
+        local_slots = all_slots // batch_split
+        chunk = prefill_chunk(prompt_bucket, cfg.sampling.prompts_per_step, batch_split)
+        if cfg.tools.env:  # conversations turn over on the slots and keep their prompt's entry (`run_slots`)
+            local_prompts = round_up(bucket_size(cfg.sampling.prompts_per_step), chunk)
+        else:
+            local_prompts = prompt_entries(cfg.sampling.prompts_per_step, all_slots, chunk,
+                                           cfg.sampling.max_prompt_entries)
+        kv_cache = sum((local_prompts * prompt_bucket + local_slots * slots) * kv_bytes
+                       for slots in response_slots(mc, response_bucket))
+        sampling = (kv_cache + local_slots * prompt_bucket * kv_bytes
+                    + (local_prompts + 2 * local_slots) * mc.vocab_size * 4)
+    else:
+        # One prompt entry per group of rows that continue the same prompt (`sampling.buckets.prompt_group_size`);
+        # GVM's counts change from step to step, so it is counted at one entry per row, the most it can take.
+        group = 1 if gvm else call_prompt_group(np.full(cfg.sampling.prompts_per_step, samples),
+                                                cfg.sampling.max_rows_per_call, batch_split)
+        # KV heads split over tensor where it divides them (`sampling.engine.cache_sharding`)
+        head_split = mesh["tensor"] if mc.num_kv_heads % mesh["tensor"] == 0 else 1
+        kv_cache = sum((local_rows // group * prompt_bucket + local_rows * slots) * kv_bytes
+                       for slots in response_slots(mc, response_bucket)) // head_split
+        # a tensor axis that cannot split the KV heads: the decode loop copies the cache (XLA on TPU)
+        decode_copy = kv_cache if mesh["tensor"] > 1 and head_split == 1 else 0
+        sampling = kv_cache + decode_copy + 2 * local_rows * mc.vocab_size * 4
+    return sample_rows, kv_cache, sampling
+
+
 def estimate_memory(config: RunConfig, model_config: ModelConfig, mesh: dict[str, int] | str = "", *,
                     devices: int | None = None, remat: bool | None = None,
                     response_fill: float = 1.0) -> dict[str, Any]:
@@ -337,7 +400,8 @@ def estimate_memory(config: RunConfig, model_config: ModelConfig, mesh: dict[str
 
     `remat` overrides model.remat; `response_fill` scales the response length (1.0: every response
     reaches sampling.max_new_tokens). Returns a dict of byte counts (params, optimizer, reference, gradients,
-    activations, logprob_residuals, train_step, kv_cache, sampling, gvm_norms, critic, critic_step, peak) plus
+    activations, logprob_residuals, train_step, kv_cache, sampling, gvm_norms, critic, critic_step, sampler_copy,
+    sampler_copies, sampler_peak (the sampler's own devices, 0 when it shares the trainer's), peak) plus
     param_count,
     row_length (packed training row), sample_rows (rows of one sampler call's state) and gvm_chunk_rows.
     """
@@ -393,40 +457,21 @@ def estimate_memory(config: RunConfig, model_config: ModelConfig, mesh: dict[str
     logprob = _logprob_residual_bytes(mc, rows, scored, c, keep_logits, head_elements) + output_copy
     train_step = gradients + activations + logprob
 
-    samples = max(cfg.sampling.gvm_stage1_samples, cfg.sampling.gvm_samples_per_prompt) if gvm \
-        else cfg.sampling.samples_per_prompt
-    sample_rows = call_row_bucket(cfg.sampling.prompts_per_step * samples, cfg.sampling.max_rows_per_call,
-                                  batch_split)
-    local_rows = sample_rows // batch_split
-    prompt_bucket = bucket_size(cfg.data.max_prompt_tokens, minimum=16)
-    response_bucket = bucket_size(cfg.sampling.max_new_tokens, minimum=16)
-    kv_bytes = mc.num_kv_heads * mc.head_dim * 2 * c  # one token's keys and values in one layer
-    if cfg.sampling.engine == "continuous":
-        num_rows = cfg.sampling.prompts_per_step * samples
-        all_slots = slot_count(default_slots(num_rows, cfg.sampling.max_slots), num_rows, batch_split)
-        local_slots = all_slots // batch_split
-        chunk = prefill_chunk(prompt_bucket, cfg.sampling.prompts_per_step, batch_split)
-        if cfg.tools.env:  # conversations turn over on the slots and keep their prompt's entry (`run_slots`)
-            local_prompts = round_up(bucket_size(cfg.sampling.prompts_per_step), chunk)
-        else:
-            local_prompts = prompt_entries(cfg.sampling.prompts_per_step, all_slots, chunk,
-                                           cfg.sampling.max_prompt_entries)
-        kv_cache = sum((local_prompts * prompt_bucket + local_slots * slots) * kv_bytes
-                       for slots in response_slots(mc, response_bucket))
-        sampling = (kv_cache + local_slots * prompt_bucket * kv_bytes
-                    + (local_prompts + 2 * local_slots) * mc.vocab_size * 4 + merged_copy)
+    dtype = cfg.sampling.dtype
+    split_devices = cfg.rollouts.mode == "async" and cfg.rollouts.sampler_devices > 0
+    sampler_mesh = (parse_mesh(cfg.rollouts.sampler_mesh, cfg.rollouts.sampler_devices) if split_devices
+                    else mesh)
+    sampler_copy = _sampler_copy_bytes(mc, mesh, p, dtype)  # made where the trainer's weights are
+    sample_rows, kv_cache, sampling = _sampling_bytes(cfg, mc, sampler_mesh, 2 if dtype == "bfloat16" else c, gvm)
+    sampler_copies = sampler_peak = 0
+    if cfg.rollouts.mode == "async":
+        copy = _sampler_copy_bytes(mc, sampler_mesh, p, dtype) or sharded_param_elements(mc, sampler_mesh)[1] * p
+        sampler_copies = (cfg.rollouts.max_staleness + 1) * copy
+    if split_devices:
+        sampler_peak = sampler_copies + sampling
+        sampling = merged_copy + sampler_copy  # the trainer's devices merge / cast before the transfer
     else:
-        # One prompt entry per group of rows that continue the same prompt (`sampling.buckets.prompt_group_size`);
-        # GVM's counts change from step to step, so it is counted at one entry per row, the most it can take.
-        group = 1 if gvm else call_prompt_group(np.full(cfg.sampling.prompts_per_step, samples),
-                                                cfg.sampling.max_rows_per_call, batch_split)
-        # KV heads split over tensor where it divides them (`sampling.engine.cache_sharding`)
-        head_split = mesh["tensor"] if mc.num_kv_heads % mesh["tensor"] == 0 else 1
-        kv_cache = sum((local_rows // group * prompt_bucket + local_rows * slots) * kv_bytes
-                       for slots in response_slots(mc, response_bucket)) // head_split
-        # a tensor axis that cannot split the KV heads: the decode loop copies the cache (XLA on TPU)
-        decode_copy = kv_cache if mesh["tensor"] > 1 and head_split == 1 else 0
-        sampling = kv_cache + decode_copy + 2 * local_rows * mc.vocab_size * 4 + merged_copy
+        sampling += merged_copy + sampler_copy
 
     gvm_norms = 0
     if gvm:
@@ -449,7 +494,8 @@ def estimate_memory(config: RunConfig, model_config: ModelConfig, mesh: dict[str
         critic = 3 * (trunk * p + head)
         critic_step = trunk * (4 + p) + 2 * head + activations
 
-    resident = params + optimizer + reference + critic
+    resident = params + optimizer + reference + critic + (0 if split_devices else sampler_copies)
+    trainer_peak = resident + max(train_step, critic_step, sampling, gvm_norms)
     return {
         "mesh": dict(mesh), "micro_batch_size": cfg.optim.micro_batch_size,
         "param_count": count, "row_length": row_length, "sample_rows": sample_rows,
@@ -457,7 +503,8 @@ def estimate_memory(config: RunConfig, model_config: ModelConfig, mesh: dict[str
         "params": params, "optimizer": optimizer, "reference": reference,
         "gradients": gradients, "activations": activations, "logprob_residuals": logprob, "train_step": train_step,
         "kv_cache": kv_cache, "sampling": sampling, "gvm_norms": gvm_norms, "critic": critic,
-        "critic_step": critic_step, "peak": resident + max(train_step, critic_step, sampling, gvm_norms),
+        "critic_step": critic_step, "sampler_copy": sampler_copy, "sampler_copies": sampler_copies,
+        "sampler_peak": sampler_peak, "peak": max(trainer_peak, sampler_peak),
     }
 
 
