@@ -137,6 +137,10 @@ def prefill_rows(params, config: ModelConfig, mesh: Mesh | None, prompt_tokens: 
     prompt_tokens = _constrain(prompt_tokens, mesh)
     last_logits, keys, values = prefill_cache(params, config, prompt_tokens, prompt_lengths,
                                               state.cache.prompt_k[0].dtype)
+    # the prompts' results split over the row axes as the prompts are, so the prefill itself stays split (the merge
+    # below gathers them to their rows); unconstrained, XLA ran the whole prefill on every device of the mesh
+    last_logits = _constrain(last_logits, mesh)
+    keys, values = (tuple(_constrain(x, mesh) for x in part) for part in (keys, values))
     entries = state.cache.prompt_k[0].shape[0]
     entry_source = row_source.reshape(entries, -1)[:, 0]
 
