@@ -341,7 +341,7 @@ def memory(small: bool, measured: dict) -> dict:
         overrides += ["model.attention_block_size=64"]
     config = load_config(root / "configs/paper/qwen2.5-math-1.5b_raftpp.yaml", overrides)
     model_config = shrink(qwen_shape(), small)
-    est = estimate_memory(config, model_config, {"data": 1, "fsdp": 1, "tensor": 1})
+    est = estimate_memory(config, model_config, {"data": 1, "fsdp": 1, "tensor": 1}, platform="gpu")
     train_peak = est["params"] + est["optimizer"] + est["train_step"]
     out = {"estimate_train_peak_bytes": train_peak, "estimate_terms_gib": {
         k: est[k] / GIB for k in ("params", "optimizer", "gradients", "activations", "logprob_residuals")},
@@ -352,7 +352,7 @@ def memory(small: bool, measured: dict) -> dict:
     for length in range(1024, 65537, 1024):
         c = load_config(root / "configs/paper/qwen2.5-math-1.5b_raftpp.yaml",
                         overrides[:3] + [f"sampling.max_new_tokens={length}", "train.mesh=fsdp=1"])
-        e = estimate_memory(c, model_config, {"data": 1, "fsdp": 1, "tensor": 1})
+        e = estimate_memory(c, model_config, {"data": 1, "fsdp": 1, "tensor": 1}, platform="gpu")
         if e["params"] + e["optimizer"] + e["train_step"] > 0.9 * 80e9:
             break
         fits = length

@@ -39,7 +39,7 @@ ROWS = ([(preset, "v5litepod-64", "v5e-64") for preset in PAPER] + [(preset, "v4
 def layout_overrides(preset: str, target: str) -> list[str]:
     config = load_config(ROOT / preset)
     _, layout = suggest_layout(config, model_config_for(config.model.source), TARGETS[target].devices,
-                               int(HEADROOM * TARGETS[target].hbm_bytes))
+                               int(HEADROOM * TARGETS[target].hbm_bytes), platform=TARGETS[target].platform)
     return [f"{key}={value}" for key, value in layout.items()]
 
 

@@ -67,7 +67,8 @@ _HEADER = ["| preset | target | overrides | params + AdamW + ref (+ critic) | tr
 def _row(path: pathlib.Path, name: str, config, model_config) -> tuple[str, bool]:
     """One table row of `config` on target `name`, and whether it fits."""
     target = TARGETS[name]
-    est, layout = suggest_layout(config, model_config, target.devices, int(HEADROOM * target.hbm_bytes))
+    est, layout = suggest_layout(config, model_config, target.devices, int(HEADROOM * target.hbm_bytes),
+                                 platform=target.platform)
     if target.devices == 1 and not config.train.mesh:
         layout.pop("train.mesh")  # one device needs no mesh (and a quantized base runs without one)
     resident = est["params"] + est["optimizer"] + est["reference"] + est["critic"]

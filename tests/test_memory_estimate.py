@@ -11,6 +11,8 @@ import sys
 import textwrap
 
 import jax
+import functools
+
 import pytest
 
 from jaxrl_llm.models import ModelConfig, init_params
@@ -19,6 +21,7 @@ from jaxrl_llm.train.memory import (KNOWN_MODELS, estimate_memory, fit_rows_per_
                                     sharded_param_elements, suggest_layout)
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+cpu_estimate = functools.partial(estimate_memory, platform="cpu")  # the xla attention path
 sys.path.insert(0, str(ROOT / "scripts"))
 import memory_estimate  # noqa: E402
 
@@ -102,14 +105,16 @@ def test_shards_match_a_real_placement_on_8_devices():
 
 
 def test_tiny_run_by_hand():
+    """Every term on the xla attention path (platform cpu); the fused path and a tensor split below."""
     cfg = load_config(None, TINY_RUN)
-    est = estimate_memory(cfg, TINY, {"data": 1, "fsdp": 2, "tensor": 1})
+    est = estimate_memory(cfg, TINY, {"data": 1, "fsdp": 2, "tensor": 1}, platform="cpu")
     # Per-device parameter elements with fsdp=2: embed [64, 16] split on dim 1 -> 512; q/o [2, 16, 16] -> 256
     # each; k/v [2, 16, 8] -> 128 each; gate/up [2, 16, 32] and down [2, 32, 16] -> 512 each; the two norms
     # [2, 16] and final_norm [16] replicate -> 80. Sum 2896 of 5712.
     assert est["param_count"] == 5712
     assert est["params"] == 2896 * 4 and est["optimizer"] == 2 * 2896 * 4 and est["reference"] == 0
-    assert est["gradients"] == 2896 * 4 + 2896 * 4
+    # the f32 accumulator, one micro-batch's gradient (p = 4) and two f32 update temporaries
+    assert est["gradients"] == 2896 * 4 + 2896 * 4 + 2 * 2896 * 4 == 46336
     # Packed row: 8 prompt + 2 x 8 response tokens -> 32; one row per device (micro 2 over fsdp 2).
     assert est["row_length"] == 32
     per_layer_tokens = 32 * (4 * 16 + 2 * 16 + 3 * 8 + 4 * 32) * 4  # 31744
@@ -117,62 +122,120 @@ def test_tiny_run_by_hand():
     working = 4 * 32 * 32 * 4 + 32 * 32  # 17408
     # One layer's backward pass: gradients of input and output (2 x 16), q 16, k and v 2 x 8, gate and up 2 x 32.
     layer_grads = 32 * (2 * 16 + 16 + 2 * 8 + 2 * 32) * 4  # 16384
-    assert est["activations"] == 2 * (per_layer_tokens + attention) + working + layer_grads == 162816
+    embed_grads = 32 * 16 * 4 * 2  # the hidden states' f32 gradient at the embedding, twice: 4096
+    assert est["activations"] == 2 * (per_layer_tokens + attention) + working + layer_grads + embed_grads == 166912
     # Log-prob residuals of 16 response tokens: f32 logits of the whole vocabulary (64 x 4), the hidden state
     # (16 x 4), target + log Z + E_p[logit] (12); plus the pieces of the embedding's gradient (512 local x 4).
     assert est["logprob_residuals"] == 16 * (64 * 4 + 16 * 4 + 12) + 512 * 4 == 7360
-    assert est["train_step"] == 23168 + 162816 + 7360
+    assert est["train_step"] == 46336 + 166912 + 7360
     # Sampler: 4 rows (2 per device) of 16 response slots, and the 2 samples of a prompt share one entry of 16
     # prompt slots (1 per device); 2 layers, 2 kv heads x 4, k and v, f32.
     assert est["sample_rows"] == 4
     assert est["kv_cache"] == 2 * (2 * 16 + 1 * 16) * 2 * 4 * 2 * 4 == 6144
-    assert est["sampling"] == 6144 + 2 * 2 * 64 * 4
+    # Prefill: each device gathers the chunk's 2 prompts x 16 slots x 2 layers of keys and values (x 64 B); the
+    # logits of 2 rows per device, twice. Decode: no tiles below 256 new tokens, no copy with tensor = 1.
+    assert est["sampling_prefill"] == 6144 + 2 * 16 * 2 * 64 + 2 * 2 * 64 * 4 == 11264
+    assert est["sampling_decode"] == 6144 + 2 * 2 * 64 * 4 == 7168
+    assert est["sampling"] == 11264
     assert est["gvm_norms"] == 0
-    assert est["peak"] == 11584 + 23168 + est["train_step"] == 228_096
+    assert est["peak"] == 11584 + 23168 + est["train_step"] == 255_360
 
-    remat = estimate_memory(cfg, TINY, {"data": 1, "fsdp": 2, "tensor": 1}, remat=True)
-    assert remat["activations"] == 2 * 32 * 16 * 4 + per_layer_tokens + attention + working + layer_grads == 102400
+    remat = estimate_memory(cfg, TINY, {"data": 1, "fsdp": 2, "tensor": 1}, remat=True, platform="cpu")
+    assert remat["activations"] == 2 * 32 * 16 * 4 + per_layer_tokens + attention + working + layer_grads \
+        + embed_grads == 106496
 
     # model.remat_logits: no kept logits and no gradient pieces, one chunk (here the whole 64) at a time.
     recompute = estimate_memory(load_config(None, TINY_RUN + ["model.remat=false", "model.remat_logits=true"]), TINY,
-                                {"data": 1, "fsdp": 2, "tensor": 1})
+                                {"data": 1, "fsdp": 2, "tensor": 1}, platform="cpu")
     assert recompute["logprob_residuals"] == 16 * (16 * 4 + 12 + 64 * 4) == 5312
 
     # optim.max_row_tokens=16: a row holds the 8-token prompt and (16 - 8) // 8 = 1 response of 8 tokens,
     # so 8 scored tokens a row; the row (16 tokens) still rounds up to one 32-token chunk.
     bounded = estimate_memory(load_config(None, TINY_RUN + ["model.remat=false", "optim.max_row_tokens=16"]), TINY,
-                              {"data": 1, "fsdp": 2, "tensor": 1})
+                              {"data": 1, "fsdp": 2, "tensor": 1}, platform="cpu")
     assert bounded["row_length"] == 32 and bounded["activations"] == est["activations"]
     assert bounded["logprob_residuals"] == 8 * (64 * 4 + 16 * 4 + 12) + 512 * 4 == 4704
 
     # Responses filled to an eighth of max_new_tokens=64: rows of 8 + 2 x 8 tokens -> L = 32, shorter than the
     # 2 x 64 response slots, so the log-probs score the row's 32 positions (the compact layout), not 128 slots.
     filled = estimate_memory(load_config(None, TINY_RUN + ["sampling.max_new_tokens=64"]), TINY,
-                             {"data": 1, "fsdp": 2, "tensor": 1}, response_fill=0.125)
+                             {"data": 1, "fsdp": 2, "tensor": 1}, response_fill=0.125, platform="cpu")
     assert filled["row_length"] == 32
     assert filled["logprob_residuals"] == 32 * (64 * 4 + 16 * 4 + 12) + 512 * 4 == 12672
 
     # Remat policy "dots" also keeps, per layer and token, the projection outputs
     # q 16 + k, v 2 x 8 + o 16 + gate, up 2 x 32 + down 16 = 128 elements.
     dots = estimate_memory(load_config(None, TINY_RUN + ["model.remat=true", "model.remat_policy=dots"]), TINY,
-                           {"data": 1, "fsdp": 2, "tensor": 1})
+                           {"data": 1, "fsdp": 2, "tensor": 1}, platform="cpu")
     assert dots["activations"] == remat["activations"] + 2 * 32 * 128 * 4
     # "qkv_attn_mlp" keeps q 16 + k, v 2 x 8 + the attention output 16 + gate, up 2 x 32 = 112, and the layer
     # being differentiated recomputes only its two norm outputs and the SiLU product: 2 x 16 + 2 x 32 = 96.
     qkv = estimate_memory(load_config(None, TINY_RUN + ["model.remat=true", "model.remat_policy=qkv_attn_mlp"]), TINY,
-                          {"data": 1, "fsdp": 2, "tensor": 1})
+                          {"data": 1, "fsdp": 2, "tensor": 1}, platform="cpu")
     assert qkv["activations"] == remat["activations"] - per_layer_tokens + 32 * 96 * 4 + 2 * 32 * 112 * 4
 
     with_kl = estimate_memory(load_config(None, TINY_RUN + ["algorithm.kl_coef=0.001"]), TINY,
-                              {"data": 1, "fsdp": 2, "tensor": 1})
+                              {"data": 1, "fsdp": 2, "tensor": 1}, platform="cpu")
     assert with_kl["reference"] == 2896 * 4 and with_kl["peak"] == est["peak"] + 2896 * 4
 
     bf16 = estimate_memory(load_config(None, TINY_RUN + ["model.compute_dtype=bfloat16"]), TINY,
-                           {"data": 1, "fsdp": 2, "tensor": 1})
+                           {"data": 1, "fsdp": 2, "tensor": 1}, platform="cpu")
     assert bf16["kv_cache"] == 6144 // 2 and bf16["params"] == est["params"]
-    # bf16 hidden states (16 x 2 B per token), the gradient pieces and the embedding cast to bf16 for the output
-    # layer (512 local elements of [64, 16] with fsdp=2, 2 B each).
-    assert bf16["logprob_residuals"] == 16 * (64 * 4 + 16 * 2 + 12) + 512 * 2 + 512 * 2
+    # bf16 hidden states (16 x 2 B per token), the chunk's logits in bf16 as the matmul gives them (64 x 2 B), the
+    # gradient pieces and the embedding cast to bf16 for the output layer (512 local elements of [64, 16] with
+    # fsdp=2, 2 B each).
+    assert bf16["logprob_residuals"] == 16 * (64 * 4 + 16 * 2 + 12 + 64 * 2) + 512 * 2 + 512 * 2
+
+
+def test_fused_attention_and_tensor_split_by_hand():
+    """On a TPU (`model.attention_impl` auto: splash) the packed row's attention runs on regrouped rows; on a tensor
+    axis the per-token q, k, v and MLP terms are split where tensor divides their heads and width."""
+    cfg = load_config(None, TINY_RUN)
+    xla = estimate_memory(cfg, TINY, {"data": 1, "fsdp": 2, "tensor": 1}, platform="cpu")
+    tpu = estimate_memory(cfg, TINY, {"data": 1, "fsdp": 2, "tensor": 1}, platform="tpu")
+    # 2 responses per row regrouped into rows of min(32, 8 + 8 on the grid of 128) = 32 tokens: 64 tokens. Per
+    # token: 4 heads x 4 x (q, output, its gradient in f32: 3 x 4 + 4) + 2 KV heads x 4 x 2 (k, v) x (4 + 4),
+    # and 4 heads x 8 B of statistics: 64 x (256 + 128 + 32) = 26624, no [T, T] scores kept per layer.
+    per_layer_tokens = 32 * (4 * 16 + 2 * 16 + 3 * 8 + 4 * 32) * 4
+    layer_grads, embed_grads = 32 * (2 * 16 + 16 + 2 * 8 + 2 * 32) * 4, 32 * 16 * 4 * 2
+    assert tpu["activations"] == 2 * per_layer_tokens + 26624 + layer_grads + embed_grads == 110592
+    assert xla["activations"] - tpu["activations"] == 2 * 4 * 32 * 32 * 8 + 4 * 32 * 32 * 4 + 32 * 32 - 26624
+    # attention_impl xla keeps the xla path on a TPU too
+    forced = estimate_memory(load_config(None, TINY_RUN + ["model.attention_impl=xla"]), TINY,
+                             {"data": 1, "fsdp": 2, "tensor": 1}, platform="tpu")
+    assert forced["activations"] == xla["activations"]
+
+    # tensor=2, fsdp=1: 2 rows per device; q 2 heads x 4 = 8, k, v 1 head x 4, MLP 16 per device; the hidden size
+    # (16) whole. The xla path's scores over the 2 local heads.
+    split = estimate_memory(cfg, TINY, {"data": 1, "fsdp": 1, "tensor": 2}, platform="cpu")
+    rows = 2
+    per_layer = rows * 32 * (4 * 16 + 2 * 8 + 3 * 4 + 4 * 16) * 4
+    attention = rows * 2 * 32 * 32 * (4 + 4)
+    working = rows * 2 * 32 * 32 * 4 + rows * 32 * 32
+    grads = rows * 32 * (2 * 16 + 8 + 2 * 4 + 2 * 16) * 4
+    assert split["activations"] == 2 * (per_layer + attention) + working + grads + rows * 32 * 16 * 4 * 2
+
+
+def test_sampler_phases_by_hand():
+    """The static sampler's prefill and decode phases on fsdp=2, tensor=2 in bf16 over f32 weights, 256 new tokens
+    (a tiled response cache). 4 rows (2 per device), the 2 samples of a prompt share an entry; 2 KV heads split
+    over tensor: a token's keys and values in one layer 2 x 4 x 2 x 2 B / 2 = 16 B per device."""
+    cfg = load_config(None, TINY_RUN + ["model.compute_dtype=bfloat16", "sampling.max_new_tokens=256"])
+    est = estimate_memory(cfg, TINY, {"data": 1, "fsdp": 2, "tensor": 2}, platform="cpu")
+    kv_cache = 2 * (1 * 16 + 2 * 256) * 16  # 2 layers x (1 entry x 16 prompt slots + 2 rows x 256 slots)
+    assert est["kv_cache"] == kv_cache == 16896
+    # The weights cast to bf16 (XLA hoists it out of the loops): per device embed [64, 16] over (tensor, fsdp)
+    # 256, q and o 2 x [16, 16] / 4 = 128 each, k, v 2 x [16, 8] / 4 = 64 each, gate, up, down 2 x 512 / 4 =
+    # 256 each, norms 2 x 2 x 16 + 16 = 80 replicated: 1488 elements x 2 B.
+    cast = 1488 * 2
+    logits = 2 * 2 * 64 * 4  # two f32 [rows, V] buffers of the 2 local rows
+    # prefill: the chunk's 2 prompts x 16 slots x 2 layers of keys and values on every device
+    assert est["sampling_prefill"] == kv_cache + 2 * 16 * 2 * 16 + logits + cast
+    # decode: the written tile (256 / 8 < 128: tiles of 128) of each layer's keys and values for the 2 local
+    # rows; the logits of the call's 4 rows with the vocabulary split over tensor (4 x 32 x 4 B) are fewer than
+    # the two local buffers
+    assert est["sampling_decode"] == kv_cache + 2 * 2 * 128 * 16 + max(logits, 4 * 32 * 4) + cast
+    assert est["sampling"] == max(est["sampling_prefill"], est["sampling_decode"]) == est["sampling_decode"]
 
 
 def test_continuous_sampler_by_hand():
@@ -185,7 +248,9 @@ def test_continuous_sampler_by_hand():
     est = estimate_memory(cfg, TINY, mesh)
     assert est["kv_cache"] == 8192 and est["sampling"] == 8192 + 2048 + 1536
     static = estimate_memory(load_config(None, TINY_RUN), TINY, mesh)
-    assert static["kv_cache"] == (4 * 16 + 2 * 16) * 64 * 2 == 12288 and static["sampling"] == 12288 + 2 * 4 * 64 * 4
+    # its prefill gathers the chunk's 2 prompts x 16 slots x 2 layers (x 64 B) beside the cache and the logits
+    assert static["kv_cache"] == (4 * 16 + 2 * 16) * 64 * 2 == 12288
+    assert static["sampling"] == 12288 + 2 * 16 * 2 * 64 + 2 * 4 * 64 * 4
     assert fit_rows_per_call(cfg, TINY, mesh, 1)[1] == 0  # slots, not rows per call, bound it
 
 
@@ -206,43 +271,48 @@ def test_tool_conversations_keep_every_prompt_entry():
 def test_sampler_copies_by_hand():
     """The sampler's own copies of the policy. TINY holds 5712 parameters (embedding 64 x 16, two layers of 2304
     projection and 32 norm elements, a final norm of 16), 22848 B in f32 on one device; its static sampler holds
-    a 12288 B f32 cache and 2 x 4 x 64 f32 logits (test_continuous_sampler_by_hand)."""
+    a 12288 B f32 cache and 2 x 4 x 64 f32 logits, and its prefill gathers 2 prompts x 16 slots x 2 layers of keys
+    and values (x 64 B in f32: 4096) (test_continuous_sampler_by_hand)."""
     one = {"data": 1, "fsdp": 1, "tensor": 1}
     base = estimate_memory(load_config(None, TINY_RUN), TINY, one)
-    assert base["params"] == 5712 * 4 and base["sampling"] == 12288 + 2048
+    assert base["params"] == 5712 * 4 and base["sampling"] == 12288 + 4096 + 2048
     assert base["sampler_copy"] == base["sampler_copies"] == base["sampler_peak"] == 0
-    # sampling.dtype bfloat16: a bf16 copy (5712 x 2) and a bf16 cache (half the f32 one); the logits stay f32
+    # sampling.dtype bfloat16: a bf16 copy (5712 x 2) and a bf16 cache (half the f32 one, and half the prefill's
+    # gathered keys and values); the logits stay f32
     bf16 = estimate_memory(load_config(None, TINY_RUN + ["sampling.dtype=bfloat16"]), TINY, one)
-    assert bf16["sampler_copy"] == 11424 and bf16["kv_cache"] == 6144 and bf16["sampling"] == 6144 + 2048 + 11424
+    assert bf16["sampler_copy"] == 11424 and bf16["kv_cache"] == 6144
+    assert bf16["sampling"] == 6144 + 2048 + 2048 + 11424
     # int8: 4608 projection elements in 1 B instead of 4 plus 256 f32 scales (each layer's outputs: 16 + 8 + 8
     # + 16 + 32 + 32 + 16 = 128), the rest in f32
     int8 = estimate_memory(load_config(None, TINY_RUN + ["sampling.dtype=int8"]), TINY, one)
     assert int8["sampler_copy"] == 5712 * 4 - 4608 * 3 + 256 * 4 == 10048
-    assert int8["sampling"] == 14336 + 10048
+    assert int8["sampling"] == 18432 + 10048
     # async, k = 2, on the trainer's devices: k + 1 copies of the policy stay beside the trainer's state
     shared = estimate_memory(load_config(None, TINY_RUN + ["rollouts.mode=async", "rollouts.max_staleness=2"]),
                              TINY, one)
     assert shared["sampler_copies"] == 3 * 22848 and shared["peak"] == base["peak"] + 3 * 22848
     # async on 2 devices of their own (fsdp=2: 2896 elements each): 2 copies and the cache there (4 rows of 16 new
     # tokens split over 2: 2 x 16 response slots + one shared 16-token prompt entry x 64 B x 2 layers + logits
-    # 2 x 2 x 64 x 4); the trainer's devices hold no sampler term; the peak is the larger group's
+    # 2 x 2 x 64 x 4, and the prefill's gathered chunk of 2 prompts x 16 slots x 2 layers x 64 B); the trainer's
+    # devices hold no sampler term; the peak is the larger group's
     split = estimate_memory(load_config(None, TINY_RUN + ["rollouts.mode=async", "rollouts.sampler_devices=2"]),
                             TINY, one)
     assert split["sampler_copies"] == 2 * 2896 * 4 and split["kv_cache"] == (16 + 2 * 16) * 64 * 2 == 6144
-    assert split["sampler_peak"] == 23168 + 6144 + 1024 and split["sampling"] == 0
+    assert split["sampler_peak"] == 23168 + 6144 + 1024 + 4096 and split["sampling"] == 0
     assert split["peak"] == base["peak"]  # the trainer's devices: no sampler there
 
 
 def test_critic_by_hand():
     mesh = {"data": 1, "fsdp": 2, "tensor": 1}
-    base = estimate_memory(load_config(None, TINY_RUN), TINY, mesh)
-    ppo = estimate_memory(load_config(None, TINY_RUN + ["algorithm.advantage=gae", "algorithm.kl_reward_coef=0.01"]),
-                          TINY, mesh)
+    base = cpu_estimate(load_config(None, TINY_RUN), TINY, mesh)
+    ppo = cpu_estimate(load_config(None, TINY_RUN + ["algorithm.advantage=gae", "algorithm.kl_reward_coef=0.01"]),
+                       TINY, mesh)
     # The tied TINY's trunk is the whole model: 2896 local elements in f32; the head 16 + 1 f32. Parameters and
-    # two AdamW moments of both; the step: the f32 accumulator and one gradient, plus the policy's activations.
+    # two AdamW moments of both; the step: the f32 accumulator and one gradient, two f32 update temporaries, plus
+    # the policy's activations (166912, test_tiny_run_by_hand).
     head = (16 + 1) * 4
     assert ppo["critic"] == 3 * (2896 * 4 + head) == 34956
-    assert ppo["critic_step"] == 2896 * (4 + 4) + 2 * head + base["activations"] == 186120
+    assert ppo["critic_step"] == 2896 * (4 + 4) + 2 * 2896 * 4 + 2 * head + base["activations"] == 213384
     assert ppo["reference"] == 2896 * 4  # the KL penalty in the rewards reads a reference policy
     assert ppo["peak"] == base["peak"] + 2896 * 4 + 34956  # the critic step is below the policy's train step
     assert base["critic"] == base["critic_step"] == 0
@@ -257,80 +327,89 @@ def test_blockwise_attention_and_rows_per_call():
     mesh = {"data": 1, "fsdp": 2, "tensor": 1}
     cfg = load_config(None, TINY_RUN + ["model.remat=false", "model.attention_block_size=8",
                                          "model.attention_block_min_length=0"])
-    est = estimate_memory(cfg, TINY, mesh)
+    est = cpu_estimate(cfg, TINY, mesh)
     # Row of 32 tokens in tiles of 8: no scores kept per layer; the backward keeps, per key block, the running
     # max, sum and output (4 heads x 32 x (4 + 2) x 4 B) and one tile: 4 heads x 8 x 8 x (12 + 4) + mask 8 x 8.
     per_layer_tokens = 32 * (4 * 16 + 2 * 16 + 3 * 8 + 4 * 32) * 4
     working = 4 * 32 * 6 * 4 + 4 * 8 * 8 * 16 + 8 * 8
     layer_grads = 32 * (2 * 16 + 16 + 2 * 8 + 2 * 32) * 4
-    assert est["activations"] == 2 * per_layer_tokens + working + layer_grads == 87104
+    embed_grads = 32 * 16 * 4 * 2  # the hidden states' f32 gradient at the embedding, twice
+    assert est["activations"] == 2 * per_layer_tokens + working + layer_grads + embed_grads == 91200
     # A block longer than the row is one tile of the whole row; the row 32 is padded up to whole blocks of 12.
-    whole = estimate_memory(load_config(None, TINY_RUN + ["model.remat=false", "model.attention_block_size=64",
+    whole = cpu_estimate(load_config(None, TINY_RUN + ["model.remat=false", "model.attention_block_size=64",
                                                    "model.attention_block_min_length=0"]),
                             TINY, mesh)
-    assert whole["activations"] == 2 * per_layer_tokens + 4 * 32 * 6 * 4 + 4 * 32 * 32 * 16 + 32 * 32 + layer_grads
-    odd = estimate_memory(load_config(None, TINY_RUN + ["model.remat=false", "model.attention_block_size=12",
+    assert whole["activations"] == (2 * per_layer_tokens + 4 * 32 * 6 * 4 + 4 * 32 * 32 * 16 + 32 * 32 + layer_grads
+                                    + embed_grads)
+    odd = cpu_estimate(load_config(None, TINY_RUN + ["model.remat=false", "model.attention_block_size=12",
                                                    "model.attention_block_min_length=0"]),
                           TINY, mesh)
-    assert odd["activations"] == 2 * per_layer_tokens + 4 * 36 * 6 * 4 + 4 * 12 * 12 * 16 + 12 * 12 + layer_grads
+    assert odd["activations"] == (2 * per_layer_tokens + 4 * 36 * 6 * 4 + 4 * 12 * 12 * 16 + 12 * 12 + layer_grads
+                                  + embed_grads)
 
     # The run config's default (tiles of 256 from rows of 1024 tokens on): the 32-token row takes full attention,
     # a row of 8 + 8 x 128 = 1032 tokens (1280 on the packer's grid) takes tiles.
-    full = estimate_memory(load_config(None, TINY_RUN + ["model.remat=false", "model.attention_block_size=null"]),
+    full = cpu_estimate(load_config(None, TINY_RUN + ["model.remat=false", "model.attention_block_size=null"]),
                            TINY, mesh)
-    assert estimate_memory(load_config(None, TINY_RUN + ["model.remat=false"]), TINY, mesh) == full
+    assert cpu_estimate(load_config(None, TINY_RUN + ["model.remat=false"]), TINY, mesh) == full
     long_run = TINY_RUN + ["model.remat=false", "sampling.max_new_tokens=128", "sampling.samples_per_prompt=8"]
-    tiled = estimate_memory(load_config(None, long_run + ["model.attention_block_min_length=0"]), TINY, mesh)
-    untiled = estimate_memory(load_config(None, long_run + ["model.attention_block_size=null"]), TINY, mesh)
+    tiled = cpu_estimate(load_config(None, long_run + ["model.attention_block_min_length=0"]), TINY, mesh)
+    untiled = cpu_estimate(load_config(None, long_run + ["model.attention_block_size=null"]), TINY, mesh)
     assert tiled["row_length"] == 1280 and tiled["activations"] < untiled["activations"]
-    assert estimate_memory(load_config(None, long_run), TINY, mesh) == tiled
-    assert estimate_memory(load_config(None, long_run + ["model.attention_block_min_length=1281"]), TINY,
+    assert cpu_estimate(load_config(None, long_run), TINY, mesh) == tiled
+    assert cpu_estimate(load_config(None, long_run + ["model.attention_block_min_length=1281"]), TINY,
                            mesh) == untiled
     # GVM's per-sample gradient rows (prompt + one response, 32 tokens here) follow the same rule.
     gvm = TINY_RUN + ["model.remat=false", "sampling.allocation=gvm"]
-    gvm_full = estimate_memory(load_config(None, gvm + ["model.attention_block_size=null"]), TINY, mesh)
-    assert estimate_memory(load_config(None, gvm), TINY, mesh)["gvm_norms"] == gvm_full["gvm_norms"] > 0
-    gvm_tiled = estimate_memory(load_config(None, gvm + ["model.attention_block_size=8",
+    gvm_full = cpu_estimate(load_config(None, gvm + ["model.attention_block_size=null"]), TINY, mesh)
+    assert cpu_estimate(load_config(None, gvm), TINY, mesh)["gvm_norms"] == gvm_full["gvm_norms"] > 0
+    gvm_tiled = cpu_estimate(load_config(None, gvm + ["model.attention_block_size=8",
                                                          "model.attention_block_min_length=0"]), TINY, mesh)
     assert gvm_tiled["gvm_norms"] < gvm_full["gvm_norms"]
 
     # 4 sampled rows over fsdp=2. max_rows_per_call 2: calls of 2 rows, 1 per device; 1: still 2-row calls
     # (the sampler never decodes a single row); 4 or more: one call of all rows, where a device's 2 rows continue
-    # one prompt and share its entry (with 1 row per device, each row has its own).
+    # one prompt and share its entry (with 1 row per device, each row has its own). The prefill gathers its chunk
+    # of 2 prompts x 16 slots on every device, whatever the call's rows: 2 x 16 x 64 x 2 B.
     per_slot = 2 * 2 * 4 * 2 * 4  # layers x kv heads x head_dim x (k, v) x 4 B
     for per_call, rows, entries in [(2, 2, 1), (1, 2, 1), (4, 4, 1), (0, 4, 1)]:
-        e = estimate_memory(load_config(None, TINY_RUN + [f"sampling.max_rows_per_call={per_call}"]), TINY, mesh)
+        e = cpu_estimate(load_config(None, TINY_RUN + [f"sampling.max_rows_per_call={per_call}"]), TINY, mesh)
         assert e["sample_rows"] == rows and e["kv_cache"] == (rows // 2 * 16 + entries * 16) * per_slot
-        assert e["sampling"] == e["kv_cache"] + 2 * (rows // 2) * 64 * 4
+        assert e["sampling"] == e["kv_cache"] + 2 * 16 * per_slot + 2 * (rows // 2) * 64 * 4
 
 
 def test_gvm_norms_and_tensor_split():
     cfg = load_config(None, TINY_RUN + ["sampling.allocation=gvm", "sampling.gvm_stage1_samples=4",
                                         "sampling.gvm_samples_per_prompt=2", "model.remat=true"])
-    est = estimate_memory(cfg, TINY, {"data": 1, "fsdp": 1, "tensor": 2})
-    # Stage 1 draws 2 prompts x N'=4 = 8 rows; GVM norms: 2 unpacked rows of 8 + 8 -> 32 tokens, embedding
-    # gradients 2 x 64 x 16 f32, heads split 2 ways by tensor=2.
+    est = cpu_estimate(cfg, TINY, {"data": 1, "fsdp": 1, "tensor": 2})
+    # Stage 1 draws 2 prompts x N'=4 = 8 rows; GVM norms: 2 unpacked rows of 8 + 8 -> 32 tokens, the tied
+    # embedding's per-sample gradients 2 x 64 x 16 f32 twice (the lookup's and the output layer's) and the output
+    # matrix whole in c (64 x 16 x 4); q, k, v heads and the MLP split 2 ways by tensor=2: per token
+    # 4 x 16 + 2 x 8 + 3 x 4 + 4 x 16 = 156, gradients 2 x 16 + 8 + 2 x 4 + 2 x 16 = 80.
     assert est["sample_rows"] == 8
-    per_layer_tokens = 2 * 32 * 248 * 4
-    layer_grads = 2 * 32 * 128 * 4
+    per_layer_tokens = 2 * 32 * 156 * 4
+    layer_grads = 2 * 32 * 80 * 4
+    embed_grads = 2 * 32 * 16 * 4 * 2
     activations = (2 * 2 * 32 * 16 * 4 + per_layer_tokens + 2 * 2 * 32 * 32 * 8 + 2 * 2 * 32 * 32 * 4 + 2 * 32 * 32
-                   + layer_grads)
+                   + layer_grads + embed_grads)
     # 8 response tokens a row; the embedding's gradient pieces: [64, 16] split over its vocabulary by tensor=2.
     logprob = 2 * 8 * (64 * 4 + 16 * 4 + 12) + 512 * 4
-    assert est["gvm_norms"] == 2 * 64 * 16 * 4 + activations + logprob and est["gvm_chunk_rows"] == 2
+    assert est["gvm_norms"] == 2 * 2 * 64 * 16 * 4 + 64 * 16 * 4 + activations + logprob
+    assert est["gvm_chunk_rows"] == 2
     # Responses that fill a quarter of their 8 columns: the unpacked rows still hold (and score) all 8.
-    short = estimate_memory(cfg, TINY, {"data": 1, "fsdp": 1, "tensor": 2}, response_fill=0.25)
+    short = cpu_estimate(cfg, TINY, {"data": 1, "fsdp": 1, "tensor": 2}, response_fill=0.25)
     assert short["gvm_norms"] == est["gvm_norms"]
     # sampling.gvm_rows_per_chunk=1: one row's gradients, activations and residuals at a time.
-    one = estimate_memory(load_config(None, TINY_RUN + ["sampling.allocation=gvm", "sampling.gvm_stage1_samples=4",
+    one = cpu_estimate(load_config(None, TINY_RUN + ["sampling.allocation=gvm", "sampling.gvm_stage1_samples=4",
                                                         "sampling.gvm_samples_per_prompt=2", "model.remat=true",
                                                         "sampling.gvm_rows_per_chunk=1"]),
                           TINY, {"data": 1, "fsdp": 1, "tensor": 2})
-    per_layer_one = 32 * 248 * 4
+    per_layer_one = 32 * 156 * 4
     activations_one = (2 * 32 * 16 * 4 + per_layer_one + 2 * 32 * 32 * 8 + 2 * 32 * 32 * 4 + 32 * 32
-                       + layer_grads // 2)
+                       + layer_grads // 2 + embed_grads // 2)
     logprob_one = 8 * (64 * 4 + 16 * 4 + 12) + 512 * 4
-    assert one["gvm_norms"] == 64 * 16 * 4 + activations_one + logprob_one and one["gvm_chunk_rows"] == 1
+    assert one["gvm_norms"] == 2 * 64 * 16 * 4 + 64 * 16 * 4 + activations_one + logprob_one
+    assert one["gvm_chunk_rows"] == 1
 
 
 def test_parse_mesh_and_errors():
@@ -392,11 +471,12 @@ def test_suggest_layout_splits_rows_when_nothing_else_fits():
 def test_rows_that_fit():
     cfg = load_config(None, TINY_RUN + ["model.remat=false"])
     est = estimate_memory(cfg, TINY, {"data": 1, "fsdp": 2, "tensor": 1})
-    # 2 local rows cost 7168 B (KV cache 6144 B: 2 rows of 16 response slots and the one 16-slot prompt entry they
-    # share, 2 layers x 64 B a slot; logits 1024 B), so 3584 B a row; 85% of 100,000 B minus params and AdamW
-    # (34,752 B) leaves 50,248 B: 14 rows per device, 28 over the fsdp=2 split.
-    assert est["sampling"] == 7168
-    assert memory_estimate.rows_that_fit(est, 100_000) == 28
+    # 2 local rows cost 11264 B (KV cache 6144 B: 2 rows of 16 response slots and the one 16-slot prompt entry they
+    # share, 2 layers x 64 B a slot; the prefill's gathered chunk of 2 prompts, 4096 B; logits 1024 B), so 5632 B
+    # a row; 85% of 100,000 B minus params and AdamW (34,752 B) leaves 50,248 B: 8 rows per device, 16 over the
+    # fsdp=2 split.
+    assert est["sampling"] == 11264
+    assert memory_estimate.rows_that_fit(est, 100_000) == 16
     assert memory_estimate.rows_that_fit(est, 30_000) == 0
 
 
@@ -434,20 +514,22 @@ def test_lora_presets_table_is_the_scripts_output_on_the_smallest_fitting_hardwa
 
 def test_fit_rows_per_call_lowers_the_sampler_rows_until_they_fit():
     # 1024 prompts x 2 samples = 2048 rows over fsdp=2; a local row costs 2048 B of KV cache for its responses, half
-    # of the 2048-B prompt entry it shares with its prompt's other sample, and 512 B of logits: 3584 B.
+    # of the 2048-B prompt entry it shares with its prompt's other sample, and 512 B of logits: 3584 B; the prefill
+    # gathers a chunk of min(the call's prompts, 4096 / 16 = 256) prompts' 16 slots x 2 layers x 64 B on each device.
     cfg = load_config(None, TINY_RUN + ["sampling.prompts_per_step=1024"])
     mesh = {"data": 1, "fsdp": 2, "tensor": 1}
-    whole = estimate_memory(cfg, TINY, mesh)
-    assert whole["sampling"] == 1024 * 3584 and whole["peak"] > 3_000_000
-    est, rows = fit_rows_per_call(cfg, TINY, mesh, 3_000_000)
-    assert rows == 1024 and est["sample_rows"] == 1024 and est["sampling"] == 512 * 3584
-    assert est["peak"] == 34752 + 512 * 3584 <= 3_000_000
-    # An unreachable budget: halve only while the sampler is the largest term (the train step is 193,344 B).
-    est, rows = fit_rows_per_call(cfg, TINY, mesh, 1000)
-    assert est["train_step"] == 193_344
-    assert rows == 64 and est["sampling"] == 32 * 3584 < est["train_step"] < 64 * 3584
-    assert fit_rows_per_call(cfg, TINY, mesh, 10 ** 9)[1] == 0  # fits as configured: unchanged
-    _, overrides = suggest_layout(cfg, TINY, 2, 3_000_000)
+    whole = cpu_estimate(cfg, TINY, mesh)
+    assert whole["sampling"] == 1024 * 3584 + 256 * 2048 and whole["peak"] > 3_000_000
+    est, rows = fit_rows_per_call(cfg, TINY, mesh, 3_000_000, "cpu")
+    assert rows == 1024 and est["sample_rows"] == 1024 and est["sampling"] == 512 * 3584 + 256 * 2048
+    assert est["peak"] == 34752 + 512 * 3584 + 256 * 2048 <= 3_000_000
+    # An unreachable budget: halve only while the sampler is the largest term (the train step is 220,608 B,
+    # test_tiny_run_by_hand): calls of 64 rows, 32 prompts per prefill.
+    est, rows = fit_rows_per_call(cfg, TINY, mesh, 1000, "cpu")
+    assert est["train_step"] == 220_608
+    assert rows == 64 and est["sampling"] == 32 * 3584 + 32 * 2048 < est["train_step"] < 64 * 3584 + 64 * 2048
+    assert fit_rows_per_call(cfg, TINY, mesh, 10 ** 9, "cpu")[1] == 0  # fits as configured: unchanged
+    _, overrides = suggest_layout(cfg, TINY, 2, 3_000_000, platform="cpu")
     assert overrides == {"train.mesh": "fsdp=2", "optim.micro_batch_size": 2, "sampling.max_rows_per_call": 1024}
 
 
@@ -489,7 +571,7 @@ def test_estimate_matches_xla_memory_analysis(block, vocab, prompt, samples, res
                  f"model.remat_logits={str(remat_logits).lower()}", f"model.attention_block_size={block or 'null'}",
                  "model.attention_block_min_length=0"]
     cfg = load_config(None, overrides)
-    est = estimate_memory(cfg, mc, {"data": 1, "fsdp": 1, "tensor": 1})
+    est = cpu_estimate(cfg, mc, {"data": 1, "fsdp": 1, "tensor": 1})
     xla = _xla_temp_bytes(mc, cfg, est["row_length"], samples, response_len)
     ratio = xla / (est["activations"] + est["logprob_residuals"])
     assert 0.85 <= ratio <= 1.25, (ratio, xla, est["activations"], est["logprob_residuals"])
@@ -503,7 +585,7 @@ def test_paper_presets_fit_their_8_gpus_as_configured(size):
         cfg = load_config(path)
         assert (cfg.sampling.max_rows_per_call, cfg.model.attention_block_size, cfg.sampling.gvm_rows_per_chunk) \
             == (1024, 512, 2)
-        est = estimate_memory(cfg, model_config_for(cfg.model.source), cfg.train.mesh, devices=8)
+        est = estimate_memory(cfg, model_config_for(cfg.model.source), cfg.train.mesh, devices=8, platform="gpu")
         assert est["peak"] <= 0.85 * memory_estimate.TARGETS["8xH100"].hbm_bytes, (path.stem, est["peak"] / 2 ** 30)
         assert est["sample_rows"] == 1024 and est["row_length"] == 28672  # 1024 + 8 x 3072 = 25,600 on the packer's grid
 

@@ -44,7 +44,7 @@ from jaxrl_llm.sampling.decoder import (
     prefill_layers,
     unstack_layers,
 )
-from jaxrl_llm.sampling.engine import _constrain, paired_stop_hits, row_axes, to_host
+from jaxrl_llm.sampling.engine import _constrain, paired_stop_hits, prefill_constraint, row_axes, to_host
 from jaxrl_llm.sampling.token_selection import select_tokens
 
 logger = logging.getLogger(__name__)
@@ -193,8 +193,10 @@ def _slot_loop(params, config: ModelConfig, mesh: Mesh | None, queue_prompts: Pr
                  (queue_prompts.tokens, queue_prompts.lengths, queue_prompts.counts)]
         tokens, lengths, counts = chunk
         # layer by layer on the loop's per-layer weights: each layer's keys/values go straight to its cache entry
+        # each device prefills its share of the chunk (as `engine.prefill_rows`); the entries then go to every device
         last_logits, keys, values = prefill_layers(params, layers, config, _constrain(tokens, mesh), lengths,
-                                                   state.prompts.keys[0].dtype)
+                                                   state.prompts.keys[0].dtype, prefill_constraint(mesh))
+        last_logits = _constrain(last_logits, mesh)
         index = first + jnp.arange(prefill_chunk)
         target = jnp.nonzero(state.entry_left == 0, size=prefill_chunk, fill_value=entries)[0]
         target = jnp.where(index < queue_prompts.num_prompts, target, entries)  # out of range: dropped

@@ -101,10 +101,13 @@ def unstack_layers(params) -> list:
     return [jax.tree_util.tree_map(lambda a, i=i: a[i], stacked) for i in range(num_layers)]
 
 
-def _prefill_layer(config: ModelConfig, tokens: jax.Array, cache_dtype):
+def _prefill_layer(config: ModelConfig, tokens: jax.Array, cache_dtype, constrain=None):
     """One layer of the prefill of prompts tokens [C, P] (positions 0..P-1): (x, (layer params, its constants))
     -> (x, (keys [C, KV, d, P], values [C, KV, P, d])) in the cache's layout; the constants are
-    `layer_constants`' (scanned or one layer's)."""
+    `layer_constants`' (scanned or one layer's). `constrain(x, features=False)` pins the hidden states, keys
+    and values to the prompts' sharding (`engine.prefill_constraint`: on a mesh, split over the row axes, so
+    each device runs its own prompts); None: no constraint."""
+    constrain = constrain or _unconstrained
     count, length = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (count, length))
     cache_dtype = jnp.dtype(cache_dtype or config.compute_dtype)
@@ -117,47 +120,65 @@ def _prefill_layer(config: ModelConfig, tokens: jax.Array, cache_dtype):
 
         def attend_fn(q, k, v):  # k, v [C, P, KV, d]
             keep = causal if window is None else causal & (distance < window)
-            return attend(q, k, v, keep, config), (jnp.transpose(k, (0, 2, 3, 1)).astype(cache_dtype),
-                                                   jnp.transpose(v, (0, 2, 1, 3)).astype(cache_dtype))
+            return attend(q, k, v, keep, config), (constrain(jnp.transpose(k, (0, 2, 3, 1)).astype(cache_dtype)),
+                                                   constrain(jnp.transpose(v, (0, 2, 1, 3)).astype(cache_dtype)))
 
-        return decoder_layer(lp, config, x, positions, attend_fn, const.get("inv_freq"))
+        x, kv = decoder_layer(lp, config, constrain(x), positions, attend_fn, const.get("inv_freq"))
+        return constrain(x), kv
 
     return layer
 
 
-def _last_logits(params, config: ModelConfig, x: jax.Array, lengths: jax.Array) -> jax.Array:
+def _unconstrained(x: jax.Array, features: bool = False) -> jax.Array:
+    return x
+
+
+def _embed_prompts(params, config: ModelConfig, tokens: jax.Array, constrain) -> jax.Array:
+    """The prompts' embeddings, split as `constrain` splits hidden states: looked up with the hidden dimension split
+    as the table's (no device gathers the whole table), then moved to the prompts' split."""
+    constrain = constrain or _unconstrained
+    return constrain(constrain(embed_tokens(params, config, tokens), features=True))
+
+
+def _prompt_logits(params, config: ModelConfig, x: jax.Array, lengths: jax.Array, constrain) -> jax.Array:
+    """The logits [C, V] of each prompt's last position (`lengths` - 1). The final-norm hidden states go to the
+    output matrix split over their hidden dimension as it is (a product with its contraction split, not a
+    gathered output matrix); the logits are then split as the prompts."""
+    constrain = constrain or _unconstrained
     last = jnp.take_along_axis(x, (lengths - 1)[:, None, None], axis=1)[:, 0]  # [C, D]
-    return output_logits(params, config, norm(last, params["final_norm"], config))
+    last = norm(last, params["final_norm"], config)
+    return constrain(output_logits(params, config, constrain(last, features=True)))
 
 
 def prefill_cache(params, config: ModelConfig, tokens: jax.Array, lengths: jax.Array,
-                  cache_dtype=None) -> tuple[jax.Array, jax.Array, jax.Array]:
+                  cache_dtype=None, constrain=None) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Run right-padded prompts tokens [C, P] (positions 0..P-1) through the decoder.
 
     Returns (logits [C, V] f32 at position lengths - 1, keys [layers, C, KV, d, P],
     values [layers, C, KV, P, d]). Slots >= a prompt's length hold padding and are never attended.
+    `constrain`: as `_prefill_layer`'s.
     """
-    layer = _prefill_layer(config, tokens, cache_dtype)
-    x, (keys, values) = jax.lax.scan(layer, embed_tokens(params, config, tokens),
+    layer = _prefill_layer(config, tokens, cache_dtype, constrain)
+    x, (keys, values) = jax.lax.scan(layer, _embed_prompts(params, config, tokens, constrain),
                                      (params["layers"], layer_constants(config)))
-    return _last_logits(params, config, x, lengths), keys, values
+    return _prompt_logits(params, config, x, lengths, constrain), keys, values
 
 
 def prefill_layers(params, layers: list, config: ModelConfig, tokens: jax.Array, lengths: jax.Array,
-                   cache_dtype=None) -> tuple[jax.Array, tuple, tuple]:
+                   cache_dtype=None, constrain=None) -> tuple[jax.Array, tuple, tuple]:
     """`prefill_cache` over per-layer parameters (`unstack_layers`), one layer after another in Python:
     (logits [C, V], keys: one [C, KV, d, P] per layer, values: one [C, KV, P, d] per layer). For a prefill
     inside a decode loop that already holds the per-layer weights: each layer's keys and values can go to
     a per-layer cache as soon as they exist, instead of through one stacked [layers, ...] buffer beside
     the decode's own temporaries (0.38 GB for 16 prompts of 256 tokens on SmolLM2-135M), and no layer's
     weights are sliced out of the stacked arrays again."""
-    layer = _prefill_layer(config, tokens, cache_dtype)
-    x, keys, values = embed_tokens(params, config, tokens), [], []
+    layer = _prefill_layer(config, tokens, cache_dtype, constrain)
+    x, keys, values = _embed_prompts(params, config, tokens, constrain), [], []
     for i, lp in enumerate(layers):
         x, (k, v) = layer(x, (lp, layer_constants(config, i)))
         keys.append(k)
         values.append(v)
-    return _last_logits(params, config, x, lengths), tuple(keys), tuple(values)
+    return _prompt_logits(params, config, x, lengths, constrain), tuple(keys), tuple(values)
 
 
 def _to_groups(x: jax.Array, entries: int) -> jax.Array:

@@ -77,6 +77,21 @@ def _constrain(x: jax.Array, mesh: Mesh | None, axis: int = 0) -> jax.Array:
     return jax.lax.with_sharding_constraint(x, row_sharding(mesh, x.ndim, axis))
 
 
+def prefill_constraint(mesh: Mesh | None):
+    """The prefill's `constrain(x, features=False)` (`decoder.prefill_cache`): hidden states, keys and values split
+    over the row axes on their first axis; with `features`, split over fsdp on their last (hidden) axis, as the
+    embedding and output matrix hold it (`models.sharding.partition_rules`). None without a mesh."""
+    if mesh is None:
+        return None
+
+    def constrain(x: jax.Array, features: bool = False) -> jax.Array:
+        if not features:
+            return _constrain(x, mesh)
+        return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, PartitionSpec(*([None] * (x.ndim - 1)), "fsdp")))
+
+    return constrain
+
+
 def cache_sharding(shape: tuple[int, ...], mesh: Mesh) -> NamedSharding:
     """Where a sampler cache buffer [rows or entries, KV, ...] lives: rows over the row axes, KV heads over `tensor`
     when it divides them (as the attention's heads are), else every device holds all KV heads of its rows.
@@ -135,10 +150,12 @@ def prefill_rows(params, config: ModelConfig, mesh: Mesh | None, prompt_tokens: 
     entry per group of g rows (the cache's prompt part has R / g entries) an entry takes its first row's source:
     a group's rows continue one prompt."""
     prompt_tokens = _constrain(prompt_tokens, mesh)
+    # every layer's hidden states, keys and values split over the row axes as the prompts are, so each device runs
+    # its own prompts (the merge below gathers the results to their rows); unconstrained, XLA ran the whole prefill
+    # on every device of the mesh, or, constrained only at the end, every layer's MLP on every prompt of the chunk
+    # with its contraction split (XLA's temporaries: [chunk, P, F / tensor] gate and up outputs per device)
     last_logits, keys, values = prefill_cache(params, config, prompt_tokens, prompt_lengths,
-                                              state.cache.prompt_k[0].dtype)
-    # the prompts' results split over the row axes as the prompts are, so the prefill itself stays split (the merge
-    # below gathers them to their rows); unconstrained, XLA ran the whole prefill on every device of the mesh
+                                              state.cache.prompt_k[0].dtype, prefill_constraint(mesh))
     last_logits = _constrain(last_logits, mesh)
     keys, values = (tuple(_constrain(x, mesh) for x in part) for part in (keys, values))
     entries = state.cache.prompt_k[0].shape[0]

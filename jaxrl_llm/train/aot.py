@@ -197,7 +197,7 @@ def compile_run(cfg: RunConfig, topology: str | Topology, *, model_config: Model
     mc = runtime_model_config(mc.replace(param_dtype=cfg.model.param_dtype), cfg.model, cfg.data.max_prompt_tokens)
     mesh = make_mesh(cfg.train.mesh, devices=devices)
     sizes = dict(mesh.shape)
-    estimate = estimate_memory(cfg, mc, {k: int(v) for k, v in sizes.items()})
+    estimate = estimate_memory(cfg, mc, {k: int(v) for k, v in sizes.items()}, platform="tpu")
     split = sizes["data"] * sizes["fsdp"]
     rows = bucket(-(-cfg.sampling.prompts_per_step // cfg.optim.mini_batches), max(cfg.optim.micro_batch_size, split))
     batch = batch_shapes(cfg, estimate["row_length"], rows)
@@ -332,7 +332,8 @@ def _continuous_program(cfg: RunConfig, mc: ModelConfig, mesh, policy, hbm: int)
 
 def _sampler_programs(cfg: RunConfig, mc: ModelConfig, mesh, policy, hbm: int) -> list[ProgramReport]:
     """The static engine's prefill and decode of one sampler call at the run's worst case (every prompt
-    `data.max_prompt_tokens` long, `samples_per_prompt` samples of `max_new_tokens`), rows split over data x fsdp
+    `data.max_prompt_tokens` long, `samples_per_prompt` samples of `max_new_tokens`; GVM: the larger of its
+    stage-1 and later counts, varying so that no rows share a prompt entry), rows split over data x fsdp
     as `sampling.generate` splits them. The sampler reads the policy in `model.param_dtype` (LoRA: the merged copy,
     `policy` None: laid out like an unquantized base)."""
     from jaxrl_llm.sampling.buckets import make_plan
@@ -342,7 +343,13 @@ def _sampler_programs(cfg: RunConfig, mc: ModelConfig, mesh, policy, hbm: int) -
     policy = _merged_policy(mc, mesh, policy)
     row_multiple = int(np.prod([mesh.shape[a] for a in row_axes(mesh)]))
     lengths = np.full(cfg.sampling.prompts_per_step, cfg.data.max_prompt_tokens)
-    counts = np.full(cfg.sampling.prompts_per_step, cfg.sampling.samples_per_prompt)
+    if cfg.sampling.allocation == "gvm":  # counts that vary from prompt to prompt: one prompt entry per row
+        counts = np.full(cfg.sampling.prompts_per_step,
+                         max(cfg.sampling.gvm_stage1_samples, cfg.sampling.gvm_samples_per_prompt))
+        counts[0] = max(counts[0] - 1, 1)  # no group size divides every count (`buckets.prompt_group_size`):
+        # the estimate's worst case
+    else:
+        counts = np.full(cfg.sampling.prompts_per_step, cfg.sampling.samples_per_prompt)
     plan = make_plan(lengths, counts, cfg.sampling.max_new_tokens, row_multiple=row_multiple)
     _, run = call_plans(plan, lengths, cfg.sampling.max_new_tokens, cfg.sampling.max_rows_per_call,
                         row_multiple=row_multiple)[0]
@@ -391,7 +398,7 @@ def _account(programs: list[ProgramReport], est: dict[str, Any], *, lora: bool, 
     # estimate_memory has no term of its own for the log-prob pass (a forward pass, bounded by the train step's).
     estimate = {"train_step": est["params"] + est["optimizer"] + est["train_step"],
                 "critic_step": est["critic"] + est["critic_step"], "gvm_grad_norms": policy + est["gvm_norms"],
-                "sampler_prefill": policy + est["sampling"], "sampler_decode": policy + est["sampling"],
+                "sampler_prefill": policy + est["sampling_prefill"], "sampler_decode": policy + est["sampling_decode"],
                 "sampler_continuous": policy + est["sampling"]}
     for program in programs:
         program.resident_bytes = int(resident.get(program.name, 0))

@@ -7,13 +7,25 @@ Every term counts what jaxrl_llm itself allocates, per device of a `data x fsdp 
               (`models.sharding.partition_rules`; an axis that does not divide a dimension replicates it)
   optimizer   AdamW first and second moments, kept by optax in the parameters' dtype: 2 x params
   reference   a frozen copy of params when the KL term or PRL shaping needs a reference policy
-  train step  gradients: the f32 accumulator of the micro-batch scan + one micro-batch gradient in p;
+  train step  gradients: the f32 accumulator of the micro-batch scan + one micro-batch gradient in p + XLA's
+              update temporaries, two more f32 copies (the backward scan's stacked layer gradients, AdamW's new
+              moments before they replace the old: `jaxrl-llm compile` of the 7B GRPO preset on v4-32);
               activations of one micro-batch of packed rows (one prompt + n responses per row, n = samples
               per prompt, N'' under GVM, rounded up to a power of two; the row length L = prompt + n R on the
               packer's grid `train.packing.length_bucket`, at most 25% above it; with optim.max_row_tokens
               each row holds the responses that fit, at least one, and the length is at most that bound):
                 per layer and token  (4 D + 2 q + 3 kv + 4 F) x c   (norm inputs/outputs, q/k/v before and
-                                     after RoPE, attention output, residuals, gate/up/silu/product)
+                                     after RoPE, attention output, residuals, gate/up/silu/product; q, kv
+                                     and F per device: split over tensor where it divides their heads and
+                                     width, D whole)
+                fused attention (`models.attention`: splash where the run is on a TPU with
+                                     model.attention_impl auto or splash, or a forced cudnn/splash): no scores
+                                     kept; one layer's kernel works on the S regrouped rows of W = prompt +
+                                     max_new_tokens tokens (on splash's grid of 128) per packed row, over the
+                                     device's KV heads and their query heads (every head where tensor does
+                                     not divide the KV heads): rows x S W x (head_dim x (H_a (3 c + 4)
+                                     + KV_a 2 (c + 4)) + 8 H_a)  (q, its output and output gradient in c,
+                                     the f32 q gradient; k, v and their f32 gradients; two f32 statistics)
                 full attention (model.attention_block_size null, or L < model.attention_block_min_length),
                                      per layer: rows x H_t x L^2 x (4 + c)
                                      (f32 scores, probabilities in c), and in the backward pass one
@@ -31,7 +43,8 @@ Every term counts what jaxrl_llm itself allocates, per device of a `data x fsdp 
                 and up: (2 q + 2 kv + 2 F) x c per token, and the layer being differentiated recomputes only
                 (2 D + 2 F) x c per token)
               and, while one layer's backward pass runs, the gradients of its input, output, q, k, v, gate
-                and up: rows x L x (2 D + q + 2 kv + 2 F) x c
+                and up: rows x L x (2 D + q + 2 kv + 2 F) x c; and the hidden states' f32 gradient where the
+                embedding is differentiated, twice (resharded for its gradient): rows x L x D x 8
               log-prob residuals: the custom VJP of `train.logprobs.chunked_logprobs` keeps, for the backward
                 pass, the gathered hidden states in c, the int32 targets and two f32 statistics per token
                 (log Z, E_p[logit]), and every vocabulary chunk's f32 logits, for K = min(L, n R_max) scored
@@ -40,6 +53,7 @@ Every term counts what jaxrl_llm itself allocates, per device of a `data x fsdp 
                 rows x K x (V x 4 + D x c + 12), plus the pieces of the output matrix's gradient
                 (V x D x c, sharded as its parameter); with model.remat_logits the logits are recomputed
                 chunk by chunk in the backward pass instead: rows x K x (min(V, 8192) x 4 + D x c + 12);
+                with c != 4 also one chunk's logits in c as the product gives them, rows x K x min(V, 8192) x c;
                 plus the output matrix cast to c when c != p (V x D, sharded as its parameter)
   sampling    KV cache of the rows of one sampler call: all of a step's rows, or `sampling.max_rows_per_call`
               of them (the row bucket of `sampling.generate.call_plans`), rows split over data x fsdp:
@@ -50,7 +64,17 @@ Every term counts what jaxrl_llm itself allocates, per device of a `data x fsdp 
               (`sampling.engine.cache_sharding`); where tensor > 1 does not divide them, the decode loop
               holds the cache twice (XLA's temporaries on a TPU: Qwen2.5-1.5B's 2 KV heads on tensor=4 held
               5.58 GiB beside a 5.47 GiB cache per chip, `jaxrl-llm compile`); plus two [rows, V] f32 logits
-              buffers. With sampling.engine=continuous: layers x (C x P_bucket + S x R_bucket) x
+              buffers, and the policy cast to c where the sampler reads p != c weights (no sampling.dtype copy:
+              XLA hoists the casts out of the loop). The term is the larger of its two phases:
+                prefill  + the keys and values of one prefill chunk of the call's prompts (min(call prompts,
+                         floor_pow2(4096 / P_bucket)), rounded up to data x fsdp) in every layer, gathered on
+                         every device by the merge into rows: chunk x P_bucket x layers x kv_heads_t x head_dim
+                         x 2 x c
+                decode   + the cache copy above; with a tiled response cache (`buckets.response_tile_size`) the
+                         written tile of every full-attention layer, rows x tile x kv_heads_t x head_dim x 2 x c;
+                         the logits are the larger of the two row buffers and the call's rows x V / tensor f32
+                         (the output layer's product gives every row's logits with the vocabulary split)
+              With sampling.engine=continuous: layers x (C x P_bucket + S x R_bucket) x
               kv_heads x head_dim x 2 x c for S decode slots (`sampling.continuous.slot_count`) and
               C = `sampling.continuous.prompt_entries` prompt-cache entries (one per prompt of the step, at
               most S + one prefill chunk of floor_pow2(4096 / P_bucket) prompts, or
@@ -59,8 +83,10 @@ Every term counts what jaxrl_llm itself allocates, per device of a `data x fsdp 
               keys/values gathered for the slots (S x P_bucket x kv_heads x head_dim x 2 x c) and (C + 2 S) x V
               f32 logits; the S slots are split over data x fsdp as rows are, every device holds the C entries
   gvm norms   (GVM only) per-sample gradients of the subset (default the embedding) for
-              `sampling.gvm_rows_per_chunk` (0: `optim.micro_batch_size`) unpacked rows at a time, in p,
-              with those rows' activations and log-prob residuals (a row is the prompt and all
+              `sampling.gvm_rows_per_chunk` (0: `optim.micro_batch_size`) unpacked rows at a time, in p
+              (a tied embedding twice: the lookup's and the output layer's), the output matrix gathered whole
+              in c (each device differentiates its own rows through it), with those rows' activations and
+              log-prob residuals (a row is the prompt and all
               max_new_tokens columns, every one scored, whatever `response_fill`); a chunk's rows are split
               over data x fsdp (ceil(chunk / (data x fsdp)) rows per device)
 
@@ -89,10 +115,16 @@ the merged copy of the base (W + s A B) the sampler reads, local x p. A quantize
 int8 / int4) stores each projection in 1 / 0.5 bytes per element plus float32 scales [L, 1, out]; the
 merged copy is still in p.
 
-H_t = heads / tensor when tensor divides the heads, else all heads. Rows per device = ceil(rows /
+H_t = heads / tensor when tensor divides the heads, else all heads; H_a, KV_a the heads a fused kernel runs per
+device (KV heads / tensor and their query heads when tensor divides the KV heads, else all). `platform` ("tpu",
+"gpu", "cpu") picks the attention path as `models.attention.resolve` does (a target's platform in `TARGETS`).
+The XLA-specific terms (update temporaries, the embedding's f32 gradients, the prefill's gathered chunk, the
+decode's tile copies and logits, the policy cast) were read from the compiled programs' buffer assignments
+(`jaxrl-llm compile` for v5litepod-64 and v4-32, 2026-11-28). Rows per device = ceil(rows /
 (data x fsdp)). Lengths are the worst case: every response reaches max_new_tokens (set
-`response_fill` below 1 for an average fill). XLA's temporaries and fragmentation are not counted:
-leave ~10-20% of HBM free.
+`response_fill` below 1 for an average fill). XLA's other temporaries and fragmentation are not counted: leave
+~10-20% of HBM free (against XLA's compiled peaks of the five preset-slices in docs/launch.md the train step is
+within 5%, the sampler's prefill and decode within 15%, GVM's norms 13% over).
 """
 
 from __future__ import annotations
@@ -107,10 +139,12 @@ from typing import Any
 import numpy as np
 
 from jaxrl_llm.models.config import ModelConfig
+from jaxrl_llm.models.attention import SPLASH_BLOCK
+from jaxrl_llm.models.attention import resolve as attention_resolve
 from jaxrl_llm.models.lora import LoraSpec, adapter_shapes, resolve_targets
 from jaxrl_llm.models.model import param_shapes
 from jaxrl_llm.models.sharding import MESH_AXES, partition_rules
-from jaxrl_llm.sampling.buckets import bucket_size, prefill_chunk, round_up
+from jaxrl_llm.sampling.buckets import bucket_size, prefill_chunk, response_tile_size, round_up
 from jaxrl_llm.sampling.continuous import default_slots, prompt_entries, slot_count
 from jaxrl_llm.sampling.decoder import response_slots
 from jaxrl_llm.sampling.generate import call_prompt_group, call_row_bucket
@@ -132,6 +166,7 @@ class Target:
     devices: int
     hbm_bytes: int
     note: str
+    platform: str = "tpu"  # picks the attention path (`models.attention.resolve`)
 
 
 # A v4 chip (two TensorCores as one megacore device) has 32 GiB HBM; v4-32 = 32 TensorCores = 16 chips.
@@ -139,9 +174,9 @@ class Target:
 TARGETS = {
     "v4-32": Target("v4-32", 16, 32 * GIB, "16 chips x 32 GiB HBM, 4 hosts"),
     "v5e-64": Target("v5e-64", 64, 16 * GIB, "64 chips x 16 GiB HBM, 16 hosts"),
-    "8xH100": Target("8xH100", 8, 81559 * 1024 ** 2, "8 GPUs x 80 GB HBM3, 1 node"),
+    "8xH100": Target("8xH100", 8, 81559 * 1024 ** 2, "8 GPUs x 80 GB HBM3, 1 node", "gpu"),
     "1x16GB": Target("1x16GB", 1, 16 * GIB, "one 16 GiB accelerator: a TPU v5e chip (a T4 has 15 GiB)"),
-    "1xH100": Target("1xH100", 1, 81559 * 1024 ** 2, "one GPU x 80 GB HBM3"),
+    "1xH100": Target("1xH100", 1, 81559 * 1024 ** 2, "one GPU x 80 GB HBM3", "gpu"),
 }
 
 # The paper models' transformers config.json values (Qwen/Qwen2.5-Math-1.5B and -7B on the HF Hub).
@@ -272,33 +307,56 @@ def sharded_param_elements(model_config: ModelConfig, mesh: dict[str, int]) -> t
     return total, sum(_local_elements(model_config, mesh).values())
 
 
-def _activation_bytes(mc: ModelConfig, rows: int, length: int, heads: int, c: int, remat: bool,
-                      policy: str = "full", block: int | None = None) -> int:
-    """Saved activations + one layer's working set for `rows` sequences of `length` tokens. Remat policy
-    "dots" also keeps each layer's projection outputs (q, k, v, o, gate, up, down) per token, "qkv_attn_mlp"
-    q, k, v, the attention output, gate and up; `block` is model.attention_block_size (None: full attention)."""
-    q, kv = mc.num_heads * mc.head_dim, mc.num_kv_heads * mc.head_dim
-    per_layer_tokens = rows * length * (4 * mc.hidden_size + 2 * q + 3 * kv + 4 * mc.intermediate_size) * c
+def _split(n: int, tensor: int) -> int:
+    """`n` features per device: split over tensor where it divides them (`models.sharding`), else whole."""
+    return n // tensor if n % tensor == 0 else n
+
+
+def _activation_bytes(mc: ModelConfig, rows: int, length: int, tensor: int, c: int, remat: bool,
+                      policy: str = "full", block: int | None = None, groups: tuple[int, int] | None = None) -> int:
+    """Saved activations + one layer's working set for `rows` sequences of `length` tokens on a mesh whose tensor
+    axis has `tensor` devices. Remat policy "dots" also keeps each layer's projection outputs (q, k, v, o, gate,
+    up, down) per token, "qkv_attn_mlp" q, k, v, the attention output, gate and up; `block` is
+    model.attention_block_size (None: full attention); `groups` (S, W): a fused kernel attends on S regrouped
+    rows of W tokens per row (`models.attention`), None: the xla path."""
+    q_heads = _split(mc.num_heads, tensor)
+    q, kv = q_heads * mc.head_dim, _split(mc.num_kv_heads, tensor) * mc.head_dim
+    f = _split(mc.intermediate_size, tensor)
+    d = mc.hidden_size
+    per_layer_tokens = rows * length * (4 * d + 2 * q + 3 * kv + 4 * f) * c
     # While one layer's backward pass runs: the gradients of its input, output, q, k, v, gate and up.
-    layer_grads = rows * length * (2 * mc.hidden_size + q + 2 * kv + 2 * mc.intermediate_size) * c
-    if block is None:
-        attention = rows * heads * length * length * (4 + c)
-        working = rows * heads * length * length * 4 + rows * length * length  # f32 score gradient + bool mask
+    layer_grads = rows * length * (2 * d + q + 2 * kv + 2 * f) * c
+    # The hidden states' f32 gradient where the embedding is differentiated, twice (resharded for its gradient).
+    embed_grads = rows * length * d * 4 * 2
+    if groups is not None:
+        # the kernel runs per device on its KV heads' query groups, all heads where tensor cannot split the KV
+        # heads: q, its output and output gradient in c, the f32 q gradient; k, v in c, their f32 gradients;
+        # two f32 statistics per query (log-sum-exp and its gradient's row sum)
+        slots, width = groups
+        kv_heads = mc.num_kv_heads // tensor if mc.num_kv_heads % tensor == 0 else mc.num_kv_heads
+        heads = kv_heads * (mc.num_heads // mc.num_kv_heads)
+        tokens = rows * slots * width
+        attention = 0
+        working = tokens * (mc.head_dim * (heads * (3 * c + 4) + kv_heads * 2 * (c + 4)) + heads * 8)
+    elif block is None:
+        attention = rows * q_heads * length * length * (4 + c)
+        working = rows * q_heads * length * length * 4 + rows * length * length  # f32 score gradient + bool mask
     else:
         tile = min(block, length)
         attention = 0
-        working = (rows * heads * round_up(length, tile) * (mc.head_dim + 2) * 4  # per key block: max, sum, output
-                   + rows * heads * tile * tile * (12 + c) + rows * tile * tile)  # one tile, its gradient, mask
+        working = (rows * q_heads * round_up(length, tile) * (mc.head_dim + 2) * 4  # per key block: max, sum, out
+                   + rows * q_heads * tile * tile * (12 + c) + rows * tile * tile)  # one tile, its gradient, mask
     if remat:
-        kept = mc.hidden_size
+        kept = d
         if policy == "dots":
-            kept += q + 2 * kv + 2 * mc.hidden_size + 2 * mc.intermediate_size
+            kept += q + 2 * kv + 2 * d + 2 * f
         elif policy == "qkv_attn_mlp":
-            kept += 2 * q + 2 * kv + 2 * mc.intermediate_size
+            kept += 2 * q + 2 * kv + 2 * f
             # the layer being differentiated recomputes only its two norm outputs and SiLU(gate) x up
-            per_layer_tokens = rows * length * (2 * mc.hidden_size + 2 * mc.intermediate_size) * c
-        return mc.num_layers * rows * length * kept * c + per_layer_tokens + attention + working + layer_grads
-    return mc.num_layers * (per_layer_tokens + attention) + working + layer_grads
+            per_layer_tokens = rows * length * (2 * d + 2 * f) * c
+        return (mc.num_layers * rows * length * kept * c + per_layer_tokens + attention + working + layer_grads
+                + embed_grads)
+    return mc.num_layers * (per_layer_tokens + attention) + working + layer_grads + embed_grads
 
 
 def _logprob_residual_bytes(mc: ModelConfig, rows: int, response_tokens: int, c: int, keep_logits: bool,
@@ -307,7 +365,8 @@ def _logprob_residual_bytes(mc: ModelConfig, rows: int, response_tokens: int, c:
     log Z and E_p[logit] in f32, and either every vocabulary chunk's f32 logits (kept) or, recomputing them,
     one chunk's f32 logits at a time. Kept logits: plus the backward pass's pieces of d head
     (`head_elements` x c, concatenated at the end)."""
-    per_token = mc.hidden_size * c + 12
+    # plus one chunk's logits in c as the matmul gives them, before the f32 cast
+    per_token = mc.hidden_size * c + 12 + (min(mc.vocab_size, LOGPROB_CHUNK) * c if c != 4 else 0)
     if keep_logits:
         return rows * response_tokens * (per_token + mc.vocab_size * 4) + head_elements * c
     return rows * response_tokens * (per_token + min(mc.vocab_size, LOGPROB_CHUNK) * 4)
@@ -351,9 +410,11 @@ def _sampler_copy_bytes(mc: ModelConfig, mesh: dict[str, int], p: int, dtype: st
     return local * p - quantized_base_savings(mc, mesh, p, dtype)
 
 
-def _sampling_bytes(cfg: RunConfig, mc: ModelConfig, mesh: dict[str, int], c: int, gvm: bool) -> tuple[int, int, int]:
-    """(rows of one sampler call, KV cache bytes per device, the sampling term without the policy copies) of
-    `cfg`'s sampler on `mesh` with keys, values and logits of the cache in `c` bytes."""
+def _sampling_bytes(cfg: RunConfig, mc: ModelConfig, mesh: dict[str, int], c: int, gvm: bool,
+                    weights_cast: int = 0) -> tuple[int, int, int, int, int]:
+    """(rows of one sampler call, KV cache bytes per device, the sampling term without the policy copies, and its
+    prefill and decode phases (the term is the larger)) of `cfg`'s sampler on `mesh` with keys, values and logits of
+    the cache in `c` bytes; `weights_cast`: the policy cast to the compute dtype, which XLA hoists out of the loops."""
     batch_split = mesh["data"] * mesh["fsdp"]
     samples = max(cfg.sampling.gvm_stage1_samples, cfg.sampling.gvm_samples_per_prompt) if gvm \
         else cfg.sampling.samples_per_prompt
@@ -376,25 +437,36 @@ def _sampling_bytes(cfg: RunConfig, mc: ModelConfig, mesh: dict[str, int], c: in
         kv_cache = sum((local_prompts * prompt_bucket + local_slots * slots) * kv_bytes
                        for slots in response_slots(mc, response_bucket))
         sampling = (kv_cache + local_slots * prompt_bucket * kv_bytes
-                    + (local_prompts + 2 * local_slots) * mc.vocab_size * 4)
-    else:
-        # One prompt entry per group of rows that continue the same prompt (`sampling.buckets.prompt_group_size`);
-        # GVM's counts change from step to step, so it is counted at one entry per row, the most it can take.
-        group = 1 if gvm else call_prompt_group(np.full(cfg.sampling.prompts_per_step, samples),
-                                                cfg.sampling.max_rows_per_call, batch_split)
-        # KV heads split over tensor where it divides them (`sampling.engine.cache_sharding`)
-        head_split = mesh["tensor"] if mc.num_kv_heads % mesh["tensor"] == 0 else 1
-        kv_cache = sum((local_rows // group * prompt_bucket + local_rows * slots) * kv_bytes
-                       for slots in response_slots(mc, response_bucket)) // head_split
-        # a tensor axis that cannot split the KV heads: the decode loop copies the cache (XLA on TPU)
-        decode_copy = kv_cache if mesh["tensor"] > 1 and head_split == 1 else 0
-        sampling = kv_cache + decode_copy + 2 * local_rows * mc.vocab_size * 4
-    return sample_rows, kv_cache, sampling
+                    + (local_prompts + 2 * local_slots) * mc.vocab_size * 4 + weights_cast)
+        return sample_rows, kv_cache, sampling, sampling, sampling
+    # One prompt entry per group of rows that continue the same prompt (`sampling.buckets.prompt_group_size`);
+    # GVM's counts change from step to step, so it is counted at one entry per row, the most it can take.
+    group = 1 if gvm else call_prompt_group(np.full(cfg.sampling.prompts_per_step, samples),
+                                            cfg.sampling.max_rows_per_call, batch_split)
+    # KV heads split over tensor where it divides them (`sampling.engine.cache_sharding`)
+    head_split = mesh["tensor"] if mc.num_kv_heads % mesh["tensor"] == 0 else 1
+    slots = response_slots(mc, response_bucket)
+    kv_cache = sum((local_rows // group * prompt_bucket + local_rows * n) * kv_bytes for n in slots) // head_split
+    logits = 2 * local_rows * mc.vocab_size * 4
+    # Prefill: every device gathers the keys and values of the whole chunk of prompts before taking its rows'
+    # (`engine.prefill_rows`' merge: a prompt's rows may sit on any device); a chunk of the call's prompts.
+    chunk = prefill_chunk(prompt_bucket, max(1, sample_rows // samples), batch_split)
+    prefill = kv_cache + chunk * prompt_bucket * len(slots) * kv_bytes // head_split + logits + weights_cast
+    # Decode: a tensor axis that cannot split the KV heads makes the loop copy the cache (XLA on TPU); a tiled
+    # response cache (`buckets.response_tile_size`) copies the tile being written, in every full-attention layer;
+    # the output layer's f32 logits come out for the call's rows with the vocabulary split over tensor.
+    decode_copy = kv_cache if mesh["tensor"] > 1 and head_split == 1 else 0
+    tile = response_tile_size(response_bucket)
+    tiles = sum(1 for n in slots if n == response_bucket) * local_rows * tile * kv_bytes // head_split if tile else 0
+    vocab_split = mesh["tensor"] if mc.vocab_size % mesh["tensor"] == 0 else 1
+    decode = (kv_cache + decode_copy + tiles + max(logits, sample_rows * mc.vocab_size // vocab_split * 4)
+              + weights_cast)
+    return sample_rows, kv_cache, max(prefill, decode), prefill, decode
 
 
 def estimate_memory(config: RunConfig, model_config: ModelConfig, mesh: dict[str, int] | str = "", *,
                     devices: int | None = None, remat: bool | None = None,
-                    response_fill: float = 1.0) -> dict[str, Any]:
+                    response_fill: float = 1.0, platform: str = "tpu") -> dict[str, Any]:
     """Bytes per device of `config` on a mesh (a {"data", "fsdp", "tensor"} dict, or a `train.mesh`
     string resolved for `devices`); see the module docstring for each term.
 
@@ -418,7 +490,8 @@ def estimate_memory(config: RunConfig, model_config: ModelConfig, mesh: dict[str
     remat = cfg.model.remat if remat is None else remat
     policy = cfg.model.remat_policy
     batch_split = mesh["data"] * mesh["fsdp"]
-    heads = mc.num_heads // mesh["tensor"] if mc.num_heads % mesh["tensor"] == 0 else mc.num_heads
+    tensor = mesh["tensor"]
+    fused = attention_resolve(mc.replace(attention_impl=cfg.model.attention_impl), platform) != "xla"
 
     count, local = sharded_param_elements(mc, mesh)
     params = local * p
@@ -446,9 +519,13 @@ def estimate_memory(config: RunConfig, model_config: ModelConfig, mesh: dict[str
     else:
         row_length = length_bucket(prompt_len + responses_per_row * response_len, ROW_SEQ_MULTIPLE)
     rows = -(-cfg.optim.micro_batch_size // batch_split)
-    gradients = trained * 4 + trained * trained_bytes
-    activations = _activation_bytes(mc, rows, row_length, heads, c, remat, policy,
-                                    tiles.attention_block_for(row_length))
+    # the f32 accumulator, one micro-batch's gradient, and XLA's update temporaries: two more f32 copies (the
+    # backward scan's stacked layer gradients and AdamW's new moments before they replace the old ones)
+    gradients = trained * 4 + trained * trained_bytes + 2 * trained * 4
+    width = min(row_length, round_up(prompt_len + cfg.sampling.max_new_tokens, SPLASH_BLOCK))
+    activations = _activation_bytes(mc, rows, row_length, tensor, c, remat, policy,
+                                    tiles.attention_block_for(row_length),
+                                    (responses_per_row, width) if fused else None)
     output_copy = _output_matrix_copy_bytes(mc, mesh, c, p)
     keep_logits = not cfg.model.remat_logits
     head_elements = _output_matrix_elements(mc, mesh)
@@ -462,7 +539,11 @@ def estimate_memory(config: RunConfig, model_config: ModelConfig, mesh: dict[str
     sampler_mesh = (parse_mesh(cfg.rollouts.sampler_mesh, cfg.rollouts.sampler_devices) if split_devices
                     else mesh)
     sampler_copy = _sampler_copy_bytes(mc, mesh, p, dtype)  # made where the trainer's weights are
-    sample_rows, kv_cache, sampling = _sampling_bytes(cfg, mc, sampler_mesh, 2 if dtype == "bfloat16" else c, gvm)
+    # the trainer's weights cast to the compute dtype when the sampler reads them (no sampling.dtype copy) in
+    # another: XLA hoists the casts out of the decode loop, a cast copy of the policy
+    weights_cast = sharded_param_elements(mc, sampler_mesh)[1] * c if not dtype and p != c else 0
+    sample_rows, kv_cache, sampling, sampling_prefill, sampling_decode = _sampling_bytes(
+        cfg, mc, sampler_mesh, 2 if dtype == "bfloat16" else c, gvm, weights_cast)
     sampler_copies = sampler_peak = 0
     if cfg.rollouts.mode == "async":
         copy = _sampler_copy_bytes(mc, sampler_mesh, p, dtype) or sharded_param_elements(mc, sampler_mesh)[1] * p
@@ -472,6 +553,8 @@ def estimate_memory(config: RunConfig, model_config: ModelConfig, mesh: dict[str
         sampling = merged_copy + sampler_copy  # the trainer's devices merge / cast before the transfer
     else:
         sampling += merged_copy + sampler_copy
+        sampling_prefill += merged_copy + sampler_copy
+        sampling_decode += merged_copy + sampler_copy
 
     gvm_norms = 0
     if gvm:
@@ -481,9 +564,16 @@ def estimate_memory(config: RunConfig, model_config: ModelConfig, mesh: dict[str
         # `train.logprobs.row_logprobs` scores all of them.
         full_len = cfg.sampling.max_new_tokens
         unpacked = round_up(cfg.data.max_prompt_tokens + full_len, ROW_SEQ_MULTIPLE)
-        gvm_norms = (chunk_rows * _subset_elements(mc, cfg.sampling.gvm_param_subset) * p
-                     + _activation_bytes(mc, chunk_rows, unpacked, heads, c, remat, policy,
-                                         tiles.attention_block_for(unpacked))
+        # Each device differentiates its own rows: the subset's per-sample gradient is whole (unsharded); a tied
+        # embedding in the subset gets two, the lookup's and the output layer's, before they are summed; the
+        # output matrix is gathered whole in c for the rows' logits (`jaxrl-llm compile`, 1.5B GVM preset).
+        names = {n.strip().replace(".", "/") for n in cfg.sampling.gvm_param_subset.split(",")}
+        per_sample = 2 if mc.tie_word_embeddings and "embed" in names else 1
+        head = mc.vocab_size * mc.hidden_size * c
+        gvm_norms = (chunk_rows * _subset_elements(mc, cfg.sampling.gvm_param_subset) * p * per_sample + head
+                     + _activation_bytes(mc, chunk_rows, unpacked, tensor, c, remat, policy,
+                                         tiles.attention_block_for(unpacked),
+                                         (1, round_up(unpacked, SPLASH_BLOCK)) if fused else None)
                      + _logprob_residual_bytes(mc, chunk_rows, full_len, c, keep_logits, head_elements)
                      + output_copy)
 
@@ -492,7 +582,7 @@ def estimate_memory(config: RunConfig, model_config: ModelConfig, mesh: dict[str
         trunk = local - (_local_elements(mc, mesh)["lm_head"] if not mc.tie_word_embeddings else 0)
         head = (mc.hidden_size + 1) * 4
         critic = 3 * (trunk * p + head)
-        critic_step = trunk * (4 + p) + 2 * head + activations
+        critic_step = trunk * (4 + p) + 2 * trunk * 4 + 2 * head + activations  # update temporaries as above
 
     resident = params + optimizer + reference + critic + (0 if split_devices else sampler_copies)
     trainer_peak = resident + max(train_step, critic_step, sampling, gvm_norms)
@@ -502,7 +592,8 @@ def estimate_memory(config: RunConfig, model_config: ModelConfig, mesh: dict[str
         "gvm_chunk_rows": (cfg.sampling.gvm_rows_per_chunk or cfg.optim.micro_batch_size) if gvm else 0,
         "params": params, "optimizer": optimizer, "reference": reference,
         "gradients": gradients, "activations": activations, "logprob_residuals": logprob, "train_step": train_step,
-        "kv_cache": kv_cache, "sampling": sampling, "gvm_norms": gvm_norms, "critic": critic,
+        "kv_cache": kv_cache, "sampling": sampling, "sampling_prefill": sampling_prefill,
+        "sampling_decode": sampling_decode, "gvm_norms": gvm_norms, "critic": critic,
         "critic_step": critic_step, "sampler_copy": sampler_copy, "sampler_copies": sampler_copies,
         "sampler_peak": sampler_peak, "peak": max(trainer_peak, sampler_peak),
     }
@@ -513,11 +604,11 @@ def _with_rows_per_call(config: RunConfig, rows: int) -> RunConfig:
 
 
 def fit_rows_per_call(config: RunConfig, model_config: ModelConfig, mesh: dict[str, int],
-                      budget_bytes: int) -> tuple[dict[str, Any], int]:
+                      budget_bytes: int, platform: str = "tpu") -> tuple[dict[str, Any], int]:
     """The estimate and `sampling.max_rows_per_call` when the sampler's KV cache is what pushes the peak over
     `budget_bytes`: the configured value (0 = all rows) if it fits, else the largest power of two below it
     that fits, or, if none does, the one of least peak (one row per device at the least)."""
-    est = estimate_memory(config, model_config, mesh)
+    est = estimate_memory(config, model_config, mesh, platform=platform)
     rows = config.sampling.max_rows_per_call
     if config.sampling.engine == "continuous":  # bounded by sampling.max_slots, not by rows per call
         return est, rows
@@ -525,7 +616,7 @@ def fit_rows_per_call(config: RunConfig, model_config: ModelConfig, mesh: dict[s
     while est["peak"] > budget_bytes and est["sample_rows"] > split \
             and est["sampling"] > max(est["train_step"], est["critic_step"], est["gvm_norms"]):
         halved = bucket_size(est["sample_rows"]) // 2  # halves the rows of one call
-        smaller = estimate_memory(_with_rows_per_call(config, halved), model_config, mesh)
+        smaller = estimate_memory(_with_rows_per_call(config, halved), model_config, mesh, platform=platform)
         if smaller["sample_rows"] >= est["sample_rows"]:  # the row bucket's floor: no fewer rows per call
             break
         est, rows = smaller, halved
@@ -533,7 +624,7 @@ def fit_rows_per_call(config: RunConfig, model_config: ModelConfig, mesh: dict[s
 
 
 def suggest_layout(config: RunConfig, model_config: ModelConfig, devices: int,
-                   budget_bytes: int | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
+                   budget_bytes: int | None = None, platform: str = "tpu") -> tuple[dict[str, Any], dict[str, Any]]:
     """The `fsdp x tensor` layout (tensor a power of two dividing the devices, at most 8, and dividing the
     heads) with one packed row per device and micro-batch (micro_batch_size = fsdp) of least estimated peak.
     With `budget_bytes`, each layout first gets the `sampling.max_rows_per_call` of `fit_rows_per_call`, and
@@ -541,14 +632,14 @@ def suggest_layout(config: RunConfig, model_config: ModelConfig, devices: int,
     responses are tried (`optim.max_row_tokens` = prompt + that many full responses; the first that fits).
     Returns (estimate, {"train.mesh": ..., "optim.micro_batch_size": ...[, "sampling.max_rows_per_call": ...]
     [, "optim.max_row_tokens": ...]} overrides; the last two only where they differ from the config's)."""
-    best = _least_peak_layout(config, model_config, devices, budget_bytes)
+    best = _least_peak_layout(config, model_config, devices, budget_bytes, platform)
     if budget_bytes is None or best[0]["peak"] <= budget_bytes or config.optim.max_row_tokens > 0:
         return best
     per_row = _whole_row_responses(config) // 2
     while per_row >= 1:
         tokens = config.data.max_prompt_tokens + per_row * config.sampling.max_new_tokens
         split = dataclasses.replace(config, optim=dataclasses.replace(config.optim, max_row_tokens=tokens))
-        est, overrides = _least_peak_layout(split, model_config, devices, budget_bytes)
+        est, overrides = _least_peak_layout(split, model_config, devices, budget_bytes, platform)
         if est["peak"] <= budget_bytes:
             return est, {**overrides, "optim.max_row_tokens": tokens}
         per_row //= 2
@@ -556,7 +647,7 @@ def suggest_layout(config: RunConfig, model_config: ModelConfig, devices: int,
 
 
 def _least_peak_layout(config: RunConfig, model_config: ModelConfig, devices: int,
-                       budget_bytes: int | None) -> tuple[dict[str, Any], dict[str, Any]]:
+                       budget_bytes: int | None, platform: str) -> tuple[dict[str, Any], dict[str, Any]]:
     best = None
     tensor = 1
     while tensor <= min(8, devices):
@@ -565,9 +656,10 @@ def _least_peak_layout(config: RunConfig, model_config: ModelConfig, devices: in
             cfg = dataclasses.replace(config, optim=dataclasses.replace(config.optim, micro_batch_size=fsdp))
             mesh = {"data": 1, "fsdp": fsdp, "tensor": tensor}
             if budget_bytes is None:
-                est, rows = estimate_memory(cfg, model_config, mesh), config.sampling.max_rows_per_call
+                est = estimate_memory(cfg, model_config, mesh, platform=platform)
+                rows = config.sampling.max_rows_per_call
             else:
-                est, rows = fit_rows_per_call(cfg, model_config, mesh, budget_bytes)
+                est, rows = fit_rows_per_call(cfg, model_config, mesh, budget_bytes, platform)
             if best is None or est["peak"] < best[0]["peak"]:
                 overrides = {"train.mesh": f"fsdp={fsdp}" + (f",tensor={tensor}" if tensor > 1 else ""),
                              "optim.micro_batch_size": fsdp}
