@@ -83,6 +83,19 @@ def test_nucleus_mask_hand_example():
     assert np.asarray(nucleus_mask(probs * 4, 0.85)).tolist() == [[True, True, True, False]]  # unnormalised
 
 
+def test_selection_settings_from_host_values():
+    from jaxrl_llm.sampling.token_selection import selection_settings
+
+    # temperature 0: greedy, no top-k or nucleus pass, a traced temperature of 1 (never divided by 0)
+    temperature, top_p, static = selection_settings(0.0, 0.9, 5)
+    assert (float(temperature), float(top_p)) == (1.0, np.float32(0.9))
+    assert static == {"greedy": True, "top_k": 0, "use_top_p": False}
+    temperature, top_p, static = selection_settings(0.7, 0.9, 5)
+    assert float(temperature) == np.float32(0.7) and temperature.dtype == jnp.float32
+    assert static == {"greedy": False, "top_k": 5, "use_top_p": True}
+    assert selection_settings(1.0, 1.0, 0)[2] == {"greedy": False, "top_k": 0, "use_top_p": False}  # no nucleus
+
+
 def test_select_tokens_greedy_and_logprob():
     logits = jnp.array([[0.1, 2.0, -1.0, 2.0], [3.0, 0.0, 0.0, 0.0]])
     tokens, logprobs = select_tokens(logits, jnp.zeros(2), 1.0, 1.0, greedy=True, top_k=0, use_top_p=False)

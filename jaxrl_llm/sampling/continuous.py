@@ -45,7 +45,7 @@ from jaxrl_llm.sampling.decoder import (
     unstack_layers,
 )
 from jaxrl_llm.sampling.engine import _constrain, paired_stop_hits, prefill_constraint, row_axes, to_host
-from jaxrl_llm.sampling.token_selection import select_tokens
+from jaxrl_llm.sampling.token_selection import select_tokens, selection_settings
 
 logger = logging.getLogger(__name__)
 
@@ -458,11 +458,9 @@ def generate_slots(params, config: ModelConfig, prompts: list[np.ndarray], count
     plan, inputs, static = slot_inputs(config, prompts, counts, max_new_tokens=max_new_tokens, pad_id=pad_id,
                                        max_slots=max_slots, prefill_tokens_per_call=prefill_tokens_per_call,
                                        max_prompt_entries=max_prompt_entries, row_multiple=row_multiple)
-    greedy = temperature == 0.0
-    state = decode_slots(params, config, mesh, *inputs, rng, jnp.float32(1.0 if greedy else temperature),
-                         jnp.float32(top_p), jnp.int32(max_new_tokens), jnp.asarray(stop_ids), jnp.int32(pad_id),
-                         **static, greedy=greedy, top_k=0 if greedy else int(top_k),
-                         use_top_p=not greedy and top_p < 1.0, paired_stops=paired_stops)
+    temperature, top_p, selection = selection_settings(temperature, top_p, top_k)
+    state = decode_slots(params, config, mesh, *inputs, rng, temperature, top_p, jnp.int32(max_new_tokens),
+                         jnp.asarray(stop_ids), jnp.int32(pad_id), **static, **selection, paired_stops=paired_stops)
     slots = static["slots"]
     n = plan.num_rows
     out_lengths = to_host(state.lengths)[:n]

@@ -22,6 +22,7 @@ from jaxrl_llm.sampling.engine import (
     row_sharding,
     to_host,
 )
+from jaxrl_llm.sampling.token_selection import selection_settings
 
 ENGINES = ("static", "continuous")
 FINISH_STOP = 0
@@ -154,13 +155,11 @@ def decode(params, config: ModelConfig, state: SamplingState, first_logits: jax.
            forced: tuple[np.ndarray, np.ndarray] | None = None) -> SamplingState:
     """Run the decode loop on a prefilled state (see `engine.decode_rows`); its row r draws the random
     numbers of output row row_offset + r."""
-    greedy = temperature == 0.0
-    return decode_rows(params, config, mesh, state, first_logits, rng,
-                       jnp.float32(temperature if not greedy else 1.0), jnp.float32(top_p),
+    temperature, top_p, selection = selection_settings(temperature, top_p, top_k)
+    return decode_rows(params, config, mesh, state, first_logits, rng, temperature, top_p,
                        jnp.int32(max_new_tokens), jnp.asarray(stop_ids), jnp.int32(pad_id), jnp.int32(row_offset),
                        None if forced is None else (_put(forced[0], mesh), _put(forced[1], mesh)),
-                       greedy=greedy, top_k=0 if greedy else int(top_k), use_top_p=not greedy and top_p < 1.0,
-                       paired_stops=paired_stops)
+                       **selection, paired_stops=paired_stops)
 
 
 def collect(state: SamplingState, plan: SamplingPlan, max_new_tokens: int, pad_id: int = 0) -> Rollout:

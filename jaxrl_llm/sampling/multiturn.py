@@ -39,6 +39,7 @@ import numpy as np
 
 from jaxrl_llm.sampling.continuous import SlotStats
 from jaxrl_llm.sampling.generate import FINISH_STOP, generate
+from jaxrl_llm.sampling.token_selection import selection_settings
 
 
 @dataclasses.dataclass
@@ -228,12 +229,10 @@ def _slot_turns(params, config, tokenizer, records, counts, conversations: list[
         row_multiple=row_multiple, every_prompt=True)
     # the plan's rows are ordered by prompt then sample, as `conversations`
     assert [conversations[r].prompt for r in range(plan.num_rows)] == plan.row_prompt.tolist()
-    greedy = temperature == 0.0
-    keywords = dict(slots=static["slots"], greedy=greedy, top_k=0 if greedy else int(top_k),
-                    use_top_p=not greedy and top_p < 1.0, prefill_chunk=static["prefill_chunk"],
+    temperature, top_p, selection = selection_settings(temperature, top_p, top_k)
+    keywords = dict(slots=static["slots"], **selection, prefill_chunk=static["prefill_chunk"],
                     paired_stops=bool(fences))
-    arguments = (queue, sample_prompt, num_samples, rng, jnp.float32(1.0 if greedy else temperature),
-                 jnp.float32(top_p), jnp.int32(max_new_tokens),
+    arguments = (queue, sample_prompt, num_samples, rng, temperature, top_p, jnp.int32(max_new_tokens),
                  jnp.asarray(_stop_array(stops, config.vocab_size, fences)), jnp.int32(segment_iterations))
     state = continuous.start_slots(config, cache, queue, sample_prompt, jnp.int32(tokenizer.pad_token_id),
                                    slots=static["slots"], new_token_bucket=static["new_token_bucket"])

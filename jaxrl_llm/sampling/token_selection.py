@@ -69,6 +69,15 @@ def nucleus_mask(sorted_probs: jax.Array, top_p: jax.Array) -> jax.Array:
     return mass_before < top_p * total
 
 
+def selection_settings(temperature: float, top_p: float, top_k: int) -> tuple[jax.Array, jax.Array, dict]:
+    """The decode loops' token selection from host settings: (temperature, top_p) as traced f32 scalars and the
+    static keywords of `select_tokens` {greedy, top_k, use_top_p}. Temperature 0 is greedy (its traced
+    temperature 1.0, unused; no top-k or nucleus); top_p 1 needs no nucleus pass."""
+    greedy = temperature == 0.0
+    static = dict(greedy=greedy, top_k=0 if greedy else int(top_k), use_top_p=not greedy and top_p < 1.0)
+    return jnp.float32(1.0 if greedy else temperature), jnp.float32(top_p), static
+
+
 def select_tokens(
     logits: jax.Array,
     uniform: jax.Array,

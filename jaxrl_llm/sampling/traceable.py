@@ -18,6 +18,7 @@ from jaxrl_llm.models import ModelConfig
 from jaxrl_llm.sampling.buckets import bucket_size, response_tile_size
 from jaxrl_llm.sampling.engine import decode_rows, init_state, prefill_rows
 from jaxrl_llm.sampling.generate import _stop_array
+from jaxrl_llm.sampling.token_selection import selection_settings
 
 
 class SampledTokens(NamedTuple):
@@ -67,11 +68,9 @@ def sample_tokens(params, config: ModelConfig, prompt_tokens: jax.Array, prompt_
                                      prompt_group=samples_per_prompt)
     state, first_logits = prefill_rows(params, config, None, jnp.asarray(prompt_tokens, jnp.int32), prompt_lengths,
                                        row_prompt, state, first_logits)
-    greedy = temperature == 0.0
-    state = decode_rows(params, config, None, state, first_logits, rng,
-                        jnp.float32(1.0 if greedy else temperature), jnp.float32(top_p),
+    temperature, top_p, selection = selection_settings(temperature, top_p, top_k)
+    state = decode_rows(params, config, None, state, first_logits, rng, temperature, top_p,
                         jnp.int32(max_new_tokens), jnp.asarray(_stop_array(stop_ids, config.vocab_size)),
-                        jnp.int32(pad_id), greedy=greedy, top_k=0 if greedy else int(top_k),
-                        use_top_p=not greedy and top_p < 1.0)
+                        jnp.int32(pad_id), **selection)
     return SampledTokens(tokens=state.tokens[:, :max_new_tokens], logprobs=state.logprobs[:, :max_new_tokens],
                          lengths=state.lengths, stopped=state.stopped)
