@@ -5,6 +5,10 @@ and `estimate_memory`.
     python scripts/compile_table.py                         # the presets and slices of ROWS, printed
     python scripts/compile_table.py --write docs/launch.md  # and written between the compile-table markers
     python scripts/compile_table.py configs/models/gemma-3-4b-it.yaml --topology v5litepod-64
+    python scripts/compile_table.py --reuse --write docs/launch.md       # compile only the rows without a JSON
+    python scripts/compile_table.py --saved-only --write docs/launch.md  # no compiles: the saved rows, the rest listed
+
+Saved rows keep their compiled numbers and get their estimates from today's `estimate_memory`.
 
 The overrides of each row are those `scripts/memory_estimate.py` picks for the slice (the layout of least
 estimated peak); needs libtpu (`pip install 'jaxrl_llm[tpu]'`). Each compile runs in its own process and takes
@@ -21,6 +25,7 @@ import subprocess
 import sys
 
 from jaxrl_llm.train import load_config
+from jaxrl_llm.train.aot import refresh_estimates
 from jaxrl_llm.train.memory import GIB, TARGETS, model_config_for, suggest_layout
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -82,16 +87,25 @@ def main(argv=None) -> int:
     parser.add_argument("--target", help="with a preset: the memory table's target whose layout to take")
     parser.add_argument("--out", default=str(ROOT / "benchmarks/results/compile"), help="folder of the JSON reports")
     parser.add_argument("--write", metavar="DOC", help="replace the table between the compile-table markers of DOC")
-    parser.add_argument("--reuse", action="store_true", help="take a row's JSON under --out where it exists")
+    parser.add_argument("--reuse", action="store_true",
+                        help="take a row's JSON under --out where it exists (its estimates recomputed)")
+    parser.add_argument("--saved-only", action="store_true",
+                        help="as --reuse, and list the rows without a JSON as not compiled instead of compiling them")
     args = parser.parse_args(argv)
     rows = ROWS if args.preset is None else [(args.preset, args.topology, args.target or args.topology)]
-    results, failed = [], []
+    results, failed, missing = [], [], []
     for preset, topology, target in rows:
         overrides = layout_overrides(preset, target) if target in TARGETS else []
         out = pathlib.Path(args.out) / f"{pathlib.Path(preset).stem}_{topology}.json"
-        if args.reuse and out.exists():
+        if (args.reuse or args.saved_only) and out.exists():
             result = json.loads(out.read_text())
             overrides = result.get("overrides", overrides)  # the layout it was compiled with
+            # the compiled numbers as saved, the estimate from today's estimate_memory
+            result = refresh_estimates(load_config(ROOT / preset, overrides), result)
+            out.write_text(json.dumps(result, indent=1))
+        elif args.saved_only:
+            missing.append((preset, topology, overrides))
+            continue
         else:
             try:
                 result = compile_one(preset, topology, overrides, out)
@@ -101,6 +115,10 @@ def main(argv=None) -> int:
                 continue
         results.append((preset, topology, overrides, result))
     text = table(results)
+    if missing:
+        text += "\n\nNot compiled yet (`python scripts/compile_table.py PRESET --topology SLICE --target TARGET`): " + \
+            "; ".join(f"{pathlib.Path(preset).stem} on {topology} (`{' '.join(overrides)}`)"
+                      for preset, topology, overrides in missing) + "."
     print(text)
     if args.write:
         sys.path.insert(0, str(ROOT / "scripts"))

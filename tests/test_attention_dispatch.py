@@ -183,6 +183,14 @@ def test_compile_command_reports_and_fails_on_a_program_over_hbm(tmp_path, capsy
         assert [p["name"] for p in saved["programs"]] == ["train_step", "logprob_pass", "critic_step",
                                                           "sampler_continuous"]
         assert all(p["fits"] and not p["error"] and p["peak_bytes"] > 0 for p in saved["programs"])
+        # a saved result's estimates recomputed (scripts/compile_table.py --reuse): the same as compiled with
+        from jaxrl_llm.train import load_config
+
+        stale = {**saved, "estimate": {}, "programs": [{**p, "estimate_bytes": 0, "resident_bytes": 0, "fits": False}
+                                                       for p in saved["programs"]]}
+        fresh = aot.refresh_estimates(load_config(CONFIGS / "ppo.yaml", args[7:]), stale, model_config=tiny)
+        assert fresh["programs"] == saved["programs"] and fresh["estimate"] == saved["estimate"]
+        assert all(p["estimate_bytes"] > 0 for p in fresh["programs"] if p["name"] != "logprob_pass")
         # 4 layers of 3 x 4096 x 65536 f32 weights are 12.9 GB, with AdamW's two moments 38.7 GB: 9.7 GB per chip
         # of 4 before the gradients and the update's temporaries, over the chip's 16 GiB.
         huge = tiny.replace(num_layers=4, hidden_size=4096, intermediate_size=65536, num_heads=32, num_kv_heads=8,

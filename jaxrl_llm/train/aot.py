@@ -189,15 +189,14 @@ def compile_run(cfg: RunConfig, topology: str | Topology, *, model_config: Model
     """Compile `cfg`'s programs for `topology` with the run's mesh (`train.mesh`; empty: every device on fsdp)
     and shardings. Returns {"topology", "devices", "hbm_bytes", "mesh", "estimate" (`estimate_memory` on the
     same mesh), "programs": [ProgramReport]}."""
-    from jaxrl_llm.train.setup import batch_shardings, runtime_model_config
+    from jaxrl_llm.train.setup import batch_shardings
 
     topo = parse_topology(topology) if isinstance(topology, str) else topology
     devices = topology_devices(topo) if devices is None else devices
-    mc = model_config or model_config_for(cfg.model.source)
-    mc = runtime_model_config(mc.replace(param_dtype=cfg.model.param_dtype), cfg.model, cfg.data.max_prompt_tokens)
+    mc = _runtime_config(cfg, model_config)
     mesh = make_mesh(cfg.train.mesh, devices=devices)
     sizes = dict(mesh.shape)
-    estimate = estimate_memory(cfg, mc, {k: int(v) for k, v in sizes.items()}, platform="tpu")
+    estimate = run_estimate(cfg, {k: int(v) for k, v in sizes.items()}, model_config=model_config)
     split = sizes["data"] * sizes["fsdp"]
     rows = bucket(-(-cfg.sampling.prompts_per_step // cfg.optim.mini_batches), max(cfg.optim.micro_batch_size, split))
     batch = batch_shapes(cfg, estimate["row_length"], rows)
@@ -241,7 +240,7 @@ def compile_run(cfg: RunConfig, topology: str | Topology, *, model_config: Model
         programs += _sampler_programs(cfg, mc, mesh, policy, hbm)
     else:
         programs.append(_continuous_program(cfg, mc, mesh, policy, hbm))
-    _account(programs, estimate, lora=bool(lora_kwargs), hbm=hbm)
+    account(programs, estimate, lora=bool(lora_kwargs), hbm=hbm)
     return {"topology": topo.name, "topology_desc": topo.topology_name, "devices": len(devices), "hbm_bytes": hbm,
             "mesh": {k: int(v) for k, v in sizes.items()}, "rows": rows, "row_length": estimate["row_length"],
             "estimate": estimate, "programs": programs}
@@ -382,7 +381,31 @@ def _sampler_programs(cfg: RunConfig, mc: ModelConfig, mesh, policy, hbm: int) -
     return [_report("sampler_prefill", prefill, hbm), _report("sampler_decode", decode, hbm)]
 
 
-def _account(programs: list[ProgramReport], est: dict[str, Any], *, lora: bool, hbm: int) -> None:
+def _runtime_config(cfg: RunConfig, model_config: ModelConfig | None = None) -> ModelConfig:
+    """The model config the run's programs are traced with (`train.setup.runtime_model_config`)."""
+    from jaxrl_llm.train.setup import runtime_model_config
+
+    mc = model_config or model_config_for(cfg.model.source)
+    return runtime_model_config(mc.replace(param_dtype=cfg.model.param_dtype), cfg.model, cfg.data.max_prompt_tokens)
+
+
+def run_estimate(cfg: RunConfig, mesh: dict[str, int], *, model_config: ModelConfig | None = None) -> dict[str, Any]:
+    """`estimate_memory` of `cfg` on mesh sizes {"data", "fsdp", "tensor"} as `compile_run` compares it with XLA's
+    programs: the traced model config, the TPU's attention path."""
+    return estimate_memory(cfg, _runtime_config(cfg, model_config), mesh, platform="tpu")
+
+
+def refresh_estimates(cfg: RunConfig, result: dict[str, Any], *,
+                      model_config: ModelConfig | None = None) -> dict[str, Any]:
+    """A saved `jaxrl-llm compile --json` result with its estimates recomputed by today's `estimate_memory` (the
+    compiled numbers kept): the programs' estimate and resident bytes and whether they fit."""
+    est = run_estimate(cfg, result["mesh"], model_config=model_config)
+    programs = [ProgramReport(**p) for p in result["programs"]]
+    account(programs, est, lora=lora_enabled(cfg), hbm=result["hbm_bytes"])
+    return {**result, "estimate": est, "programs": [dataclasses.asdict(p) for p in programs]}
+
+
+def account(programs: list[ProgramReport], est: dict[str, Any], *, lora: bool, hbm: int) -> None:
     """Each program's resident neighbours (`estimate_memory`'s terms for the run's arrays that live across the
     step but are not the program's arguments) and the estimate of what the program itself holds; `fits` is
     resident + XLA's peak against the chip's HBM. The train step's arguments are the state (and a LoRA base),

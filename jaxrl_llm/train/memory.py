@@ -84,9 +84,9 @@ Every term counts what jaxrl_llm itself allocates, per device of a `data x fsdp 
               f32 logits; the S slots are split over data x fsdp as rows are, every device holds the C entries
   gvm norms   (GVM only) per-sample gradients of the subset (default the embedding) for
               `sampling.gvm_rows_per_chunk` (0: `optim.micro_batch_size`) unpacked rows at a time, in p
-              (a tied embedding twice: the lookup's and the output layer's), the output matrix gathered whole
-              in c (each device differentiates its own rows through it), with those rows' activations and
-              log-prob residuals (a row is the prompt and all
+              (a tied embedding in the subset twice, the lookup's and the output layer's, and the output matrix
+              gathered whole in c: each device differentiates its own rows through it), with those rows'
+              activations and log-prob residuals (a row is the prompt and all
               max_new_tokens columns, every one scored, whatever `response_fill`); a chunk's rows are split
               over data x fsdp (ceil(chunk / (data x fsdp)) rows per device)
 
@@ -565,11 +565,13 @@ def estimate_memory(config: RunConfig, model_config: ModelConfig, mesh: dict[str
         full_len = cfg.sampling.max_new_tokens
         unpacked = round_up(cfg.data.max_prompt_tokens + full_len, ROW_SEQ_MULTIPLE)
         # Each device differentiates its own rows: the subset's per-sample gradient is whole (unsharded); a tied
-        # embedding in the subset gets two, the lookup's and the output layer's, before they are summed; the
-        # output matrix is gathered whole in c for the rows' logits (`jaxrl-llm compile`, 1.5B GVM preset).
+        # embedding in the subset gets two, the lookup's and the output layer's, before they are summed, and the
+        # output matrix is gathered whole in c for the rows' logits (`jaxrl-llm compile`, 1.5B GVM preset; the
+        # untied 7B's gathers only a vocabulary chunk of its head).
         names = {n.strip().replace(".", "/") for n in cfg.sampling.gvm_param_subset.split(",")}
-        per_sample = 2 if mc.tie_word_embeddings and "embed" in names else 1
-        head = mc.vocab_size * mc.hidden_size * c
+        tied_subset = mc.tie_word_embeddings and "embed" in names
+        per_sample = 2 if tied_subset else 1
+        head = mc.vocab_size * mc.hidden_size * c if tied_subset else 0
         gvm_norms = (chunk_rows * _subset_elements(mc, cfg.sampling.gvm_param_subset) * p * per_sample + head
                      + _activation_bytes(mc, chunk_rows, unpacked, tensor, c, remat, policy,
                                          tiles.attention_block_for(unpacked),
