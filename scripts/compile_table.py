@@ -45,6 +45,8 @@ def layout_overrides(preset: str, target: str) -> list[str]:
     config = load_config(ROOT / preset)
     _, layout = suggest_layout(config, model_config_for(config.model.source), TARGETS[target].devices,
                                int(HEADROOM * TARGETS[target].hbm_bytes), platform=TARGETS[target].platform)
+    if TARGETS[target].devices == 1 and not config.train.mesh:
+        layout.pop("train.mesh")  # one device needs no mesh (a quantized base runs without one), as the memory table
     return [f"{key}={value}" for key, value in layout.items()]
 
 

@@ -169,3 +169,19 @@ def test_memory_estimate_counts_codes_and_scales():
     for kind, code_bytes in (("int8", 1.0), ("int4", 0.5)):
         est = estimate_memory(load_config(None, ["lora.rank=2", f"lora.base_dtype={kind}"]), config, mesh)
         assert plain["params"] - est["params"] == projections * (4 - code_bytes) - scales * 4
+
+
+def test_quantized_base_has_a_partition_spec_for_every_leaf():
+    """`jaxrl-llm compile` lays a quantized base out by the partition rules: the codes as their projections, the
+    scales [L, 1, out] split over the axis their codes' outputs are (once, no rule matched a scale)."""
+    from jax.sharding import PartitionSpec as P
+
+    from jaxrl_llm.models.sharding import param_partition_specs
+
+    config = models.ModelConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_layers=2, num_heads=4,
+                                num_kv_heads=2, head_dim=4)
+    specs = param_partition_specs(quant.quantize_base(models.init_params(config, jax.random.PRNGKey(0)), "int8"))
+    layers = specs["layers"]
+    assert layers["q_proj"] == P(None, "fsdp", "tensor") and layers["down_proj"] == P(None, "tensor", "fsdp")
+    assert all(layers[f"{n}_proj_scale"] == P(None, None, "tensor") for n in ("q", "k", "v", "gate", "up"))
+    assert layers["o_proj_scale"] == layers["down_proj_scale"] == P(None, None, "fsdp")

@@ -85,6 +85,9 @@ def partition_rules(config: ModelConfig | None = None) -> list[tuple[str, P]]:
         (r"^layers/(q|k|v|gate|up)_proj_lora_b$", P(None, None, "tensor")),
         (r"^layers/(o|down)_proj_lora_a$", P(None, "tensor", None)),
         (r"^layers/(o|down)_proj_lora_b$", P(None, None, "fsdp")),
+        # a quantized base's per-output-channel scales [L, 1, out] (models/quant.py), split as their codes' outputs
+        (r"^layers/(q|k|v|gate|up)_proj_scale$", P(None, None, "tensor")),
+        (r"^layers/(o|down)_proj_scale$", P(None, None, "fsdp")),
         (r"(norm|o_bias)$", P()),                                       # small vectors: replicate
     ]
 
