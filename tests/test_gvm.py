@@ -486,3 +486,18 @@ def test_study_accuracy_at_budget_takes_the_last_evaluation_within_it():
              "samples_drawn": 1100}]
     row = study.summarise(runs, target=0.4, budget=1050)["raftpp/gvm_history"]
     assert row["accuracy_at_budget_mean"] == 0.5 and row["samples_to_target"] == 1000
+
+
+def test_norms_through_splash_on_a_one_device_mesh(params):
+    """GVM's per-row vmap on a one-device mesh with a fused kernel (splash, interpret mode on CPU): the kernel's
+    shard_map names no row axes there (naming them failed: "vmap spmd_axis_name cannot appear in shard_map
+    in_specs", which stopped `jaxrl-llm compile` of the GVM LoRA preset for one v5e chip); the norms equal the
+    xla path's without a mesh."""
+    from jaxrl_llm.models.sharding import make_mesh
+
+    tokens, prompt_lens, response, mask, _ = _rows()
+    want = per_sample_grad_norms(params, TINY, tokens, prompt_lens, response, mask, rows_per_chunk=4)
+    splash = dataclasses.replace(TINY, attention_impl="splash")
+    got = per_sample_grad_norms(params, splash, tokens, prompt_lens, response, mask, rows_per_chunk=4,
+                                mesh=make_mesh("fsdp=1", devices=jax.devices()[:1]))
+    np.testing.assert_allclose(got, want, rtol=2e-4, atol=1e-6)

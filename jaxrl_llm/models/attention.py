@@ -186,7 +186,10 @@ def _fused(impl: str, q, k, v, groups: Groups, config: ModelConfig, window, plat
         from jax.sharding import PartitionSpec as P
 
         split = ("data", "fsdp")
-        if rows[0].shape[0] % (mesh.shape["data"] * mesh.shape["fsdp"]):
+        row_devices = mesh.shape["data"] * mesh.shape["fsdp"]
+        # nothing to split over one device; naming the axes anyway breaks GVM's per-row vmap, whose
+        # spmd_axis_name is these axes ("vmap spmd_axis_name cannot appear in shard_map in_specs": GVM on one chip)
+        if row_devices == 1 or rows[0].shape[0] % row_devices:
             split = None
         heads = "tensor" if config.num_kv_heads % mesh.shape["tensor"] == 0 else None
         per_head = P(split, None, heads, None)
