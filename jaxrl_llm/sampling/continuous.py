@@ -196,7 +196,6 @@ def _slot_loop(params, config: ModelConfig, mesh: Mesh | None, queue_prompts: Pr
         # each device prefills its share of the chunk (as `engine.prefill_rows`); the entries then go to every device
         last_logits, keys, values = prefill_layers(params, layers, config, _constrain(tokens, mesh), lengths,
                                                    state.prompts.keys[0].dtype, prefill_constraint(mesh))
-        last_logits = _constrain(last_logits, mesh)
         index = first + jnp.arange(prefill_chunk)
         target = jnp.nonzero(state.entry_left == 0, size=prefill_chunk, fill_value=entries)[0]
         target = jnp.where(index < queue_prompts.num_prompts, target, entries)  # out of range: dropped

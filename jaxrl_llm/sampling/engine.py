@@ -156,7 +156,6 @@ def prefill_rows(params, config: ModelConfig, mesh: Mesh | None, prompt_tokens: 
     # with its contraction split (XLA's temporaries: [chunk, P, F / tensor] gate and up outputs per device)
     last_logits, keys, values = prefill_cache(params, config, prompt_tokens, prompt_lengths,
                                               state.cache.prompt_k[0].dtype, prefill_constraint(mesh))
-    last_logits = _constrain(last_logits, mesh)
     keys, values = (tuple(_constrain(x, mesh) for x in part) for part in (keys, values))
     entries = state.cache.prompt_k[0].shape[0]
     entry_source = row_source.reshape(entries, -1)[:, 0]
