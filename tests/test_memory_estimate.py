@@ -238,6 +238,18 @@ def test_sampler_phases_by_hand():
     assert est["sampling"] == max(est["sampling_prefill"], est["sampling_decode"]) == est["sampling_decode"]
 
 
+def test_prefill_gather_split_over_tensor_by_prompts_when_heads_cannot_be():
+    """The prefill's gathered chunk of keys and values: 8 prompts x 16 slots x 2 layers x 64 B (2 KV heads x 4 x k,
+    v x f32) = 16384 B on one device; at tensor=4, which cannot split the 2 KV heads, XLA splits the chunk's
+    prompts over tensor instead (`jaxrl-llm compile`, Gemma 3 1B at tensor=4): 4096 B per device. Beside it the
+    cache (KV heads whole: the same on every device) and two f32 [16, 64] logits buffers."""
+    cfg = load_config(None, TINY_RUN + ["sampling.prompts_per_step=8"])
+    for tensor, gathered in ((1, 16384), (4, 4096)):
+        est = estimate_memory(cfg, TINY, {"data": 1, "fsdp": 1, "tensor": tensor})
+        assert est["kv_cache"] == 2 * (8 * 16 + 16 * 16) * 64  # 8 prompt entries and 16 rows of 16 slots, 2 layers
+        assert est["sampling_prefill"] == est["kv_cache"] + gathered + 2 * 16 * 64 * 4, tensor
+
+
 def test_continuous_sampler_by_hand():
     """2 prompt caches of 16 slots and 2 decode slots of 16 response slots, 2 layers, 2 kv heads x 4, k and v,
     f32: (2 x 16 + 2 x 16) x 64 x 2 = 8192; one layer's prompt keys/values gathered for 2 slots, 2 x 16 x 64;

@@ -450,9 +450,12 @@ def _sampling_bytes(cfg: RunConfig, mc: ModelConfig, mesh: dict[str, int], c: in
     kv_cache = sum((local_rows // group * prompt_bucket + local_rows * n) * kv_bytes for n in slots) // head_split
     logits = 2 * local_rows * mc.vocab_size * 4
     # Prefill: every device gathers the keys and values of the whole chunk of prompts before taking its rows'
-    # (`engine.prefill_rows`' merge: a prompt's rows may sit on any device); a chunk of the call's prompts.
+    # (`engine.prefill_rows`' merge: a prompt's rows may sit on any device); a chunk of the call's prompts, split
+    # over tensor by its KV heads or, where tensor cannot split them, by its prompts (XLA; `jaxrl-llm compile`,
+    # Gemma 3 1B at tensor=4: [4, 1, 1024, 256] per layer of a 16-prompt chunk).
     chunk = prefill_chunk(prompt_bucket, max(1, sample_rows // samples), batch_split)
-    prefill = kv_cache + chunk * prompt_bucket * len(slots) * kv_bytes // head_split + logits + weights_cast
+    gather_split = head_split if head_split > 1 or chunk % mesh["tensor"] else mesh["tensor"]
+    prefill = kv_cache + chunk * prompt_bucket * len(slots) * kv_bytes // gather_split + logits + weights_cast
     # Decode: a tensor axis that cannot split the KV heads makes the loop copy the cache (XLA on TPU); a tiled
     # response cache (`buckets.response_tile_size`) copies the tile being written, in every full-attention layer;
     # the output layer's f32 logits come out for the call's rows with the vocabulary split over tensor.
