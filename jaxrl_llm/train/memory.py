@@ -23,9 +23,10 @@ Every term counts what jaxrl_llm itself allocates, per device of a `data x fsdp 
                                      kept; one layer's kernel works on the S regrouped rows of W = prompt +
                                      max_new_tokens tokens (on splash's grid of 128) per packed row, over the
                                      device's KV heads and their query heads (every head where tensor does
-                                     not divide the KV heads): rows x S W x (head_dim x (H_a (3 c + 4)
-                                     + KV_a 2 (c + 4)) + 8 H_a)  (q, its output and output gradient in c,
-                                     the f32 q gradient; k, v and their f32 gradients; two f32 statistics)
+                                     not divide the KV heads): rows x S W x (head_dim x (3 H_a + 2 KV_a)
+                                     x c + 512)  (q, its output and output gradient, k and v, all in c:
+                                     splash's backward kernels give dq, dk, dv in the inputs' dtype; the
+                                     int32 segment ids laid over 128 lanes)
                 full attention (model.attention_block_size null, or L < model.attention_block_min_length),
                                      per layer: rows x H_t x L^2 x (4 + c)
                                      (f32 scores, probabilities in c), and in the backward pass one
@@ -55,6 +56,13 @@ Every term counts what jaxrl_llm itself allocates, per device of a `data x fsdp 
                 chunk by chunk in the backward pass instead: rows x K x (min(V, 8192) x 4 + D x c + 12);
                 with c != 4 also one chunk's logits in c as the product gives them, rows x K x min(V, 8192) x c;
                 plus the output matrix cast to c when c != p (V x D, sharded as its parameter)
+              The step holds these in phases (the compiled train steps' buffer assignments): the log-prob pass's
+              backward runs first and its residuals are gone when the layers' backward makes its working set, and
+              the embedding's gradient comes after both, so
+                train step = gradients + kept + max(one layer's working set (recomputed activations, attention
+                             working set, layer gradients), the embedding's f32 gradients, log-prob residuals)
+              where kept is what the forward pass keeps (every layer's terms, or with remat each layer's input);
+              `activations` reports kept + the larger of the two layer-backward phases.
   sampling    KV cache of the rows of one sampler call: all of a step's rows, or `sampling.max_rows_per_call`
               of them (the row bucket of `sampling.generate.call_plans`), rows split over data x fsdp:
               layers x (rows / g x P_bucket + rows x R_bucket) x kv_heads x head_dim x 2 x c, where g rows
@@ -314,12 +322,15 @@ def _split(n: int, tensor: int) -> int:
 
 
 def _activation_bytes(mc: ModelConfig, rows: int, length: int, tensor: int, c: int, remat: bool,
-                      policy: str = "full", block: int | None = None, groups: tuple[int, int] | None = None) -> int:
-    """Saved activations + one layer's working set for `rows` sequences of `length` tokens on a mesh whose tensor
-    axis has `tensor` devices. Remat policy "dots" also keeps each layer's projection outputs (q, k, v, o, gate,
-    up, down) per token, "qkv_attn_mlp" q, k, v, the attention output, gate and up; `block` is
-    model.attention_block_size (None: full attention); `groups` (S, W): a fused kernel attends on S regrouped
-    rows of W tokens per row (`models.attention`), None: the xla path."""
+                      policy: str = "full", block: int | None = None,
+                      groups: tuple[int, int] | None = None) -> tuple[int, int]:
+    """(kept, working) for `rows` sequences of `length` tokens on a mesh whose tensor axis has `tensor` devices:
+    what the forward pass keeps for the backward pass, and the largest working set of the backward pass beside
+    it (one layer's recomputed activations, its attention's working set and gradients; or, at the embedding,
+    the hidden states' f32 gradient twice). Remat policy "dots" also keeps each layer's projection outputs
+    (q, k, v, o, gate, up, down) per token, "qkv_attn_mlp" q, k, v, the attention output, gate and up; `block`
+    is model.attention_block_size (None: full attention); `groups` (S, W): a fused kernel attends on S
+    regrouped rows of W tokens per row (`models.attention`), None: the xla path."""
     q_heads = _split(mc.num_heads, tensor)
     q, kv = q_heads * mc.head_dim, _split(mc.num_kv_heads, tensor) * mc.head_dim
     f = _split(mc.intermediate_size, tensor)
@@ -331,14 +342,14 @@ def _activation_bytes(mc: ModelConfig, rows: int, length: int, tensor: int, c: i
     embed_grads = rows * length * d * 4 * 2
     if groups is not None:
         # the kernel runs per device on its KV heads' query groups, all heads where tensor cannot split the KV
-        # heads: q, its output and output gradient in c, the f32 q gradient; k, v in c, their f32 gradients;
-        # two f32 statistics per query (log-sum-exp and its gradient's row sum)
+        # heads: q, its output and output gradient, k and v, all in c (splash's backward kernels give dq, dk,
+        # dv in the inputs' dtype), and the int32 segment ids laid over 128 lanes (512 B a token)
         slots, width = groups
         kv_heads = _split(mc.num_kv_heads, tensor)
         heads = kv_heads * (mc.num_heads // mc.num_kv_heads)
         tokens = rows * slots * width
         attention = 0
-        working = tokens * (mc.head_dim * (heads * (3 * c + 4) + kv_heads * 2 * (c + 4)) + heads * 8)
+        working = tokens * (mc.head_dim * (heads * 3 * c + kv_heads * 2 * c) + 512)
     elif block is None:
         attention = rows * q_heads * length * length * (4 + c)
         working = rows * q_heads * length * length * 4 + rows * length * length  # f32 score gradient + bool mask
@@ -355,9 +366,9 @@ def _activation_bytes(mc: ModelConfig, rows: int, length: int, tensor: int, c: i
             kept += 2 * q + 2 * kv + 2 * f
             # the layer being differentiated recomputes only its two norm outputs and SiLU(gate) x up
             per_layer_tokens = rows * length * (2 * d + 2 * f) * c
-        return (mc.num_layers * rows * length * kept * c + per_layer_tokens + attention + working + layer_grads
-                + embed_grads)
-    return mc.num_layers * (per_layer_tokens + attention) + working + layer_grads + embed_grads
+        return (mc.num_layers * rows * length * kept * c,
+                max(per_layer_tokens + attention + working + layer_grads, embed_grads))
+    return mc.num_layers * (per_layer_tokens + attention), max(working + layer_grads, embed_grads)
 
 
 def _logprob_residual_bytes(mc: ModelConfig, rows: int, response_tokens: int, c: int, keep_logits: bool,
@@ -527,16 +538,19 @@ def estimate_memory(config: RunConfig, model_config: ModelConfig, mesh: dict[str
     # backward scan's stacked layer gradients and AdamW's new moments before they replace the old ones)
     gradients = trained * 4 + trained * trained_bytes + 2 * trained * 4
     width = min(row_length, round_up(prompt_len + cfg.sampling.max_new_tokens, SPLASH_BLOCK))
-    activations = _activation_bytes(mc, rows, row_length, tensor, c, remat, policy,
-                                    tiles.attention_block_for(row_length),
-                                    (responses_per_row, width) if fused else None)
+    kept, working = _activation_bytes(mc, rows, row_length, tensor, c, remat, policy,
+                                      tiles.attention_block_for(row_length),
+                                      (responses_per_row, width) if fused else None)
+    activations = kept + working
     output_copy = _output_matrix_copy_bytes(mc, mesh, c, p)
     keep_logits = not cfg.model.remat_logits
     head_elements = _output_matrix_elements(mc, mesh)
     # Scored positions: every slot (n x max_new_tokens), or the compact layout's L when that is shorter.
     scored = min(row_length, responses_per_row * cfg.sampling.max_new_tokens)
     logprob = _logprob_residual_bytes(mc, rows, scored, c, keep_logits, head_elements) + output_copy
-    train_step = gradients + activations + logprob
+    # The log-prob pass's backward runs before the layers': its residuals and a vocabulary chunk's logits are
+    # gone when a layer's working set is made (the compiled train steps' buffer assignments)
+    train_step = gradients + kept + max(working, logprob)
 
     dtype = cfg.sampling.dtype
     split_devices = cfg.rollouts.mode == "async" and cfg.rollouts.sampler_devices > 0
@@ -576,12 +590,12 @@ def estimate_memory(config: RunConfig, model_config: ModelConfig, mesh: dict[str
         tied_subset = mc.tie_word_embeddings and "embed" in names
         per_sample = 2 if tied_subset else 1
         head = mc.vocab_size * mc.hidden_size * c if tied_subset else 0
+        gvm_kept, gvm_working = _activation_bytes(mc, chunk_rows, unpacked, tensor, c, remat, policy,
+                                                  tiles.attention_block_for(unpacked),
+                                                  (1, round_up(unpacked, SPLASH_BLOCK)) if fused else None)
         gvm_norms = (chunk_rows * _subset_elements(mc, cfg.sampling.gvm_param_subset) * p * per_sample + head
-                     + _activation_bytes(mc, chunk_rows, unpacked, tensor, c, remat, policy,
-                                         tiles.attention_block_for(unpacked),
-                                         (1, round_up(unpacked, SPLASH_BLOCK)) if fused else None)
-                     + _logprob_residual_bytes(mc, chunk_rows, full_len, c, keep_logits, head_elements)
-                     + output_copy)
+                     + gvm_kept + max(gvm_working, _logprob_residual_bytes(mc, chunk_rows, full_len, c, keep_logits,
+                                                                           head_elements) + output_copy))
 
     critic = critic_step = 0
     if uses_critic(cfg):
