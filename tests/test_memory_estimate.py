@@ -131,8 +131,9 @@ def test_tiny_run_by_hand():
     # (16 x 4), target + log Z + E_p[logit] (12); plus the pieces of the embedding's gradient (512 local x 4).
     assert est["logprob_residuals"] == 16 * (64 * 4 + 16 * 4 + 12) + 512 * 4 == 7360
     # The log-prob pass's backward runs before the layers': its residuals are gone when a layer's working set
-    # is made, so the step holds the kept activations and the larger of the two
-    assert est["train_step"] == 46336 + kept + max(working + layer_grads, 7360) == 209152
+    # is made, so the step holds the kept activations and the larger of the two, beside the accumulator and one
+    # micro-batch's gradient (2 x 2896 x 4); the update's two f32 copies come after, when the activations are gone
+    assert est["train_step"] == max(23168 + kept + max(working + layer_grads, 7360), 3 * 2896 * 4) == 185984
     # Sampler: 4 rows (2 per device) of 16 response slots, and the 2 samples of a prompt share one entry of 16
     # prompt slots (1 per device); 2 layers, 2 kv heads x 4, k and v, f32.
     assert est["sample_rows"] == 4
@@ -143,7 +144,7 @@ def test_tiny_run_by_hand():
     assert est["sampling_decode"] == 6144 + 2 * 2 * 64 * 4 == 7168
     assert est["sampling"] == 11264
     assert est["gvm_norms"] == 0
-    assert est["peak"] == 11584 + 23168 + est["train_step"] == 243_904
+    assert est["peak"] == 11584 + 23168 + est["train_step"] == 220_736
 
     remat = estimate_memory(cfg, TINY, {"data": 1, "fsdp": 2, "tensor": 1}, remat=True, platform="cpu")
     assert remat["activations"] == 2 * 32 * 16 * 4 + per_layer_tokens + attention + working + layer_grads \
@@ -255,6 +256,22 @@ def test_prefill_gather_split_over_tensor_by_prompts_when_heads_cannot_be():
         assert est["sampling_prefill"] == est["kv_cache"] + gathered + 2 * 16 * 64 * 4, tensor
 
 
+def test_tpu_decode_holds_the_layer_weights_sliced():
+    """A TPU decode loop holds the stacked layer weights sliced per layer in c when no cast copy exists (XLA hoists
+    the slices out of the loop: the 1.5B LoRA preset's merged bf16 copy on one v5e chip, `jaxrl-llm compile`):
+    TINY's two layers hold 2 x (q, o 256 + k, v 128 + gate, up, down 512 + two norms 16) = 4672 elements, 18688 B
+    in f32 on one device; the prefill is not a loop. With f32 weights and bf16 compute the cast copy (every
+    parameter in bf16, 5712 x 2 B) is the larger and is counted once."""
+    one = {"data": 1, "fsdp": 1, "tensor": 1}
+    cfg = load_config(None, TINY_RUN)
+    tpu, cpu = estimate_memory(cfg, TINY, one, platform="tpu"), cpu_estimate(cfg, TINY, one)
+    assert tpu["sampling_decode"] - cpu["sampling_decode"] == 4672 * 4
+    assert tpu["sampling_prefill"] == cpu["sampling_prefill"]
+    bf16 = load_config(None, TINY_RUN + ["model.compute_dtype=bfloat16"])
+    tpu, cpu = estimate_memory(bf16, TINY, one, platform="tpu"), cpu_estimate(bf16, TINY, one)
+    assert tpu["sampling_decode"] == cpu["sampling_decode"] and cpu["sampling_decode"] - cpu["kv_cache"] >= 5712 * 2
+
+
 def test_continuous_sampler_by_hand():
     """2 prompt caches of 16 slots and 2 decode slots of 16 response slots, 2 layers, 2 kv heads x 4, k and v,
     f32: (2 x 16 + 2 x 16) x 64 x 2 = 8192; one layer's prompt keys/values gathered for 2 slots, 2 x 16 x 64;
@@ -262,9 +279,9 @@ def test_continuous_sampler_by_hand():
     prompt entries of 16 slots (the 2 samples of a prompt share one)."""
     mesh = {"data": 1, "fsdp": 1, "tensor": 1}
     cfg = load_config(None, TINY_RUN + ["sampling.engine=continuous", "sampling.max_slots=2"])
-    est = estimate_memory(cfg, TINY, mesh)
+    est = cpu_estimate(cfg, TINY, mesh)
     assert est["kv_cache"] == 8192 and est["sampling"] == 8192 + 2048 + 1536
-    static = estimate_memory(load_config(None, TINY_RUN), TINY, mesh)
+    static = cpu_estimate(load_config(None, TINY_RUN), TINY, mesh)
     # its prefill gathers the chunk's 2 prompts x 16 slots x 2 layers (x 64 B) beside the cache and the logits
     assert static["kv_cache"] == (4 * 16 + 2 * 16) * 64 * 2 == 12288
     assert static["sampling"] == 12288 + 2 * 16 * 2 * 64 + 2 * 4 * 64 * 4
@@ -291,28 +308,28 @@ def test_sampler_copies_by_hand():
     a 12288 B f32 cache and 2 x 4 x 64 f32 logits, and its prefill gathers 2 prompts x 16 slots x 2 layers of keys
     and values (x 64 B in f32: 4096) (test_continuous_sampler_by_hand)."""
     one = {"data": 1, "fsdp": 1, "tensor": 1}
-    base = estimate_memory(load_config(None, TINY_RUN), TINY, one)
+    base = cpu_estimate(load_config(None, TINY_RUN), TINY, one)
     assert base["params"] == 5712 * 4 and base["sampling"] == 12288 + 4096 + 2048
     assert base["sampler_copy"] == base["sampler_copies"] == base["sampler_peak"] == 0
     # sampling.dtype bfloat16: a bf16 copy (5712 x 2) and a bf16 cache (half the f32 one, and half the prefill's
     # gathered keys and values); the logits stay f32
-    bf16 = estimate_memory(load_config(None, TINY_RUN + ["sampling.dtype=bfloat16"]), TINY, one)
+    bf16 = cpu_estimate(load_config(None, TINY_RUN + ["sampling.dtype=bfloat16"]), TINY, one)
     assert bf16["sampler_copy"] == 11424 and bf16["kv_cache"] == 6144
     assert bf16["sampling"] == 6144 + 2048 + 2048 + 11424
     # int8: 4608 projection elements in 1 B instead of 4 plus 256 f32 scales (each layer's outputs: 16 + 8 + 8
     # + 16 + 32 + 32 + 16 = 128), the rest in f32
-    int8 = estimate_memory(load_config(None, TINY_RUN + ["sampling.dtype=int8"]), TINY, one)
+    int8 = cpu_estimate(load_config(None, TINY_RUN + ["sampling.dtype=int8"]), TINY, one)
     assert int8["sampler_copy"] == 5712 * 4 - 4608 * 3 + 256 * 4 == 10048
     assert int8["sampling"] == 18432 + 10048
     # async, k = 2, on the trainer's devices: k + 1 copies of the policy stay beside the trainer's state
-    shared = estimate_memory(load_config(None, TINY_RUN + ["rollouts.mode=async", "rollouts.max_staleness=2"]),
+    shared = cpu_estimate(load_config(None, TINY_RUN + ["rollouts.mode=async", "rollouts.max_staleness=2"]),
                              TINY, one)
     assert shared["sampler_copies"] == 3 * 22848 and shared["peak"] == base["peak"] + 3 * 22848
     # async on 2 devices of their own (fsdp=2: 2896 elements each): 2 copies and the cache there (4 rows of 16 new
     # tokens split over 2: 2 x 16 response slots + one shared 16-token prompt entry x 64 B x 2 layers + logits
     # 2 x 2 x 64 x 4, and the prefill's gathered chunk of 2 prompts x 16 slots x 2 layers x 64 B); the trainer's
     # devices hold no sampler term; the peak is the larger group's
-    split = estimate_memory(load_config(None, TINY_RUN + ["rollouts.mode=async", "rollouts.sampler_devices=2"]),
+    split = cpu_estimate(load_config(None, TINY_RUN + ["rollouts.mode=async", "rollouts.sampler_devices=2"]),
                             TINY, one)
     assert split["sampler_copies"] == 2 * 2896 * 4 and split["kv_cache"] == (16 + 2 * 16) * 64 * 2 == 6144
     assert split["sampler_peak"] == 23168 + 6144 + 1024 + 4096 and split["sampling"] == 0
@@ -329,7 +346,8 @@ def test_critic_by_hand():
     # the policy's activations (162816, test_tiny_run_by_hand).
     head = (16 + 1) * 4
     assert ppo["critic"] == 3 * (2896 * 4 + head) == 34956
-    assert ppo["critic_step"] == 2896 * (4 + 4) + 2 * 2896 * 4 + 2 * head + base["activations"] == 209288
+    # (the update's two f32 copies come after the backward pass, when the activations are gone: below it here)
+    assert ppo["critic_step"] == 2896 * (4 + 4) + 2 * head + base["activations"] == 186120
     assert ppo["reference"] == 2896 * 4  # the KL penalty in the rewards reads a reference policy
     # the critic step is the larger by its head's gradients (2 x 68 B): the policy's log-prob residuals (7360 B)
     # are below a layer's working set, which both steps hold
@@ -415,8 +433,13 @@ def test_gvm_norms_and_tensor_split():
     assert working > embed_grads
     # 8 response tokens a row; the embedding's gradient pieces: [64, 16] split over its vocabulary by tensor=2.
     logprob = 2 * 8 * (64 * 4 + 16 * 4 + 12) + 512 * 4
-    # the log-prob residuals are gone when a layer's working set is made (as in the train step)
-    assert est["gvm_norms"] == 2 * 2 * 64 * 16 * 4 + 64 * 16 * 4 + kept + max(working, logprob)
+    # the log-prob residuals are gone when a layer's working set is made (as in the train step); the output
+    # layer's per-sample gradients (2 rows x 64 x 16 in c) are made first and live throughout, the lookup's (2 x 64
+    # x 16 in p) come last, with the hidden states' f32 gradient twice (2 x 32 x 16 x 8), when the activations are
+    # gone
+    lookup = 2 * 64 * 16 * 4
+    assert est["gvm_norms"] == 2 * 64 * 16 * 4 + max(kept + max(working, logprob),
+                                                      lookup + 2 * 32 * 16 * 8) == 128000
     assert est["gvm_chunk_rows"] == 2
     # Responses that fill a quarter of their 8 columns: the unpacked rows still hold (and score) all 8.
     short = cpu_estimate(cfg, TINY, {"data": 1, "fsdp": 1, "tensor": 2}, response_fill=0.25)
@@ -429,8 +452,21 @@ def test_gvm_norms_and_tensor_split():
     per_layer_one = 32 * 156 * 4
     working_one = per_layer_one + 2 * 32 * 32 * 8 + 2 * 32 * 32 * 4 + 32 * 32 + layer_grads // 2
     logprob_one = 8 * (64 * 4 + 16 * 4 + 12) + 512 * 4
-    assert one["gvm_norms"] == 2 * 64 * 16 * 4 + 64 * 16 * 4 + 2 * 32 * 16 * 4 + max(working_one, logprob_one)
+    assert one["gvm_norms"] == 64 * 16 * 4 + max(2 * 32 * 16 * 4 + max(working_one, logprob_one),
+                                                 64 * 16 * 4 + 32 * 16 * 8)
     assert one["gvm_chunk_rows"] == 1
+
+
+def test_gvm_norms_read_the_lora_merged_copy():
+    """With LoRA, GVM's norm pass reads the merged copy of the base (as the sampler does; `jaxrl-llm compile` of the
+    1.5B GVM LoRA preset on one chip: the merged bf16 copy among its arguments): everything else equal (f32
+    weights and compute), the term is the larger by that copy, TINY's 5712 parameters x 4 B on one device."""
+    common = TINY_RUN + ["sampling.allocation=gvm", "sampling.gvm_stage1_samples=4",
+                         "sampling.gvm_samples_per_prompt=2", "model.remat=true"]
+    one = {"data": 1, "fsdp": 1, "tensor": 1}
+    full = cpu_estimate(load_config(None, common), TINY, one)
+    lora = cpu_estimate(load_config(None, common + ["lora.rank=2"]), TINY, one)
+    assert lora["gvm_norms"] - full["gvm_norms"] == 5712 * 4
 
 
 def test_parse_mesh_and_errors():
@@ -491,7 +527,7 @@ def test_suggest_layout_splits_rows_when_nothing_else_fits():
 
 def test_rows_that_fit():
     cfg = load_config(None, TINY_RUN + ["model.remat=false"])
-    est = estimate_memory(cfg, TINY, {"data": 1, "fsdp": 2, "tensor": 1})
+    est = cpu_estimate(cfg, TINY, {"data": 1, "fsdp": 2, "tensor": 1})
     # 2 local rows cost 11264 B (KV cache 6144 B: 2 rows of 16 response slots and the one 16-slot prompt entry they
     # share, 2 layers x 64 B a slot; the prefill's gathered chunk of 2 prompts, 4096 B; logits 1024 B), so 5632 B
     # a row; 85% of 100,000 B minus params and AdamW (34,752 B) leaves 50,248 B: 8 rows per device, 16 over the
@@ -544,10 +580,10 @@ def test_fit_rows_per_call_lowers_the_sampler_rows_until_they_fit():
     est, rows = fit_rows_per_call(cfg, TINY, mesh, 3_000_000, "cpu")
     assert rows == 1024 and est["sample_rows"] == 1024 and est["sampling"] == 512 * 3584 + 256 * 2048
     assert est["peak"] == 34752 + 512 * 3584 + 256 * 2048 <= 3_000_000
-    # An unreachable budget: halve only while the sampler is the largest term (the train step is 209,152 B,
+    # An unreachable budget: halve only while the sampler is the largest term (the train step is 185,984 B,
     # test_tiny_run_by_hand): calls of 64 rows, 32 prompts per prefill.
     est, rows = fit_rows_per_call(cfg, TINY, mesh, 1000, "cpu")
-    assert est["train_step"] == 209_152
+    assert est["train_step"] == 185_984
     assert rows == 64 and est["sampling"] == 32 * 3584 + 32 * 2048 < est["train_step"] < 64 * 3584 + 64 * 2048
     assert fit_rows_per_call(cfg, TINY, mesh, 10 ** 9, "cpu")[1] == 0  # fits as configured: unchanged
     _, overrides = suggest_layout(cfg, TINY, 2, 3_000_000, platform="cpu")

@@ -7,9 +7,9 @@ Every term counts what jaxrl_llm itself allocates, per device of a `data x fsdp 
               (`models.sharding.partition_rules`; an axis that does not divide a dimension replicates it)
   optimizer   AdamW first and second moments, kept by optax in the parameters' dtype: 2 x params
   reference   a frozen copy of params when the KL term or PRL shaping needs a reference policy
-  train step  gradients: the f32 accumulator of the micro-batch scan + one micro-batch gradient in p + XLA's
-              update temporaries, two more f32 copies (the backward scan's stacked layer gradients, AdamW's new
-              moments before they replace the old: `jaxrl-llm compile` of the 7B GRPO preset on v4-32);
+  train step  gradients: the f32 accumulator of the micro-batch scan + one micro-batch gradient in p, and after
+              the backward passes XLA's update temporaries, two more f32 copies (AdamW's new moments before they
+              replace the old);
               activations of one micro-batch of packed rows (one prompt + n responses per row, n = samples
               per prompt, N'' under GVM, rounded up to a power of two; the row length L = prompt + n R on the
               packer's grid `train.packing.length_bucket`, at most 25% above it; with optim.max_row_tokens
@@ -59,8 +59,9 @@ Every term counts what jaxrl_llm itself allocates, per device of a `data x fsdp 
               The step holds these in phases (the compiled train steps' buffer assignments): the log-prob pass's
               backward runs first and its residuals are gone when the layers' backward makes its working set, and
               the embedding's gradient comes after both, so
-                train step = gradients + kept + max(one layer's working set (recomputed activations, attention
-                             working set, layer gradients), the embedding's f32 gradients, log-prob residuals)
+                train step = max(accumulator + micro-batch gradient + kept + max(one layer's working set
+                             (recomputed activations, attention working set, layer gradients), the embedding's
+                             f32 gradients, log-prob residuals),  accumulator + the update's two copies)
               where kept is what the forward pass keeps (every layer's terms, or with remat each layer's input);
               `activations` reports kept + the larger of the two layer-backward phases.
   sampling    KV cache of the rows of one sampler call: all of a step's rows, or `sampling.max_rows_per_call`
@@ -77,11 +78,13 @@ Every term counts what jaxrl_llm itself allocates, per device of a `data x fsdp 
                 prefill  + the keys and values of one prefill chunk of the call's prompts (min(call prompts,
                          floor_pow2(4096 / P_bucket)), rounded up to data x fsdp) in every layer, gathered on
                          every device by the merge into rows: chunk x P_bucket x layers x kv_heads_t x head_dim
-                         x 2 x c
+                         x 2 x c (split over tensor by prompts where tensor does not divide the KV heads)
                 decode   + the cache copy above; with a tiled response cache (`buckets.response_tile_size`) the
                          written tile of every full-attention layer, rows x tile x kv_heads_t x head_dim x 2 x c;
                          the logits are the larger of the two row buffers and the call's rows x V / tensor f32
-                         (the output layer's product gives every row's logits with the vocabulary split)
+                         (the output layer's product gives every row's logits with the vocabulary split); on a
+                         TPU without the cast copy, the stacked layer weights sliced per layer in c (XLA hoists
+                         the slices out of the loop)
               With sampling.engine=continuous: layers x (C x P_bucket + S x R_bucket) x
               kv_heads x head_dim x 2 x c for S decode slots (`sampling.continuous.slot_count`) and
               C = `sampling.continuous.prompt_entries` prompt-cache entries (one per prompt of the step, at
@@ -92,11 +95,12 @@ Every term counts what jaxrl_llm itself allocates, per device of a `data x fsdp 
               f32 logits; the S slots are split over data x fsdp as rows are, every device holds the C entries
   gvm norms   (GVM only) per-sample gradients of the subset (default the embedding) for
               `sampling.gvm_rows_per_chunk` (0: `optim.micro_batch_size`) unpacked rows at a time, in p
-              (a tied embedding in the subset twice, the lookup's and the output layer's, and the output matrix
-              gathered whole in c: each device differentiates its own rows through it), with those rows'
-              activations and log-prob residuals (a row is the prompt and all
-              max_new_tokens columns, every one scored, whatever `response_fill`); a chunk's rows are split
-              over data x fsdp (ceil(chunk / (data x fsdp)) rows per device)
+              (a tied embedding in the subset also gets the output layer's, rows x V x D in c, made first), with
+              those rows' activations and log-prob residuals (a row is the prompt and all max_new_tokens columns,
+              every one scored, whatever `response_fill`) in phases as the train step's: the layers' backward
+              beside the kept activations, then the lookup's per-sample gradient with the hidden states' f32
+              gradient twice; plus the policy cast to c where p != c, and under LoRA the merged copy it reads; a
+              chunk's rows are split over data x fsdp (ceil(chunk / (data x fsdp)) rows per device)
 
   critic      (PPO with a critic, algorithm.advantage gae) the value model, counted as the policy's trunk (its
               parameters without lm_head, sharded alike) plus the f32 head: critic = its parameters and AdamW
@@ -119,7 +123,7 @@ only that merged or cast copy); peak = the larger of the two groups'.
 With LoRA (`lora.rank` > 0) the base is frozen and only adapters train (a = the adapters' elements per
 device, sharded by the same rules, float32): params = base in p + a x 4; optimizer = 2 a x 4; reference = 0
 (the base is the reference policy); the gradients are the adapters' (a x 4 x 2); and sampling also holds
-the merged copy of the base (W + s A B) the sampler reads, local x p. A quantized base (`lora.base_dtype`
+the merged copy of the base (W + s A B) the sampler (and GVM's norm pass) reads, local x p. A quantized base (`lora.base_dtype`
 int8 / int4) stores each projection in 1 / 0.5 bytes per element plus float32 scales [L, 1, out]; the
 merged copy is still in p.
 
@@ -423,10 +427,14 @@ def _sampler_copy_bytes(mc: ModelConfig, mesh: dict[str, int], p: int, dtype: st
 
 
 def _sampling_bytes(cfg: RunConfig, mc: ModelConfig, mesh: dict[str, int], c: int, gvm: bool,
-                    weights_cast: int = 0) -> tuple[int, int, int, int, int]:
+                    weights_cast: int = 0, layer_copy: int = 0) -> tuple[int, int, int, int, int]:
     """(rows of one sampler call, KV cache bytes per device, the sampling term without the policy copies, and its
     prefill and decode phases (the term is the larger)) of `cfg`'s sampler on `mesh` with keys, values and logits of
-    the cache in `c` bytes; `weights_cast`: the policy cast to the compute dtype, which XLA hoists out of the loops."""
+    the cache in `c` bytes; `weights_cast`: the policy cast to the compute dtype, which XLA hoists out of the loops;
+    `layer_copy`: the stacked layer weights in c, which a decode loop holds sliced per layer where there is no cast
+    (XLA hoists the slices out of the loop: the 1.5B LoRA preset's merged bf16 copy on one v5e chip, 2.3 GiB of
+    [8960, 1536]-sized slices)."""
+    loop_weights = max(weights_cast, layer_copy)
     batch_split = mesh["data"] * mesh["fsdp"]
     samples = max(cfg.sampling.gvm_stage1_samples, cfg.sampling.gvm_samples_per_prompt) if gvm \
         else cfg.sampling.samples_per_prompt
@@ -449,7 +457,7 @@ def _sampling_bytes(cfg: RunConfig, mc: ModelConfig, mesh: dict[str, int], c: in
         kv_cache = sum((local_prompts * prompt_bucket + local_slots * slots) * kv_bytes
                        for slots in response_slots(mc, response_bucket))
         sampling = (kv_cache + local_slots * prompt_bucket * kv_bytes
-                    + (local_prompts + 2 * local_slots) * mc.vocab_size * 4 + weights_cast)
+                    + (local_prompts + 2 * local_slots) * mc.vocab_size * 4 + loop_weights)
         return sample_rows, kv_cache, sampling, sampling, sampling
     # One prompt entry per group of rows that continue the same prompt (`sampling.buckets.prompt_group_size`);
     # GVM's counts change from step to step, so it is counted at one entry per row, the most it can take.
@@ -475,7 +483,7 @@ def _sampling_bytes(cfg: RunConfig, mc: ModelConfig, mesh: dict[str, int], c: in
     tiles = sum(1 for n in slots if n == response_bucket) * local_rows * tile * kv_bytes // head_split if tile else 0
     vocab_split = mesh["tensor"] if mc.vocab_size % mesh["tensor"] == 0 else 1
     decode = (kv_cache + decode_copy + tiles + max(logits, sample_rows * mc.vocab_size // vocab_split * 4)
-              + weights_cast)
+              + loop_weights)
     return sample_rows, kv_cache, max(prefill, decode), prefill, decode
 
 
@@ -534,9 +542,10 @@ def estimate_memory(config: RunConfig, model_config: ModelConfig, mesh: dict[str
     else:
         row_length = length_bucket(prompt_len + responses_per_row * response_len, ROW_SEQ_MULTIPLE)
     rows = -(-cfg.optim.micro_batch_size // batch_split)
-    # the f32 accumulator, one micro-batch's gradient, and XLA's update temporaries: two more f32 copies (the
-    # backward scan's stacked layer gradients and AdamW's new moments before they replace the old ones)
-    gradients = trained * 4 + trained * trained_bytes + 2 * trained * 4
+    # the f32 accumulator and one micro-batch's gradient while the backward passes run; after them, XLA's update
+    # temporaries: two more f32 copies (AdamW's new moments before they replace the old ones)
+    accumulate, update = trained * 4 + trained * trained_bytes, 2 * trained * 4
+    gradients = accumulate + update
     width = min(row_length, round_up(prompt_len + cfg.sampling.max_new_tokens, SPLASH_BLOCK))
     kept, working = _activation_bytes(mc, rows, row_length, tensor, c, remat, policy,
                                       tiles.attention_block_for(row_length),
@@ -550,7 +559,7 @@ def estimate_memory(config: RunConfig, model_config: ModelConfig, mesh: dict[str
     logprob = _logprob_residual_bytes(mc, rows, scored, c, keep_logits, head_elements) + output_copy
     # The log-prob pass's backward runs before the layers': its residuals and a vocabulary chunk's logits are
     # gone when a layer's working set is made (the compiled train steps' buffer assignments)
-    train_step = gradients + kept + max(working, logprob)
+    train_step = max(accumulate + kept + max(working, logprob), trained * 4 + update)
 
     dtype = cfg.sampling.dtype
     split_devices = cfg.rollouts.mode == "async" and cfg.rollouts.sampler_devices > 0
@@ -560,8 +569,11 @@ def estimate_memory(config: RunConfig, model_config: ModelConfig, mesh: dict[str
     # the trainer's weights cast to the compute dtype when the sampler reads them (no sampling.dtype copy) in
     # another: XLA hoists the casts out of the decode loop, a cast copy of the policy
     weights_cast = sharded_param_elements(mc, sampler_mesh)[1] * c if not dtype and p != c else 0
+    # without a cast, a TPU decode loop's per-layer slices of the stacked layer weights (XLA hoists them too)
+    layer_copy = sum(n for name, n in _local_elements(mc, sampler_mesh).items()
+                     if name.startswith("layers/")) * c if not dtype and platform == "tpu" else 0
     sample_rows, kv_cache, sampling, sampling_prefill, sampling_decode = _sampling_bytes(
-        cfg, mc, sampler_mesh, 2 if dtype == "bfloat16" else c, gvm, weights_cast)
+        cfg, mc, sampler_mesh, 2 if dtype == "bfloat16" else c, gvm, weights_cast, layer_copy)
     sampler_copies = sampler_peak = 0
     if cfg.rollouts.mode == "async":
         copy = _sampler_copy_bytes(mc, sampler_mesh, p, dtype) or sharded_param_elements(mc, sampler_mesh)[1] * p
@@ -582,27 +594,33 @@ def estimate_memory(config: RunConfig, model_config: ModelConfig, mesh: dict[str
         # `train.logprobs.row_logprobs` scores all of them.
         full_len = cfg.sampling.max_new_tokens
         unpacked = round_up(cfg.data.max_prompt_tokens + full_len, ROW_SEQ_MULTIPLE)
-        # Each device differentiates its own rows: the subset's per-sample gradient is whole (unsharded); a tied
-        # embedding in the subset gets two, the lookup's and the output layer's, before they are summed, and the
-        # output matrix is gathered whole in c for the rows' logits (`jaxrl-llm compile`, 1.5B GVM preset; the
-        # untied 7B's gathers only a vocabulary chunk of its head).
+        # Each device differentiates its own rows: the subset's per-sample gradient is whole (unsharded). A tied
+        # embedding in the subset gets two before they are summed: the output layer's, made first (at the log-prob
+        # pass's backward) in c, and the lookup's, made last, in p. The pass reads the policy cast to c (LoRA: the
+        # merged copy, in p). Its phases as the train step's: the layers' backward beside the kept activations,
+        # then the lookup's gradient with the embedding's f32 gradients, the activations gone (`jaxrl-llm
+        # compile`: the 7B's peak is its f32 [152064, 3584] per-sample gradient; the tied 1.5B's a bf16
+        # [rows, 151936, 1536] and an f32 [151936, 1536] one).
         names = {n.strip().replace(".", "/") for n in cfg.sampling.gvm_param_subset.split(",")}
         tied_subset = mc.tie_word_embeddings and "embed" in names
-        per_sample = 2 if tied_subset else 1
-        head = mc.vocab_size * mc.hidden_size * c if tied_subset else 0
+        head = chunk_rows * mc.vocab_size * mc.hidden_size * c if tied_subset else 0
+        subset = chunk_rows * _subset_elements(mc, cfg.sampling.gvm_param_subset) * p
+        lookup = chunk_rows * _subset_elements(mc, "embed") * p if "embed" in names else 0
+        cast = local * c if c != p else 0
         gvm_kept, gvm_working = _activation_bytes(mc, chunk_rows, unpacked, tensor, c, remat, policy,
                                                   tiles.attention_block_for(unpacked),
                                                   (1, round_up(unpacked, SPLASH_BLOCK)) if fused else None)
-        gvm_norms = (chunk_rows * _subset_elements(mc, cfg.sampling.gvm_param_subset) * p * per_sample + head
-                     + gvm_kept + max(gvm_working, _logprob_residual_bytes(mc, chunk_rows, full_len, c, keep_logits,
-                                                                           head_elements) + output_copy))
+        layers = gvm_kept + max(gvm_working, _logprob_residual_bytes(mc, chunk_rows, full_len, c, keep_logits,
+                                                                     head_elements))
+        gvm_norms = (merged_copy + head + cast + subset - lookup
+                     + max(layers, lookup + chunk_rows * unpacked * mc.hidden_size * 4 * 2))
 
     critic = critic_step = 0
     if uses_critic(cfg):
         trunk = local - (_local_elements(mc, mesh)["lm_head"] if not mc.tie_word_embeddings else 0)
         head = (mc.hidden_size + 1) * 4
         critic = 3 * (trunk * p + head)
-        critic_step = trunk * (4 + p) + 2 * trunk * 4 + 2 * head + activations  # update temporaries as above
+        critic_step = max(trunk * (4 + p) + 2 * head + activations, 3 * trunk * 4 + 2 * head)  # phases as above
 
     resident = params + optimizer + reference + critic + (0 if split_devices else sampler_copies)
     trainer_peak = resident + max(train_step, critic_step, sampling, gvm_norms)
