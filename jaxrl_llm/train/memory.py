@@ -131,13 +131,13 @@ H_t = heads / tensor when tensor divides the heads, else all heads; H_a, KV_a th
 device (KV heads / tensor and their query heads when tensor divides the KV heads, else all). `platform` ("tpu",
 "gpu", "cpu") picks the attention path as `models.attention.resolve` does (a target's platform in `TARGETS`).
 The XLA-specific terms (update temporaries, the embedding's f32 gradients, the prefill's gathered chunk, the
-decode's tile copies and logits, the policy cast) were read from the compiled programs' buffer assignments
-(`jaxrl-llm compile` for v5litepod-64 and v4-32, 2026-11-28). Rows per device = ceil(rows /
-(data x fsdp)). Lengths are the worst case: every response reaches max_new_tokens (set
-`response_fill` below 1 for an average fill). XLA's other temporaries and fragmentation are not counted: leave
-~10-20% of HBM free (against XLA's compiled peaks of the 22 preset-slices in docs/launch.md: the train step -3% to
-+5% in the Qwen and Gemma 3 4B rows, +24% at most; the sampler's prefill -5% to +34%, decode -20% to +9%; GVM's
-norms -38% to +38%).
+decode's tile copies, logits and weight slices, the policy cast, the phases of the train step and of GVM's norm
+pass) were read from the compiled programs' buffer assignments and live ranges (`jaxrl-llm compile` for
+v5litepod-64, v4-32 and one v5e chip, 2026-11-28). Rows per device = ceil(rows / (data x fsdp)). Lengths are the
+worst case: every response reaches max_new_tokens (set `response_fill` below 1 for an average fill). Against XLA's
+own peak of each compiled program (`memory_analysis().peak_memory_in_bytes`, what the TPU compiler holds a program
+to) over 17 preset-slices in docs/launch.md: the train step -5% to +10%, the sampler's prefill -5% to +9%, decode
+-7% to +10%, GVM's norms -7% to 0%; leave ~10-15% of HBM free.
 """
 
 from __future__ import annotations
