@@ -25,7 +25,7 @@ import subprocess
 import sys
 
 from jaxrl_llm.train import load_config
-from jaxrl_llm.train.aot import refresh_estimates
+from jaxrl_llm.train.aot import ProgramReport, refresh_estimates
 from jaxrl_llm.train.memory import GIB, TARGETS, model_config_for, suggest_layout
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -72,10 +72,11 @@ def table(results: list[tuple[str, str, list[str], dict]]) -> str:
         for p in result["programs"]:
             if p["error"]:
                 lines.append(f"| {pathlib.Path(preset).stem} | {topology} | `{' '.join(overrides)}` | {p['name']} | "
-                             f"{p['compile_s']:.0f} | does not compile: {p['error'][:80]} | | | {hbm / GIB:.1f} | | no |")
+                             f"{p['compile_s']:.0f} | does not compile: {p['error'][:80]} | | | {hbm / GIB:.1f} "
+                             "| | no |")
                 continue
             compiler = p.get("compiler_peak_bytes", 0)  # rows compiled before it was recorded: the allotment
-            total = (compiler or p["peak_bytes"]) + p["resident_bytes"]
+            total = ProgramReport(**p).need_bytes + p["resident_bytes"]
             estimate = f"{p['estimate_bytes'] / GIB:.2f}" if p["estimate_bytes"] else "-"
             lines.append(f"| {pathlib.Path(preset).stem} | {topology} | `{' '.join(overrides)}` | {p['name']} | "
                          f"{p['compile_s']:.0f} | {p['peak_bytes'] / GIB:.2f} | "

@@ -188,10 +188,11 @@ def _report(name: str, lowered, hbm_bytes: int) -> ProgramReport:
     peak = mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes + mem.temp_size_in_bytes
     compiler_peak = int(getattr(mem, "peak_memory_in_bytes", 0) or 0)
     flops = (cost or {}).get("flops")
-    return ProgramReport(name, seconds, mem.argument_size_in_bytes, mem.output_size_in_bytes,
-                         mem.alias_size_in_bytes, mem.temp_size_in_bytes, peak, flops,
-                         (compiler_peak or peak) <= hbm_bytes, "tpu_custom_call" in compiled.as_text(),
-                         compiler_peak_bytes=compiler_peak)
+    report = ProgramReport(name, seconds, mem.argument_size_in_bytes, mem.output_size_in_bytes,
+                           mem.alias_size_in_bytes, mem.temp_size_in_bytes, peak, flops, False,
+                           "tpu_custom_call" in compiled.as_text(), compiler_peak_bytes=compiler_peak)
+    report.fits = report.need_bytes <= hbm_bytes
+    return report
 
 
 def compile_run(cfg: RunConfig, topology: str | Topology, *, model_config: ModelConfig | None = None,

@@ -122,9 +122,9 @@ only that merged or cast copy); peak = the larger of the two groups'.
 
 With LoRA (`lora.rank` > 0) the base is frozen and only adapters train (a = the adapters' elements per
 device, sharded by the same rules, float32): params = base in p + a x 4; optimizer = 2 a x 4; reference = 0
-(the base is the reference policy); the gradients are the adapters' (a x 4 x 2); and sampling also holds
-the merged copy of the base (W + s A B) the sampler (and GVM's norm pass) reads, local x p. A quantized base (`lora.base_dtype`
-int8 / int4) stores each projection in 1 / 0.5 bytes per element plus float32 scales [L, 1, out]; the
+(the base is the reference policy); the gradients are the adapters' (a x 4 x 2); and sampling (and GVM's
+norm pass) also holds the merged copy of the base (W + s A B) it reads, local x p. A quantized base
+(`lora.base_dtype` int8 / int4) stores each projection in 1 / 0.5 bytes per element plus float32 scales [L, 1, out]; the
 merged copy is still in p.
 
 H_t = heads / tensor when tensor divides the heads, else all heads; H_a, KV_a the heads a fused kernel runs per
