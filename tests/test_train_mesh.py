@@ -56,7 +56,7 @@ def test_train_loop_on_mesh_equals_single_device():
             assert a[key] == b[key], (key, a, b)
         for key in ("loss", "policy_loss", "entropy", "grad_norm"):
             assert abs(a[key] - b[key]) <= 1e-4 * max(1.0, abs(a[key])), (key, a, b)
-    assert r["final_param_diff"] < 1e-4, r
+    _assert_same_parameters(r["final_param_diff"], 1e-3, r)  # TINY_RUN's optim.lr
     assert r["ref_on_mesh"] and r["state_on_mesh"], r
     assert r["restored_step"] == 3 and r["restored_shardings"] and r["restored_equals_export"], r
 
@@ -74,7 +74,8 @@ def test_ppo_with_critic_on_mesh_equals_single_device():
     assert single["rows"][-1]["value_grad_norm"] > 0, single  # the critic trained
     # The critic's trunk is sharded by the model's rules like the policy's; its exported weights agree.
     assert r["critic_on_mesh"] and r["critic_spec"] == "P(None, 'fsdp', 'tensor')", r
-    assert r["critic_param_diff"] < 1e-4 and r["policy_param_diff"] < 1e-4, r
+    _assert_same_parameters(r["critic_param_diff"], 1e-3, r)  # critic.lr
+    _assert_same_parameters(r["policy_param_diff"], 1e-3, r)  # TINY_RUN's optim.lr
 
 
 @pytest.mark.slow
@@ -97,9 +98,8 @@ def test_gvm_allocation_on_mesh_equals_single_device():
     assert single["updates"] >= 1 and single["groups_kept"] == sum(n > 0 for n in single["gvm_n"]), single
     assert 0 < single["accuracy"] < 1, single  # mixed rewards: the policy-gradient term is live
     assert abs(single["grad_norm"] - sharded["grad_norm"]) <= 1e-5 * single["grad_norm"], (single, sharded)
-    # Adam's first step is lr * g / (|g| + eps): float noise only shows where |g| ~ eps (lr = 1e-3 here;
-    # a gradient of the wrong sign would move a parameter by 2 lr).
-    assert r["final_param_diff"] < 2e-4 and r["param_moved"] > 5e-4, r
+    _assert_same_parameters(r["final_param_diff"], 1e-3, r)  # TINY_RUN's optim.lr
+    assert r["param_moved"] > 5e-4, r
 
 
 # ---- the subprocess side ----------------------------------------------------------------------------------
@@ -250,7 +250,7 @@ def _loop_checks() -> dict:
         run.close()
     exported = out["mesh"]["params"]["model.embed_tokens.weight"]
     return {"single": {"rows": out["single"]["rows"]}, "mesh": {"rows": out["mesh"]["rows"]},
-            "final_param_diff": _max_diff(out, "params"), "ref_on_mesh": seen["ref"], "state_on_mesh": seen["state"],
+            "final_param_diff": _param_diff(out, "params"), "ref_on_mesh": seen["ref"], "state_on_mesh": seen["state"],
             "restored_step": step, "restored_shardings": restored_shardings,
             "restored_equals_export": bool(np.array_equal(np.asarray(final["embed"]), exported))}
 
@@ -276,12 +276,23 @@ def _train_single_and_mesh(tmp, overrides: list[str], exports: dict[str, str]) -
     return out
 
 
-def _max_diff(out: dict, key: str) -> float:
-    """The largest |single - mesh| over the tensors of export `key` of `_train_single_and_mesh`'s runs."""
+def _param_diff(out: dict, key: str) -> dict:
+    """|single - mesh| over the tensors of export `key` of `_train_single_and_mesh`'s runs: the largest, and the
+    fraction of elements that differ by over 1e-5."""
     import numpy as np
 
-    return max(float(np.abs(out["single"][key][name].astype(np.float64) - value).max())
-               for name, value in out["mesh"][key].items())
+    diffs = np.concatenate([np.abs(out["single"][key][name].astype(np.float64) - value).ravel()
+                            for name, value in out["mesh"][key].items()])
+    return {"max": float(diffs.max()), "over_1e-5": float((diffs > 1e-5).mean())}
+
+
+def _assert_same_parameters(diff: dict, lr: float, r: dict) -> None:
+    """Parameters trained single-device and on the mesh agree up to Adam-amplified rounding. Adam moves a
+    parameter by lr * m / (sqrt(v) + eps): where a gradient is ~eps, the mesh's other summation order changes
+    that step by a fraction of lr (measured: up to 0.1 lr on a few of 1.6M elements, machine-dependent), so the
+    largest difference is bounded by one step, not by float noise. A sharding bug moves whole shards: the
+    fraction of elements off by over 1e-5 stays tiny (measured: 2e-6)."""
+    assert diff["max"] < lr and diff["over_1e-5"] < 1e-4, (diff, r)
 
 
 def _ppo_checks() -> dict:
@@ -312,7 +323,7 @@ def _ppo_checks() -> dict:
                                                       "critic": "final_critic/model.safetensors"})
     return {"single": {"rows": out["single"]["rows"]}, "mesh": {"rows": out["mesh"]["rows"]},
             "critic_on_mesh": seen["on_mesh"], "critic_spec": seen["spec"],
-            "critic_param_diff": _max_diff(out, "critic"), "policy_param_diff": _max_diff(out, "policy")}
+            "critic_param_diff": _param_diff(out, "critic"), "policy_param_diff": _param_diff(out, "policy")}
 
 
 def _gvm_checks() -> dict:
@@ -369,8 +380,8 @@ def _gvm_checks() -> dict:
     split = per_sample_grad_norms(on_mesh, config, *args, param_subset="embed,layers/q_proj", rows_per_chunk=3,
                                   mesh=mesh)
     return {"single": out["single"], "mesh": out["mesh"],
-            "final_param_diff": max(float(np.abs(out["single_params"][k].astype(np.float64) - v).max())
-                                    for k, v in out["mesh_params"].items()),
+            "final_param_diff": _param_diff({run: {"params": out[run + "_params"]} for run in ("single", "mesh")},
+                                            "params"),
             "param_moved": float(np.abs(exported - np.asarray(params["embed"])).max()),
             "row_norm_rel_diff": float(max(np.abs(sharded - single).max(), np.abs(split - single).max())
                                        / np.abs(single).max()),
