@@ -25,7 +25,7 @@ import subprocess
 import sys
 
 from jaxrl_llm.train import load_config
-from jaxrl_llm.train.aot import ProgramReport, refresh_estimates
+from jaxrl_llm.train.aot import ProgramReport, refresh_estimates, usable_bytes
 from jaxrl_llm.train.memory import GIB, TARGETS, model_config_for, suggest_layout
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -65,14 +65,14 @@ def compile_one(preset: str, topology: str, overrides: list[str], out: pathlib.P
 
 
 def table(results: list[tuple[str, str, list[str], dict]]) -> str:
-    lines = ["| preset | slice | overrides | program | compile s | XLA allots | XLA peak | + resident | HBM | estimate "
+    lines = ["| preset | slice | overrides | program | compile s | XLA allots | XLA peak | + resident | usable | estimate "
              "| fits |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for preset, topology, overrides, result in results:
-        hbm = result["hbm_bytes"]
+        hbm = usable_bytes(result)  # the chip's HBM the compiler lets a program use
         for p in result["programs"]:
             if p["error"]:
                 lines.append(f"| {pathlib.Path(preset).stem} | {topology} | `{' '.join(overrides)}` | {p['name']} | "
-                             f"{p['compile_s']:.0f} | does not compile: {p['error'][:80]} | | | {hbm / GIB:.1f} "
+                             f"{p['compile_s']:.0f} | does not compile: {p['error'][:80]} | | | {hbm / GIB:.2f} "
                              "| | no |")
                 continue
             compiler = p.get("compiler_peak_bytes", 0)  # rows compiled before it was recorded: the allotment
@@ -80,7 +80,7 @@ def table(results: list[tuple[str, str, list[str], dict]]) -> str:
             estimate = f"{p['estimate_bytes'] / GIB:.2f}" if p["estimate_bytes"] else "-"
             lines.append(f"| {pathlib.Path(preset).stem} | {topology} | `{' '.join(overrides)}` | {p['name']} | "
                          f"{p['compile_s']:.0f} | {p['peak_bytes'] / GIB:.2f} | "
-                         f"{f'{compiler / GIB:.2f}' if compiler else '-'} | {total / GIB:.2f} | {hbm / GIB:.1f} "
+                         f"{f'{compiler / GIB:.2f}' if compiler else '-'} | {total / GIB:.2f} | {hbm / GIB:.2f} "
                          f"| {estimate} | {'yes' if p['fits'] else 'no'} |")
     return "\n".join(lines)
 

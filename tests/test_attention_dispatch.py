@@ -143,6 +143,7 @@ def test_tiny_train_step_compiles_for_a_v5e_slice_with_splash():
     result = compile_run(cfg, "v5e:2x2", model_config=tiny)
     table = format_report(result)
     assert result["devices"] == 4 and result["hbm_bytes"] == 16 * 1024 ** 3, table
+    assert result["usable_bytes"] == int(15.75 * 1024 ** 3) and "15.75 usable by a program" in table, table
     names = [program.name for program in result["programs"]]
     assert names == ["train_step", "logprob_pass", "gvm_grad_norms", "sampler_prefill", "sampler_decode"], table
     for program in result["programs"]:
@@ -200,6 +201,37 @@ def test_compile_command_reports_and_fails_on_a_program_over_hbm(tmp_path, capsy
         patch.setattr(aot, "compile_run", lambda cfg, topo: real(cfg, topo, model_config=huge))
         assert cli.main(args) == 1
         assert "train_step does not fit" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("generation", ["v4", "v5e", "v5p", "v6e"])
+def test_usable_hbm_is_what_the_compiler_holds_a_program_to(generation):
+    """Each chip's `usable_bytes` is the compiler's: a program whose buffers peak 0.1 GiB under it compiles, one
+    0.1 GiB over it is refused with that "available HBM" (the check counts the arguments and outputs: the
+    program below holds nothing else)."""
+    pytest.importorskip("libtpu")
+    from jaxrl_llm.train.aot import CHIPS, Topology, topology_devices
+
+    chip = CHIPS[generation]
+    grid = "2x2" if generation in ("v5e", "v6e") else "2x2x1"
+    device = topology_devices(Topology(generation, chip, f"{chip.generation}:{grid}", 4, chip.host_bounds))[0]
+    on_chip = jax.sharding.SingleDeviceSharding(device)
+    gib, width = 1024 ** 3, 2 ** 20
+
+    def compile_with_peak(peak: int):
+        # its argument (32 MiB) and its f32 output, nothing else: the peak is their sum
+        rows = (peak - 32 * 1024 ** 2) // (4 * width)
+
+        def program(a, x):
+            return x + jnp.arange(rows * width, dtype=jnp.float32).reshape(rows, width) + a[:1].sum()
+
+        args = (jax.ShapeDtypeStruct((8 * 1024 ** 2,), jnp.float32, sharding=on_chip),
+                jax.ShapeDtypeStruct((), jnp.float32, sharding=on_chip))
+        return jax.jit(program).lower(*args).compile()
+
+    under = compile_with_peak(chip.usable_bytes - gib // 10).memory_analysis()
+    assert chip.usable_bytes - gib // 10 - 2 ** 20 < under.peak_memory_in_bytes <= chip.usable_bytes, under
+    with pytest.raises(Exception, match=rf"available HBM \({chip.usable_bytes / gib:.2f}G\)"):
+        compile_with_peak(chip.usable_bytes + gib // 10)
 
 
 def test_a_program_fits_by_the_compilers_peak_where_recorded():

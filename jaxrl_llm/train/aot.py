@@ -54,15 +54,22 @@ class Chip:
     cores_per_chip: int  # TensorCores counted in a slice's name (v4 and v5p count both cores of a megacore chip)
     chip_config: str
     host_bounds: tuple[int, int, int]  # chips per host
+    usable_bytes: int  # what the compiler lets one program's buffers peak at (its out-of-HBM check)
 
 
-# HBM per chip from Google Cloud's TPU pages: v4 32 GiB, v5e 16 GiB, v5p 95 GiB, v6e (Trillium) 32 GiB.
+def _gib(value: float) -> int:
+    return int(value * GIB)
+
+
+# HBM per chip from Google Cloud's TPU pages: v4 32 GiB, v5e 16 GiB, v5p 95 GiB, v6e (Trillium) 32 GiB. Usable:
+# the "available HBM" of the compiler's refusal of a program over it, to its two decimals (libtpu 0.0.42.1; the
+# check counts the program's peak, arguments included: tests/test_attention_dispatch.py measures it again).
 CHIPS = {
-    "v4": Chip("v4", 32 * GIB, 2, "megacore", (2, 2, 1)),
-    "v5litepod": Chip("v5e", 16 * GIB, 1, "default", (2, 2, 1)),
-    "v5e": Chip("v5e", 16 * GIB, 1, "default", (2, 2, 1)),
-    "v5p": Chip("v5p", 95 * GIB, 2, "megacore", (2, 2, 1)),
-    "v6e": Chip("v6e", 32 * GIB, 1, "default", (2, 2, 1)),
+    "v4": Chip("v4", 32 * GIB, 2, "megacore", (2, 2, 1), _gib(30.75)),
+    "v5litepod": Chip("v5e", 16 * GIB, 1, "default", (2, 2, 1), _gib(15.75)),
+    "v5e": Chip("v5e", 16 * GIB, 1, "default", (2, 2, 1), _gib(15.75)),
+    "v5p": Chip("v5p", 95 * GIB, 2, "megacore", (2, 2, 1), _gib(95.74)),
+    "v6e": Chip("v6e", 32 * GIB, 1, "default", (2, 2, 1), _gib(31.25)),
 }
 
 
@@ -159,7 +166,7 @@ class ProgramReport:
     temp_bytes: int
     peak_bytes: int  # arguments + outputs - aliased (donated) + temporaries: what XLA allots the program
     flops: float | None
-    fits: bool  # resident + the compiler's peak (else the allotment) <= the chip's HBM
+    fits: bool  # resident + the compiler's peak (else the allotment) <= the chip's usable HBM
     hlo_has_splash: bool
     error: str = ""
     resident_bytes: int = 0  # the run's arrays held beside the program, not among its arguments (estimate_memory)
@@ -174,7 +181,7 @@ class ProgramReport:
         return self.compiler_peak_bytes or self.peak_bytes
 
 
-def _report(name: str, lowered, hbm_bytes: int) -> ProgramReport:
+def _report(name: str, lowered, usable_bytes: int) -> ProgramReport:
     start = time.perf_counter()
     try:
         compiled = lowered.compile()
@@ -191,7 +198,7 @@ def _report(name: str, lowered, hbm_bytes: int) -> ProgramReport:
     report = ProgramReport(name, seconds, mem.argument_size_in_bytes, mem.output_size_in_bytes,
                            mem.alias_size_in_bytes, mem.temp_size_in_bytes, peak, flops, False,
                            "tpu_custom_call" in compiled.as_text(), compiler_peak_bytes=compiler_peak)
-    report.fits = report.need_bytes <= hbm_bytes
+    report.fits = report.need_bytes <= usable_bytes
     return report
 
 
@@ -235,7 +242,7 @@ def compile_run(cfg: RunConfig, topology: str | Topology, *, model_config: Model
     step = make_train_step(mc, cfg.algorithm, optimizer, micro_batch_size=cfg.optim.micro_batch_size,
                            state_sharding=state_sharding, batch_sharding=batch_sharding, seed=cfg.train.seed,
                            **lora_kwargs)
-    hbm = topo.chip.hbm_bytes
+    hbm = topo.chip.usable_bytes  # what each program is held to
     programs = []
     lowered = (step.jitted.lower(state, batch, denom, base) if lora_kwargs else step.lower(state, batch, denom))
     programs.append(_report("train_step", lowered, hbm))
@@ -252,7 +259,8 @@ def compile_run(cfg: RunConfig, topology: str | Topology, *, model_config: Model
     else:
         programs.append(_continuous_program(cfg, mc, mesh, policy, hbm))
     account(programs, estimate, lora=bool(lora_kwargs), hbm=hbm)
-    return {"topology": topo.name, "topology_desc": topo.topology_name, "devices": len(devices), "hbm_bytes": hbm,
+    return {"topology": topo.name, "topology_desc": topo.topology_name, "devices": len(devices),
+            "hbm_bytes": topo.chip.hbm_bytes, "usable_bytes": hbm,
             "mesh": {k: int(v) for k, v in sizes.items()}, "rows": rows, "row_length": estimate["row_length"],
             "estimate": estimate, "programs": programs}
 
@@ -412,14 +420,21 @@ def refresh_estimates(cfg: RunConfig, result: dict[str, Any], *,
     compiled numbers kept): the programs' estimate and resident bytes and whether they fit."""
     est = run_estimate(cfg, result["mesh"], model_config=model_config)
     programs = [ProgramReport(**p) for p in result["programs"]]
-    account(programs, est, lora=lora_enabled(cfg), hbm=result["hbm_bytes"])
-    return {**result, "estimate": est, "programs": [dataclasses.asdict(p) for p in programs]}
+    usable = usable_bytes(result)
+    account(programs, est, lora=lora_enabled(cfg), hbm=usable)
+    return {**result, "usable_bytes": usable, "estimate": est, "programs": [dataclasses.asdict(p) for p in programs]}
+
+
+def usable_bytes(result: dict[str, Any]) -> int:
+    """The HBM a program of a `compile_run` result may use: recorded, or (results saved before it was) the
+    usable figure of the topology's chip."""
+    return result.get("usable_bytes") or parse_topology(result["topology"]).chip.usable_bytes
 
 
 def account(programs: list[ProgramReport], est: dict[str, Any], *, lora: bool, hbm: int) -> None:
     """Each program's resident neighbours (`estimate_memory`'s terms for the run's arrays that live across the
     step but are not the program's arguments) and the estimate of what the program itself holds; `fits` is
-    resident + XLA's peak against the chip's HBM. The train step's arguments are the state (and a LoRA base),
+    resident + XLA's peak against `hbm`, the chip's HBM a program may use. The train step's arguments are the state (and a LoRA base),
     the critic step's the critic's state; the log-prob pass, the sampler and GVM's norm pass read the policy
     (LoRA: the merged copy) beside the optimizer state; a reference copy (full fine-tuning with a KL term) and a
     critic stay resident throughout."""
@@ -445,19 +460,21 @@ def format_report(result: dict[str, Any]) -> str:
     gib = lambda b: f"{b / GIB:7.2f}"  # noqa: E731
     est = result["estimate"]
     lines = [f"{result['topology']} ({result['topology_desc']}, {result['devices']} devices, "
-             f"{result['hbm_bytes'] / GIB:.2f} GiB HBM each), mesh {result['mesh']}, "
+             f"{result['hbm_bytes'] / GIB:.2f} GiB HBM each, {usable_bytes(result) / GIB:.2f} usable by a program), "
+             f"mesh {result['mesh']}, "
              f"{result['rows']} rows x {result['row_length']} tokens per mini-batch",
              "GiB per chip: XLA's arguments, outputs and temporaries of the program, the sum it allots (alloc = args + "
              "out - donated + temp) and its own peak of the program's buffers (peak, what its out-of-HBM check "
-             "counts); resident = the run's other arrays beside it; est = estimate_memory's terms for the program",
+             "counts); resident = the run's other arrays beside it; use % = peak + resident of the usable HBM; est = "
+             "estimate_memory's terms for the program",
              f"{'program':<18} {'compile s':>9} {'args':>7} {'out':>7} {'temp':>7} {'alloc':>7} {'peak':>7} "
-             f"{'resident':>8} {'HBM %':>6} {'est':>7} {'TFLOP':>8}  fits"]
+             f"{'resident':>8} {'use %':>6} {'est':>7} {'TFLOP':>8}  fits"]
     for p in result["programs"]:
         if p.error:
             lines.append(f"{p.name:<18} {p.compile_s:9.1f}  does not compile: {p.error}")
             continue
         flops = "" if p.flops is None else f"{p.flops / 1e12:8.2f}"
-        share = 100 * (p.need_bytes + p.resident_bytes) / result["hbm_bytes"]
+        share = 100 * (p.need_bytes + p.resident_bytes) / usable_bytes(result)
         estimate = gib(p.estimate_bytes) if p.estimate_bytes else f"{'-':>7}"
         compiler = gib(p.compiler_peak_bytes) if p.compiler_peak_bytes else f"{'-':>7}"
         lines.append(f"{p.name:<18} {p.compile_s:9.1f} {gib(p.argument_bytes)} {gib(p.output_bytes)} "
