@@ -203,6 +203,47 @@ def test_compile_command_reports_and_fails_on_a_program_over_hbm(tmp_path, capsy
         assert "train_step does not fit" in capsys.readouterr().err
 
 
+def test_compile_puts_an_async_sampler_on_its_own_devices_with_its_own_copy():
+    """With `rollouts.sampler_devices` the trainer's programs compile on the first devices and the sampler's on
+    the last ones, reading the policy in `sampling.dtype` laid out by the model's rules there (as the run places
+    each version); beside a sampler program stay its other versions (max_staleness = 1: one more). A slice of
+    several hosts is refused, as the run refuses it."""
+    pytest.importorskip("libtpu")
+    from jaxrl_llm.train import aot
+    from jaxrl_llm.train.config import ConfigError, load_config
+
+    tiny = ModelConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_layers=2, num_heads=4,
+                       num_kv_heads=2, head_dim=32)
+    overrides = ["sampling.max_new_tokens=32", "data.max_prompt_tokens=64", "optim.micro_batch_size=4",
+                 "sampling.prompts_per_step=4", "rollouts.mode=async", "rollouts.sampler_devices=2",
+                 "sampling.dtype=bfloat16"]
+    cfg = load_config(CONFIGS / "grpo.yaml", overrides)
+    devices = aot.topology_devices(aot.parse_topology("v5e:2x2"))
+    result = aot.compile_run(cfg, "v5e:2x2", model_config=tiny, devices=devices)
+    table = aot.format_report(result)
+    assert result["mesh"] == {"data": 1, "fsdp": 2, "tensor": 1} == result["sampler_mesh"], table
+    assert "the sampler on its own devices, mesh {'data': 1, 'fsdp': 2, 'tensor': 1}" in table, table
+    names = [p.name for p in result["programs"]]
+    assert names == ["train_step", "logprob_pass", "sampler_prefill", "sampler_decode"], table
+    assert all(p.fits and not p.error for p in result["programs"]), table
+
+    full = jax.eval_shape(lambda: aot.init_params(tiny, jax.random.PRNGKey(0)))
+    mesh = aot.make_mesh("", devices=devices[:2])
+    sampler_mesh = aot.make_mesh("", devices=devices[2:])
+    base = aot._abstract(full, aot.param_shardings(full, mesh))
+    mc, weights = aot._sampler_policy(cfg, tiny, mesh, sampler_mesh, base)
+    leaves = jax.tree_util.tree_leaves(weights)
+    assert mc.param_dtype == mc.compute_dtype == "bfloat16" and all(x.dtype == jnp.bfloat16 for x in leaves)
+    assert all(x.sharding.device_set == set(devices[2:]) for x in leaves)
+    # one bf16 version per sampler device, from the shards' shapes; the other version beside the program
+    version = sum(2 * np.prod(x.sharding.shard_shape(x.shape)) for x in leaves)
+    assert result["estimate"]["sampler_version"] == version, result["estimate"]
+    for program in result["programs"][2:]:
+        assert program.resident_bytes == version, table
+    with pytest.raises(ConfigError, match="one host only for now, and this slice has 4 hosts"):
+        aot.compile_run(cfg, "v4-32", model_config=tiny)  # 16 devices on 4 hosts
+
+
 @pytest.mark.parametrize("generation", ["v4", "v5e", "v5p", "v6e"])
 def test_usable_hbm_is_what_the_compiler_holds_a_program_to(generation):
     """Each chip's `usable_bytes` is the compiler's: a program whose buffers peak 0.1 GiB under it compiles, one

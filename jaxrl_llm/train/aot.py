@@ -36,7 +36,7 @@ from jaxrl_llm.models import lora, quant
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.model import init_params
 from jaxrl_llm.models.sharding import make_mesh, param_shardings
-from jaxrl_llm.train.config import RunConfig, lora_enabled, uses_critic
+from jaxrl_llm.train.config import ConfigError, RunConfig, lora_enabled, uses_critic
 from jaxrl_llm.train.memory import GIB, estimate_memory, model_config_for
 from jaxrl_llm.train.packing import TrainBatch, bucket
 from jaxrl_llm.train.state import init_state, make_optimizer, state_shardings
@@ -207,12 +207,15 @@ def compile_run(cfg: RunConfig, topology: str | Topology, *, model_config: Model
     """Compile `cfg`'s programs for `topology` with the run's mesh (`train.mesh`; empty: every device on fsdp)
     and shardings. Returns {"topology", "devices", "hbm_bytes", "mesh", "estimate" (`estimate_memory` on the
     same mesh), "programs": [ProgramReport]}."""
-    from jaxrl_llm.train.setup import batch_shardings
+    from jaxrl_llm.train.setup import batch_shardings, check_mesh_fits
 
     topo = parse_topology(topology) if isinstance(topology, str) else topology
     devices = topology_devices(topo) if devices is None else devices
     mc = _runtime_config(cfg, model_config)
-    mesh = make_mesh(cfg.train.mesh, devices=devices)
+    trainer_devices, sampler_devices = _split_devices(cfg, devices)
+    mesh = make_mesh(cfg.train.mesh, devices=trainer_devices)
+    sampler_mesh = make_mesh(cfg.rollouts.sampler_mesh, devices=sampler_devices) if sampler_devices else mesh
+    check_mesh_fits(mesh, cfg)  # as the run does
     sizes = dict(mesh.shape)
     estimate = run_estimate(cfg, {k: int(v) for k, v in sizes.items()}, model_config=model_config)
     split = sizes["data"] * sizes["fsdp"]
@@ -254,15 +257,60 @@ def compile_run(cfg: RunConfig, topology: str | Topology, *, model_config: Model
     policy = None if lora_kwargs else base  # LoRA: the sampler and GVM read the merged copy (unquantized)
     if cfg.sampling.allocation == "gvm":
         programs.append(_gvm_program(cfg, mc, mesh, policy, hbm))
+    sampler_mc, sampler_policy = _sampler_policy(cfg, mc, mesh, sampler_mesh, policy)
     if cfg.sampling.engine == "static":
-        programs += _sampler_programs(cfg, mc, mesh, policy, hbm)
+        programs += _sampler_programs(cfg, sampler_mc, sampler_mesh, sampler_policy, hbm)
     else:
-        programs.append(_continuous_program(cfg, mc, mesh, policy, hbm))
-    account(programs, estimate, lora=bool(lora_kwargs), hbm=hbm)
-    return {"topology": topo.name, "topology_desc": topo.topology_name, "devices": len(devices),
-            "hbm_bytes": topo.chip.hbm_bytes, "usable_bytes": hbm,
-            "mesh": {k: int(v) for k, v in sizes.items()}, "rows": rows, "row_length": estimate["row_length"],
-            "estimate": estimate, "programs": programs}
+        programs.append(_continuous_program(cfg, sampler_mc, sampler_mesh, sampler_policy, hbm))
+    account(programs, estimate, lora=bool(lora_kwargs), hbm=hbm, sampler=sampler_kind(cfg))
+    result = {"topology": topo.name, "topology_desc": topo.topology_name, "devices": len(devices),
+              "hbm_bytes": topo.chip.hbm_bytes, "usable_bytes": hbm,
+              "mesh": {k: int(v) for k, v in sizes.items()}, "rows": rows, "row_length": estimate["row_length"],
+              "estimate": estimate, "programs": programs}
+    if sampler_devices:
+        result["sampler_mesh"] = {k: int(v) for k, v in sampler_mesh.shape.items()}
+    return result
+
+
+def _split_devices(cfg: RunConfig, devices: list) -> tuple[list, list | None]:
+    """(the trainer's devices, the sampler's) as `train.setup.split_devices` splits a machine's: with
+    `rollouts.sampler_devices` = n > 0 the last n sample, on one host (the run refuses more than one process)."""
+    n = cfg.rollouts.sampler_devices
+    if not n:
+        return devices, None
+    hosts = len({getattr(d, "process_index", 0) for d in devices})
+    if hosts > 1:
+        raise ConfigError(f"config key 'rollouts.sampler_devices' runs on one host only for now, and this slice has "
+                          f"{hosts} hosts (compile for a one-host slice: v5litepod-8, v6e-8, v4-8, v5p-8)")
+    if n >= len(devices):
+        raise ConfigError(f"config key 'rollouts.sampler_devices'={n} leaves no device to train on: the slice has "
+                          f"{len(devices)}")
+    return devices[:-n], devices[-n:]
+
+
+def sampler_kind(cfg: RunConfig) -> str:
+    """What the sampler's programs read and where: "own" (rollouts.sampler_devices: its own copies on its own
+    devices), "copy" (its own copy beside the trainer's state: an async version, or sampling.dtype's), "policy"
+    (the trainer's policy itself, under LoRA the merged copy)."""
+    if cfg.rollouts.mode == "async" and cfg.rollouts.sampler_devices > 0:
+        return "own"
+    return "copy" if cfg.rollouts.mode == "async" or cfg.sampling.dtype else "policy"
+
+
+def _sampler_policy(cfg: RunConfig, mc: ModelConfig, mesh, sampler_mesh, policy) -> tuple[ModelConfig, Any]:
+    """The model config and weights the sampler's programs read, as `Run.sampler_model_config` and
+    `Run.sampler_params` give them: the policy (`policy` None: LoRA's merged copy) in `sampling.dtype`, laid out
+    by the model's rules on the sampler's mesh (`async_rollouts.copy_params` places a version there)."""
+    from jaxrl_llm.train.setup import sampler_weights
+
+    if not cfg.sampling.dtype and sampler_mesh is mesh:
+        return mc, policy
+    tree = _merged_policy(mc, mesh, policy)
+    if cfg.sampling.dtype:
+        tree = jax.eval_shape(functools.partial(sampler_weights, dtype=cfg.sampling.dtype), tree)
+    if cfg.sampling.dtype == "bfloat16":
+        mc = mc.replace(param_dtype="bfloat16", compute_dtype="bfloat16")
+    return mc, _abstract(tree, param_shardings(tree, sampler_mesh))
 
 
 def _merged_policy(mc: ModelConfig, mesh, policy):
@@ -421,7 +469,7 @@ def refresh_estimates(cfg: RunConfig, result: dict[str, Any], *,
     est = run_estimate(cfg, result["mesh"], model_config=model_config)
     programs = [ProgramReport(**p) for p in result["programs"]]
     usable = usable_bytes(result)
-    account(programs, est, lora=lora_enabled(cfg), hbm=usable)
+    account(programs, est, lora=lora_enabled(cfg), hbm=usable, sampler=sampler_kind(cfg))
     return {**result, "usable_bytes": usable, "estimate": est, "programs": [dataclasses.asdict(p) for p in programs]}
 
 
@@ -431,24 +479,38 @@ def usable_bytes(result: dict[str, Any]) -> int:
     return result.get("usable_bytes") or parse_topology(result["topology"]).chip.usable_bytes
 
 
-def account(programs: list[ProgramReport], est: dict[str, Any], *, lora: bool, hbm: int) -> None:
+def account(programs: list[ProgramReport], est: dict[str, Any], *, lora: bool, hbm: int,
+            sampler: str = "policy") -> None:
     """Each program's resident neighbours (`estimate_memory`'s terms for the run's arrays that live across the
     step but are not the program's arguments) and the estimate of what the program itself holds; `fits` is
-    resident + XLA's peak against `hbm`, the chip's HBM a program may use. The train step's arguments are the state (and a LoRA base),
-    the critic step's the critic's state; the log-prob pass, the sampler and GVM's norm pass read the policy
-    (LoRA: the merged copy) beside the optimizer state; a reference copy (full fine-tuning with a KL term) and a
-    critic stay resident throughout."""
+    resident + XLA's peak against `hbm`, the chip's HBM a program may use. The train step's arguments are the
+    state (and a LoRA base), the critic step's the critic's state; the log-prob pass and GVM's norm pass read the
+    policy (LoRA: the merged copy) beside the optimizer state; a reference copy (full fine-tuning with a KL term)
+    and a critic stay resident throughout. The sampler (`sampler_kind`) reads the policy as those do ("policy"),
+    or its own copy ("copy": one async version, the others and the trainer's state resident beside it; or
+    sampling.dtype's copy, the trainer's state beside it), or one of its versions on its own devices ("own", the
+    other versions beside it)."""
     other = est["reference"] + est["critic"]
     reader = est["params"] + est["optimizer"] + other if lora else est["optimizer"] + other  # reads the policy
     policy = 0 if lora else est["params"]  # the policy among a reader's arguments
+    version = est.get("sampler_version", 0)  # one policy version an async sampler holds
+    if sampler == "own":
+        sampler_resident, sampler_reads = est["sampler_copies"] - version, version
+    elif sampler == "copy":  # the copy is counted in the sampling terms (sampling.dtype) or is a version
+        sampler_resident = est["params"] + est["optimizer"] + other + est["sampler_copies"] - version
+        sampler_reads = version
+    else:
+        sampler_resident, sampler_reads = reader, policy
     resident = {"train_step": other, "logprob_pass": est["optimizer"] + other,
                 "critic_step": est["params"] + est["optimizer"] + est["reference"], "gvm_grad_norms": reader,
-                "sampler_prefill": reader, "sampler_decode": reader, "sampler_continuous": reader}
+                "sampler_prefill": sampler_resident, "sampler_decode": sampler_resident,
+                "sampler_continuous": sampler_resident}
     # estimate_memory has no term of its own for the log-prob pass (a forward pass, bounded by the train step's).
     estimate = {"train_step": est["params"] + est["optimizer"] + est["train_step"],
                 "critic_step": est["critic"] + est["critic_step"], "gvm_grad_norms": policy + est["gvm_norms"],
-                "sampler_prefill": policy + est["sampling_prefill"], "sampler_decode": policy + est["sampling_decode"],
-                "sampler_continuous": policy + est["sampling"]}
+                "sampler_prefill": sampler_reads + est["sampling_prefill"],
+                "sampler_decode": sampler_reads + est["sampling_decode"],
+                "sampler_continuous": sampler_reads + est["sampling"]}
     for program in programs:
         program.resident_bytes = int(resident.get(program.name, 0))
         program.estimate_bytes = int(estimate.get(program.name, 0))
@@ -462,7 +524,8 @@ def format_report(result: dict[str, Any]) -> str:
     lines = [f"{result['topology']} ({result['topology_desc']}, {result['devices']} devices, "
              f"{result['hbm_bytes'] / GIB:.2f} GiB HBM each, {usable_bytes(result) / GIB:.2f} usable by a program), "
              f"mesh {result['mesh']}, "
-             f"{result['rows']} rows x {result['row_length']} tokens per mini-batch",
+             f"{result['rows']} rows x {result['row_length']} tokens per mini-batch"
+             + (f"; the sampler on its own devices, mesh {result['sampler_mesh']}" if "sampler_mesh" in result else ""),
              "GiB per chip: XLA's arguments, outputs and temporaries of the program, the sum it allots (alloc = args + "
              "out - donated + temp) and its own peak of the program's buffers (peak, what its out-of-HBM check "
              "counts); resident = the run's other arrays beside it; use % = peak + resident of the usable HBM; est = "

@@ -496,9 +496,9 @@ def estimate_memory(config: RunConfig, model_config: ModelConfig, mesh: dict[str
     `remat` overrides model.remat; `response_fill` scales the response length (1.0: every response
     reaches sampling.max_new_tokens). Returns a dict of byte counts (params, optimizer, reference, gradients,
     activations, logprob_residuals, train_step, kv_cache, sampling, gvm_norms, critic, critic_step, sampler_copy,
-    sampler_copies, sampler_peak (the sampler's own devices, 0 when it shares the trainer's), peak) plus
-    param_count,
-    row_length (packed training row), sample_rows (rows of one sampler call's state) and gvm_chunk_rows.
+    sampler_version (one policy version an async sampler holds, 0 in sync), sampler_copies, sampler_peak (the
+    sampler's own devices, 0 when it shares the trainer's), peak) plus param_count, row_length (packed training
+    row), sample_rows (rows of one sampler call's state) and gvm_chunk_rows.
     """
     if isinstance(mesh, str):
         if devices is None:
@@ -574,10 +574,11 @@ def estimate_memory(config: RunConfig, model_config: ModelConfig, mesh: dict[str
                      if name.startswith("layers/")) * c if not dtype and platform == "tpu" else 0
     sample_rows, kv_cache, sampling, sampling_prefill, sampling_decode = _sampling_bytes(
         cfg, mc, sampler_mesh, 2 if dtype == "bfloat16" else c, gvm, weights_cast, layer_copy)
-    sampler_copies = sampler_peak = 0
+    sampler_version = sampler_copies = sampler_peak = 0
     if cfg.rollouts.mode == "async":
-        copy = _sampler_copy_bytes(mc, sampler_mesh, p, dtype) or sharded_param_elements(mc, sampler_mesh)[1] * p
-        sampler_copies = (cfg.rollouts.max_staleness + 1) * copy
+        sampler_version = (_sampler_copy_bytes(mc, sampler_mesh, p, dtype)
+                           or sharded_param_elements(mc, sampler_mesh)[1] * p)
+        sampler_copies = (cfg.rollouts.max_staleness + 1) * sampler_version
     if split_devices:
         sampler_peak = sampler_copies + sampling
         sampling = merged_copy + sampler_copy  # the trainer's devices merge / cast before the transfer
@@ -632,7 +633,8 @@ def estimate_memory(config: RunConfig, model_config: ModelConfig, mesh: dict[str
         "gradients": gradients, "activations": activations, "logprob_residuals": logprob, "train_step": train_step,
         "kv_cache": kv_cache, "sampling": sampling, "sampling_prefill": sampling_prefill,
         "sampling_decode": sampling_decode, "gvm_norms": gvm_norms, "critic": critic,
-        "critic_step": critic_step, "sampler_copy": sampler_copy, "sampler_copies": sampler_copies,
+        "critic_step": critic_step, "sampler_copy": sampler_copy, "sampler_version": sampler_version,
+        "sampler_copies": sampler_copies,
         "sampler_peak": sampler_peak, "peak": max(trainer_peak, sampler_peak),
     }
 
