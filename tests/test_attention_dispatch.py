@@ -240,7 +240,7 @@ def test_compile_puts_an_async_sampler_on_its_own_devices_with_its_own_copy():
     assert result["estimate"]["sampler_version"] == version, result["estimate"]
     for program in result["programs"][2:]:
         assert program.resident_bytes == version, table
-    with pytest.raises(ConfigError, match="one host only for now, and this slice has 4 hosts"):
+    with pytest.raises(ConfigError, match="one host only for now .* on 4 hosts"):
         aot.compile_run(cfg, "v4-32", model_config=tiny)  # 16 devices on 4 hosts
 
 

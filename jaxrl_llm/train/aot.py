@@ -36,7 +36,7 @@ from jaxrl_llm.models import lora, quant
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.model import init_params
 from jaxrl_llm.models.sharding import make_mesh, param_shardings
-from jaxrl_llm.train.config import ConfigError, RunConfig, lora_enabled, uses_critic
+from jaxrl_llm.train.config import RunConfig, lora_enabled, uses_critic
 from jaxrl_llm.train.memory import GIB, estimate_memory, model_config_for
 from jaxrl_llm.train.packing import TrainBatch, bucket
 from jaxrl_llm.train.state import init_state, make_optimizer, state_shardings
@@ -207,13 +207,13 @@ def compile_run(cfg: RunConfig, topology: str | Topology, *, model_config: Model
     """Compile `cfg`'s programs for `topology` with the run's mesh (`train.mesh`; empty: every device on fsdp)
     and shardings. Returns {"topology", "devices", "hbm_bytes", "mesh", "estimate" (`estimate_memory` on the
     same mesh), "programs": [ProgramReport]}."""
-    from jaxrl_llm.train.setup import batch_shardings, check_mesh_fits
+    from jaxrl_llm.train.setup import batch_shardings, check_mesh_fits, split_devices
 
     topo = parse_topology(topology) if isinstance(topology, str) else topology
     devices = topology_devices(topo) if devices is None else devices
     mc = _runtime_config(cfg, model_config)
-    trainer_devices, sampler_devices = _split_devices(cfg, devices)
-    mesh = make_mesh(cfg.train.mesh, devices=trainer_devices)
+    trainer_devices, sampler_devices = split_devices(cfg, devices)
+    mesh = make_mesh(cfg.train.mesh, devices=trainer_devices or devices)
     sampler_mesh = make_mesh(cfg.rollouts.sampler_mesh, devices=sampler_devices) if sampler_devices else mesh
     check_mesh_fits(mesh, cfg)  # as the run does
     sizes = dict(mesh.shape)
@@ -270,22 +270,6 @@ def compile_run(cfg: RunConfig, topology: str | Topology, *, model_config: Model
     if sampler_devices:
         result["sampler_mesh"] = {k: int(v) for k, v in sampler_mesh.shape.items()}
     return result
-
-
-def _split_devices(cfg: RunConfig, devices: list) -> tuple[list, list | None]:
-    """(the trainer's devices, the sampler's) as `train.setup.split_devices` splits a machine's: with
-    `rollouts.sampler_devices` = n > 0 the last n sample, on one host (the run refuses more than one process)."""
-    n = cfg.rollouts.sampler_devices
-    if not n:
-        return devices, None
-    hosts = len({getattr(d, "process_index", 0) for d in devices})
-    if hosts > 1:
-        raise ConfigError(f"config key 'rollouts.sampler_devices' runs on one host only for now, and this slice has "
-                          f"{hosts} hosts (compile for a one-host slice: v5litepod-8, v6e-8, v4-8, v5p-8)")
-    if n >= len(devices):
-        raise ConfigError(f"config key 'rollouts.sampler_devices'={n} leaves no device to train on: the slice has "
-                          f"{len(devices)}")
-    return devices[:-n], devices[-n:]
 
 
 def sampler_kind(cfg: RunConfig) -> str:

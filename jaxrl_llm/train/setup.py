@@ -269,18 +269,21 @@ def verifier_workers(cfg: RunConfig) -> int:
     return cfg.train.verifier_workers
 
 
-def split_devices(cfg: RunConfig) -> tuple[list | None, list | None]:
-    """(the trainer's devices, the sampler's) with `rollouts.sampler_devices` = n > 0: the last n devices sample,
-    the others train; (None, None) when both share every device."""
+def split_devices(cfg: RunConfig, devices: list | None = None) -> tuple[list | None, list | None]:
+    """(the trainer's devices, the sampler's) of `devices` (default: this run's, `jax.devices()`) with
+    `rollouts.sampler_devices` = n > 0: the last n devices sample, the others train; (None, None) when both share
+    every device. The devices must be one host's (`jaxrl-llm compile` splits a TPU slice's the same way)."""
     n = cfg.rollouts.sampler_devices
     if not n:
         return None, None
-    if jax.process_count() > 1:
-        raise ConfigError("config key 'rollouts.sampler_devices' runs on one process only for now (the sampler's "
-                          f"devices would span hosts); this run has {jax.process_count()} processes")
-    devices = jax.devices()
+    devices = jax.devices() if devices is None else devices
+    hosts = len({d.process_index for d in devices})
+    if hosts > 1:
+        raise ConfigError("config key 'rollouts.sampler_devices' runs on one host only for now (the sampler's devices "
+                          f"would span hosts), and these devices are on {hosts} hosts (processes); compile for a "
+                          "one-host slice: v5litepod-8, v6e-8, v4-8, v5p-8")
     if n >= len(devices):
-        raise ConfigError(f"config key 'rollouts.sampler_devices'={n} leaves no device to train on: this machine has "
+        raise ConfigError(f"config key 'rollouts.sampler_devices'={n} leaves no device to train on: there are "
                           f"{len(devices)} ({devices[0].platform})")
     return devices[:-n], devices[-n:]
 
