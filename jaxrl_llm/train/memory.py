@@ -136,8 +136,9 @@ pass) were read from the compiled programs' buffer assignments and live ranges (
 v5litepod-64, v4-32 and one v5e chip, 2026-11-28). Rows per device = ceil(rows / (data x fsdp)). Lengths are the
 worst case: every response reaches max_new_tokens (set `response_fill` below 1 for an average fill). Against XLA's
 own peak of each compiled program (`memory_analysis().peak_memory_in_bytes`, what the TPU compiler holds a program
-to) over 18 preset-slices in docs/launch.md: the train step -5% to +10%, the sampler's prefill -5% to +9%, decode
--7% to +10%, GVM's norms -7% to 0%; leave ~10-15% of HBM free.
+to) over 22 preset-slices in docs/launch.md: the train step -5% to +10%, the sampler's prefill -5% to +9%, decode
+-8% to +10%, GVM's norms -7% to 0%; leave ~10-15% of HBM free (the compiler lets a program use 15.75 GiB of a
+v5e chip's 16, 30.75 of a v4's 32: `train.aot.CHIPS`).
 """
 
 from __future__ import annotations
