@@ -2,9 +2,11 @@
 the interpreter and packages it sees) and `calculator` against hand-computed values.
 tests/test_tools_hostile.py runs the hostile programs."""
 
+import pathlib
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 
 import pytest
@@ -83,6 +85,29 @@ def test_cwd_is_private_writable_and_gone_afterwards():
     assert first.stdout == "['main.py', 'note.txt']\n", first.stderr
     second = run_python("import os\nprint(sorted(os.listdir('.')))", isolation=ISOLATION)
     assert second.stdout == "['main.py']\n"
+
+
+def test_an_interpreter_installed_under_tmp_runs_in_the_sandbox(monkeypatch):
+    """A virtual environment under /tmp (a clone checked out there) is bound read-only at its path, so the
+    program's /tmp is that directory, not a link to its working directory: the sandbox still starts, the bound
+    files read, and the program writes to $TMPDIR (its working directory) as everywhere."""
+    if not NAMESPACES:
+        pytest.skip("this machine cannot create namespaces (no unshare or bwrap that works)")
+    venv = pathlib.Path(tempfile.mkdtemp(prefix="jaxrl_llm_venv", dir="/tmp"))  # as `python -m venv` leaves it:
+    venv.chmod(0o755)  # readable by the program's fresh uid
+    (venv / "marker.txt").write_text("bound")
+    (venv / "marker.txt").chmod(0o644)
+    binds, links = sandbox._filesystem_view()
+    monkeypatch.setattr(sandbox, "_filesystem_view", lambda: ((*binds, str(venv)), links))
+    program = (f"import os, tempfile\nprint(open({str(venv / 'marker.txt')!r}).read())\n"
+               "with tempfile.NamedTemporaryFile(dir=None) as f:\n    print(os.path.dirname(f.name))\n"
+               "print(os.path.islink('/tmp'))")
+    result = run_python(program, isolation=resolve_isolation("auto"))
+    assert (result.returncode, result.stdout) == (0, "bound\n/sandbox\nFalse\n"), result.stderr
+    monkeypatch.undo()
+    shutil.rmtree(venv)
+    ordinary = run_python("import os\nprint(os.readlink('/tmp'))", isolation=resolve_isolation("auto"))
+    assert ordinary.stdout == "sandbox\n", ordinary.stderr
 
 
 def test_memory_limit_gives_memory_error():

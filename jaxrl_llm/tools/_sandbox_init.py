@@ -90,7 +90,8 @@ def build_root(spec):
     os.makedirs(root + "/sandbox")
     _mount("jaxrl-sandbox", root + "/sandbox", "tmpfs", MS_NOSUID | MS_NODEV,
            f"size={spec['disk_mb']}m,nr_inodes=4096,mode=700,uid={spec['uid']},gid={spec['gid']}")
-    os.symlink("sandbox", root + "/tmp")
+    if spec["tmp_link"]:  # else /tmp holds a read-only bind (an interpreter installed under /tmp)
+        os.symlink("sandbox", root + "/tmp")
     os.chdir(root)
     number = PIVOT_ROOT_SYSCALL.get(platform.machine())
     if number is not None:

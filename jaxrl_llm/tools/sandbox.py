@@ -124,6 +124,13 @@ def _filesystem_view() -> tuple[tuple[str, ...], tuple[tuple[str, str], ...]]:
     return tuple(kept), tuple(links)
 
 
+def _tmp_link(binds) -> bool:
+    """Whether the program's /tmp can be a link to its working directory: not where a bound path (an interpreter
+    or virtual environment installed under /tmp) needs /tmp as a directory; there /tmp holds that read-only
+    bind, and $TMPDIR (the working directory) is where the program writes."""
+    return not any(path == "/tmp" or path.startswith("/tmp/") for path in binds)
+
+
 def _rlimits(timeout_s: float, memory_mb: int) -> dict[str, tuple[int, int]]:
     cpu = math.ceil(timeout_s) + 1
     return {"RLIMIT_AS": (memory_mb << 20, memory_mb << 20), "RLIMIT_CPU": (cpu, cpu + 1),
@@ -153,7 +160,7 @@ def _command(mechanism: str, spec: dict, mountpoint: str) -> tuple[list[str], di
         # Otherwise: a user namespace whose root (the caller outside) holds no capability once it execs.
         uid = 1_000_000_000 + secrets.randbelow(100_000_000) if root else 0
         spec.update(mountpoint=mountpoint, ro_binds=list(binds), symlinks=dict(links), uid=uid, gid=uid,
-                    drop_privileges=True, env=_program_env("/sandbox"))
+                    drop_privileges=True, env=_program_env("/sandbox"), tmp_link=_tmp_link(binds))
         user = [] if root else ["--user", "--map-root-user"]
         return ["unshare", *user, *_NAMESPACES, "--", python, "-I", "-S", _INIT, json.dumps(spec)], spec
     if mechanism == "bwrap":
@@ -176,7 +183,8 @@ def _command(mechanism: str, spec: dict, mountpoint: str) -> tuple[list[str], di
             cmd += ["--symlink", target, link]
         cmd += ["--dev", "/dev", "--proc", "/proc"]
         cmd += (["--size", str(DISK_MB << 20)] if _bwrap_has_size() else []) + ["--tmpfs", "/sandbox"]
-        cmd += ["--symlink", "sandbox", "/tmp", "--ro-bind", _INIT, init, "--remount-ro", "/", "--chdir", "/sandbox"]
+        cmd += ["--symlink", "sandbox", "/tmp"] if _tmp_link(binds) else []
+        cmd += ["--ro-bind", _INIT, init, "--remount-ro", "/", "--chdir", "/sandbox"]
         return cmd + ["--", python, "-I", "-S", init, json.dumps(spec)], spec
     spec.update(mountpoint=None, workdir=mountpoint, uid=os.getuid(), gid=os.getgid(), drop_privileges=False,
                 env=_program_env(mountpoint))
