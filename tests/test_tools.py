@@ -106,8 +106,9 @@ def test_an_interpreter_installed_under_tmp_runs_in_the_sandbox(monkeypatch):
     assert (result.returncode, result.stdout) == (0, "bound\n/sandbox\nFalse\n"), result.stderr
     monkeypatch.undo()
     shutil.rmtree(venv)
-    ordinary = run_python("import os\nprint(os.readlink('/tmp'))", isolation=resolve_isolation("auto"))
-    assert ordinary.stdout == "sandbox\n", ordinary.stderr
+    if sandbox._tmp_link(binds):  # this interpreter is not itself under /tmp: there /tmp links to the cwd
+        ordinary = run_python("import os\nprint(os.readlink('/tmp'))", isolation=resolve_isolation("auto"))
+        assert ordinary.stdout == "sandbox\n", ordinary.stderr
 
 
 def test_memory_limit_gives_memory_error():
