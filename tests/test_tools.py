@@ -93,8 +93,8 @@ def test_an_interpreter_installed_under_tmp_runs_in_the_sandbox(monkeypatch):
     files read, and the program writes to $TMPDIR (its working directory) as everywhere."""
     if not NAMESPACES:
         pytest.skip("this machine cannot create namespaces (no unshare or bwrap that works)")
-    venv = pathlib.Path(tempfile.mkdtemp(prefix="jaxrl_llm_venv", dir="/tmp"))  # as `python -m venv` leaves it:
-    venv.chmod(0o755)  # readable by the program's fresh uid
+    venv = pathlib.Path(tempfile.mkdtemp(prefix="jaxrl_llm_venv", dir="/tmp"))
+    venv.chmod(0o755)  # readable by the program's fresh uid, as `python -m venv` leaves a venv
     (venv / "marker.txt").write_text("bound")
     (venv / "marker.txt").chmod(0o644)
     binds, links = sandbox._filesystem_view()

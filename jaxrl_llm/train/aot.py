@@ -505,9 +505,9 @@ def account(programs: list[ProgramReport], est: dict[str, Any], *, lora: bool, h
 def format_report(result: dict[str, Any]) -> str:
     """The table `jaxrl-llm compile` prints."""
     gib = lambda b: f"{b / GIB:7.2f}"  # noqa: E731
-    est = result["estimate"]
+    est, usable = result["estimate"], usable_bytes(result)
     lines = [f"{result['topology']} ({result['topology_desc']}, {result['devices']} devices, "
-             f"{result['hbm_bytes'] / GIB:.2f} GiB HBM each, {usable_bytes(result) / GIB:.2f} usable by a program), "
+             f"{result['hbm_bytes'] / GIB:.2f} GiB HBM each, {usable / GIB:.2f} usable by a program), "
              f"mesh {result['mesh']}, "
              f"{result['rows']} rows x {result['row_length']} tokens per mini-batch"
              + (f"; the sampler on its own devices, mesh {result['sampler_mesh']}" if "sampler_mesh" in result else ""),
@@ -522,7 +522,7 @@ def format_report(result: dict[str, Any]) -> str:
             lines.append(f"{p.name:<18} {p.compile_s:9.1f}  does not compile: {p.error}")
             continue
         flops = "" if p.flops is None else f"{p.flops / 1e12:8.2f}"
-        share = 100 * (p.need_bytes + p.resident_bytes) / usable_bytes(result)
+        share = 100 * (p.need_bytes + p.resident_bytes) / usable
         estimate = gib(p.estimate_bytes) if p.estimate_bytes else f"{'-':>7}"
         compiler = gib(p.compiler_peak_bytes) if p.compiler_peak_bytes else f"{'-':>7}"
         lines.append(f"{p.name:<18} {p.compile_s:9.1f} {gib(p.argument_bytes)} {gib(p.output_bytes)} "
