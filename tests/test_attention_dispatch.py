@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxrl_llm.models import attention
 from jaxrl_llm.models.attention import group_width, regroup_layout, self_attention
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.train.packing import pack_groups
@@ -48,8 +49,12 @@ def _compare(impl: str, batch, q, k, v, *, window=None, softcap=None, max_prompt
     real = np.asarray(batch.segments) <= slots
     weights = jax.random.normal(jax.random.PRNGKey(1), (*q.shape[:2], HEADS * DIM)) * real[..., None]
 
-    def run(config):
+    def run(config, rows_kernel=None):
         def f(q, k, v):
+            if rows_kernel:  # a kernel on regrouped rows that no platform's dispatch gives on a CPU, run on it
+                width = group_width(config, q.shape[1], resp_len)
+                groups = regroup_layout(segments, q.shape[0], q.shape[1], slots, width)
+                return attention._fused(rows_kernel, q, k, v, groups, config, window, "cpu")
             return self_attention(q, k, v, positions, config, segment_ids=segments, window=window, slots=slots,
                                   response_len=resp_len)
 
@@ -58,13 +63,16 @@ def _compare(impl: str, batch, q, k, v, *, window=None, softcap=None, max_prompt
         return np.asarray(values), [np.asarray(g) for g in grads]
 
     want, want_grads = run(_config("xla", window, softcap, max_prompt))
-    got, got_grads = run(_config(impl, window, softcap, max_prompt))
+    if impl == "xla_rows":  # the GPU's fallback where cuDNN refuses
+        got, got_grads = run(_config("xla", window, softcap, max_prompt), impl)
+    else:
+        got, got_grads = run(_config(impl, window, softcap, max_prompt))
     value_err = np.abs(got - want)[real].max()
     grad_err = max(np.abs(a - b).max() for a, b in zip(got_grads, want_grads))
     return value_err, grad_err
 
 
-@pytest.mark.parametrize("impl", ["splash", "cudnn"])
+@pytest.mark.parametrize("impl", ["splash", "cudnn", "xla_rows"])
 @pytest.mark.parametrize("case", [
     # prompt lengths, responses per prompt, response slots, sliding window, soft-cap
     dict(prompts=(7, 12), sizes=(3, 2), resp=9),
@@ -72,9 +80,10 @@ def _compare(impl: str, batch, q, k, v, *, window=None, softcap=None, max_prompt
     dict(prompts=(11,), sizes=(2,), resp=20, softcap=5.0),
 ])
 def test_fused_kernels_on_regrouped_rows_equal_xla_attention(impl, case):
-    """Splash in interpret mode, and the cuDNN call's layout through implementation="xla", give the packed
-    rows' attention of every prompt and response token, and its gradients, to f32 rounding: GQA (4 query heads
-    on 2 KV heads), several prompt and response lengths, a sliding window, Gemma 2's soft-cap (splash only)."""
+    """Splash in interpret mode, the cuDNN call's layout through implementation="xla", and the GPU's fallback (XLA
+    attention on the regrouped rows, one dense causal block per row) give the packed rows' attention of every
+    prompt and response token, and its gradients, to f32 rounding: GQA (4 query heads on 2 KV heads), several
+    prompt and response lengths, a sliding window, Gemma 2's soft-cap (not cuDNN's)."""
     if impl == "cudnn" and case.get("softcap"):
         pytest.skip("jax.nn.dot_product_attention takes no soft-cap (the dispatch refuses it)")
     batch, q, k, v = _packed(len(case["prompts"]), case["prompts"], case["sizes"], case["resp"])
@@ -124,6 +133,25 @@ def test_auto_compiles_the_same_cpu_program_as_xla():
         return [line.split(", metadata=")[0].split(", stack_frame_id=")[0] for line in body.splitlines()]
 
     assert instructions(_config("auto")) == instructions(_config("xla"))
+
+
+def test_prefill_dispatch_compiles_the_same_cpu_program_as_xla_attention():
+    """The sampler's prefill attention through the dispatch (cuDNN where lowered for a GPU) lowers, on a CPU, to the
+    program of `layers.attention` on the causal mask: the demo's sampler is unchanged."""
+    rng = np.random.default_rng(0)
+    q, k, v = (jnp.asarray(rng.normal(size=(3, 16, heads, DIM)), jnp.float32) for heads in (HEADS, KV, KV))
+    index = jnp.arange(16)
+    keep = jnp.broadcast_to(index[:, None] >= index[None, :], (3, 16, 16))
+    config = _config("auto")
+
+    def instructions(f):
+        text = jax.jit(f).lower(q, k, v).compile().as_text()
+        return [line.split(", metadata=")[0].split(", stack_frame_id=")[0]
+                for line in text.split("FileNames")[0].splitlines() if not line.startswith("HloModule")]
+
+    dispatched = instructions(lambda q, k, v: attention.prompt_attention(q, k, v, keep, config))
+    direct = instructions(lambda q, k, v: attention.attention(q, k, v, keep, scale=config.attention_scale))
+    assert dispatched == direct
 
 
 def test_tiny_train_step_compiles_for_a_v5e_slice_with_splash():

@@ -1,19 +1,23 @@
-"""How a training row attends: the one place that picks the attention implementation (MaxText's attention_op
-pattern). Every full-sequence pass of the decoder (`models.hidden_states`) calls `self_attention`; the KV-cache
-paths of the sampler keep their own single-query attention.
+"""How a row attends: the one place that picks the attention kernel (MaxText's attention_op pattern). Every
+full-sequence pass of the decoder (`models.hidden_states`) calls `self_attention`, the sampler's prefill calls
+`prompt_attention`; the KV-cache decode steps keep their own single-query attention.
 
-Implementations (`ModelConfig.attention_impl`, the run config's `model.attention_impl`):
+The choice is taken inside the traced program from the platform it is lowered for (`lax.platform_dependent`:
+every platform's branch is traced, only the target's is compiled), never from `jax.default_backend()`: a program
+compiled on a CPU host for a TPU slice or a GPU node is the program that runs there. `resolve` states what each
+`ModelConfig.attention_impl` (the run config's `model.attention_impl`) means per platform:
 
+  auto    (default) TPU: Pallas splash attention on regrouped rows (the prefill: XLA); GPU (cuda): cuDNN's fused
+          attention (`jax.nn.dot_product_attention(implementation="cudnn")`) on regrouped rows and on the
+          prefill's prompts where cuDNN takes the case (bf16/fp16, no soft-cap, its own checks of head dim and
+          installation), else XLA attention on the regrouped rows, one dense causal block per row ("xla_rows");
+          CPU: the packed rows' XLA attention.
   xla     `layers.attention` on a [B, T, T] keep mask, or `layers.blocked_attention` (online softmax in tiles,
-          tiles no query reads skipped) with `attention_block_size`: any platform, any family.
-  splash  Pallas splash attention (block-sparse flash attention for TPU, jax.experimental.pallas.ops.tpu):
-          compiled for TPU there, run in interpret mode elsewhere (tests on CPU).
-  cudnn   `jax.nn.dot_product_attention(implementation="cudnn")` when the default backend is a GPU (bf16/fp16
-          only); elsewhere the same call with implementation="xla", so the layout is testable on a CPU.
-  auto    (default) splash where the program is lowered for a TPU, xla on every other platform
-          (`jax.lax.platform_dependent`: only the target platform's branch is compiled, so an ahead-of-time
-          compile for a TPU slice on a CPU host gets splash). GPUs stay on xla until the fused path is measured
-          there (benchmarks/README.md, "GPU").
+          tiles no query reads skipped) with `attention_block_size`, on every platform. On a GPU the tile loop
+          launches many small kernels per tile (13.85 million per paper-shape train step): asked for by name only.
+  splash  splash on regrouped rows: compiled for TPU there, run in interpret mode elsewhere (tests on CPU).
+  cudnn   cuDNN on regrouped rows and the prefill's prompts on a GPU (the regrouped XLA rows where cuDNN
+          refuses); elsewhere the same call with implementation="xla", so the layout is testable on a CPU.
 
 The fused kernels take plain causal rows, not packed ones: a packed row ([prompt | response 1 | ... | response S |
 padding], `train.packing`: segment 0 the prompt at the row's start, segment s + 1 response slot s, each response
@@ -28,6 +32,7 @@ splash segment 0 (real tokens 1), so no real query reads it and every padding qu
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import NamedTuple
 
@@ -146,9 +151,51 @@ def _cudnn_rows(q, k, v, real, *, window: int | None, implementation: str):
     return out.reshape(*q.shape[:2], -1)
 
 
-def _kernel_rows(impl: str, q, k, v, real, config: ModelConfig, window: int | None, platform: str):
-    """A fused kernel on regrouped rows; `platform` the one the program is lowered for."""
+def _dense_rows(q, k, v, real, *, window, config: ModelConfig):
+    """XLA attention on regrouped rows, one dense causal block per row (`layers.attention`): query i of a row sees
+    key j <= i that is real and, with a `window` w (static or traced), i - j < w. q [N, W, H, d], k, v [N, W, KV,
+    d] (q unscaled): [N, W, H * d]. The GPU path where cuDNN cannot serve the case: a handful of large kernels
+    per layer, against a loop of small ones per tile in `layers.blocked_attention`."""
+    index = jnp.arange(q.shape[1], dtype=jnp.int32)
+    keep = (index[None, :, None] >= index[None, None, :]) & real[:, None, :]
+    if window is not None:
+        keep = keep & (index[None, :, None] - index[None, None, :] < window)
+    return attention(q, k, v, keep, scale=config.attention_scale, softcap=config.attn_logit_softcapping)
+
+
+def cudnn_refusal(config: ModelConfig, dtype, shape: tuple[int, int, int, int], num_kv: int) -> str | None:
+    """Why cuDNN's fused attention cannot take rows of `shape` [N, W, H, d] in `dtype` for this model (None: it
+    can): no soft-cap (Gemma 2), bf16/fp16 operands, and whatever `jax.nn.dot_product_attention`'s own checks
+    refuse when traced (cuDNN missing, head dim over its limit), asked once per case on abstract shapes."""
+    if config.attn_logit_softcapping is not None:
+        return "an attention soft-cap"
+    if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+        return f"{jnp.dtype(dtype).name} operands (cuDNN takes bf16/fp16)"
+    return _cudnn_trace_refusal(jnp.dtype(dtype).name, tuple(int(x) for x in shape), int(num_kv),
+                                config.sliding_window is not None)
+
+
+@functools.lru_cache(maxsize=None)
+def _cudnn_trace_refusal(dtype: str, shape: tuple, num_kv: int, windowed: bool) -> str | None:
+    rows, width, heads, dim = shape
+    q = jax.ShapeDtypeStruct(shape, dtype)
+    kv = jax.ShapeDtypeStruct((rows, width, num_kv, dim), dtype)
+    lengths = jax.ShapeDtypeStruct((rows,), jnp.int32)
+    try:
+        jax.eval_shape(lambda q, k, v, n: jax.nn.dot_product_attention(
+            q, k, v, is_causal=True, query_seq_lengths=n, key_value_seq_lengths=n,
+            local_window_size=(1, 0) if windowed else None, implementation="cudnn"), q, kv, kv, lengths)
+    except Exception as err:  # noqa: BLE001 (cuDNN's checks raise RuntimeError, NotImplementedError, ValueError)
+        return f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''}"
+    return None
+
+
+def _kernel_rows(impl: str, q, k, v, real, config: ModelConfig, window, platform: str):
+    """Kernel `impl` on regrouped rows; `platform` the one the program is lowered for; `window` static or None
+    (the dense rows also take a traced one)."""
     scale = config.attention_scale
+    if impl == "xla_rows":
+        return _dense_rows(q, k, v, real, window=window, config=config)
     if impl == "splash":
         q = q * jnp.asarray(scale, q.dtype)
         return _splash_rows(q, k, v, real, window=window, softcap=config.attn_logit_softcapping,
@@ -157,24 +204,30 @@ def _kernel_rows(impl: str, q, k, v, real, config: ModelConfig, window: int | No
         if config.attn_logit_softcapping is not None:
             raise ValueError("attention_impl='cudnn' takes no attention soft-cap (Gemma 2): use 'xla' or 'auto'")
         q = q * jnp.asarray(scale * q.shape[-1] ** 0.5, q.dtype)  # the call scales by 1/sqrt(d)
-        return _cudnn_rows(q, k, v, real, window=window, implementation="cudnn" if platform == "gpu" else "xla")
+        return _cudnn_rows(q, k, v, real, window=window, implementation="cudnn" if platform == "cuda" else "xla")
     raise ValueError(f"unknown fused attention {impl!r}")
 
 
 def _fused(impl: str, q, k, v, groups: Groups, config: ModelConfig, window, platform: str):
-    """A fused kernel over the regrouped rows of q, k, v; `window` a layer's (possibly traced) window or None.
-    Under a mesh (`jax.set_mesh`, as the train step sets it) the kernel runs per device in a shard_map: a Mosaic
-    kernel cannot be partitioned by the compiler. Rows split over data x fsdp, heads over tensor when it
-    divides the KV heads."""
-    batch = q.shape[0]
+    """Kernel `impl` over the regrouped rows of q, k, v, back in the packed layout."""
     rows = [_gather(x, groups) for x in (q, k, v)]
     real = groups.real.reshape(-1, groups.real.shape[-1])
+    out = _on_rows(impl, *rows, real, config, window, platform)
+    return _scatter_back(out.astype(v.dtype), groups, q.shape[0])
 
+
+def _on_rows(impl: str, q, k, v, real, config: ModelConfig, window, platform: str):
+    """Kernel `impl` on rows q [N, W, H, d], k, v [N, W, KV, d], real [N, W]: [N, W, H * d]; `window` a layer's
+    (possibly traced) window or None. Under a mesh (`jax.set_mesh`, as the train step and the sampler set it) a
+    fused kernel runs per device in a shard_map: a Mosaic kernel or a cuDNN call cannot be partitioned by the
+    compiler. Rows split over data x fsdp, heads over tensor when it divides the KV heads."""
     def kernel(q, k, v, real):
         if window is None or config.sliding_window is None:
             return _kernel_rows(impl, q, k, v, real, config, None, platform)
         if isinstance(window, (int, np.integer)):
             return _kernel_rows(impl, q, k, v, real, config, None if window >= _NO_WINDOW else int(window), platform)
+        if impl == "xla_rows":  # a traced window is one more term of the dense mask
+            return _kernel_rows(impl, q, k, v, real, config, window, platform)
         # a scanned layer's window: the kernels' masks are static, so both are compiled and one runs
         return jax.lax.cond(window >= _NO_WINDOW,
                             lambda *a: _kernel_rows(impl, *a, config, None, platform),
@@ -182,29 +235,49 @@ def _fused(impl: str, q, k, v, groups: Groups, config: ModelConfig, window, plat
                             q, k, v, real)
 
     mesh = jax.sharding.get_abstract_mesh()
-    if not mesh.empty and {"data", "fsdp", "tensor"} <= set(mesh.axis_names):
+    if impl != "xla_rows" and not mesh.empty and {"data", "fsdp", "tensor"} <= set(mesh.axis_names):
         from jax.sharding import PartitionSpec as P
 
         split = ("data", "fsdp")
         row_devices = mesh.shape["data"] * mesh.shape["fsdp"]
         # nothing to split over one device; naming the axes anyway breaks GVM's per-row vmap, whose
         # spmd_axis_name is these axes ("vmap spmd_axis_name cannot appear in shard_map in_specs": GVM on one chip)
-        if row_devices == 1 or rows[0].shape[0] % row_devices:
+        if row_devices == 1 or q.shape[0] % row_devices:
             split = None
         heads = "tensor" if config.num_kv_heads % mesh.shape["tensor"] == 0 else None
         per_head = P(split, None, heads, None)
         kernel = jax.shard_map(kernel, mesh=mesh, in_specs=(per_head, per_head, per_head, P(split, None)),
                                out_specs=P(split, None, heads), check_vma=False)
-    out = kernel(*rows, real)
-    return _scatter_back(out.astype(v.dtype), groups, batch)
+    return kernel(q, k, v, real)
 
 
-def resolve(config: ModelConfig, platform: str) -> str:
-    """The implementation `config.attention_impl` means on `platform` ("cpu", "gpu", "tpu")."""
-    impl = config.attention_impl
-    if impl == "auto":
-        return "splash" if platform == "tpu" else "xla"
-    return impl
+# What each `model.attention_impl` means where a program is lowered: platform -> (training rows, prompts' prefill).
+# The kernels: "xla" the packed rows' XLA attention (`layers.blocked_attention` in tiles with
+# `attention_block_size`, else dense over the row), "splash" / "cudnn" the fused kernels on regrouped rows,
+# "xla_rows" XLA attention on regrouped rows, one dense causal block per row (GPUs where cuDNN cannot serve).
+# On a GPU no choice loops over tiles with a conditional per tile (the 13.85 million small kernels a paper-shape
+# train step compiled to with tiles of 512: docs/launch.md, "GPU hosts"), unless "xla" is asked for by name.
+_CHOICES = {
+    "auto": {"tpu": ("splash", "xla"), "cuda": ("cudnn", "cudnn")},
+    "xla": {},
+    "splash": {"tpu": ("splash", "xla"), "cpu": ("splash", "xla")},
+    "cudnn": {"cuda": ("cudnn", "cudnn"), "cpu": ("cudnn", "xla")},
+}
+PLATFORMS = ("cpu", "cuda", "tpu")  # the lowering targets the dispatch knows ("gpu" is read as "cuda")
+
+
+def resolve(config: ModelConfig, platform: str, *, prefill: bool = False) -> str:
+    """The kernel `config.attention_impl` means where a program is lowered for `platform` ("cpu", "cuda" or
+    "gpu", "tpu"), for training rows or (`prefill`) the sampler's prompts. Before tracing, from the config alone:
+    on a GPU cuDNN also needs bf16/fp16 operands and no soft-cap, else the regrouped XLA rows ("xla_rows";
+    `self_attention` checks the operands once more when traced, with cuDNN's own checks)."""
+    platform = "cuda" if platform == "gpu" else platform
+    choices = _CHOICES[config.attention_impl]
+    kernel = choices.get(platform, choices.get("cpu", ("xla", "xla")))[1 if prefill else 0]
+    if kernel == "cudnn" and platform == "cuda" and config.attention_impl == "auto" and (
+            config.attn_logit_softcapping is not None or config.compute_dtype not in ("bfloat16", "float16")):
+        return "xla" if prefill else "xla_rows"
+    return kernel
 
 
 def group_width(config: ModelConfig, length: int, response_len: int | None) -> int:
@@ -217,11 +290,29 @@ def group_width(config: ModelConfig, length: int, response_len: int | None) -> i
     return -(-width // SPLASH_BLOCK) * SPLASH_BLOCK
 
 
-def _log_once(config: ModelConfig, impl: str, detail: str) -> None:
-    key = (config.attention_impl, impl, detail)
+def _checked(kernel: str, platform: str, config: ModelConfig, q, k, chosen: dict) -> str:
+    """`kernel`, or the regrouped XLA rows where cuDNN refuses these operands on a GPU; records the choice (and
+    why) in `chosen`. Never raises: every platform's branch is traced wherever the program is lowered, and only the
+    target's is compiled."""
+    why = cudnn_refusal(config, q.dtype, q.shape, k.shape[2]) if kernel == "cudnn" and platform == "cuda" else None
+    if why is not None:
+        kernel = "xla_rows"
+    chosen[platform] = kernel + ("" if why is None else f" (cuDNN refused: {why})")
+    return kernel
+
+
+def _dispatch(config: ModelConfig, what: str, on) -> jax.Array:
+    """`on(platform, chosen)`'s branch for the platform the program is lowered for (`lax.platform_dependent`), and
+    one log line per distinct choice naming every platform's kernel."""
+    chosen: dict = {}
+    out = jax.lax.platform_dependent(tpu=on("tpu", chosen), cuda=on("cuda", chosen), default=on("cpu", chosen))
+    line = ", ".join(f"{platform} {chosen[platform]}" for platform in PLATFORMS if platform in chosen)
+    key = (config.attention_impl, what, line)
     if key not in _logged:
         _logged.add(key)
-        log.info("attention: %s (model.attention_impl=%s)%s", impl, config.attention_impl, detail)
+        log.info("attention of %s (model.attention_impl=%s), where lowered for: %s", what, config.attention_impl,
+                 line)
+    return out
 
 
 def self_attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array, config: ModelConfig, *,
@@ -233,34 +324,57 @@ def self_attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Arra
 
     q [B, T, H, d]; k, v [B, T, KV, d]; `keep` the precomputed [B, T, T] mask of the xla path's full attention
     (without the window); `slots` the responses per packed row and `response_len` their token slots, which size
-    the fused kernels' regrouped rows (without `slots`, packed rows fall back to xla). The fused kernels assume
-    packing's layout (see the module docstring) and give the same values on every prompt and response token;
-    padding tokens' outputs are 0 there.
+    the regrouped rows (without `slots`, packed rows take the xla path). The regrouped kernels assume packing's
+    layout (see the module docstring) and give the same values on every prompt and response token; padding
+    tokens' outputs are 0 there. The kernel is `resolve`'s for the platform the program is lowered for, taken by
+    `lax.platform_dependent` inside the program (only the target's branch is compiled).
     """
-    impl = config.attention_impl
     length = q.shape[1]
     fusable = segment_ids is None or slots is not None
-    if impl == "xla" or not fusable:
-        if impl != "xla":
-            _log_once(config, "xla", ": packed rows without their slot count")
+
+    def packed():
         return _xla(q, k, v, positions, config, segment_ids, key_mask, window, keep)
+
+    if config.attention_impl == "xla":
+        return packed()
     if segment_ids is None:
         groups = regroup_layout(None, q.shape[0], length, 1, length, key_mask)  # width: length on the grid of 128
-    else:
+    elif fusable:
         groups = regroup_layout(segment_ids, q.shape[0], length, slots, group_width(config, length, response_len))
 
-    def fused(name, platform):
-        return _fused(name, q, k, v, groups, config, window, platform)
+    def on(platform, chosen):
+        def run():
+            kernel = resolve(config, platform) if fusable else "xla"
+            if kernel == "xla":
+                chosen[platform] = "xla" + ("" if fusable else " (packed rows without their slot count)")
+                return packed()
+            kernel = _checked(kernel, platform, config, q, k, chosen)
+            return _fused(kernel, q, k, v, groups, config, window, platform)
+        return run
 
-    if impl == "auto":
-        _log_once(config, "splash where lowered for TPU, xla elsewhere", "")
-        return jax.lax.platform_dependent(
-            tpu=lambda: fused("splash", "tpu"),
-            default=lambda: _xla(q, k, v, positions, config, segment_ids, key_mask, window, keep))
-    _log_once(config, impl, f": regrouped rows of {groups.source.shape[-1]} tokens")
-    if impl == "cudnn":  # the cuDNN call checks for cuDNN when traced, so the platform is the default backend's
-        return fused(impl, jax.default_backend())
-    return jax.lax.platform_dependent(tpu=lambda: fused(impl, "tpu"), default=lambda: fused(impl, "cpu"))
+    return _dispatch(config, "training rows" + (f" (regrouped rows of {groups.source.shape[-1]} tokens)"
+                                               if fusable else ""), on)
+
+
+def prompt_attention(q: jax.Array, k: jax.Array, v: jax.Array, keep: jax.Array, config: ModelConfig, *,
+                     window=None) -> jax.Array:
+    """Causal attention of the sampler's prefill over right-padded prompts q [C, P, H, d], k, v [C, P, KV, d]
+    (positions 0..P-1); `keep` the [C, P, P] causal mask with the layer's window in it, for the XLA path. On a GPU
+    where `resolve` gives cuDNN, its causal call on the prompt rows (padding keys follow every real query, so
+    no lengths are needed); elsewhere `layers.attention` on `keep`."""
+    def on(platform, chosen):
+        def run():
+            kernel = resolve(config, platform, prefill=True)
+            if kernel == "cudnn":
+                kernel = _checked(kernel, platform, config, q, k, chosen)
+            if kernel != "cudnn":
+                chosen[platform] = chosen.get(platform, "xla")
+                return attention(q, k, v, keep, scale=config.attention_scale, softcap=config.attn_logit_softcapping)
+            real = jnp.ones(q.shape[:2], bool)
+            return _on_rows(kernel, q, k, v, real, config, window, platform).astype(v.dtype)
+        return run
+
+    return _dispatch(config, "the prefill's prompts", on)
 
 
 def _xla(q, k, v, positions, config: ModelConfig, segment_ids, key_mask, window, keep):

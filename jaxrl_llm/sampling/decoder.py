@@ -41,7 +41,8 @@ import jax.numpy as jnp
 
 from jaxrl_llm.models import ModelConfig, output_logits
 from jaxrl_llm.models.layers import soft_cap
-from jaxrl_llm.models.model import attend, decoder_layer, embed_tokens, layer_constants, norm
+from jaxrl_llm.models.attention import prompt_attention
+from jaxrl_llm.models.model import decoder_layer, embed_tokens, layer_constants, norm
 
 
 class RowCache(NamedTuple):
@@ -120,7 +121,7 @@ def _prefill_layer(config: ModelConfig, tokens: jax.Array, cache_dtype, constrai
 
         def attend_fn(q, k, v):  # k, v [C, P, KV, d]
             keep = causal if window is None else causal & (distance < window)
-            return attend(q, k, v, keep, config), (constrain(jnp.transpose(k, (0, 2, 3, 1)).astype(cache_dtype)),
+            return prompt_attention(q, k, v, keep, config, window=window), (constrain(jnp.transpose(k, (0, 2, 3, 1)).astype(cache_dtype)),
                                                    constrain(jnp.transpose(v, (0, 2, 1, 3)).astype(cache_dtype)))
 
         x, kv = decoder_layer(lp, config, constrain(x), positions, attend_fn, const.get("inv_freq"))
