@@ -79,8 +79,8 @@ class ModelConfig:
     which is faster on short rows (`attention_block_for`). The KV-cache path is unaffected. `scan_layers`
     runs the training forward's layers as one `lax.scan` (True, the default) or unrolled (False). `remat_logits` recomputes the output logits in the log-prob
     backward pass (`train.logprobs.chunked_logprobs` with keep_logits=False) instead of keeping them.
-    `attention_impl` (one of ATTENTION_IMPLS) picks how training rows attend (`models.attention`: "auto" is
-    Pallas splash attention where the program is lowered for a TPU, XLA elsewhere); `max_prompt_tokens` bounds
+    `attention_impl` (one of ATTENTION_IMPLS) picks how training rows attend (`models.attention.resolve`: "auto"
+    is Pallas splash attention where the program is lowered for a TPU, cuDNN for a GPU, XLA on a CPU); `max_prompt_tokens` bounds
     a packed row's prompt (the data's bound: longer prompts are dropped), which sizes the fused kernels'
     regrouped rows. Like `remat` these are runtime settings: never read from or written to config.json.
     """

@@ -58,9 +58,12 @@ class ModelSection:
     # Recompute the output logits of each vocabulary chunk in the log-prob backward pass instead of keeping
     # them: saves rows x response tokens x vocabulary x 4 bytes per micro-batch for one more output matmul.
     remat_logits: bool = False
-    # How training rows attend (jaxrl_llm/models/attention.py): "auto" takes Pallas splash attention on a TPU
-    # (each packed response regrouped with its prompt into one causal row) and XLA elsewhere; "xla", "splash"
-    # (interpret mode off a TPU: slow, for tests) or "cudnn" (GPU, bf16/fp16; XLA's attention elsewhere) force one.
+    # How training rows attend (jaxrl_llm/models/attention.py), decided by the platform the program is compiled
+    # for: "auto" takes Pallas splash attention on a TPU and cuDNN's fused attention on a GPU (each packed response
+    # regrouped with its prompt into one causal row; on a GPU where cuDNN cannot serve the model, e.g. f32 or a
+    # soft-cap, XLA attention on those rows) and XLA's packed attention on a CPU; "xla" (on a GPU a loop of small
+    # kernels per tile with attention_block_size), "splash" (interpret mode off a TPU: slow, for tests) or
+    # "cudnn" (GPU, bf16/fp16; XLA's attention elsewhere) force one.
     attention_impl: str = "auto"
 
 

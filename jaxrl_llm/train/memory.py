@@ -328,14 +328,15 @@ def _split(n: int, tensor: int) -> int:
 
 def _activation_bytes(mc: ModelConfig, rows: int, length: int, tensor: int, c: int, remat: bool,
                       policy: str = "full", block: int | None = None,
-                      groups: tuple[int, int] | None = None) -> tuple[int, int]:
+                      groups: tuple[int, int, bool] | None = None) -> tuple[int, int]:
     """(kept, working) for `rows` sequences of `length` tokens on a mesh whose tensor axis has `tensor` devices:
     what the forward pass keeps for the backward pass, and the largest working set of the backward pass beside
     it (one layer's recomputed activations, its attention's working set and gradients; or, at the embedding,
     the hidden states' f32 gradient twice). Remat policy "dots" also keeps each layer's projection outputs
     (q, k, v, o, gate, up, down) per token, "qkv_attn_mlp" q, k, v, the attention output, gate and up; `block`
-    is model.attention_block_size (None: full attention); `groups` (S, W): a fused kernel attends on S
-    regrouped rows of W tokens per row (`models.attention`), None: the xla path."""
+    is model.attention_block_size (None: full attention); `groups` (S, W, dense): a fused kernel attends on S
+    regrouped rows of W tokens per row (`models.attention`), or with `dense` XLA's full attention on each of
+    them (a GPU where cuDNN cannot serve); None: the xla path."""
     q_heads = _split(mc.num_heads, tensor)
     q, kv = q_heads * mc.head_dim, _split(mc.num_kv_heads, tensor) * mc.head_dim
     f = _split(mc.intermediate_size, tensor)
@@ -349,12 +350,15 @@ def _activation_bytes(mc: ModelConfig, rows: int, length: int, tensor: int, c: i
         # the kernel runs per device on its KV heads' query groups, all heads where tensor cannot split the KV
         # heads: q, its output and output gradient, k and v, all in c (splash's backward kernels give dq, dk,
         # dv in the inputs' dtype), and the int32 segment ids laid over 128 lanes (512 B a token)
-        slots, width = groups
+        slots, width, dense = groups
         kv_heads = _split(mc.num_kv_heads, tensor)
         heads = kv_heads * (mc.num_heads // mc.num_kv_heads)
         tokens = rows * slots * width
         attention = 0
         working = tokens * (mc.head_dim * (heads * 3 * c + kv_heads * 2 * c) + 512)
+        if dense:  # each regrouped row's scores and probabilities, as the xla path's full attention per row
+            attention = rows * slots * heads * width * width * (4 + c)
+            working += rows * slots * (heads * width * width * 4 + width * width)
     elif block is None:
         attention = rows * q_heads * length * length * (4 + c)
         working = rows * q_heads * length * length * 4 + rows * length * length  # f32 score gradient + bool mask
@@ -515,7 +519,10 @@ def estimate_memory(config: RunConfig, model_config: ModelConfig, mesh: dict[str
     policy = cfg.model.remat_policy
     batch_split = mesh["data"] * mesh["fsdp"]
     tensor = mesh["tensor"]
-    fused = attention_resolve(mc.replace(attention_impl=cfg.model.attention_impl), platform) != "xla"
+    kernel = attention_resolve(mc.replace(attention_impl=cfg.model.attention_impl,
+                                          compute_dtype=cfg.model.compute_dtype), platform)
+    fused = kernel != "xla"  # regrouped rows: a fused kernel's, or (xla_rows) XLA's dense causal block per row
+    dense_rows = kernel == "xla_rows"
 
     count, local = sharded_param_elements(mc, mesh)
     params = local * p
@@ -550,7 +557,7 @@ def estimate_memory(config: RunConfig, model_config: ModelConfig, mesh: dict[str
     width = min(row_length, round_up(prompt_len + cfg.sampling.max_new_tokens, SPLASH_BLOCK))
     kept, working = _activation_bytes(mc, rows, row_length, tensor, c, remat, policy,
                                       tiles.attention_block_for(row_length),
-                                      (responses_per_row, width) if fused else None)
+                                      (responses_per_row, width, dense_rows) if fused else None)
     activations = kept + working
     output_copy = _output_matrix_copy_bytes(mc, mesh, c, p)
     keep_logits = not cfg.model.remat_logits
@@ -611,7 +618,8 @@ def estimate_memory(config: RunConfig, model_config: ModelConfig, mesh: dict[str
         cast = local * c if c != p else 0
         gvm_kept, gvm_working = _activation_bytes(mc, chunk_rows, unpacked, tensor, c, remat, policy,
                                                   tiles.attention_block_for(unpacked),
-                                                  (1, round_up(unpacked, SPLASH_BLOCK)) if fused else None)
+                                                  (1, round_up(unpacked, SPLASH_BLOCK), dense_rows) if fused
+                                                  else None)
         layers = gvm_kept + max(gvm_working, _logprob_residual_bytes(mc, chunk_rows, full_len, c, keep_logits,
                                                                      head_elements))
         gvm_norms = (merged_copy + head + cast + subset - lookup
