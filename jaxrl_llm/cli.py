@@ -11,6 +11,7 @@
     jaxrl-llm eval --benchmarks arithmetic-heldout gsm8k-100 -k 8
     jaxrl-llm plot runs/default                           # PNG curves of a run (several runs: one figure)
     jaxrl-llm compile --config configs/paper/... --topology v5litepod-64   # a run's programs for a TPU slice
+    jaxrl-llm compile --config configs/paper/... --topology h200-8         # ... or for GPU hosts
 """
 
 from __future__ import annotations
@@ -155,19 +156,25 @@ def _cmd_train(args) -> int:
 def _cmd_compile(args) -> int:
     # Off a TPU, compiling for one needs only libtpu's compiler: the CPU backend runs the host side, and libtpu
     # is not asked to open a TPU (which prints errors and takes its lockfile) unless one is named.
+    import re
+
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    if re.fullmatch(r"[ah]\d+-\d+(x\d+)?", args.topology.strip().lower()):
+        # GPU hosts: without a GPU here, the CUDA plugin registers only if its check of the CUDA libraries is skipped
+        # (JAX_PLATFORMS=cpu skips it too, unless the user asked for another platform); read as jax starts
+        os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
     import dataclasses
     import json
 
     from jaxrl_llm.train import load_config
-    from jaxrl_llm.train.aot import LibtpuMissing, compile_run, format_report
+    from jaxrl_llm.train.aot import CudaPluginMissing, LibtpuMissing, compile_run, format_report
 
     config = load_config(args.config, args.overrides)
     _say(f"jaxrl-llm compile: {config.model.source} ({config.algorithm.name}) for {args.topology}, "
          f"train.mesh={config.train.mesh!r}")
     try:
         result = compile_run(config, args.topology)
-    except LibtpuMissing as err:
+    except (LibtpuMissing, CudaPluginMissing) as err:
         print(f"jaxrl-llm compile: error: {err}", file=sys.stderr)
         return 2
     _say(format_report(result))
@@ -244,11 +251,13 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("overrides", nargs="*", metavar="section.key=value")
     train.set_defaults(run=_cmd_train)
     compile_ = commands.add_parser(
-        "compile", help="compile a run's programs for a TPU slice (no TPU needed; libtpu: pip install "
-                        "'jaxrl_llm[tpu]') and report each program's memory per chip")
+        "compile", help="compile a run's programs for a TPU slice or GPU hosts (no TPU or GPU needed; libtpu: pip "
+                        "install 'jaxrl_llm[tpu]', CUDA plugin: 'jaxrl_llm[gpu-compile]') and report each program's "
+                        "memory per chip, kernels and matmul FLOPs")
     compile_.add_argument("--config", metavar="YAML", default=None, help="a preset such as configs/paper/...")
     compile_.add_argument("--topology", required=True,
-                          help="a slice: v4-8, v4-32, v5litepod-8, v5litepod-64, v5p-8, v6e-8, ... or v5e:4x4")
+                          help="a slice: v4-8, v4-32, v5litepod-8, v5litepod-64, v5p-8, v6e-8, ... or v5e:4x4; GPU "
+                               "hosts: h100-8, h200-1, h200-8, a100-8, h100-8x2 (two hosts)")
     compile_.add_argument("--json", metavar="OUT", default=None, help="write the table as JSON here")
     compile_.add_argument("overrides", nargs="*", metavar="section.key=value")
     compile_.set_defaults(run=_cmd_compile)

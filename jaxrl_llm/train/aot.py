@@ -15,6 +15,9 @@ Programs compiled (the ones a run's step spends its memory in, built by the same
   gvm_grad_norms  GVM's per-sample gradient norms of stage 1's rows (sampling.allocation gvm)
 
 libtpu is an optional dependency (`pip install 'jaxrl_llm[tpu]'`); without it `topology_devices` says how to get it.
+NVIDIA GPU hosts (`h200-8`, `h100-8x2`, ...) compile the same way through the CUDA plugin (`train.gpu_targets`, the
+`gpu-compile` extra). Each program's report also says what it executes, read from its optimized HLO
+(`train.hlo_stats`): the attention kernel, kernels launched per step, matmul FLOPs against the model's.
 """
 
 from __future__ import annotations
@@ -37,6 +40,8 @@ from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.model import init_params
 from jaxrl_llm.models.sharding import make_mesh, param_shardings
 from jaxrl_llm.train.config import RunConfig, lora_enabled, uses_critic
+from jaxrl_llm.train.gpu_targets import CudaPluginMissing, Gpu, gpu_devices, parse_gpu_topology
+from jaxrl_llm.train.hlo_stats import model_flops, program_stats
 from jaxrl_llm.train.memory import GIB, estimate_memory, model_config_for
 from jaxrl_llm.train.packing import TrainBatch, bucket
 from jaxrl_llm.train.state import init_state, make_optimizer, state_shardings
@@ -77,10 +82,11 @@ CHIPS = {
 @dataclasses.dataclass(frozen=True)
 class Topology:
     name: str  # as the user wrote it
-    chip: Chip
-    topology_name: str  # get_topology_desc's form, e.g. "v5e:4x4"
+    chip: Chip | Gpu
+    topology_name: str  # get_topology_desc's form, e.g. "v5e:4x4" (GPU: "1x<hosts>x<gpus per host>")
     chips: int
     host_bounds: tuple[int, int, int]
+    platform: str = "tpu"  # or "cuda"
 
 
 def _grid(chips: int, dims: int) -> tuple[int, ...]:
@@ -98,7 +104,10 @@ def _grid(chips: int, dims: int) -> tuple[int, ...]:
 def parse_topology(name: str) -> Topology:
     """A slice as users name it: `v4-8`, `v4-32`, `v5litepod-8`, `v5litepod-64`, `v5p-8`, `v6e-8`, ... (the
     number counts TensorCores: two per v4 / v5p chip, one per v5e / v6e chip), or get_topology_desc's
-    `v5e:4x4` / `v4:2x2x2` form."""
+    `v5e:4x4` / `v4:2x2x2` form; or GPU hosts, `h200-8`, `h100-8x2` (`gpu_targets.parse_gpu_topology`)."""
+    gpu = parse_gpu_topology(name)
+    if gpu is not None:
+        return gpu
     match = re.fullmatch(r"(v4|v5litepod|v5e|v5p|v6e)-(\d+)", name.strip())
     if match:
         chip = CHIPS[match.group(1)]
@@ -112,7 +121,7 @@ def parse_topology(name: str) -> Topology:
         match = re.fullmatch(r"(v4|v5e|v5p|v6e):(\d+(?:x\d+)+)", name.strip())
         if not match:
             raise ValueError(f"unknown TPU topology {name!r}: expected e.g. v4-32, v5litepod-64, v5p-8, v6e-8 "
-                             "or v5e:4x4")
+                             "or v5e:4x4, or GPU hosts: h100-8, h200-1, a100-8, h100-8x2")
         chip = CHIPS[match.group(1)]
         grid = tuple(int(x) for x in match.group(2).split("x"))
         chips = math.prod(grid)
@@ -124,7 +133,9 @@ def parse_topology(name: str) -> Topology:
 
 
 def topology_devices(topology: Topology) -> list:
-    """The slice's devices (no TPU needed; libtpu must be installed)."""
+    """The slice's devices (no TPU needed; libtpu must be installed), or the GPU hosts' (the CUDA plugin)."""
+    if topology.platform == "cuda":
+        return gpu_devices(topology)
     if importlib.util.find_spec("libtpu") is None:  # an optional extra: looked up, never imported here
         raise LibtpuMissing("compiling for a TPU needs libtpu: pip install 'jaxrl_llm[tpu]' (or bash scripts/setup.sh "
                            "tpu), which installs jax[tpu] at this JAX version")
@@ -175,6 +186,16 @@ class ProgramReport:
     # XLA's own peak of the program's buffers, arguments included (`memory_analysis().peak_memory_in_bytes`): on
     # TPU below peak_bytes, and the figure its out-of-HBM check holds the program to (0: not recorded)
     compiler_peak_bytes: int = 0
+    # What the program executes, from its optimized HLO (`hlo_stats.program_stats`; results saved before these were
+    # recorded read the defaults): the attention kernel ("cudnn", "splash", "xla"), kernels launched per run and
+    # conditionals (while-loop trip counts multiplied in), matmul FLOPs per device, the largest array
+    attention_kernel: str = ""
+    kernels: int = 0
+    conditionals: int = 0
+    matmul_flops: float = 0.0
+    largest_buffer: str = ""
+    # the model's matmul FLOPs for the program's work per device (`hlo_stats.model_flops`; 0 where not defined)
+    model_flops: float = 0.0
 
     @property
     def need_bytes(self) -> int:
@@ -182,7 +203,7 @@ class ProgramReport:
         return self.compiler_peak_bytes or self.peak_bytes
 
 
-def _report(name: str, lowered, usable_bytes: int) -> ProgramReport:
+def _report(name: str, lowered, usable_bytes: int, needed_flops: float = 0.0) -> ProgramReport:
     start = time.perf_counter()
     try:
         compiled = lowered.compile()
@@ -196,9 +217,14 @@ def _report(name: str, lowered, usable_bytes: int) -> ProgramReport:
     peak = mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes + mem.temp_size_in_bytes
     compiler_peak = int(getattr(mem, "peak_memory_in_bytes", 0) or 0)
     flops = (cost or {}).get("flops")
+    text = compiled.as_text()
+    stats = program_stats(text)
     report = ProgramReport(name, seconds, mem.argument_size_in_bytes, mem.output_size_in_bytes,
                            mem.alias_size_in_bytes, mem.temp_size_in_bytes, peak, flops, False,
-                           "tpu_custom_call" in compiled.as_text(), compiler_peak_bytes=compiler_peak)
+                           "tpu_custom_call" in text, compiler_peak_bytes=compiler_peak,
+                           attention_kernel=stats.attention_kernel, kernels=stats.kernels,
+                           conditionals=stats.conditionals, matmul_flops=stats.matmul_flops,
+                           largest_buffer=stats.largest_buffer, model_flops=needed_flops)
     report.fits = report.need_bytes <= usable_bytes
     return report
 
@@ -218,7 +244,8 @@ def compile_run(cfg: RunConfig, topology: str | Topology, *, model_config: Model
     sampler_mesh = make_mesh(cfg.rollouts.sampler_mesh, devices=sampler_devices) if sampler_devices else mesh
     check_mesh_fits(mesh, cfg)  # as the run does
     sizes = dict(mesh.shape)
-    estimate = run_estimate(cfg, {k: int(v) for k, v in sizes.items()}, model_config=model_config)
+    estimate = run_estimate(cfg, {k: int(v) for k, v in sizes.items()}, model_config=model_config,
+                            platform=_estimate_platform(topo))
     split = sizes["data"] * sizes["fsdp"]
     rows = bucket(-(-cfg.sampling.prompts_per_step // cfg.optim.mini_batches), max(cfg.optim.micro_batch_size, split))
     batch = batch_shapes(cfg, estimate["row_length"], rows)
@@ -247,12 +274,17 @@ def compile_run(cfg: RunConfig, topology: str | Topology, *, model_config: Model
                            state_sharding=state_sharding, batch_sharding=batch_sharding, seed=cfg.train.seed,
                            **lora_kwargs)
     hbm = topo.chip.usable_bytes  # what each program is held to
+    # the model's FLOPs per device: the mini-batch's rows are split over data x fsdp, the matrices over tensor
+    work = dict(model_config=mc, rows=rows, prompt_tokens=cfg.data.max_prompt_tokens,
+                samples=batch.pred_index.shape[1], response_tokens=cfg.sampling.max_new_tokens)
+    per_device = split * sizes.get("tensor", 1)
     programs = []
     lowered = (step.jitted.lower(state, batch, denom, base) if lora_kwargs else step.lower(state, batch, denom))
-    programs.append(_report("train_step", lowered, hbm))
+    programs.append(_report("train_step", lowered, hbm, model_flops(**work) / per_device))
     logprob = make_logprob_fn(mc, micro_batch_size=cfg.optim.micro_batch_size, param_sharding=param_sharding,
                               batch_sharding=batch_sharding)
-    programs.append(_report("logprob_pass", logprob.lower(base, batch), hbm))
+    programs.append(_report("logprob_pass", logprob.lower(base, batch), hbm,
+                            model_flops(**work, backward=False) / per_device))
     if uses_critic(cfg):
         programs.append(_critic_program(cfg, mc, base, batch, batch_sharding, denom, hbm))
     policy = None if lora_kwargs else base  # LoRA: the sampler and GVM read the merged copy (unquantized)
@@ -441,17 +473,23 @@ def _runtime_config(cfg: RunConfig, model_config: ModelConfig | None = None) -> 
     return runtime_model_config(mc.replace(param_dtype=cfg.model.param_dtype), cfg.model, cfg.data.max_prompt_tokens)
 
 
-def run_estimate(cfg: RunConfig, mesh: dict[str, int], *, model_config: ModelConfig | None = None) -> dict[str, Any]:
+def run_estimate(cfg: RunConfig, mesh: dict[str, int], *, model_config: ModelConfig | None = None,
+                 platform: str = "tpu") -> dict[str, Any]:
     """`estimate_memory` of `cfg` on mesh sizes {"data", "fsdp", "tensor"} as `compile_run` compares it with XLA's
-    programs: the traced model config, the TPU's attention path."""
-    return estimate_memory(cfg, _runtime_config(cfg, model_config), mesh, platform="tpu")
+    programs: the traced model config, the target's attention path ("tpu" or "gpu")."""
+    return estimate_memory(cfg, _runtime_config(cfg, model_config), mesh, platform=platform)
+
+
+def _estimate_platform(topology: Topology) -> str:
+    return "gpu" if topology.platform == "cuda" else "tpu"
 
 
 def refresh_estimates(cfg: RunConfig, result: dict[str, Any], *,
                       model_config: ModelConfig | None = None) -> dict[str, Any]:
     """A saved `jaxrl-llm compile --json` result with its estimates recomputed by today's `estimate_memory` (the
     compiled numbers kept): the programs' estimate and resident bytes and whether they fit."""
-    est = run_estimate(cfg, result["mesh"], model_config=model_config)
+    est = run_estimate(cfg, result["mesh"], model_config=model_config,
+                       platform=_estimate_platform(parse_topology(result["topology"])))
     programs = [ProgramReport(**p) for p in result["programs"]]
     usable = usable_bytes(result)
     account(programs, est, lora=lora_enabled(cfg), hbm=usable, sampler=sampler_kind(cfg))
@@ -502,6 +540,11 @@ def account(programs: list[ProgramReport], est: dict[str, Any], *, lora: bool, h
         program.fits = not program.error and program.resident_bytes + program.need_bytes <= hbm
 
 
+def _count(n: int) -> str:
+    """A count in at most 8 characters: 8053, 247.2k, 13.85M."""
+    return "-" if not n else str(n) if n < 100_000 else f"{n / 1e3:.1f}k" if n < 10 ** 7 else f"{n / 1e6:.2f}M"
+
+
 def format_report(result: dict[str, Any]) -> str:
     """The table `jaxrl-llm compile` prints."""
     gib = lambda b: f"{b / GIB:7.2f}"  # noqa: E731
@@ -514,9 +557,10 @@ def format_report(result: dict[str, Any]) -> str:
              "GiB per chip: XLA's arguments, outputs and temporaries of the program, the sum it allots (alloc = args + "
              "out - donated + temp) and its own peak of the program's buffers (peak, what its out-of-HBM check "
              "counts); resident = the run's other arrays beside it; use % = peak + resident of the usable HBM; est = "
-             "estimate_memory's terms for the program",
+             "estimate_memory's terms for the program; from the optimized HLO, per device: attn = the attention kernel, "
+             "kernels launched per run (loop trip counts multiplied in), mm/model = matmul FLOPs over the model's",
              f"{'program':<18} {'compile s':>9} {'args':>7} {'out':>7} {'temp':>7} {'alloc':>7} {'peak':>7} "
-             f"{'resident':>8} {'use %':>6} {'est':>7} {'TFLOP':>8}  fits"]
+             f"{'resident':>8} {'use %':>6} {'est':>7} {'TFLOP':>8} {'attn':>6} {'kernels':>8} {'mm/model':>8}  fits"]
     for p in result["programs"]:
         if p.error:
             lines.append(f"{p.name:<18} {p.compile_s:9.1f}  does not compile: {p.error}")
@@ -525,8 +569,10 @@ def format_report(result: dict[str, Any]) -> str:
         share = 100 * (p.need_bytes + p.resident_bytes) / usable
         estimate = gib(p.estimate_bytes) if p.estimate_bytes else f"{'-':>7}"
         compiler = gib(p.compiler_peak_bytes) if p.compiler_peak_bytes else f"{'-':>7}"
+        ratio = f"{p.matmul_flops / p.model_flops:8.2f}" if p.model_flops else f"{'-':>8}"
         lines.append(f"{p.name:<18} {p.compile_s:9.1f} {gib(p.argument_bytes)} {gib(p.output_bytes)} "
                      f"{gib(p.temp_bytes)} {gib(p.peak_bytes)} {compiler} {gib(p.resident_bytes):>8} {share:6.1f} "
-                     f"{estimate} {flops:>8}  {'yes' if p.fits else 'NO'}")
+                     f"{estimate} {flops:>8} {p.attention_kernel or '-':>6} {_count(p.kernels):>8} {ratio}  "
+                     f"{'yes' if p.fits else 'NO'}")
     lines.append(f"estimate_memory peak (every program and the sampler): {est['peak'] / GIB:.2f} GiB per device")
     return "\n".join(lines)

@@ -1,0 +1,210 @@
+"""`jaxrl-llm compile` for NVIDIA GPU hosts on a machine without a GPU (the gpu-compile extra's CUDA plugin), and the
+statistics each compiled program's optimized HLO gives (`train.hlo_stats`): kernels launched, conditionals, matmul
+FLOPs with loop trip counts multiplied in, the attention kernel, against the model's FLOPs."""
+
+import json
+import pathlib
+
+import pytest
+
+from jaxrl_llm.models.config import ModelConfig
+from jaxrl_llm.train import aot
+from jaxrl_llm.train.gpu_targets import GPUS, cuda_plugin_installed, parse_gpu_topology
+from jaxrl_llm.train.hlo_stats import attended_pairs, model_flops, program_stats
+
+CONFIGS = pathlib.Path(__file__).resolve().parents[1] / "configs"
+TINY = ModelConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_layers=2, num_heads=4, num_kv_heads=2,
+                   head_dim=32)
+needs_plugin = pytest.mark.skipif(not cuda_plugin_installed(),
+                                  reason="the CUDA plugin is not installed: pip install 'jaxrl_llm[gpu-compile]'")
+
+
+def test_gpu_topology_names():
+    """`h200-8`: 8 GPUs of one host; `h100-8x2`: two hosts, get_topology_desc's one slice of 2 hosts x 8 GPUs."""
+    one = aot.parse_topology("h200-1")
+    assert (one.platform, one.topology_name, one.chips, one.chip.generation) == ("cuda", "1x1x1", 1, "h200")
+    assert aot.parse_topology("h200-8").topology_name == "1x1x8" and aot.parse_topology("a100-8").chips == 8
+    two = aot.parse_topology("h100-8x2")
+    assert (two.topology_name, two.chips, two.host_bounds) == ("1x2x8", 16, (1, 1, 8))
+    assert aot.parse_topology("v5e:2x2").platform == "tpu" and parse_gpu_topology("v5e:2x2") is None
+    for name, message in (("h100-9", "1 to 8 GPUs"), ("h100-4x2", "full hosts of 8"), ("h300-8", "unknown GPU"),
+                          ("h100-0", "1 to 8 GPUs")):
+        with pytest.raises(ValueError, match=message):
+            aot.parse_topology(name)
+    # memory as CUDA reports each card; a program may use the 0.76 XLA's GPU compiler rematerializes toward
+    assert GPUS["h200"].hbm_bytes == 150754820096 and "device_memory_size: 150754820096" in GPUS["h200"].target_config
+    assert GPUS["a100"].hbm_bytes == 80 * 1024 ** 3 and "major: 8" in GPUS["a100"].target_config
+    assert GPUS["h100"].usable_bytes == int(0.76 * 84929347584)
+
+
+# A while loop run 5 times: an unfused add, a fusion holding a batched dot [4,8,16] x [4,16,32] (2*4*8*32*16 =
+# 32,768 FLOPs), a cuBLAS GEMM [64,128] x [128,32] (2*64*32*128 = 524,288) and a conditional of 2 or 1 kernels; the
+# loop's condition (1 kernel) runs 6 times; before it a copy and a dot [2,3] x [3,4] (48 FLOPs).
+LOOP_HLO = """HloModule jit_loop, entry_computation_layout={(f32[4,8,16]{2,1,0})->f32[4,8,16]{2,1,0}}
+
+%fused_dot (p0: f32[4,8,16], p1: f32[4,16,32]) -> f32[4,8,32] {
+  %p0 = f32[4,8,16]{2,1,0} parameter(0)
+  %p1 = f32[4,16,32]{2,1,0} parameter(1)
+  ROOT %d = f32[4,8,32]{2,1,0} dot(%p0, %p1), lhs_batch_dims={0}, lhs_contracting_dims={2}, rhs_batch_dims={0}, rhs_contracting_dims={1}
+}
+
+%branch_big (b: f32[4,8,16]) -> f32[4,8,16] {
+  %b = f32[4,8,16]{2,1,0} parameter(0)
+  %n = f32[4,8,16]{2,1,0} negate(%b)
+  ROOT %e = f32[4,8,16]{2,1,0} exponential(%n)
+}
+
+%branch_small (s: f32[4,8,16]) -> f32[4,8,16] {
+  %s = f32[4,8,16]{2,1,0} parameter(0)
+  ROOT %c = f32[4,8,16]{2,1,0} copy(%s)
+}
+
+%body (arg: (s32[], f32[4,8,16], f32[4,16,32], f32[64,128], f32[128,32])) -> (s32[], f32[4,8,16], f32[4,16,32], f32[64,128], f32[128,32]) {
+  %arg = (s32[], f32[4,8,16]{2,1,0}, f32[4,16,32]{2,1,0}, f32[64,128]{1,0}, f32[128,32]{1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%arg), index=0
+  %x = f32[4,8,16]{2,1,0} get-tuple-element(%arg), index=1
+  %w = f32[4,16,32]{2,1,0} get-tuple-element(%arg), index=2
+  %a = f32[64,128]{1,0} get-tuple-element(%arg), index=3
+  %bm = f32[128,32]{1,0} get-tuple-element(%arg), index=4
+  %one = s32[] constant(1)
+  %next = s32[] add(%i, %one)
+  %y = f32[4,8,32]{2,1,0} fusion(%x, %w), kind=kCustom, calls=%fused_dot, backend_config={"fusion_backend_config":{"kind":"__triton_gemm"}}
+  %g = (f32[64,32]{1,0}, s8[1024]{0}) custom-call(%a, %bm), custom_call_target="__cublas$gemm", backend_config={"gemm_backend_config":{"dot_dimension_numbers":{"lhs_contracting_dimensions":["1"],"rhs_contracting_dimensions":["0"],"lhs_batch_dimensions":[],"rhs_batch_dimensions":[]}}}
+  %pick = s32[] constant(0)
+  %x2 = f32[4,8,16]{2,1,0} conditional(%pick, %x, %x), branch_computations={%branch_big, %branch_small}
+  ROOT %out = (s32[], f32[4,8,16]{2,1,0}, f32[4,16,32]{2,1,0}, f32[64,128]{1,0}, f32[128,32]{1,0}) tuple(%next, %x2, %w, %a, %bm)
+}
+
+%cond (carry: (s32[], f32[4,8,16], f32[4,16,32], f32[64,128], f32[128,32])) -> pred[] {
+  %carry = (s32[], f32[4,8,16]{2,1,0}, f32[4,16,32]{2,1,0}, f32[64,128]{1,0}, f32[128,32]{1,0}) parameter(0)
+  %k = s32[] get-tuple-element(%carry), index=0
+  %five = s32[] constant(5)
+  ROOT %lt = pred[] compare(%k, %five), direction=LT
+}
+
+ENTRY %main (x0: f32[4,8,16], w0: f32[4,16,32], a0: f32[64,128], b0: f32[128,32], l: f32[2,3], r: f32[3,4]) -> f32[4,8,16] {
+  %x0 = f32[4,8,16]{2,1,0} parameter(0)
+  %w0 = f32[4,16,32]{2,1,0} parameter(1)
+  %a0 = f32[64,128]{1,0} parameter(2)
+  %b0 = f32[128,32]{1,0} parameter(3)
+  %l = f32[2,3]{1,0} parameter(4)
+  %r = f32[3,4]{1,0} parameter(5)
+  %small = f32[2,4]{1,0} dot(%l, %r), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  %zero = s32[] constant(0)
+  %xc = f32[4,8,16]{2,1,0} copy(%x0)
+  %init = (s32[], f32[4,8,16]{2,1,0}, f32[4,16,32]{2,1,0}, f32[64,128]{1,0}, f32[128,32]{1,0}) tuple(%zero, %xc, %w0, %a0, %b0)
+  %loop = (s32[], f32[4,8,16]{2,1,0}, f32[4,16,32]{2,1,0}, f32[64,128]{1,0}, f32[128,32]{1,0}) while(%init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"5"},"known_init_step":{"init":"0","step":"1"}}
+  ROOT %res = f32[4,8,16]{2,1,0} get-tuple-element(%loop), index=1
+}
+"""
+
+
+def test_hlo_stats_of_a_loop_by_hand():
+    """Kernels: the entry's dot and copy (2) + 5 x (add, fusion, GEMM, the larger branch's 2) + 6 x the condition's
+    compare = 33; conditionals 5; matmul FLOPs 48 + 5 x (32,768 + 524,288) = 2,785,328; the largest result
+    f32[64,32] (2,048 elements; parameters, tuples and loop carries are not new buffers)."""
+    stats = program_stats(LOOP_HLO)
+    assert (stats.kernels, stats.conditionals, stats.matmul_flops) == (33, 5, 2_785_328)
+    assert (stats.attention_kernel, stats.largest_buffer, stats.unknown_trip_loops) == ("xla", "f32[64,32]", ())
+    # a loop whose trip count XLA does not know runs once here, and is named
+    unknown = program_stats(LOOP_HLO.replace('"known_trip_count":{"n":"5"},', ""))
+    assert (unknown.kernels, unknown.conditionals, unknown.matmul_flops) == (2 + 5 + 2, 1, 48 + 32_768 + 524_288)
+    assert unknown.unknown_trip_loops == ("loop",)
+    # the attention kernel by the custom calls present
+    fmha = LOOP_HLO.replace('"__cublas$gemm"', '"__cudnn$fmhaSoftmax"')
+    assert program_stats(fmha).attention_kernel == "cudnn"
+    splash = LOOP_HLO.replace('"__cublas$gemm"', '"tpu_custom_call"').replace("%g =", "%splash_mha_fwd =")
+    assert program_stats(splash).attention_kernel == "splash"
+
+
+def test_model_flops_by_hand():
+    """One row of a 2-token prompt and 2 responses of 3 tokens: 8 tokens, 6 scored; pairs 3 + 2 x (6 + 6) = 27. A
+    1-layer model of hidden 4, 2 heads x 2, 1 KV head, MLP 8, vocabulary 10: matrices 2*4*4 + 2*4*2 + 3*4*8 = 144;
+    forward 2*144*8 + 2*10*4*6 + 4*1*2*2*27 = 2304 + 480 + 432 = 3216, training 3 x that. Qwen2.5-1.5B on 2 of
+    the paper's packed rows (prompt 1024, 8 x 3072): 536.81 TF."""
+    assert attended_pairs(2, 2, 3) == 27 and attended_pairs(1024, 8, 3072) == 63_451_648
+    mc = ModelConfig(vocab_size=10, hidden_size=4, intermediate_size=8, num_layers=1, num_heads=2, num_kv_heads=1,
+                     head_dim=2)
+    work = dict(rows=1, prompt_tokens=2, samples=2, response_tokens=3)
+    assert model_flops(mc, **work, backward=False) == 3216 and model_flops(mc, **work) == 3 * 3216
+    qwen = ModelConfig(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_layers=28, num_heads=12,
+                       num_kv_heads=2, head_dim=128)
+    paper = model_flops(qwen, rows=2, prompt_tokens=1024, samples=8, response_tokens=3072)
+    assert round(paper / 1e12, 2) == 536.81
+
+
+@needs_plugin
+def test_cudnn_attention_is_read_from_the_compiled_program():
+    """jax's cuDNN attention, compiled for an H200 here: the program calls `__cudnn$fmhaSoftmax` and its backward,
+    whose FLOPs count the causal half: forward 4 B H T T d / 2, backward 2.5 times that."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    device = aot.topology_devices(aot.parse_topology("h200-1"))
+    replicated = NamedSharding(Mesh(device, ("x",)), P())
+    b, t, h, d = 2, 512, 4, 64
+
+    def loss(q, k, v):
+        return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn").astype(jnp.float32).sum()
+
+    qkv = jax.ShapeDtypeStruct((b, t, h, d), jnp.bfloat16, sharding=replicated)
+    compiled = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(qkv, qkv, qkv).compile()
+    stats = program_stats(compiled.as_text())
+    assert stats.attention_kernel == "cudnn" and stats.conditionals == 0
+    assert stats.matmul_flops == 3.5 * 4 * b * h * t * t * d / 2
+
+
+@needs_plugin
+def test_tiny_train_step_compiles_for_one_h200_through_the_command(tmp_path, capsys):
+    """`jaxrl-llm compile --topology h200-1` with `train.mesh=fsdp=1` on a tiny model: the table, the JSON with each
+    program's kernels, attention kernel and matmul FLOPs, every program fitting, exit 0. The train step's matmul
+    FLOPs are 1 to 2.5 times the model's: full remat runs the forward twice (the model counts it once), and XLA
+    attention scores every (query, key) pair of the packed row where the model counts the causal pairs of each
+    [prompt | response] (4.5 x on these short rows of 64 + 8 x 32 tokens)."""
+    from jaxrl_llm import cli
+
+    real = aot.compile_run
+    args = ["compile", "--config", str(CONFIGS / "grpo.yaml"), "--topology", "h200-1", "--json", str(tmp_path / "out.json"),
+            "sampling.max_new_tokens=32", "data.max_prompt_tokens=64", "optim.micro_batch_size=2",
+            "sampling.prompts_per_step=2", "train.mesh=fsdp=1"]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(aot, "compile_run", lambda cfg, topo: real(cfg, topo, model_config=TINY))
+        assert cli.main(args) == 0
+    table = capsys.readouterr().out
+    assert "h200-1 (1x1x1, 1 devices, 140.40 GiB HBM each, 106.71 usable by a program)" in table, table
+    saved = json.loads((tmp_path / "out.json").read_text())
+    programs = {p["name"]: p for p in saved["programs"]}
+    assert list(programs) == ["train_step", "logprob_pass", "sampler_prefill", "sampler_decode"], table
+    for p in programs.values():
+        assert p["fits"] and not p["error"] and p["kernels"] > 0 and p["attention_kernel"] == "xla", p
+        assert 0 < p["compiler_peak_bytes"] < 1024 ** 3, p
+    step, logprob = programs["train_step"], programs["logprob_pass"]
+    # 2 rows of a 64-token prompt and 8 responses of 32: the model's forward is 490.7 MFLOP, training 3 x that
+    assert step["model_flops"] == model_flops(TINY, rows=2, prompt_tokens=64, samples=8, response_tokens=32)
+    assert logprob["model_flops"] == step["model_flops"] / 3
+    assert 1.0 <= step["matmul_flops"] / step["model_flops"] <= 2.5, table
+    assert 1.0 <= logprob["matmul_flops"] / logprob["model_flops"] <= 2.0, table
+    # a result saved before these fields existed is still read (their defaults)
+    old = {**saved, "programs": [{k: v for k, v in p.items() if k not in ("kernels", "attention_kernel",
+                                                                        "matmul_flops", "model_flops",
+                                                                        "conditionals", "largest_buffer")}
+                                 for p in saved["programs"]]}
+    from jaxrl_llm.train import load_config
+
+    fresh = aot.refresh_estimates(load_config(CONFIGS / "grpo.yaml", args[7:]), old, model_config=TINY)
+    assert [p["fits"] for p in fresh["programs"]] == [True] * 4 and fresh["programs"][0]["kernels"] == 0
+    assert "train_step" in aot.format_report({**fresh, "programs": [aot.ProgramReport(**p)
+                                                                    for p in fresh["programs"]]})
+
+
+def test_compile_without_the_cuda_plugin_exits_2_with_the_install_line(capsys):
+    """Without the gpu-compile extra, compiling for GPU hosts stops before any work: exit 2, the install line."""
+    from jaxrl_llm import cli
+    from jaxrl_llm.train import gpu_targets
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(gpu_targets, "cuda_plugin_installed", lambda: False)
+        assert cli.main(["compile", "--config", str(CONFIGS / "grpo.yaml"), "--topology", "h100-8"]) == 2
+    err = capsys.readouterr().err
+    assert "pip install 'jaxrl_llm[gpu-compile]'" in err and "bash scripts/setup.sh gpu-compile" in err, err
