@@ -283,6 +283,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     """Entry point of the `jaxrl-llm` console script; returns the exit status."""
+    from jaxrl_llm.platforms import quiet_absent_accelerators
+
+    quiet_absent_accelerators()  # before jax is imported: no libtpu or CUDA plugin probe where its device is absent
     args = build_parser().parse_args(argv)
     try:
         return args.run(args)

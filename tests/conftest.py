@@ -8,21 +8,18 @@ against 643 s with full optimization. The HLO passes still run, so the programs 
 speed is measured by benchmarks/, which compile as users do. Set the variable to 0 to test with full
 optimization."""
 
-import glob
-import importlib.util
 import os
-import shutil
+
+from jaxrl_llm.platforms import quiet_absent_accelerators
 
 os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
 
-# The test extras install libtpu for the ahead-of-time TPU compile tests. Off a TPU, every JAX process would
-# otherwise try to open a TPU at start (an error message each) and take libtpu's lockfile, which a second
-# process (pytest-xdist's other worker, a multi-process test) then fails on. Without a TPU or a GPU here, the
-# tests run on the CPU backend (the TPU topology still compiles) and libtpu may be loaded more than once.
-if importlib.util.find_spec("libtpu") is not None and not glob.glob("/dev/accel*") and not glob.glob("/dev/vfio/[0-9]*"):
-    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-    if shutil.which("nvidia-smi") is None:
-        os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# The test extras install libtpu (and the CUDA plugin) for the ahead-of-time compile tests. Off a TPU, every JAX
+# process would otherwise try to open a TPU at start (an error message each) and take libtpu's lockfile, which a
+# second process (pytest-xdist's other worker, a multi-process test) then fails on. The CLI decides this at start
+# (jaxrl_llm.platforms); here the same decision reaches the workers and every process a test starts: without a TPU
+# or a GPU the tests run on the CPU backend (TPU and GPU topologies still compile) and libtpu may load twice.
+quiet_absent_accelerators()
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
