@@ -5,8 +5,9 @@ XLA's GPU compiler runs without a GPU when it is handed a description of the car
 target_config=..., topology="<slices>x<hosts>x<gpus per host>")` returns compile-only devices of that many cards.
 This path is not documented by JAX (jax issues #28376, #23971); its limits are in docs/launch.md: no autotuning
 (GEMMs get untuned Triton configs), cuDNN graphs are not built or validated, and the HLO text the statistics are
-read from is not a stable format. Checked with jax, jaxlib, jax-cuda12-plugin and jax-cuda12-pjrt 0.10.2 and
-nvidia-cudnn-cu12 9.28 (the `gpu-compile` extra).
+read from is not a stable format. Checked with jax, jaxlib, jax-cuda12-plugin and jax-cuda12-pjrt 0.10.2,
+nvidia-cudnn-cu12 9.28 (tracing cuDNN attention needs it) and nvidia-cuda-nvcc-cu12 12.9 (its ptxas compiles the
+kernels' PTX: without a ptxas XLA stops, "No PTX compilation provider is available"): the `gpu-compile` extra.
 
 The CUDA plugin is an optional extra; `gpu_devices` raises `CudaPluginMissing` without it. On a host without a GPU
 the plugin registers only if its check of the CUDA libraries is skipped: JAX_PLATFORMS=cpu (what `jaxrl-llm compile`
@@ -24,8 +25,8 @@ import re
 from jaxrl_llm.train.memory import GIB
 
 INSTALL_HINT = ("compiling for an NVIDIA GPU needs the CUDA plugin: pip install 'jaxrl_llm[gpu-compile]' (or bash "
-                "scripts/setup.sh gpu-compile), which installs jax-cuda12-plugin, jax-cuda12-pjrt and nvidia-cudnn-cu12 "
-                "at the versions this project tested")
+                "scripts/setup.sh gpu-compile), which installs jax-cuda12-plugin, jax-cuda12-pjrt, nvidia-cudnn-cu12 "
+                "and nvidia-cuda-nvcc-cu12 at the versions this project tested")
 
 # XLA's GPU compiler rematerializes a program toward 0.95 x (0.8 x device memory - its arguments) and never refuses
 # one over it (it logs "Can't reduce memory use below ..."; measured with jaxlib 0.10.2 at three memory sizes). A

@@ -228,6 +228,11 @@ class _Walker:
         return seen
 
 
+def _bits(dtype: str) -> int:
+    digits = re.search(r"\d+", dtype)
+    return int(digits.group()) if digits and dtype[0] in "bfsuc" else 8  # pred: a byte
+
+
 def _attention_kernel(text: str) -> str:
     if "__cudnn$fmha" in text:
         return "cudnn"
@@ -242,14 +247,15 @@ def program_stats(text: str) -> ProgramStats:
     if not walker.entry:
         return ProgramStats(attention_kernel=_attention_kernel(text))
     kernels, conditionals, flops = walker.run(walker.entry)
-    largest, largest_size = "", -1
-    for name in walker.executed():
+    largest, largest_size = "", (-1, 0)
+    for name in sorted(walker.executed()):
         for instruction in walker.computations.get(name, []):
             if instruction.op in _ALIASES:
                 continue
             for dtype, dims in instruction.shapes:
-                if math.prod(dims) > largest_size:
-                    largest, largest_size = f"{dtype}[{','.join(map(str, dims))}]", math.prod(dims)
+                size = (math.prod(dims), _bits(dtype))  # of equal element counts, the wider type
+                if size > largest_size:
+                    largest, largest_size = f"{dtype}[{','.join(map(str, dims))}]", size
     return ProgramStats(_attention_kernel(text), int(kernels), int(conditionals), flops, largest,
                         tuple(walker.unknown_trip))
 
