@@ -274,9 +274,11 @@ def compile_run(cfg: RunConfig, topology: str | Topology, *, model_config: Model
                            state_sharding=state_sharding, batch_sharding=batch_sharding, seed=cfg.train.seed,
                            **lora_kwargs)
     hbm = topo.chip.usable_bytes  # what each program is held to
-    # the model's FLOPs per device: the mini-batch's rows are split over data x fsdp, the matrices over tensor
+    # the model's FLOPs per device (the rows split over data x fsdp, the matrices over tensor): each row's prompt and
+    # its responses, not the padding slots of the bucket; full fine-tuning's count (LoRA's step needs less)
     work = dict(model_config=mc, rows=rows, prompt_tokens=cfg.data.max_prompt_tokens,
-                samples=batch.pred_index.shape[1], response_tokens=cfg.sampling.max_new_tokens)
+                samples=min(batch.pred_index.shape[1], cfg.sampling.samples_per_prompt),
+                response_tokens=cfg.sampling.max_new_tokens)
     per_device = split * sizes.get("tensor", 1)
     programs = []
     lowered = (step.jitted.lower(state, batch, denom, base) if lora_kwargs else step.lower(state, batch, denom))
