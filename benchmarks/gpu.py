@@ -215,7 +215,11 @@ def paper_batch(config, rows: int, prompt_len: int, resp_len: int, samples: int,
 
 
 def train(small: bool, ceil: dict, torch_side: bool = True, layers: int | None = None, rows: int = 2,
-          samples: int = 8, resp_len: int | None = None, block: int | None = 512) -> dict:
+          samples: int = 8, resp_len: int | None = None, block: int | None = 512,
+          impls: tuple[str, ...] = ("auto", "xla")) -> dict:
+    """The train step with each of `impls` (`model.attention_impl`; the first is the default path, whose figures
+    are the part's top-level `ours_*`; the others under their own names, timed once after the first call), the
+    attention kernel and kernel count read from each compiled program, then torch on the same samples."""
     import jax
     import jax.numpy as jnp
 
@@ -225,57 +229,87 @@ def train(small: bool, ceil: dict, torch_side: bool = True, layers: int | None =
     from jaxrl_llm.train.state import init_state, make_optimizer
     from jaxrl_llm.train.step import make_logprob_fn, make_train_step
 
-    config = shrink(qwen_shape(), small).replace(param_dtype="float32", compute_dtype="bfloat16", remat=True,
-                                                 remat_policy="full", attention_block_size=(64 if small else block)
-                                                 or None, remat_logits=True)
-    if layers:
-        config = config.replace(num_layers=layers)
     prompt_len = 64 if small else 1024
     resp_len = resp_len or (96 if small else 3072)
-    prompts, responses, lengths, groups, adv, per_token = paper_batch(config, rows, prompt_len, resp_len, samples)
-    params = random_params(config, "float32")
+    # max_prompt_tokens (the data's prompt bound, set by the run from data.max_prompt_tokens) sizes the regrouped
+    # rows of the fused paths: prompt + one response, not the whole packed row
+    base = shrink(qwen_shape(), small).replace(param_dtype="float32", compute_dtype="bfloat16", remat=True,
+                                               remat_policy="full", attention_block_size=(64 if small else block)
+                                               or None, remat_logits=True, max_prompt_tokens=prompt_len)
+    if layers:
+        base = base.replace(num_layers=layers)
+    prompts, responses, lengths, groups, adv, per_token = paper_batch(base, rows, prompt_len, resp_len, samples)
+    params = random_params(base, "float32")
     probe = pack_groups(prompts, groups, responses, lengths)
-    old = np.asarray(make_logprob_fn(config)(params, jax.tree_util.tree_map(jnp.asarray, probe)))
+    old = np.asarray(make_logprob_fn(base)(params, jax.tree_util.tree_map(jnp.asarray, probe)))
     flat_old = np.concatenate([old[g, :samples] for g in range(rows)])  # [rows * samples, R]
     batch = pack_groups(prompts, groups, responses, lengths, advantages=per_token, old_logp=flat_old)
-    out = {"layers": config.num_layers, "attention_block_size": config.attention_block_size, "rows": rows,
+    out = {"layers": base.num_layers, "attention_block_size": base.attention_block_size, "rows": rows,
            "row_tokens": int(batch.tokens.shape[1]), "responses_per_row": samples,
            "prompt_tokens": prompt_len, "response_tokens": resp_len}
+    tokens = int(np.asarray(batch.mask).sum()) + rows * prompt_len
+    scored = int(np.asarray(batch.mask).sum())
+    pairs = attended_pairs(np.asarray(batch.positions), np.asarray(batch.segments))
+    flops = train_step_flops(base, tokens, scored, pairs)
+    out["model_flops"] = flops
     algo = AlgorithmSection()
     optimizer = make_optimizer(OptimSection())
     batch = jax.tree_util.tree_map(jnp.asarray, batch)
     denom = aggregate_denominator(batch.mask.reshape(-1, batch.mask.shape[-1]), algo.agg)
-    step = make_train_step(config, algo, optimizer, micro_batch_size=1)
-    holder = {"state": init_state(params, optimizer)}
+    for index, impl in enumerate(impls):
+        config = base.replace(attention_impl=impl)
+        path = out if index == 0 else out.setdefault(impl, {})
+        path["attention_impl"] = impl
+        try:
+            step = make_train_step(config, algo, optimizer, micro_batch_size=1)
+            # a copy each: the step donates its state, and the next path starts from the same weights
+            holder = {"state": init_state(jax.tree_util.tree_map(jnp.copy, params), optimizer)}
+            start = time.perf_counter()
+            compiled = step.lower(holder["state"], batch, denom).compile()
+            path["compile_s"] = time.perf_counter() - start
+            path.update(program_stats(compiled.as_text()))
+
+            def one_step():
+                holder["state"], metrics = compiled(holder["state"], batch, denom)
+                jax.block_until_ready((holder["state"], metrics))
+                holder["metrics"] = metrics
+
+            start = time.perf_counter()
+            one_step()
+            path["first_s"] = time.perf_counter() - start
+            path["first_loss"] = float(holder["metrics"]["loss"])
+            path["first_grad_norm"] = float(holder["metrics"]["grad_norm"])
+            path["ours_step_s"] = median_time(one_step, 3 if index == 0 else 1, 0)
+            path["ours_mfu"] = flops / path["ours_step_s"] / ceil["bf16_matmul_flops"]
+            stats = jax.devices()[0].memory_stats() or {}
+            path["xla_peak_bytes"] = int(stats.get("peak_bytes_in_use", 0))  # the process's peak so far
+        except Exception as error:  # noqa: BLE001 - report, keep the other paths
+            traceback.print_exc()
+            path["error"] = f"{type(error).__name__}: {str(error).splitlines()[0][:300]}"
+        print(f"  train ours ({impl}): {path if index else {k: v for k, v in out.items() if k not in impls}}",
+              flush=True)
+        holder = step = compiled = None
     del params
-
-    def one_step():
-        holder["state"], metrics = step(holder["state"], batch, denom)
-        jax.block_until_ready((holder["state"], metrics))
-        holder["metrics"] = metrics
-
-    start = time.perf_counter()
-    one_step()
-    out["compile_and_first_s"] = time.perf_counter() - start
-    out["first_loss"] = float(holder["metrics"]["loss"])
-    out["first_grad_norm"] = float(holder["metrics"]["grad_norm"])
-    out["ours_step_s"] = median_time(one_step, 3, 0)
-    stats = jax.devices()[0].memory_stats() or {}
-    out["xla_peak_bytes"] = int(stats.get("peak_bytes_in_use", 0))
-    tokens = int(np.asarray(batch.mask).sum()) + rows * prompt_len
-    scored = int(np.asarray(batch.mask).sum())
-    pairs = attended_pairs(np.asarray(batch.positions), np.asarray(batch.segments))
-    flops = train_step_flops(config, tokens, scored, pairs)
-    out.update(model_flops=flops, ours_mfu=flops / out["ours_step_s"] / ceil["bf16_matmul_flops"])
-    print(f"  train ours: {out}", flush=True)
-    del holder, step
     if torch_side:
         try:
-            out.update(torch_train(config, prompts, responses, adv, flat_old, samples, small))
-            out["ours_vs_torch"] = out["torch_step_s"] / out["ours_step_s"]
+            out.update(torch_train(base, prompts, responses, adv, flat_old, samples, small))
+            for impl in impls:
+                path = out if impl == impls[0] else out.get(impl, {})
+                if path.get("ours_step_s"):
+                    path["ours_vs_torch"] = out["torch_step_s"] / path["ours_step_s"]
         except Exception as error:  # noqa: BLE001 - report, keep the other parts
             out["torch_error"] = f"{type(error).__name__}: {str(error).splitlines()[0][:300]}"
     return out
+
+
+def program_stats(hlo_text: str) -> dict:
+    """The compiled program's attention kernel, kernels launched per call and matmul FLOPs
+    (`jaxrl_llm.train.hlo_stats`), as a JSON-ready dict."""
+    import dataclasses
+
+    from jaxrl_llm.train.hlo_stats import program_stats as stats
+
+    return {k: v for k, v in dataclasses.asdict(stats(hlo_text)).items() if isinstance(v, (int, float, str))}
 
 
 def torch_train(config, prompts, responses, adv, old_logp, samples: int, small: bool) -> dict:
@@ -364,13 +398,17 @@ def memory(small: bool, measured: dict) -> dict:
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=".")
-    parser.add_argument("--parts", default="ceilings,train,memory,sampler,attention")
+    parser.add_argument("--parts", default="ceilings,train,memory,sampler,attention")  # train first: it answers
+    # the GPU issue; a run cut short by gpu.sh's timeout keeps what it did
     parser.add_argument("--small", action="store_true", help="tiny shapes, to check the script on a CPU")
     parser.add_argument("--layers", type=int, default=None, help="train: keep only the first N layers")
     parser.add_argument("--rows", type=int, default=2, help="train: packed rows (one micro-batch each)")
     parser.add_argument("--samples", type=int, default=8, help="train: responses per packed row")
     parser.add_argument("--response-tokens", type=int, default=None, help="train: tokens per response (3072)")
     parser.add_argument("--block", type=int, default=512, help="train: attention block size (0: full attention)")
+    parser.add_argument("--impls", default="auto,xla",
+                        help="train: model.attention_impl values, the first the default path (auto: cuDNN on a GPU; "
+                             "xla: the packed rows in tiles, the path measured 14x slower than torch)")
     parser.add_argument("--skip-torch", action="store_true")
     args = parser.parse_args()
     import jax
@@ -401,7 +439,7 @@ def main():
                 results[part] = attention(args.small)
             elif part == "train":
                 results[part] = train(args.small, ceil, not args.skip_torch, args.layers, args.rows, args.samples,
-                                      args.response_tokens, args.block)
+                                      args.response_tokens, args.block, tuple(args.impls.split(",")))
             elif part == "memory":
                 results[part] = memory(args.small, results.get("train", {}))
             else:
