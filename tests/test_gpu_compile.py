@@ -165,7 +165,8 @@ def test_tiny_train_step_compiles_for_one_h200_through_the_command(tmp_path, cap
     from jaxrl_llm import cli
 
     real = aot.compile_run
-    args = ["compile", "--config", str(CONFIGS / "grpo.yaml"), "--topology", "h200-1", "--json", str(tmp_path / "out.json"),
+    args = ["compile", "--config", str(CONFIGS / "grpo.yaml"), "--topology", "h200-1", "--json",
+            str(tmp_path / "out.json"),
             "sampling.max_new_tokens=32", "data.max_prompt_tokens=64", "optim.micro_batch_size=2",
             "sampling.prompts_per_step=2", "train.mesh=fsdp=1"]
     with pytest.MonkeyPatch.context() as patch:

@@ -71,16 +71,17 @@ def _gpu(generation: str, name: str, memory: int, **card) -> Gpu:
                int(COMPILER_MEMORY_FRACTION * memory))
 
 
-# Hopper (sm_90): 132 SMs of 128 FP32 lanes at 1.98 GHz boost, 50 MiB L2, 228 KiB shared memory per SM (227 KiB opt-in per block);
-# H100 SXM 80 GB, 3.35 TB/s, 84,929,347,584 bytes as CUDA reports the card (jax#28376's target); H200 141 GB HBM3e,
-# 4.8 TB/s, 150,754,820,096 bytes as CUDA reports it (NVIDIA's 141 GB). Ampere A100 SXM 80 GB (sm_80): 108 SMs of 64 FP32 lanes at
-# 1.41 GHz, 40 MiB L2, 2.0 TB/s, 164 KiB shared per SM (163 KiB opt-in), 80 GiB.
-_HOPPER = dict(sms=132, fpus=128, major=9, l2_bytes=50 * 2 ** 20, clock_ghz=1.98, shared_per_core=233472, shared_optin=232448)
+# Hopper (sm_90): 132 SMs of 128 FP32 lanes at 1.98 GHz boost, 50 MiB L2, 228 KiB shared memory per SM (227 KiB
+# opt-in per block). H100 SXM 80 GB: 3.35 TB/s, 84,929,347,584 bytes as CUDA reports the card (jax#28376's target).
+# H200 141 GB HBM3e: 4.8 TB/s, 150,754,820,096 bytes as CUDA reports it. Ampere A100 SXM 80 GB (sm_80): 108 SMs of
+# 64 FP32 lanes at 1.41 GHz, 40 MiB L2, 2.0 TB/s, 164 KiB shared per SM (163 KiB opt-in), 80 GiB.
+_HOPPER = dict(sms=132, fpus=128, major=9, l2_bytes=50 * 2 ** 20, clock_ghz=1.98, shared_per_core=233472,
+               shared_optin=232448)
 GPUS = {
     "h100": _gpu("h100", "NVIDIA H100 80GB HBM3", 84929347584, bandwidth=3.35e12, **_HOPPER),
     "h200": _gpu("h200", "NVIDIA H200", 150754820096, bandwidth=4.8e12, **_HOPPER),
-    "a100": _gpu("a100", "NVIDIA A100-SXM4-80GB", 80 * GIB, sms=108, fpus=64, major=8, l2_bytes=40 * 2 ** 20, clock_ghz=1.41,
-                 bandwidth=2.0e12, shared_per_core=167936, shared_optin=166912),
+    "a100": _gpu("a100", "NVIDIA A100-SXM4-80GB", 80 * GIB, sms=108, fpus=64, major=8, l2_bytes=40 * 2 ** 20,
+                 clock_ghz=1.41, bandwidth=2.0e12, shared_per_core=167936, shared_optin=166912),
 }
 
 
@@ -97,7 +98,8 @@ def parse_gpu_topology(name: str):
         return None
     gpu, per_host, hosts = GPUS[match.group(1)], int(match.group(2)), int(match.group(3) or 1)
     if not 1 <= per_host <= gpu.gpus_per_host:
-        raise ValueError(f"topology {name!r}: a {gpu.generation} host has 1 to {gpu.gpus_per_host} GPUs, got {per_host}")
+        raise ValueError(f"topology {name!r}: a {gpu.generation} host has 1 to {gpu.gpus_per_host} GPUs, "
+                         f"got {per_host}")
     if hosts < 1 or (hosts > 1 and per_host != gpu.gpus_per_host):
         raise ValueError(f"topology {name!r}: several hosts are counted as full hosts of {gpu.gpus_per_host} GPUs "
                          f"({gpu.generation}-{gpu.gpus_per_host}x{max(hosts, 2)})")

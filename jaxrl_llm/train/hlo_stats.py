@@ -146,8 +146,8 @@ class _Walker:
         out = instruction.shapes[0][1] if instruction.shapes else ()
         if instruction.op == "dot":
             lhs = self._dims(0, instruction)
-            return 2.0 * math.prod(out) * math.prod(lhs[d] for d in _contracted(instruction.attrs, "lhs_contracting_dims")
-                                                    if d < len(lhs))
+            contracted = _contracted(instruction.attrs, "lhs_contracting_dims")
+            return 2.0 * math.prod(out) * math.prod(lhs[d] for d in contracted if d < len(lhs))
         if instruction.op == "convolution":  # every kernel dimension but the output feature is contracted
             labels = re.search(r"dim_labels=[^_]+_([^-]+)->", instruction.attrs)
             kernel = self._dims(1, instruction)
@@ -160,9 +160,8 @@ class _Walker:
         target = target.group(1) if target else ""
         if target.startswith("__cublas$"):
             lhs = self._dims(0, instruction)
-            return 2.0 * math.prod(out) * math.prod(lhs[d] for d in _contracted(instruction.attrs,
-                                                                               "lhs_contracting_dimensions")
-                                                    if d < len(lhs))
+            contracted = _contracted(instruction.attrs, "lhs_contracting_dimensions")
+            return 2.0 * math.prod(out) * math.prod(lhs[d] for d in contracted if d < len(lhs))
         if target.startswith("__cudnn$fmha"):  # q [B, T, H, d] or [B, H, T, d]; k's sequence the longer middle dim
             q, k = self._dims(0, instruction), self._dims(1, instruction)
             if len(q) < 3 or len(k) < 3:
@@ -281,7 +280,8 @@ def model_flops(model_config, *, rows: int, prompt_tokens: int, samples: int, re
     padding tokens' attention too (76.03 M pairs per row against 63.45 M)."""
     mc = model_config
     q, kv = mc.num_heads * mc.head_dim, mc.num_kv_heads * mc.head_dim
-    weights = mc.num_layers * (2 * mc.hidden_size * q + 2 * mc.hidden_size * kv + 3 * mc.hidden_size * mc.intermediate_size)
+    d = mc.hidden_size
+    weights = mc.num_layers * (2 * d * q + 2 * d * kv + 3 * d * mc.intermediate_size)
     tokens = rows * (prompt_tokens + samples * response_tokens)
     scored = rows * samples * response_tokens
     pairs = rows * attended_pairs(prompt_tokens, samples, response_tokens)
