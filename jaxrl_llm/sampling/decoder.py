@@ -257,12 +257,22 @@ def _attend(q, prompt_k, prompt_v, response_k, response_v, prompt_lengths, step,
     return (out / total).reshape(batch, num_heads * head_dim)
 
 
+# How a decode step lowered for a GPU reads a full-attention layer's response tiles: "reached" (the `lax.switch`
+# over the tiles written so far, as on a CPU) or "every" (as on a TPU). Both compiled for one H200 (the 1.5B paper
+# preset's sampler decode, `jaxrl-llm compile --topology h200-1`, 2026-11-29): "reached" 2,105 kernels and 28
+# conditionals per generated token (one switch a layer), "every" 2,022 kernels and none, the same matmul FLOPs.
+# Fewer kernels and no conditional per layer, at the price of reading the unwritten tiles (up to twice the
+# response cache's bytes early in a call): a prediction until the sampler is timed both ways on the device.
+GPU_DECODE_READS = "every"
+
+
 def _attend_reached(q, prompt_k, prompt_v, tiles_k: tuple, tiles_v: tuple, prompt_lengths, step, config: ModelConfig):
     """`_attend` over the response tiles that hold a token so far (tiles 0..step // T; with one step per row,
     up to the deepest row's tile, the other rows masked as in `_attend`): a `lax.switch` with one branch per
     count of tiles, each reading only its tiles.
 
-    Lowered for a TPU it reads every tile instead (the unreached ones add exact zeros): XLA's TPU compiler copies
+    Lowered for a TPU (and, by `GPU_DECODE_READS`, a GPU) it reads every tile instead (the unreached ones add exact
+    zeros): XLA's TPU compiler copies
     the loop-carried caches a conditional takes as operands, which held 2.8x the KV cache in temporaries
     (`jaxrl-llm compile`, tiny model on v5e 2x2 at 512 new tokens: 194.6 MB against 33.2 MB without the switch;
     a conditional per tile still 150.2 MB), where reading the unreached tiles costs bandwidth instead."""
@@ -277,7 +287,9 @@ def _attend_reached(q, prompt_k, prompt_v, tiles_k: tuple, tiles_v: tuple, promp
     def reached(*operands):
         return jax.lax.switch(jnp.max(step) // tile, branches, *operands)
 
-    return jax.lax.platform_dependent(q, prompt_k, prompt_v, tiles_k, tiles_v, tpu=branches[-1], default=reached)
+    every = branches[-1]
+    return jax.lax.platform_dependent(q, prompt_k, prompt_v, tiles_k, tiles_v, tpu=every,
+                                      cuda=every if GPU_DECODE_READS == "every" else reached, default=reached)
 
 
 def _write_tiles(tiles: tuple, new: jax.Array, step: jax.Array, axis: int) -> tuple:
