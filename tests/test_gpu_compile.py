@@ -209,3 +209,21 @@ def test_compile_without_the_cuda_plugin_exits_2_with_the_install_line(capsys):
         assert cli.main(["compile", "--config", str(CONFIGS / "grpo.yaml"), "--topology", "h100-8"]) == 2
     err = capsys.readouterr().err
     assert "pip install 'jaxrl_llm[gpu-compile]'" in err and "bash scripts/setup.sh gpu-compile" in err, err
+
+
+@needs_plugin
+def test_tiny_run_compiles_over_two_h100_hosts():
+    """`h100-8x2`: 16 GPUs on two hosts, the run's mesh `fsdp=16` over all of them; each program's matmul FLOPs and
+    the model's are per GPU (the 16 rows split one a GPU), the same ratio as on one GPU with 2 rows."""
+    from jaxrl_llm.train.config import load_config
+
+    cfg = load_config(CONFIGS / "grpo.yaml", ["sampling.max_new_tokens=32", "data.max_prompt_tokens=64",
+                                             "optim.micro_batch_size=16", "sampling.prompts_per_step=16",
+                                             "train.mesh=fsdp=16"])
+    result = aot.compile_run(cfg, "h100-8x2", model_config=TINY)
+    table = aot.format_report(result)
+    assert result["devices"] == 16 and result["topology_desc"] == "1x2x8" and result["mesh"]["fsdp"] == 16, table
+    assert all(p.fits and p.kernels > 0 for p in result["programs"]), table
+    step = result["programs"][0]
+    assert step.model_flops == model_flops(TINY, rows=16, prompt_tokens=64, samples=8, response_tokens=32) / 16
+    assert 1.0 <= step.matmul_flops / step.model_flops <= 2.5, table
