@@ -173,7 +173,7 @@ def _cmd_compile(args) -> int:
     _say(f"jaxrl-llm compile: {config.model.source} ({config.algorithm.name}) for {args.topology}, "
          f"train.mesh={config.train.mesh!r}")
     try:
-        result = compile_run(config, args.topology)
+        result = compile_run(config, args.topology, only=tuple(args.programs.split(",")) if args.programs else None)
     except (LibtpuMissing, CudaPluginMissing) as err:
         print(f"jaxrl-llm compile: error: {err}", file=sys.stderr)
         return 2
@@ -259,6 +259,9 @@ def build_parser() -> argparse.ArgumentParser:
                           help="a slice: v4-8, v4-32, v5litepod-8, v5litepod-64, v5p-8, v6e-8, ... or v5e:4x4; GPU "
                                "hosts: h100-8, h200-1, h200-8, a100-8, h100-8x2 (two hosts)")
     compile_.add_argument("--json", metavar="OUT", default=None, help="write the table as JSON here")
+    compile_.add_argument("--programs", metavar="NAMES", default=None,
+                          help="only these of the run's programs, comma-separated (train_step, logprob_pass, "
+                               "critic_step, gvm_grad_norms, sampler_prefill, sampler_decode, sampler_continuous)")
     compile_.add_argument("overrides", nargs="*", metavar="section.key=value")
     compile_.set_defaults(run=_cmd_compile)
     evaluation = commands.add_parser("eval", help="avg@k / pass@k / maj@k of a model on benchmark sets")

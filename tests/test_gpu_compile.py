@@ -170,7 +170,7 @@ def test_tiny_train_step_compiles_for_one_h200_through_the_command(tmp_path, cap
             "sampling.max_new_tokens=32", "data.max_prompt_tokens=64", "optim.micro_batch_size=2",
             "sampling.prompts_per_step=2", "train.mesh=fsdp=1"]
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(aot, "compile_run", lambda cfg, topo: real(cfg, topo, model_config=TINY))
+        patch.setattr(aot, "compile_run", lambda cfg, topo, **kw: real(cfg, topo, model_config=TINY, **kw))
         assert cli.main(args) == 0
     table = capsys.readouterr().out
     assert "h200-1 (1x1x1, 1 devices, 140.40 GiB HBM each, 106.71 usable by a program)" in table, table
@@ -227,3 +227,36 @@ def test_tiny_run_compiles_over_two_h100_hosts():
     step = result["programs"][0]
     assert step.model_flops == model_flops(TINY, rows=16, prompt_tokens=64, samples=8, response_tokens=32) / 16
     assert 1.0 <= step.matmul_flops / step.model_flops <= 2.5, table
+
+
+@needs_plugin
+def test_paper_train_step_on_one_h200_runs_cudnn_attention_in_few_kernels():
+    """The 1.5B GRPO paper preset's train step (28 layers, f32 weights, bf16 compute, full remat, attention tiles of
+    512 for the xla path) on 2 of the paper's packed rows (a 1024-token prompt + 8 x 3072), one row per
+    micro-batch, compiled for one H200 with the default `model.attention_impl=auto`: cuDNN's fused attention on the
+    regrouped rows, at most 20,000 kernels (the packed xla path's tile loop: ~13.85 million on this shape), no
+    conditional per tile, matmul FLOPs at most 1.5 x the model's, and no buffer with two dimensions as long as the
+    packed row (no [T, T] scores)."""
+    import re
+
+    from jaxrl_llm.train.config import load_config
+    from jaxrl_llm.train.memory import KNOWN_MODELS
+
+    cfg = load_config(CONFIGS / "paper" / "qwen2.5-math-1.5b_grpo.yaml",
+                      ["train.mesh=fsdp=1", "optim.micro_batch_size=1", "sampling.prompts_per_step=2",
+                       "optim.mini_batches=1"])
+    texts = []
+    with pytest.MonkeyPatch.context() as patch:  # the compiled program's text, as `_report` reads it
+        patch.setattr(aot, "program_stats", lambda text: (texts.append(text), program_stats(text))[1])
+        result = aot.compile_run(cfg, "h200-1", model_config=KNOWN_MODELS["qwen2.5-math-1.5b"], only=("train_step",))
+    (step,) = result["programs"]
+    table = aot.format_report(result)
+    assert (result["rows"], result["row_length"]) == (2, 28672), table
+    assert step.fits and step.attention_kernel == "cudnn", table
+    assert step.kernels <= 20_000 and step.conditionals < 10, table
+    assert step.model_flops == model_flops(KNOWN_MODELS["qwen2.5-math-1.5b"], rows=2, prompt_tokens=1024, samples=8,
+                                           response_tokens=3072)
+    assert step.matmul_flops / step.model_flops <= 1.5, table
+    shapes = {m.group(0) for m in re.finditer(r"\b[a-z][a-z0-9]*\[[0-9,]+\]", texts[0])}
+    long = [s for s in shapes if sum(int(n) >= 28672 for n in s.split("[")[1][:-1].split(",")) >= 2]
+    assert not long, long

@@ -40,7 +40,7 @@ from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.model import init_params
 from jaxrl_llm.models.sharding import make_mesh, param_shardings
 from jaxrl_llm.train.config import RunConfig, lora_enabled, uses_critic
-from jaxrl_llm.train.gpu_targets import CudaPluginMissing, Gpu, gpu_devices, parse_gpu_topology
+from jaxrl_llm.train.gpu_targets import CudaPluginMissing, Gpu, gpu_devices, parse_gpu_topology  # noqa: F401
 from jaxrl_llm.train.hlo_stats import model_flops, program_stats
 from jaxrl_llm.train.memory import GIB, estimate_memory, model_config_for
 from jaxrl_llm.train.packing import TrainBatch, bucket
@@ -229,11 +229,20 @@ def _report(name: str, lowered, usable_bytes: int, needed_flops: float = 0.0) ->
     return report
 
 
+PROGRAMS = ("train_step", "logprob_pass", "critic_step", "gvm_grad_norms", "sampler_prefill", "sampler_decode",
+            "sampler_continuous")
+
+
 def compile_run(cfg: RunConfig, topology: str | Topology, *, model_config: ModelConfig | None = None,
-                devices: list | None = None) -> dict[str, Any]:
+                devices: list | None = None, only: tuple[str, ...] | None = None) -> dict[str, Any]:
     """Compile `cfg`'s programs for `topology` with the run's mesh (`train.mesh`; empty: every device on fsdp)
-    and shardings. Returns {"topology", "devices", "hbm_bytes", "mesh", "estimate" (`estimate_memory` on the
-    same mesh), "programs": [ProgramReport]}."""
+    and shardings; `only` (names of PROGRAMS): only those of the run's programs, None every one. Returns
+    {"topology", "devices", "hbm_bytes", "mesh", "estimate" (`estimate_memory` on the same mesh),
+    "programs": [ProgramReport]}."""
+    unknown = sorted(set(only or ()) - set(PROGRAMS))
+    if unknown:
+        raise ValueError(f"unknown program(s) {', '.join(unknown)}: expected some of {', '.join(PROGRAMS)}")
+    wanted = set(only or PROGRAMS)
     from jaxrl_llm.train.setup import batch_shardings, check_mesh_fits, split_devices
 
     topo = parse_topology(topology) if isinstance(topology, str) else topology
@@ -281,21 +290,24 @@ def compile_run(cfg: RunConfig, topology: str | Topology, *, model_config: Model
                 response_tokens=cfg.sampling.max_new_tokens)
     per_device = split * sizes.get("tensor", 1)
     programs = []
-    lowered = (step.jitted.lower(state, batch, denom, base) if lora_kwargs else step.lower(state, batch, denom))
-    programs.append(_report("train_step", lowered, hbm, model_flops(**work) / per_device))
-    logprob = make_logprob_fn(mc, micro_batch_size=cfg.optim.micro_batch_size, param_sharding=param_sharding,
-                              batch_sharding=batch_sharding)
-    programs.append(_report("logprob_pass", logprob.lower(base, batch), hbm,
-                            model_flops(**work, backward=False) / per_device))
-    if uses_critic(cfg):
+    if "train_step" in wanted:
+        lowered = (step.jitted.lower(state, batch, denom, base) if lora_kwargs else step.lower(state, batch, denom))
+        programs.append(_report("train_step", lowered, hbm, model_flops(**work) / per_device))
+    if "logprob_pass" in wanted:
+        logprob = make_logprob_fn(mc, micro_batch_size=cfg.optim.micro_batch_size, param_sharding=param_sharding,
+                                  batch_sharding=batch_sharding)
+        programs.append(_report("logprob_pass", logprob.lower(base, batch), hbm,
+                               model_flops(**work, backward=False) / per_device))
+    if uses_critic(cfg) and "critic_step" in wanted:
         programs.append(_critic_program(cfg, mc, base, batch, batch_sharding, denom, hbm))
     policy = None if lora_kwargs else base  # LoRA: the sampler and GVM read the merged copy (unquantized)
-    if cfg.sampling.allocation == "gvm":
+    if cfg.sampling.allocation == "gvm" and "gvm_grad_norms" in wanted:
         programs.append(_gvm_program(cfg, mc, mesh, policy, hbm))
     sampler_mc, sampler_policy = _sampler_policy(cfg, mc, mesh, sampler_mesh, policy)
-    if cfg.sampling.engine == "static":
-        programs += _sampler_programs(cfg, sampler_mc, sampler_mesh, sampler_policy, hbm)
-    else:
+    if cfg.sampling.engine == "static" and wanted & {"sampler_prefill", "sampler_decode"}:
+        programs += [r for r in _sampler_programs(cfg, sampler_mc, sampler_mesh, sampler_policy, hbm)
+                    if r.name in wanted]
+    elif cfg.sampling.engine != "static" and "sampler_continuous" in wanted:
         programs.append(_continuous_program(cfg, sampler_mc, sampler_mesh, sampler_policy, hbm))
     account(programs, estimate, lora=bool(lora_kwargs), hbm=hbm, sampler=sampler_kind(cfg))
     result = {"topology": topo.name, "topology_desc": topo.topology_name, "devices": len(devices),
