@@ -260,3 +260,65 @@ def test_paper_train_step_on_one_h200_runs_cudnn_attention_in_few_kernels():
     shapes = {m.group(0) for m in re.finditer(r"\b[a-z][a-z0-9]*\[[0-9,]+\]", texts[0])}
     long = [s for s in shapes if sum(int(n) >= 28672 for n in s.split("[")[1][:-1].split(",")) >= 2]
     assert not long, long
+
+
+# A fusion reading one layer of stacked weights f32[4,8,16] (a dynamic-slice: 8*16*4 = 512 bytes read, not 2,048)
+# and writing one row into a cache f32[4,16] in place (dynamic-update-slice: 64 bytes written, the cache not read),
+# then a conditional under the attention tile scope whose expensive branch is 2 kernels, its cheap one 1.
+FUSION_HLO = """HloModule jit_fusion
+
+%fused_slice (w: f32[4,8,16], i: s32[], c: f32[4,16], r: f32[1,16]) -> (f32[8,16], f32[4,16]) {
+  %w = f32[4,8,16]{2,1,0} parameter(0)
+  %i = s32[] parameter(1)
+  %c = f32[4,16]{1,0} parameter(2)
+  %r = f32[1,16]{1,0} parameter(3)
+  %z = s32[] constant(0)
+  %s = f32[1,8,16]{2,1,0} dynamic-slice(%w, %i, %z, %z), dynamic_slice_sizes={1,8,16}
+  %b = f32[8,16]{1,0} bitcast(%s)
+  %u = f32[4,16]{1,0} dynamic-update-slice(%c, %r, %i, %z)
+  ROOT %t = (f32[8,16]{1,0}, f32[4,16]{1,0}) tuple(%b, %u)
+}
+
+%expensive (a: f32[8,16]) -> f32[8,16] {
+  %a = f32[8,16]{1,0} parameter(0)
+  %n = f32[8,16]{1,0} negate(%a)
+  ROOT %e = f32[8,16]{1,0} exponential(%n)
+}
+
+%cheap (a2: f32[8,16]) -> f32[8,16] {
+  ROOT %a2 = f32[8,16]{1,0} parameter(0)
+}
+
+ENTRY %main (w0: f32[4,8,16], i0: s32[], c0: f32[4,16], r0: f32[1,16], p: pred[]) -> f32[8,16] {
+  %w0 = f32[4,8,16]{2,1,0} parameter(0)
+  %i0 = s32[] parameter(1)
+  %c0 = f32[4,16]{1,0} parameter(2)
+  %r0 = f32[1,16]{1,0} parameter(3)
+  %p = pred[] parameter(4)
+  %f = (f32[8,16]{1,0}, f32[4,16]{1,0}) fusion(%w0, %i0, %c0, %r0), kind=kLoop, calls=%fused_slice
+  %x = f32[8,16]{1,0} get-tuple-element(%f), index=0
+  ROOT %y = f32[8,16]{1,0} conditional(%p, %x, %x), branch_computations={%expensive, %cheap}, metadata={op_name="jit(f)/attention_tile/cond"}
+}
+"""
+
+
+def test_kernel_costs_by_hand():
+    """The fusion reads its slice of the weights (512 B), the index (4 B) and the new row (64 B), and writes the
+    slice (512 B) and the row into the cache (64 B): 1,156 B, not the 2,048 + 256 B of the whole weights and cache;
+    the conditional runs both expensive kernels (512 + 512 B each) always by default, a quarter of the time under
+    `taken`, its cheap branch (no kernel) the rest."""
+    from jaxrl_llm.models.layers import TILE_SCOPE
+    from jaxrl_llm.train.gpu_targets import GPUS, LAUNCH_SECONDS, predict_seconds
+    from jaxrl_llm.train.hlo_stats import kernel_costs
+
+    assert kernel_costs(FUSION_HLO) == [(1.0, 0.0, 512 + 4 + 64 + 512 + 64), (1.0, 0.0, 1024.0), (1.0, 0.0, 1024.0)]
+    assert TILE_SCOPE == "attention_tile"
+    assert kernel_costs(FUSION_HLO, {TILE_SCOPE: 0.25}) == [(1.0, 0.0, 1156.0), (0.25, 0.0, 1024.0),
+                                                           (0.25, 0.0, 1024.0)]
+    h200 = GPUS["h200"]  # bytes-bound kernels: bytes / 2.79 TB/s + the launch cost each
+    expected = 1156 / 2.79e12 + 2 * 0.25 * 1024 / 2.79e12 + 1.5 * LAUNCH_SECONDS
+    assert abs(predict_seconds(kernel_costs(FUSION_HLO, {TILE_SCOPE: 0.25}), h200) - expected) < 1e-15
+    # the launch cost is the one benchmarks/gpu_model.py fitted on the measured H200 step
+    fitted = json.loads((CONFIGS.parent / "benchmarks" / "results" / "gpu_model.json").read_text())
+    assert round(fitted["launch_seconds_fitted"], 8) == LAUNCH_SECONDS
+    assert fitted["programs"]["packed_xla_28_layers_2_rows"]["measured_s"] == 33.714942058999995

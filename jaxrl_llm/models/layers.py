@@ -158,6 +158,9 @@ def _pad_time(x: jax.Array, length: int) -> jax.Array:
     return jnp.pad(x, [(0, 0), (0, length - x.shape[1])] + [(0, 0)] * (x.ndim - 2))
 
 
+TILE_SCOPE = "attention_tile"  # the name scope of `blocked_attention`'s conditional per tile
+
+
 def blocked_attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array, block_size: int, *,
                       segment_ids: jax.Array | None = None, key_mask: jax.Array | None = None,
                       window: jax.Array | int | None = None, scale: float | None = None,
@@ -223,7 +226,8 @@ def blocked_attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.A
             # that keeps any key, so the sums are unchanged. A block holding a query that keeps no key at
             # all computes every real tile, so that query averages the real keys as `attention` does.
             needed = tile_read | (every_tile & k_real.any())
-            return jax.lax.cond(needed, tile, lambda *_: carry, carry, key_in), None
+            with jax.named_scope(TILE_SCOPE):  # names the conditional in the compiled program (hlo_stats)
+                return jax.lax.cond(needed, tile, lambda *_: carry, carry, key_in), None
 
         def tile(carry, key_in):
             m_prev, denom_prev, acc_prev = carry

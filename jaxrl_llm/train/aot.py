@@ -40,8 +40,9 @@ from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.model import init_params
 from jaxrl_llm.models.sharding import make_mesh, param_shardings
 from jaxrl_llm.train.config import RunConfig, lora_enabled, uses_critic
-from jaxrl_llm.train.gpu_targets import CudaPluginMissing, Gpu, gpu_devices, parse_gpu_topology  # noqa: F401
-from jaxrl_llm.train.hlo_stats import model_flops, program_stats
+from jaxrl_llm.train.gpu_targets import (CudaPluginMissing, Gpu, gpu_devices, parse_gpu_topology,  # noqa: F401
+                                         predict_seconds)
+from jaxrl_llm.train.hlo_stats import kernel_costs, model_flops, program_stats
 from jaxrl_llm.train.memory import GIB, estimate_memory, model_config_for
 from jaxrl_llm.train.packing import TrainBatch, bucket
 from jaxrl_llm.train.state import init_state, make_optimizer, state_shardings
@@ -196,6 +197,9 @@ class ProgramReport:
     largest_buffer: str = ""
     # the model's matmul FLOPs for the program's work per device (`hlo_stats.model_flops`; 0 where not defined)
     model_flops: float = 0.0
+    # compiled for a GPU: seconds per run predicted by `gpu_targets.predict_seconds` (a per-kernel roofline plus a
+    # launch cost fitted on one measurement; 0: not a GPU target)
+    predicted_s: float = 0.0
 
     @property
     def need_bytes(self) -> int:
@@ -226,6 +230,7 @@ def _report(name: str, lowered, usable_bytes: int, needed_flops: float = 0.0) ->
                            conditionals=stats.conditionals, matmul_flops=stats.matmul_flops,
                            largest_buffer=stats.largest_buffer, model_flops=needed_flops)
     report.fits = report.need_bytes <= usable_bytes
+    report.kernel_costs = kernel_costs(text)  # not a field: read by compile_run for a GPU's prediction
     return report
 
 
@@ -310,6 +315,9 @@ def compile_run(cfg: RunConfig, topology: str | Topology, *, model_config: Model
     elif cfg.sampling.engine != "static" and "sampler_continuous" in wanted:
         programs.append(_continuous_program(cfg, sampler_mc, sampler_mesh, sampler_policy, hbm))
     account(programs, estimate, lora=bool(lora_kwargs), hbm=hbm, sampler=sampler_kind(cfg))
+    if isinstance(topo.chip, Gpu):
+        for program in programs:
+            program.predicted_s = predict_seconds(getattr(program, "kernel_costs", ()), topo.chip)
     result = {"topology": topo.name, "topology_desc": topo.topology_name, "devices": len(devices),
               "hbm_bytes": topo.chip.hbm_bytes, "usable_bytes": hbm,
               "mesh": {k: int(v) for k, v in sizes.items()}, "rows": rows, "row_length": estimate["row_length"],
@@ -589,4 +597,8 @@ def format_report(result: dict[str, Any]) -> str:
                      f"{estimate} {flops:>8} {p.attention_kernel or '-':>6} {_count(p.kernels):>8} {ratio}  "
                      f"{'yes' if p.fits else 'NO'}")
     lines.append(f"estimate_memory peak (every program and the sampler): {est['peak'] / GIB:.2f} GiB per device")
+    predicted = [f"{p.name} {p.predicted_s:.3g}" for p in result["programs"] if p.predicted_s]
+    if predicted:
+        lines.append("predicted seconds per run (a prediction: per-kernel roofline + a launch cost fitted on one "
+                     "measured train step, gpu_targets.predict_seconds): " + ", ".join(predicted))
     return "\n".join(lines)

@@ -47,6 +47,8 @@ class Gpu:
     target_config: str  # GpuTargetConfig text proto
     usable_bytes: int  # what the compiler lets a program use: COMPILER_MEMORY_FRACTION of hbm_bytes
     gpus_per_host: int = 8
+    matmul_flops_s: float = 0.0  # the bf16 matmul ceiling `predict_seconds` uses (see CEILINGS)
+    bandwidth_bytes_s: float = 0.0  # the memory ceiling it uses
 
 
 def _target(*, sms: int, fpus: int, major: int, l2_bytes: int, clock_ghz: float, bandwidth: float, memory: int,
@@ -66,9 +68,31 @@ device_description_str: "{name}"
 """
 
 
+# The ceilings of the per-kernel roofline (`predict_seconds`), bf16 matmul FLOP/s and memory bytes/s. H200: measured
+# on one (benchmarks/gpu.py's ceilings, results/gpu_h200.json: 8192^3 bf16 products, a 1 GiB elementwise pass).
+# H100 SXM: the same die and clocks (the H200's matmul figure), its bandwidth scaled by the datasheets' 3.35 / 4.8.
+# A100: both scaled by the datasheets (312 / 989 dense bf16 TFLOP/s, 2.0 / 4.8 TB/s): not measured.
+CEILINGS = {"h200": (508e12, 2.79e12), "h100": (508e12, 2.79e12 * 3.35 / 4.8),
+            "a100": (508e12 * 312 / 989, 2.79e12 * 2.0 / 4.8)}
+# Seconds each launched kernel costs beyond its roofline: fitted on the one train step measured on a GPU, the packed
+# XLA path's (33.715 s on one H200: results/gpu_h200.json before the fused default, 2 rows of the 1.5B paper shape)
+# by benchmarks/gpu_model.py (results/gpu_model.json); every other figure `predict_seconds` gives is a prediction.
+LAUNCH_SECONDS = 1.39e-6
+
+
+def predict_seconds(costs, gpu: Gpu, launch_seconds: float = LAUNCH_SECONDS) -> float:
+    """A program's predicted seconds per run on `gpu`: the sum over its kernels (`hlo_stats.kernel_costs`: times,
+    matmul FLOPs, bytes) of times x (max(FLOPs / matmul ceiling, bytes / bandwidth) + launch_seconds). A per-kernel
+    roofline with no overlap between kernels, every matmul at the bf16 ceiling, and a conditional's most expensive
+    branch taken."""
+    return sum(times * (max(flops / gpu.matmul_flops_s, nbytes / gpu.bandwidth_bytes_s) + launch_seconds)
+               for times, flops, nbytes in costs)
+
+
 def _gpu(generation: str, name: str, memory: int, **card) -> Gpu:
     return Gpu(generation, name, memory, _target(memory=memory, name=name, **card),
-               int(COMPILER_MEMORY_FRACTION * memory))
+               int(COMPILER_MEMORY_FRACTION * memory), matmul_flops_s=CEILINGS[generation][0],
+               bandwidth_bytes_s=CEILINGS[generation][1])
 
 
 # Hopper (sm_90): 132 SMs of 128 FP32 lanes at 1.98 GHz boost, 50 MiB L2, 228 KiB shared memory per SM (227 KiB

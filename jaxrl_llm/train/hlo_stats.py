@@ -47,6 +47,8 @@ class Instruction:
     shapes: tuple[tuple[str, tuple[int, ...]], ...]  # (dtype, dims) of the result, a tuple's elements in order
     operands: tuple[str, ...]
     attrs: str  # everything after the operand list
+    root: bool = False  # its computation's ROOT
+    parameter: int = -1  # a parameter's number
 
 
 @dataclasses.dataclass
@@ -89,7 +91,9 @@ def _parse_instruction(line: str) -> Instruction | None:
         return None
     close = _closing(rest, op.end() - 1)
     operands = tuple(re.findall(r"%([^\s,()]+)", rest[op.end():close]))
-    return Instruction(head.group(2), op.group(1), _shapes(shape_text), operands, rest[close + 1:])
+    number = re.fullmatch(r"\s*(\d+)\s*", rest[op.end():close]) if op.group(1) == "parameter" else None
+    return Instruction(head.group(2), op.group(1), _shapes(shape_text), operands, rest[close + 1:],
+                       bool(head.group(1)), int(number.group(1)) if number else -1)
 
 
 def parse_module(text: str) -> tuple[dict[str, list[Instruction]], str]:
@@ -134,6 +138,7 @@ class _Walker:
     def __init__(self, text: str):
         self.computations, self.entry = parse_module(text)
         self.shape_of = {i.name: i.shapes[0][1] for c in self.computations.values() for i in c if i.shapes}
+        self.shapes_of = {i.name: i.shapes for c in self.computations.values() for i in c}
         self.unknown_trip: list[str] = []
 
     def _dims(self, operand_index: int, instruction: Instruction) -> tuple[int, ...]:
@@ -213,6 +218,69 @@ class _Walker:
                 flops += sum(self.fused_flops(callee) for callee in _called(instruction, "calls"))
         return kernels, conditionals, flops
 
+    def bytes_of(self, instruction: Instruction) -> float:
+        """Bytes a launched instruction reads and writes: its operands' and its results' arrays, except that in a
+        fusion an operand it only slices (dynamic-slice, slice, gather: a scanned layer's weights) counts its
+        slices, and an operand it updates in place (dynamic-update-slice: a cache or a stacked gradient) counts
+        only the update written."""
+        fused = _called(instruction, "calls") if instruction.op == "fusion" else []
+        body = self.computations.get(fused[0], []) if fused else []
+        if not body:
+            return float(sum(_nbytes(x) for x in instruction.shapes) +
+                         sum(_nbytes(x) for operand in instruction.operands for x in self.shapes_of.get(operand, ())))
+        by_name = {i.name: i for i in body}
+        users: dict[str, list[Instruction]] = {}
+        for i in body:
+            for operand in i.operands:
+                users.setdefault(operand, []).append(i)
+        total = 0.0
+        for param in (i for i in body if i.op == "parameter"):
+            used = users.get(param.name, [])
+            if used and all(u.op in ("dynamic-slice", "slice", "gather") and u.operands[0] == param.name for u in used):
+                total += sum(_nbytes(x) for u in used for x in u.shapes)
+            elif not (used and all(u.op == "dynamic-update-slice" and u.operands[0] == param.name for u in used)):
+                total += sum(_nbytes(x) for x in param.shapes)
+        root = next((i for i in body if i.root), None)
+        outputs = [by_name.get(o) for o in root.operands] if root is not None and root.op == "tuple" else [root]
+        for out in outputs:
+            if out is not None and out.op == "dynamic-update-slice" and len(out.operands) > 1:
+                total += sum(_nbytes(x) for x in self.shapes_of.get(out.operands[1], ()))
+            elif out is not None:
+                total += sum(_nbytes(x) for x in out.shapes)
+        return total
+
+    @functools.lru_cache(maxsize=None)  # noqa: B019
+    def launches(self, name: str, taken: tuple[tuple[str, float], ...] = ()) -> tuple[tuple[float, float, float], ...]:
+        """(times, matmul FLOPs, bytes) of each kernel one execution of a computation launches, as `run` counts
+        them (loop trip counts multiplied in), a conditional whose op_name holds a name of `taken` running its most
+        expensive branch that fraction of the time and its cheapest the rest (every other conditional: its most
+        expensive branch, `run`'s upper bound)."""
+        out: list[tuple[float, float, float]] = []
+        for instruction in self.computations.get(name, []):
+            if instruction.op == "while":
+                trips = _trip_count(instruction) or 1
+                for callee, times in ((_called(instruction, "body"), trips),
+                                      (_called(instruction, "condition"), trips + 1)):
+                    out += [(t * times, f, b) for t, f, b in (self.launches(callee[0], taken) if callee else ())]
+            elif instruction.op == "conditional":
+                branches = sorted((self.launches(b, taken) for b in _called(
+                    instruction, "branch_computations", "true_computation", "false_computation")),
+                    key=lambda b: (sum(t for t, _, _ in b), sum(t * f for t, f, _ in b)))
+                op_name = re.search(r'op_name="([^"]*)"', instruction.attrs)
+                share = next((fraction for scope, fraction in taken if op_name and scope in op_name.group(1)), 1.0)
+                if branches:
+                    out += [(t * share, f, b) for t, f, b in branches[-1]]
+                    out += [(t * (1 - share), f, b) for t, f, b in branches[0]] if share < 1 else []
+            elif instruction.op == "call":
+                for callee in _called(instruction, "to_apply", "calls"):
+                    out += self.launches(callee, taken)
+            elif instruction.op not in _NO_LAUNCH:
+                flops = self.own_flops(instruction)
+                if instruction.op in ("fusion", "fusion-start", "async-start", "custom-call"):
+                    flops += sum(self.fused_flops(callee) for callee in _called(instruction, "calls"))
+                out.append((1.0, flops, self.bytes_of(instruction)))
+        return tuple(out)
+
     def executed(self) -> set[str]:
         """Computations that launch their own kernels: ENTRY and what its control flow runs (not fused bodies)."""
         seen, todo = set(), [self.entry]
@@ -226,6 +294,10 @@ class _Walker:
                     todo += _called(instruction, "body", "condition", "branch_computations", "true_computation",
                                     "false_computation", "to_apply", "calls")
         return seen
+
+
+def _nbytes(shape: tuple[str, tuple[int, ...]]) -> float:
+    return math.prod(shape[1]) * _bits(shape[0]) / 8
 
 
 def _bits(dtype: str) -> int:
@@ -258,6 +330,16 @@ def program_stats(text: str) -> ProgramStats:
                     largest, largest_size = f"{dtype}[{','.join(map(str, dims))}]", size
     return ProgramStats(_attention_kernel(text), int(kernels), int(conditionals), flops, largest,
                         tuple(walker.unknown_trip))
+
+
+def kernel_costs(text: str, taken: dict[str, float] | None = None) -> list[tuple[float, float, float]]:
+    """(times launched per run, matmul FLOPs, bytes read and written) of each kernel of a program's optimized HLO
+    text, counted as `program_stats` counts kernels (the sum of the times is its `kernels`); with `taken` {name
+    scope: fraction}, a conditional under that name scope runs its most expensive branch that fraction of the time
+    and its cheapest the rest (`layers.TILE_SCOPE`: XLA attention's conditional per tile, the fraction of tiles a
+    layout needs). The inputs of a per-kernel roofline (`gpu_targets.predict_seconds`)."""
+    walker = _Walker(text)
+    return list(walker.launches(walker.entry, tuple(sorted((taken or {}).items())))) if walker.entry else []
 
 
 def attended_pairs(prompt_tokens: int, samples: int, response_tokens: int) -> int:
