@@ -1,12 +1,14 @@
-"""The TPU launch table of docs/launch.md from the compiler: each preset compiled for the slice the memory table
-names for it (`jaxrl-llm compile`, one process per preset and slice), XLA's peak per chip beside the chip's HBM
-and `estimate_memory`.
+"""The TPU and GPU launch tables of docs/launch.md from the compiler: each preset compiled for the slice or GPU host
+the memory table names for it (`jaxrl-llm compile`, one process per preset and slice), XLA's peak per chip beside
+the chip's HBM and `estimate_memory`; for GPU hosts also what each program runs (attention kernel, kernels launched,
+matmul FLOPs over the model's, the predicted seconds).
 
     python scripts/compile_table.py                         # the presets and slices of ROWS, printed
     python scripts/compile_table.py --write docs/launch.md  # and written between the compile-table markers
     python scripts/compile_table.py configs/models/gemma-3-4b-it.yaml --topology v5litepod-64
     python scripts/compile_table.py --reuse --write docs/launch.md       # compile only the rows without a JSON
     python scripts/compile_table.py --saved-only --write docs/launch.md  # no compiles: the saved rows, the rest listed
+    python scripts/compile_table.py --gpu --reuse --write docs/launch.md # the GPU table (the gpu-compile extra)
 
 Saved rows keep their compiled numbers and get their estimates from today's `estimate_memory`.
 
@@ -26,10 +28,12 @@ import sys
 
 from jaxrl_llm.train import load_config
 from jaxrl_llm.train.aot import ProgramReport, refresh_estimates, usable_bytes
+from jaxrl_llm.train.gpu_targets import parse_gpu_topology
 from jaxrl_llm.train.memory import GIB, TARGETS, model_config_for, suggest_layout
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 START, END = "<!-- compile-table:start -->", "<!-- compile-table:end -->"
+GPU_START, GPU_END = "<!-- gpu-compile-table:start -->", "<!-- gpu-compile-table:end -->"
 HEADROOM = 0.85  # as scripts/memory_estimate.py: the layout is chosen to fit 85% of HBM
 # (preset, slice as users name it, the memory table's target of the same chips): every preset on the TPU
 # slices docs/launch.md and docs/models.md name for it (the 7B LoRA presets' target is a GPU: not compiled here)
@@ -39,6 +43,8 @@ ROWS = ([(preset, "v5litepod-64", "v5e-64") for preset in PAPER] + [(preset, "v4
         + [(preset, "v5litepod-64", "v5e-64") for preset in MODELS]
         + [(f"configs/paper/lora/qwen2.5-math-1.5b_{name}_lora.yaml", "v5litepod-1", "1x16GB")
            for name in ("grpo", "gvm_raftpp")])
+# every paper preset on one host of 8 H100s with the memory table's 8xH100 layout (the gpu-compile extra)
+GPU_ROWS = [(preset, "h100-8", "8xH100") for preset in PAPER]
 
 
 def layout_overrides(preset: str, target: str) -> list[str]:
@@ -85,6 +91,25 @@ def table(results: list[tuple[str, str, list[str], dict]]) -> str:
     return "\n".join(lines)
 
 
+def gpu_table(results: list[tuple[str, str, list[str], dict]]) -> str:
+    lines = ["| preset | host | overrides | program | attention | kernels | matmul / model | predicted s | XLA peak "
+             "| + resident | usable | estimate | fits |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for preset, topology, overrides, result in results:
+        hbm = usable_bytes(result)
+        for p in result["programs"]:
+            head = f"| {pathlib.Path(preset).stem} | {topology} | `{' '.join(overrides)}` | {p['name']} |"
+            if p["error"]:
+                lines.append(f"{head} | | | | does not compile: {p['error'][:80]} | | {hbm / GIB:.2f} | | no |")
+                continue
+            ratio = f"{p['matmul_flops'] / p['model_flops']:.2f}" if p.get("model_flops") else "-"
+            estimate = f"{p['estimate_bytes'] / GIB:.2f}" if p["estimate_bytes"] else "-"
+            total = ProgramReport(**p).need_bytes + p["resident_bytes"]
+            lines.append(f"{head} {p['attention_kernel']} | {p['kernels']:,} | {ratio} | {p['predicted_s']:.3g} | "
+                         f"{ProgramReport(**p).need_bytes / GIB:.2f} | {total / GIB:.2f} | {hbm / GIB:.2f} | "
+                         f"{estimate} | {'yes' if p['fits'] else 'no'} |")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("preset", nargs="?", help="one preset (default: every row of ROWS)")
@@ -94,10 +119,12 @@ def main(argv=None) -> int:
     parser.add_argument("--write", metavar="DOC", help="replace the table between the compile-table markers of DOC")
     parser.add_argument("--reuse", action="store_true",
                         help="take a row's JSON under --out where it exists (its estimates recomputed)")
+    parser.add_argument("--gpu", action="store_true", help="the GPU table (GPU_ROWS) instead of the TPU one")
     parser.add_argument("--saved-only", action="store_true",
                         help="as --reuse, and list the rows without a JSON as not compiled instead of compiling them")
     args = parser.parse_args(argv)
-    rows = ROWS if args.preset is None else [(args.preset, args.topology, args.target or args.topology)]
+    default = GPU_ROWS if args.gpu else ROWS
+    rows = default if args.preset is None else [(args.preset, args.topology, args.target or args.topology)]
     results, failed, missing = [], [], []
     for preset, topology, target in rows:
         overrides = layout_overrides(preset, target) if target in TARGETS else []
@@ -119,7 +146,8 @@ def main(argv=None) -> int:
                 failed.append(f"{preset} on {topology}")
                 continue
         results.append((preset, topology, overrides, result))
-    text = table(results)
+    gpu = args.gpu or any(parse_gpu_topology(topology) for _, topology, _ in rows)
+    text = (gpu_table if gpu else table)(results)
     if missing:
         text += "\n\nNot compiled yet (`python scripts/compile_table.py PRESET --topology SLICE --target TARGET`): " + \
             "; ".join(f"{pathlib.Path(preset).stem} on {topology} (`{' '.join(overrides)}`)"
@@ -129,7 +157,7 @@ def main(argv=None) -> int:
         sys.path.insert(0, str(ROOT / "scripts"))
         from memory_estimate import write_into
 
-        write_into(pathlib.Path(args.write), text, START, END)
+        write_into(pathlib.Path(args.write), text, *((GPU_START, GPU_END) if gpu else (START, END)))
     if failed:
         print("not compiled (see above): " + "; ".join(failed), file=sys.stderr)
     return 1 if failed else 0

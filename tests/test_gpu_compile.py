@@ -322,3 +322,33 @@ def test_kernel_costs_by_hand():
     fitted = json.loads((CONFIGS.parent / "benchmarks" / "results" / "gpu_model.json").read_text())
     assert round(fitted["launch_seconds_fitted"], 8) == LAUNCH_SECONDS
     assert fitted["programs"]["packed_xla_28_layers_2_rows"]["measured_s"] == 33.714942058999995
+
+
+def test_docs_gpu_launch_table_is_the_saved_compiles():
+    """docs/launch.md's GPU launch table is what scripts/compile_table.py --gpu writes from the saved compiles of
+    every paper preset on h100-8 (benchmarks/results/compile/*_h100-8.json, estimates from today's
+    estimate_memory), and in it every program fits and every train step runs cuDNN attention."""
+    import importlib.util
+
+    from jaxrl_llm.train.config import load_config
+
+    root = CONFIGS.parent
+    spec = importlib.util.spec_from_file_location("compile_table", root / "scripts" / "compile_table.py")
+    table = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(table)
+    assert len(table.GPU_ROWS) == 8
+    results = []
+    for preset, topology, _ in table.GPU_ROWS:
+        saved = json.loads((root / "benchmarks/results/compile" / f"{pathlib.Path(preset).stem}_{topology}.json")
+                           .read_text())
+        results.append((preset, topology, saved["overrides"],
+                        aot.refresh_estimates(load_config(root / preset, saved["overrides"]), saved)))
+    expected = table.gpu_table(results)
+    doc = (root / "docs" / "launch.md").read_text()
+    assert doc.split(table.GPU_START)[1].split(table.GPU_END)[0].strip() == expected, \
+        "docs/launch.md is stale: python scripts/compile_table.py --gpu --reuse --write docs/launch.md"
+    for _, _, _, result in results:
+        programs = {p["name"]: p for p in result["programs"]}
+        assert all(p["fits"] for p in programs.values()), programs
+        assert programs["train_step"]["attention_kernel"] == "cudnn"
+        assert programs["train_step"]["matmul_flops"] <= 1.6 * programs["train_step"]["model_flops"]
