@@ -352,3 +352,23 @@ def test_docs_gpu_launch_table_is_the_saved_compiles():
         assert all(p["fits"] for p in programs.values()), programs
         assert programs["train_step"]["attention_kernel"] == "cudnn"
         assert programs["train_step"]["matmul_flops"] <= 1.6 * programs["train_step"]["model_flops"]
+
+
+@needs_plugin
+def test_gpu_decode_reads_every_response_tile_in_fewer_kernels():
+    """The sampler's decode step compiled for an H200 (a tiny model at 256 new tokens: response tiles): reading
+    every tile (`decoder.GPU_DECODE_READS`, as on a TPU) compiles to no conditional and fewer kernels per generated
+    token than the CPU's switch over the tiles written so far, one conditional per full-attention layer."""
+    from jaxrl_llm.sampling import decoder
+    from jaxrl_llm.train.config import load_config
+
+    cfg = load_config(CONFIGS / "grpo.yaml", ["sampling.max_new_tokens=256", "data.max_prompt_tokens=64",
+                                             "sampling.prompts_per_step=2", "train.mesh=fsdp=1"])
+    decode = {}
+    for reads in ("every", "reached"):
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(decoder, "GPU_DECODE_READS", reads)
+            (decode[reads],) = aot.compile_run(cfg, "h200-1", model_config=TINY, only=("sampler_decode",))["programs"]
+    assert decoder.GPU_DECODE_READS == "every"
+    assert decode["every"].conditionals == 0 and decode["reached"].conditionals == TINY.num_layers, decode
+    assert decode["every"].kernels < decode["reached"].kernels, decode
