@@ -108,14 +108,16 @@ def test_regrouped_layout_by_hand():
     assert group_width(_config("splash"), 1000, 100) == 1024
 
 
-def test_unpacked_rows_with_a_key_mask():
-    """Rows without segments (GVM's unpacked rows): one causal group per row; left-padding keys are not read."""
+@pytest.mark.parametrize("impl", ["splash", "cudnn"])
+def test_unpacked_rows_with_a_key_mask(impl):
+    """Rows without segments (GVM's unpacked rows): one causal group per row; left-padding keys are not read, by
+    splash's segments or by cuDNN's sequence lengths (the real tokens moved to the row's front)."""
     rng = np.random.default_rng(3)
     q, k, v = (jnp.asarray(rng.normal(size=(2, 10, heads, DIM)), jnp.float32) for heads in (HEADS, KV, KV))
     positions = jnp.broadcast_to(jnp.arange(10), (2, 10))
     key_mask = jnp.array([[0, 0, 1, 1, 1, 1, 1, 1, 1, 1], [1] * 10])
     want = self_attention(q, k, v, positions, _config("xla"), key_mask=key_mask)
-    got = jax.jit(lambda q, k, v: self_attention(q, k, v, positions, _config("splash"), key_mask=key_mask))(q, k, v)
+    got = jax.jit(lambda q, k, v: self_attention(q, k, v, positions, _config(impl), key_mask=key_mask))(q, k, v)
     real = np.asarray(key_mask) != 0
     assert np.abs(np.asarray(got) - np.asarray(want))[real].max() < 2e-6
 

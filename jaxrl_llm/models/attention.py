@@ -71,13 +71,21 @@ def regroup_layout(segment_ids: jax.Array | None, batch: int, length: int, slots
     if segment_ids is None:  # one group per row, on splash's grid of 128 (its padding is not real)
         width = -(-length // SPLASH_BLOCK) * SPLASH_BLOCK
         index = jnp.arange(width, dtype=jnp.int32)
-        real = jnp.broadcast_to(index[None, :] < length, (batch, width))
-        if key_mask is not None:
-            real = real & (jnp.pad(key_mask, [(0, 0), (0, width - length)]) != 0)
-        source = jnp.broadcast_to(jnp.minimum(index, length - 1), (batch, 1, width))
-        back_index = jnp.broadcast_to(index[:length], (batch, length))
-        back_real = jnp.ones((batch, length), bool) if key_mask is None else key_mask != 0
-        return Groups(source, real[:, None, :], jnp.zeros((batch, length), jnp.int32), back_index, back_real)
+        if key_mask is None:
+            real = jnp.broadcast_to(index[None, :] < length, (batch, width))
+            source = jnp.broadcast_to(jnp.minimum(index, length - 1), (batch, 1, width))
+            back_index = jnp.broadcast_to(index[:length], (batch, length))
+            return Groups(source, real[:, None, :], jnp.zeros((batch, length), jnp.int32), back_index,
+                          jnp.ones((batch, length), bool))
+        # the real tokens moved to the row's front, in order (left padding, GVM's rows): every kernel then sees a
+        # right-padded causal row, which is what cuDNN's sequence lengths describe
+        keep = key_mask != 0
+        rank = jnp.cumsum(keep, axis=1, dtype=jnp.int32) - 1  # [B, T]: a real token's index in the compacted row
+        count = keep.sum(axis=1, dtype=jnp.int32)[:, None]
+        order = jnp.argsort(~keep, axis=1, stable=True).astype(jnp.int32)  # the real tokens' indices first
+        source = jnp.pad(order, [(0, 0), (0, width - length)])[:, None, :]
+        real = (index[None, :] < count)[:, None, :]
+        return Groups(source, real, jnp.zeros((batch, length), jnp.int32), jnp.clip(rank, 0, width - 1), keep)
     seg = segment_ids
     counts = jnp.stack([(seg == s).sum(axis=1) for s in range(slots + 1)], axis=1).astype(jnp.int32)  # [B, S+1]
     prompt = counts[:, :1]  # [B, 1]
