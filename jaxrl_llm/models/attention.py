@@ -298,13 +298,13 @@ def group_width(config: ModelConfig, length: int, response_len: int | None) -> i
     return -(-width // SPLASH_BLOCK) * SPLASH_BLOCK
 
 
-def _checked(kernel: str, platform: str, config: ModelConfig, q, k, chosen: dict) -> str:
-    """`kernel`, or the regrouped XLA rows where cuDNN refuses these operands on a GPU; records the choice (and
-    why) in `chosen`. Never raises: every platform's branch is traced wherever the program is lowered, and only the
+def _checked(kernel: str, platform: str, config: ModelConfig, q, k, chosen: dict, fallback: str = "xla_rows") -> str:
+    """`kernel`, or `fallback` where cuDNN refuses these operands on a GPU; records the choice (and why) in
+    `chosen`. Never raises: every platform's branch is traced wherever the program is lowered, and only the
     target's is compiled."""
     why = cudnn_refusal(config, q.dtype, q.shape, k.shape[2]) if kernel == "cudnn" and platform == "cuda" else None
     if why is not None:
-        kernel = "xla_rows"
+        kernel = fallback
     chosen[platform] = kernel + ("" if why is None else f" (cuDNN refused: {why})")
     return kernel
 
@@ -372,11 +372,8 @@ def prompt_attention(q: jax.Array, k: jax.Array, v: jax.Array, keep: jax.Array, 
     no lengths are needed); elsewhere `layers.attention` on `keep`."""
     def on(platform, chosen):
         def run():
-            kernel = resolve(config, platform, prefill=True)
-            if kernel == "cudnn":
-                kernel = _checked(kernel, platform, config, q, k, chosen)
+            kernel = _checked(resolve(config, platform, prefill=True), platform, config, q, k, chosen, "xla")
             if kernel != "cudnn":
-                chosen[platform] = chosen.get(platform, "xla")
                 return attention(q, k, v, keep, scale=config.attention_scale, softcap=config.attn_logit_softcapping)
             real = jnp.ones(q.shape[:2], bool)
             return _on_rows(kernel, q, k, v, real, config, window, platform).astype(v.dtype)
