@@ -102,7 +102,7 @@ def test_padding_ids_are_ignored():
     adv = np.asarray(grpo_advantages(rewards, group_ids, num_groups=1, scale_by_std=False))
     np.testing.assert_allclose(adv, [1 / 3, -2 / 3, 0.0, 1 / 3], rtol=1e-6)
     assert np.asarray(rloo_advantages(rewards, group_ids, num_groups=1))[2] == 0.0
-    assert not np.asarray(mixed_group_mask(rewards, group_ids, 1))[2]
+    assert not np.asarray(mixed_group_mask(rewards, group_ids, num_groups=1))[2]
 
 
 def test_jit_needs_static_num_groups_and_vmap_works():
@@ -116,7 +116,7 @@ def test_jit_needs_static_num_groups_and_vmap_works():
         vmapped = jax.jit(jax.vmap(lambda r, fn=fn: fn(r, GROUP_IDS, num_groups=5)))(batch)
         for k in range(3):
             np.testing.assert_allclose(np.asarray(vmapped[k]), np.asarray(fn(batch[k], GROUP_IDS)), rtol=1e-6)
-    jm = jax.jit(lambda r, g: mixed_group_mask(r, g, 5))(REWARDS, GROUP_IDS)
+    jm = jax.jit(lambda r, g: mixed_group_mask(r, g, num_groups=5))(REWARDS, GROUP_IDS)
     np.testing.assert_array_equal(np.asarray(jm), np.asarray(mixed_group_mask(REWARDS, GROUP_IDS)))
     np.testing.assert_array_equal(np.asarray(jax.jit(raft_advantages)(REWARDS)), np.maximum(REWARDS, 0))
 
@@ -150,3 +150,44 @@ def test_overlong_penalty_hand_values():
         overlong_penalty(lengths, max_len=100, buffer=0)
     with pytest.raises(ValueError, match="buffer"):
         overlong_penalty(lengths, max_len=10, buffer=20)
+
+
+def test_registry_entries_are_public_functions_of_objectives():
+    import jaxrl_llm.objectives as objectives
+
+    for name, fn in ADVANTAGE_ESTIMATORS.items():
+        assert not fn.__name__.startswith("_") and getattr(objectives, fn.__name__) is fn, name
+        assert fn.__name__ in objectives.__all__, name
+
+
+def test_reinforce_pp_batch_hand_values_and_padding():
+    from jaxrl_llm.objectives import reinforce_pp_batch_advantages
+
+    # rewards 1, 0, 1, 0 (row 4 is padding): mean 1/2, population std 1/2, so A = +-1 / (1/2 + eps) * 1/2 = +-1.
+    rewards = np.array([1.0, 0.0, 1.0, 0.0, 9.0], np.float32)
+    ids = np.array([0, 0, 1, 1, -1], np.int32)
+    adv = np.asarray(reinforce_pp_batch_advantages(rewards, ids, num_groups=2))
+    np.testing.assert_allclose(adv, [1.0, -1.0, 1.0, -1.0, 0.0], rtol=1e-5)
+    assert ADVANTAGE_ESTIMATORS["reinforce_pp"] is reinforce_pp_batch_advantages
+
+
+def test_raft_and_drgrpo_registry_functions_hand_values():
+    from jaxrl_llm.objectives import drgrpo_advantages, raft_group_advantages
+
+    np.testing.assert_array_equal(np.asarray(raft_group_advantages(np.array([-1.0, 0.5]), np.array([0, 0]))),
+                                  [0.0, 0.5])
+    # group 0: 1, 0, 1 -> mean 2/3; a group of one keeps its reward.
+    np.testing.assert_allclose(np.asarray(drgrpo_advantages(np.array([1.0, 0.0, 1.0, 5.0]), np.array([0, 0, 0, 1]))),
+                               [1 / 3, -2 / 3, 1 / 3, 5.0], rtol=1e-6)
+
+
+def test_mixed_group_mask_takes_num_groups_as_keyword_like_mixed_groups():
+    import inspect
+
+    for fn in (mixed_group_mask, mixed_groups):
+        assert inspect.signature(fn).parameters["num_groups"].kind is inspect.Parameter.KEYWORD_ONLY
+    with pytest.warns(DeprecationWarning, match="keyword"):  # the old positional call still works, once warned
+        old = mixed_group_mask(REWARDS, GROUP_IDS, 5)
+    np.testing.assert_array_equal(np.asarray(old), np.asarray(mixed_group_mask(REWARDS, GROUP_IDS, num_groups=5)))
+    with pytest.raises(TypeError, match="num_groups"):
+        mixed_group_mask(REWARDS, GROUP_IDS, 5, num_groups=5)

@@ -83,7 +83,7 @@ def test_clip_loss_hand_values_and_metrics():
     np.testing.assert_allclose(float(no_dual), (-1.28 - 0.5 - 1.1 + 1.6 + 2.6 + 8.0 + 2.0) / 7, rtol=1e-5)
     ratios = np.array([1.5, 0.5, 1.1, 0.5, 1.3, 4.0, 1.0])
     expected = {
-        "clip_frac_low": 1 / 7, "clip_frac_high": 1 / 7, "clip_frac": 2 / 7, "dual_clip_frac": 1 / 7,
+        "clip_fraction_low": 1 / 7, "clip_fraction_high": 1 / 7, "clip_fraction": 2 / 7, "dual_clip_fraction": 1 / 7,
         "ratio_mean": ratios.mean(), "ratio_min": 0.5, "ratio_max": 4.0,
         "approx_kl": np.mean(ratios - 1 - np.log(ratios)), "num_tokens": 7.0,
     }
@@ -96,7 +96,7 @@ def test_vanilla_loss_is_minus_a_logp():
     lp = LOGP.astype(np.float64)
     expected = (-(lp[0, 0] + lp[0, 1] + lp[0, 2]) + 2 * lp[2].sum()) / 7
     np.testing.assert_allclose(float(loss), expected, rtol=1e-5)
-    assert float(metrics["clip_frac"]) == 0.0
+    assert float(metrics["clip_fraction"]) == 0.0
 
 
 def test_gradient_equals_analytic_expression():
@@ -195,7 +195,7 @@ def test_all_masked_batch_gives_zero_loss_and_gradient():
         jnp.asarray(LOGP))
     assert float(loss) == 0.0
     assert np.all(np.asarray(grad) == 0.0)
-    assert float(metrics["ratio_mean"]) == 1.0 and float(metrics["clip_frac"]) == 0.0
+    assert float(metrics["ratio_mean"]) == 1.0 and float(metrics["clip_fraction"]) == 0.0
 
 
 def test_jit_and_vmap():
@@ -240,3 +240,38 @@ def test_denominator_helper_bool_mask_and_jit():
     loss_bool, _ = policy_loss(LOGP, OLD_LOGP, ADV, MASK.astype(bool), dual_clip=3.0, **CLIP)
     loss_float, _ = policy_loss(LOGP, OLD_LOGP, ADV, MASK, dual_clip=3.0, **CLIP)
     assert float(loss_bool) == float(loss_float)
+
+
+def test_each_kind_is_a_registered_function():
+    from jaxrl_llm.objectives import POLICY_LOSS_KINDS, POLICY_LOSSES, LossSettings, TokenInputs
+
+    assert POLICY_LOSS_KINDS == tuple(POLICY_LOSSES) == ("clip", "vanilla", "gspo", "gspo_token", "cispo", "clip_cov",
+                                                          "kl_cov")
+    # The clip kind on its own: ratios 1.5 (A = +1, clipped high at 1.2), 0.5 (A = -1, clipped low at 0.8).
+    log_ratio = jnp.log(jnp.array([[1.5, 0.5]]))
+    inputs = TokenInputs(jnp.zeros((1, 2)), log_ratio, jnp.array([[1.0, -1.0]]), jnp.ones((1, 2)),
+                         jnp.zeros((1, 2), bool), False)
+    out = POLICY_LOSSES["clip"](inputs, LossSettings(clip_low=0.2, clip_high=0.2))
+    np.testing.assert_allclose(np.asarray(out.per_token), [[-1.2, 0.8]], rtol=1e-6)
+    assert np.asarray(out.high_clipped).tolist() == [[True, False]]
+    assert np.asarray(out.low_clipped).tolist() == [[False, True]]
+
+
+def test_a_new_kind_is_one_function_and_a_registry_entry(monkeypatch):
+    from jaxrl_llm.objectives import POLICY_LOSSES, TokenLoss
+
+    def double_vanilla(x, s):  # l_t = -2 A logp_t
+        none = jnp.zeros(x.logp.shape, bool)
+        return TokenLoss(-2.0 * x.adv * jnp.where(x.mask != 0, x.logp, 0.0), x.log_ratio, none, none, none)
+
+    monkeypatch.setitem(POLICY_LOSSES, "double_vanilla", double_vanilla)
+    new, _ = policy_loss(LOGP, OLD_LOGP, ADV, MASK, kind="double_vanilla")
+    vanilla, _ = policy_loss(LOGP, OLD_LOGP, ADV, MASK, kind="vanilla")
+    np.testing.assert_allclose(float(new), 2 * float(vanilla), rtol=1e-6)
+
+
+@pytest.mark.parametrize("agg", ["prompt-mean", "prompt-mean-unbiased"])
+def test_prompt_mean_modes_are_refused_with_the_way_to_get_them(agg):
+    # GVM's M-step needs each sample's prompt: the error names the function that reduces it.
+    with pytest.raises(ValueError, match=f"agg '{agg}'.*prompt_mean_terms"):
+        policy_loss(LOGP, OLD_LOGP, ADV, MASK, agg=agg)

@@ -178,7 +178,7 @@ def test_value_loss_hand_values():
     returns = np.array([[1.0, 1.0, 1.0]], np.float32) * np.array([[1, -1, 1]], np.float32)
     loss, metrics = value_loss(values, np.zeros_like(values), returns, np.ones_like(values), clip=0.2)
     assert float(loss) == pytest.approx(0.5 * (0.64 + 0.64 + 0.81) / 3, rel=1e-6)
-    assert float(metrics["value_clip_frac"]) == pytest.approx(2 / 3)
+    assert float(metrics["value_clip_fraction"]) == pytest.approx(2 / 3)
     grad = jax.grad(lambda v: value_loss(v, jnp.zeros_like(v), returns, jnp.ones_like(v), clip=0.2)[0])(
         jnp.asarray(values))
     np.testing.assert_allclose(np.asarray(grad), [[0.0, 0.0, (0.1 - 1.0) / 3]], atol=1e-7)
@@ -280,7 +280,7 @@ def test_gspo_sequence_ratio_hand_value():
     # unclipped branch -A s is the larger: l = +s.
     assert float(loss) == pytest.approx((-math.exp(0.05) + math.exp(0.2)) / 2, rel=1e-6)
     assert float(metrics["ratio_max"]) == pytest.approx(math.exp(0.2), rel=1e-6)
-    assert float(metrics["clip_frac"]) == 0.0
+    assert float(metrics["clip_fraction"]) == 0.0
 
 
 @pytest.mark.parametrize("mode", AGG_MODES)
@@ -346,7 +346,7 @@ def test_cispo_keeps_the_gradient_of_clipped_tokens():
     assert ppo[0, 0] == 0.0 and ppo[1, 1] == 0.0  # the PPO clip drops these two tokens' gradient
     assert grad[0, 0] != 0.0 and grad[1, 1] != 0.0  # CISPO keeps them
     _, metrics = policy_loss(logp, old, adv, mask, kind="cispo", **clip)
-    assert float(metrics["clip_frac"]) == pytest.approx(4 / 6)
+    assert float(metrics["clip_fraction"]) == pytest.approx(4 / 6)
     # clip_low = 1: no floor (weight = r); accepted only for cispo.
     free = np.asarray(jax.grad(lambda lp: policy_loss(lp, old, adv, mask, kind="cispo", clip_low=1.0,
                                                       clip_high=0.2)[0])(jnp.asarray(logp)))

@@ -9,11 +9,14 @@ only jax, jax.numpy, numpy and the standard library, so other JAX codebases can 
 
 from jaxrl_llm.objectives.advantages import (
     ADVANTAGE_ESTIMATORS,
+    drgrpo_advantages,
     grpo_advantages,
     mixed_group_mask,
     mixed_groups,
     raft_advantages,
+    raft_group_advantages,
     reinforce_pp_advantages,
+    reinforce_pp_batch_advantages,
     reinforce_rej_advantages,
     rloo_advantages,
 )
@@ -34,7 +37,15 @@ from jaxrl_llm.objectives.mstep import (
     prompt_mean_terms,
     prompt_mean_weights,
 )
-from jaxrl_llm.objectives.losses import POLICY_LOSS_KINDS, policy_loss, policy_loss_terms
+from jaxrl_llm.objectives.losses import (
+    POLICY_LOSS_KINDS,
+    POLICY_LOSSES,
+    LossSettings,
+    TokenInputs,
+    TokenLoss,
+    policy_loss,
+    policy_loss_terms,
+)
 from jaxrl_llm.objectives.prl import prl_advantages
 from jaxrl_llm.objectives.value import gae_advantages, value_loss, value_loss_terms
 
@@ -43,16 +54,21 @@ __all__ = [
     "AGG_MODES",
     "COV_LOSS_KINDS",
     "KL_KINDS",
+    "POLICY_LOSSES",
     "POLICY_LOSS_KINDS",
     "PROMPT_MEAN_MODES",
     "ROLLOUT_CORRECTION_LEVELS",
     "ROLLOUT_CORRECTION_MODES",
+    "LossSettings",
     "LossTerms",
+    "TokenInputs",
+    "TokenLoss",
     "aggregate",
     "aggregate_denominator",
     "aggregate_terms",
     "cov_selection",
     "decoupled_ppo_loss",
+    "drgrpo_advantages",
     "entropy_from_logits",
     "gae_advantages",
     "grpo_advantages",
@@ -68,7 +84,9 @@ __all__ = [
     "prompt_mean_terms",
     "prompt_mean_weights",
     "raft_advantages",
+    "raft_group_advantages",
     "reinforce_pp_advantages",
+    "reinforce_pp_batch_advantages",
     "reinforce_rej_advantages",
     "rloo_advantages",
     "rollout_correction",

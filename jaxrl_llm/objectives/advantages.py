@@ -8,7 +8,7 @@ max(group_ids) + 1. Ids outside [0, num_groups) (e.g. -1 padding rows) get advan
 
 from __future__ import annotations
 
-import functools
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -93,17 +93,31 @@ def raft_advantages(rewards) -> jax.Array:
     return jnp.maximum(rewards, 0.0)
 
 
-def mixed_group_mask(rewards, group_ids, num_groups: int | None = None) -> jax.Array:
+def mixed_group_mask(rewards, group_ids, *args, num_groups: int | None = None) -> jax.Array:
     """[B] bool: True where the sample's group holds at least two different rewards.
 
     mixed_i = max_{j in g} r_j != min_{j in g} r_j. A group of one, and a group whose rewards all
     agree (all correct or all wrong), is not mixed. DAPO's dynamic sampling (Yu et al. 2025) keeps
     only mixed groups; Reinforce-Rej (Xiong et al. 2025) drops the others. Ids outside
-    [0, num_groups) are never mixed.
+    [0, num_groups) are never mixed. `num_groups` is keyword-only, as in `mixed_groups` and the
+    estimators; a third positional argument is still read as it, with a DeprecationWarning.
     """
+    num_groups = _keyword_num_groups(args, num_groups, "mixed_group_mask")
     rewards, group_ids = check_rewards_and_ids(rewards, group_ids, "mixed_group_mask")
     groups = GroupIndex(group_ids, resolve_num_groups(group_ids, num_groups, "mixed_group_mask"))
     return groups.gather(groups.max(rewards) > groups.min(rewards), fill=False)
+
+
+def _keyword_num_groups(args: tuple, num_groups: int | None, fn_name: str) -> int | None:
+    """`num_groups` given positionally (the old signature of `mixed_group_mask`): warn, and use it."""
+    if not args:
+        return num_groups
+    if len(args) > 1 or num_groups is not None:
+        raise TypeError(f"{fn_name}: takes rewards, group_ids and the keyword num_groups, got {len(args)} more "
+                        f"positional argument(s){' and num_groups' if num_groups is not None else ''}")
+    warnings.warn(f"{fn_name}: pass num_groups as a keyword (num_groups={args[0]!r}); the positional form will go",
+                  DeprecationWarning, stacklevel=3)
+    return args[0]
 
 
 def mixed_groups(rewards, group_ids, *, num_groups: int | None = None) -> jax.Array:
@@ -134,7 +148,7 @@ def reinforce_rej_advantages(rewards, group_ids, *, num_groups: int | None = Non
     """
     rewards, group_ids = check_rewards_and_ids(rewards, group_ids, "reinforce_rej_advantages")
     mixed = mixed_group_mask(rewards, group_ids,
-                             resolve_num_groups(group_ids, num_groups, "reinforce_rej_advantages"))
+                             num_groups=resolve_num_groups(group_ids, num_groups, "reinforce_rej_advantages"))
     return jnp.where(mixed, rewards, 0.0)
 
 
@@ -190,25 +204,52 @@ def _batch_whiten(values, valid, eps):
     return jnp.where(valid, centred / (std + eps), 0.0)
 
 
-def _reinforce_pp_batch(rewards, group_ids, *, num_groups: int | None = None) -> jax.Array:
-    # REINFORCE++ uses no group statistics; the ids only mark padding rows, which stay out of the batch's.
-    rewards, group_ids = check_rewards_and_ids(rewards, group_ids, "reinforce_pp_advantages")
-    groups = GroupIndex(group_ids, resolve_num_groups(group_ids, num_groups, "reinforce_pp_advantages"))
-    return _batch_whiten(rewards, groups.valid, 1e-6)
+def reinforce_pp_batch_advantages(rewards, group_ids, *, num_groups: int | None = None,
+                                  eps: float = 1e-6) -> jax.Array:
+    """REINFORCE++ (Hu 2025) in the estimators' form `(rewards, group_ids) -> [B]`: the batch normalisation
+
+      A_i = (r_i - mean_B) / (std_B + eps)
+
+    over the samples whose id lies in [0, num_groups) (std_B the population one, divisor B); the others (e.g.
+    -1 padding rows) are left out of both statistics and get 0. No group statistic is used: the ids only mark
+    the real rows. With every id valid it equals `reinforce_pp_advantages(rewards)`; `ADVANTAGE_ESTIMATORS`
+    names it "reinforce_pp" (and `reinforce_pp_advantages` with group ids "reinforce_pp_baseline").
+
+    Args:
+      rewards: [B] rewards.
+      group_ids: [B] integer group index of each sample (rows outside [0, num_groups) are padding).
+      num_groups: static number of groups; required under jit/vmap.
+      eps: added to the batch std.
+
+    Returns:
+      [B] advantages.
+    """
+    rewards, group_ids = check_rewards_and_ids(rewards, group_ids, "reinforce_pp_batch_advantages")
+    groups = GroupIndex(group_ids, resolve_num_groups(group_ids, num_groups, "reinforce_pp_batch_advantages"))
+    return _batch_whiten(rewards, groups.valid, eps)
 
 
-def _raft_grouped(rewards, group_ids, *, num_groups: int | None = None) -> jax.Array:
-    del group_ids, num_groups  # RAFT needs no group statistics
+def raft_group_advantages(rewards, group_ids, *, num_groups: int | None = None) -> jax.Array:
+    """`raft_advantages` in the estimators' form `(rewards, group_ids) -> [B]`: A_i = max(r_i, 0) (Dong et al.
+    2023), the group ids unused (RAFT needs no group statistic), so the registry calls every estimator alike."""
+    del group_ids, num_groups
     return raft_advantages(rewards)
 
 
-# name -> (rewards, group_ids, *, num_groups=None) -> [B]; the config picks an estimator by name.
+def drgrpo_advantages(rewards, group_ids, *, num_groups: int | None = None, eps: float = 1e-6) -> jax.Array:
+    """Dr.GRPO (Liu et al. 2025): A_i = r_i - mean_g, `grpo_advantages` with scale_by_std=False (a group of one:
+    A_i = r_i)."""
+    return grpo_advantages(rewards, group_ids, num_groups=num_groups, scale_by_std=False, eps=eps)
+
+
+# name -> (rewards, group_ids, *, num_groups=None) -> [B]; the config picks an estimator by name
+# (algorithm.advantage). Every entry is a public function of this module.
 ADVANTAGE_ESTIMATORS = {
     "grpo": grpo_advantages,
-    "drgrpo": functools.partial(grpo_advantages, scale_by_std=False),
+    "drgrpo": drgrpo_advantages,
     "rloo": rloo_advantages,
-    "raft": _raft_grouped,
+    "raft": raft_group_advantages,
     "reinforce_rej": reinforce_rej_advantages,
-    "reinforce_pp": _reinforce_pp_batch,
+    "reinforce_pp": reinforce_pp_batch_advantages,
     "reinforce_pp_baseline": reinforce_pp_advantages,
 }

@@ -108,7 +108,7 @@ def value_loss_terms(values, old_values, returns, mask, *, clip: float | None = 
     residual_var = masked_var(returns - values_sg)
     returns_var = masked_var(returns)
     metrics = {
-        "value_clip_frac": masked_mean(clipped_wins.astype(values.dtype)),
+        "value_clip_fraction": masked_mean(clipped_wins.astype(values.dtype)),
         "value_mean": masked_mean(values_sg),
         "return_mean": masked_mean(returns),
         # 1 - Var(R - V) / Var(R) over the tokens: 1 is a perfect critic, 0 no better than a constant.
@@ -141,7 +141,7 @@ def value_loss(values, old_values, returns, mask, *, clip: float | None = 0.2, a
         `aggregate_denominator` when this call sees one micro-batch).
 
     Returns:
-      (loss scalar, metrics): value_clip_frac (tokens where the clipped branch is larger), value_mean,
+      (loss scalar, metrics): value_clip_fraction (tokens where the clipped branch is larger), value_mean,
       return_mean, explained_variance (1 - Var(R - V) / Var(R) over the tokens; 0 when Var(R) = 0),
       num_tokens.
     """

@@ -21,8 +21,9 @@ def sequence_advantages(algo: AlgorithmSection, rewards: np.ndarray, group_ids: 
                          num_groups=num_groups), np.float32)
 
 
-def mixed_groups(rewards: np.ndarray, group_ids: np.ndarray, num_groups: int) -> np.ndarray:
-    """Boolean [num_groups]: the group holds at least two different rewards (DAPO / Reinforce-Rej filter)."""
+def mixed_group_flags(rewards: np.ndarray, group_ids: np.ndarray, *, num_groups: int) -> np.ndarray:
+    """NumPy bool [num_groups] on the host: the group holds at least two different rewards (`objectives.mixed_groups`,
+    the DAPO / Reinforce-Rej filter); all False for an empty batch."""
     if rewards.size == 0:
         return np.zeros(num_groups, bool)
     return np.asarray(objectives.mixed_groups(jnp.asarray(rewards, jnp.float32), jnp.asarray(group_ids, jnp.int32),

@@ -79,7 +79,7 @@ def critic_loss_fn(params, model_config, clip: float | None, micro: TrainBatch, 
     loss, metrics = objectives.value_loss(values, flat(micro.old_values), flat(micro.returns), mask, clip=clip,
                                           agg="token-mean", denom=denom)
     tokens = mask.sum()
-    return loss, {"value_loss": loss, "value_clip_fraction": metrics["value_clip_frac"] * tokens, "tokens": tokens}
+    return loss, {"value_loss": loss, "value_clip_fraction": metrics["value_clip_fraction"] * tokens, "tokens": tokens}
 
 
 def make_critic_step(model_config, critic: CriticSection, optimizer: optax.GradientTransformation, *,

@@ -24,7 +24,7 @@ from tqdm.auto import tqdm
 from jaxrl_llm import models
 from jaxrl_llm.eval import evaluate
 from jaxrl_llm.models.peft_io import save_peft
-from jaxrl_llm.train.algorithms import (explained_variance, gae_token_advantages, mixed_groups, needs_reference,
+from jaxrl_llm.train.algorithms import (explained_variance, gae_token_advantages, mixed_group_flags, needs_reference,
                                         rollout_weights, sequence_advantages, token_advantages)
 from jaxrl_llm.train.async_rollouts import AsyncRollouts, SyncRollouts, copy_params
 from jaxrl_llm.train.config import RunConfig
@@ -189,7 +189,7 @@ def collect_rollouts(run: Run, step: int, books: dict | None = None, *, policy=N
         count_tool_use(info, scored.tool_stats)
         info["prompts"] += len(records)
         if algo.group_filter == "mixed" or algo.dynamic_sampling:
-            keep = mixed_groups(scored.rewards, scored.prompt_index, len(records))
+            keep = mixed_group_flags(scored.rewards, scored.prompt_index, num_groups=len(records))
             info["filtered"] += int((~keep).sum())
             scored = scored.select_groups(keep)
         kept_parts.append(scored)
@@ -218,7 +218,7 @@ def collect_gvm_rollouts(run: Run, key: jax.Array, books: dict, step: int) -> tu
                                 history=history, visit=step, tools=run.tools,
                                 sampler=(run.sampler_params(policy), run.sampler_model_config))
     if cfg.algorithm.group_filter == "mixed" and not info.get("skip_update"):
-        keep = mixed_groups(scored.rewards, scored.prompt_index, len(scored.records))
+        keep = mixed_group_flags(scored.rewards, scored.prompt_index, num_groups=len(scored.records))
         info["filtered"] += int((~keep).sum())
         scored = scored.select_groups(keep)
     return scored, info

@@ -96,7 +96,7 @@ def loss_fn(params, model_config, algo: AlgorithmSection, micro: TrainBatch, den
         total = total + algo.kl_coef * kl
     tokens = micro.mask.sum()
     metrics = {"policy_loss": loss, "kl": kl, "entropy": ent,
-               "clip_fraction": pg_metrics["clip_frac"] * tokens, "tokens": tokens}
+               "clip_fraction": pg_metrics["clip_fraction"] * tokens, "tokens": tokens}
     return total, metrics
 
 
