@@ -16,8 +16,13 @@ from typing import Any
 
 import yaml
 
+from jaxrl_llm import objectives
 from jaxrl_llm.models.config import ATTENTION_IMPLS, REMAT_POLICIES
 from jaxrl_llm.models.lora import resolve_targets
+from jaxrl_llm.models.quant import KINDS as QUANT_KINDS
+from jaxrl_llm.sampling import ENGINES
+from jaxrl_llm.tools.env import ENVIRONMENTS
+from jaxrl_llm.tools.sandbox import ISOLATIONS
 
 
 # The defaults are the embedded demo (`jaxrl-llm train` with no arguments): GRPO without KL on the
@@ -356,35 +361,39 @@ class ConfigError(ValueError):
     """A configuration key or value that cannot run; the message names the key and the reason."""
 
 
+# The values a key may take. Where a registry defines them (the objectives' estimators, loss kinds, aggregation
+# modes, KL kinds and correction levels; the sampler's engines; the tool environments and sandboxes; the quantized
+# base's dtypes; the model's remat policies and attention implementations) the set is built from it: a new entry
+# there is a new config value here.
 _ALLOWED = {
     ("sampling", "allocation"): {"uniform", "gvm"},
-    ("sampling", "engine"): {"static", "continuous"},
+    ("sampling", "engine"): set(ENGINES),
     ("sampling", "gvm_weighting"): {"gvm", "solved"},
     ("sampling", "gvm_estimates"): {"stage1", "history"},
     ("sampling", "gvm_budget"): {"prompts", "solvable"},
     ("sampling", "dtype"): {"", "bfloat16", "int8"},
-    ("algorithm", "advantage"): {"raft", "grpo", "drgrpo", "rloo", "reinforce_rej", "reinforce_pp",
-                                 "reinforce_pp_baseline", "gae"},
-    ("algorithm", "loss"): {"clip", "vanilla", "gspo", "gspo_token", "cispo", "clip_cov", "kl_cov"},
-    ("algorithm", "agg"): {"token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm",
-                           "prompt-mean", "prompt-mean-unbiased"},
-    ("algorithm", "kl_kind"): {"k1", "k2", "k3", "abs"},
+    # gae: PPO with a critic, whose per-token advantages come from objectives.gae_advantages (not a registry entry)
+    ("algorithm", "advantage"): set(objectives.ADVANTAGE_ESTIMATORS) | {"gae"},
+    ("algorithm", "loss"): set(objectives.POLICY_LOSSES),
+    # GVM's M-step modes reach policy_loss as token-means over advantages the host scaled (train/rollouts.py)
+    ("algorithm", "agg"): set(objectives.AGG_MODES) | set(objectives.PROMPT_MEAN_MODES),
+    ("algorithm", "kl_kind"): set(objectives.KL_KINDS),
     ("algorithm", "reward"): {"binary", "signed"},
     ("algorithm", "verifier"): {"math", "code"},
     ("algorithm", "code_reward"): {"fraction", "all"},
-    ("tools", "env"): {"", "python", "calculator"},
+    ("tools", "env"): {""} | set(ENVIRONMENTS),
     ("tools", "format"): {"markdown", "chat"},
-    ("tools", "isolation"): {"auto", "unshare", "bwrap", "none"},
+    ("tools", "isolation"): set(ISOLATIONS),
     ("rollouts", "mode"): {"sync", "async"},
     ("algorithm", "group_filter"): {"none", "mixed"},
     ("algorithm", "old_logp"): {"auto", "recompute", "sampler"},
     ("model", "param_dtype"): {"float32", "bfloat16"},
-    ("lora", "base_dtype"): {"", "int8", "int4"},
+    ("lora", "base_dtype"): {""} | set(QUANT_KINDS),
     ("model", "compute_dtype"): {"float32", "bfloat16"},
     ("model", "remat_policy"): set(REMAT_POLICIES),
     ("model", "attention_impl"): set(ATTENTION_IMPLS),
-    ("algorithm", "rollout_correction"): {"", "token", "sequence", "geometric"},
-    ("algorithm", "rollout_correction_mode"): {"truncate", "mask", "reject"},
+    ("algorithm", "rollout_correction"): {""} | set(objectives.ROLLOUT_CORRECTION_LEVELS),
+    ("algorithm", "rollout_correction_mode"): set(objectives.ROLLOUT_CORRECTION_MODES),
 }
 
 
@@ -507,143 +516,206 @@ def validate(config: RunConfig) -> None:
     for (sec, name), allowed in _ALLOWED.items():
         if d[sec][name] not in allowed:
             raise ConfigError(f"config key '{sec}.{name}' must be one of {sorted(allowed)}, got {d[sec][name]!r}")
-    checks = [
-        ("model.attention_block_size", config.model.attention_block_size is None
-         or config.model.attention_block_size >= 1, "must be >= 1 or null"),
-        ("model.attention_block_min_length", config.model.attention_block_min_length >= 0, "must be >= 0"),
-        ("optim.lr", config.optim.lr > 0, "must be > 0"),
-        ("optim.weight_decay", config.optim.weight_decay >= 0, "must be >= 0"),
-        ("optim.grad_clip", config.optim.grad_clip > 0, "must be > 0"),
-        ("optim.warmup_steps", config.optim.warmup_steps >= 0, "must be >= 0"),
-        ("optim.mini_batches", config.optim.mini_batches >= 1, "must be >= 1"),
-        ("optim.epochs", config.optim.epochs >= 1, "must be >= 1"),
-        ("optim.micro_batch_size", config.optim.micro_batch_size >= 1, "must be >= 1"),
-        ("optim.max_row_tokens", config.optim.max_row_tokens >= 0, "must be >= 0 (0: no limit)"),
-        ("algorithm.clip_low", 0 <= config.algorithm.clip_low < 1
-         or (config.algorithm.loss == "cispo" and config.algorithm.clip_low == 1),
-         "must be in [0, 1): the ratio floor is 1 - clip_low (loss cispo also takes 1: no floor)"),
-        ("algorithm.clip_high", config.algorithm.clip_high >= 0, "must be >= 0"),
-        ("algorithm.dual_clip", config.algorithm.dual_clip is None or config.algorithm.dual_clip > 1,
-         "must be > 1 (or null to disable)"),
-        ("algorithm.kl_coef", config.algorithm.kl_coef >= 0, "must be >= 0"),
-        ("algorithm.cov_fraction", 0 < config.algorithm.cov_fraction <= 1, "must be in (0, 1]"),
-        ("algorithm.cov_high", config.algorithm.cov_low < config.algorithm.cov_high, "must be > algorithm.cov_low"),
-        ("algorithm.kl_cov_coef", config.algorithm.kl_cov_coef >= 0, "must be >= 0"),
-        ("algorithm.prl_eta", config.algorithm.prl_eta is None or config.algorithm.prl_eta > 0, "must be > 0 or null"),
-        ("algorithm.max_sampling_rounds", config.algorithm.max_sampling_rounds >= 1, "must be >= 1"),
-        ("algorithm.agg_max_len", config.algorithm.agg != "seq-mean-token-sum-norm"
-         or (config.algorithm.agg_max_len or 0) > 0, "must be set (> 0) for agg seq-mean-token-sum-norm"),
-        ("algorithm.agg", config.algorithm.agg != "prompt-mean-unbiased"
-         or config.sampling.allocation == "gvm",
-         "needs sampling.allocation=gvm (its stage-1 acceptance rates p_i); with uniform sampling use prompt-mean"),
-        ("sampling.prompts_per_step", config.sampling.prompts_per_step >= 1, "must be >= 1"),
-        ("sampling.samples_per_prompt", config.sampling.samples_per_prompt >= 1, "must be >= 1"),
-        ("sampling.max_new_tokens", config.sampling.max_new_tokens >= 1, "must be >= 1"),
-        ("sampling.temperature", config.sampling.temperature >= 0, "must be >= 0 (0 is greedy)"),
-        ("sampling.top_p", 0 < config.sampling.top_p <= 1, "must be in (0, 1]"),
-        ("sampling.top_k", config.sampling.top_k >= 0, "must be >= 0 (0 disables)"),
-        ("sampling.max_rows_per_call", config.sampling.max_rows_per_call >= 0,
-         "must be >= 0 (0: all of a step's rows in one sampler call)"),
-        ("sampling.max_slots", config.sampling.max_slots >= 0,
-         "must be >= 0 (0: one decode slot per sample of a sampler call)"),
-        ("sampling.max_slots", config.sampling.engine == "continuous" or config.sampling.max_slots == 0,
-         "applies to sampling.engine=continuous; the static engine bounds its cache with sampling.max_rows_per_call"),
-        ("sampling.max_prompt_entries", config.sampling.max_prompt_entries >= 0,
-         "must be >= 0 (0: decode slots + one prefill chunk)"),
-        ("sampling.max_prompt_entries",
-         config.sampling.engine == "continuous" or config.sampling.max_prompt_entries == 0,
-         "applies to sampling.engine=continuous (its prompt cache)"),
-        ("sampling.max_rows_per_call", config.sampling.engine == "static" or config.sampling.max_rows_per_call == 0,
-         "applies to sampling.engine=static; the continuous engine bounds its cache with sampling.max_slots"),
-        ("sampling.gvm_stage1_samples", config.sampling.gvm_stage1_samples >= 1, "must be >= 1"),
-        ("sampling.gvm_samples_per_prompt", config.sampling.gvm_samples_per_prompt >= 1, "must be >= 1"),
-        ("sampling.gvm_alpha", config.sampling.gvm_alpha >= 0, "must be >= 0"),
-        ("sampling.gvm_beta", math.isfinite(config.sampling.gvm_beta), "must be a finite number"),
-        ("sampling.gvm_filter_threshold", 0 < config.sampling.gvm_filter_threshold <= 1,
-         "must be in (0, 1] (1.0 disables the filter)"),
-        ("sampling.gvm_filter_insufficient", config.sampling.gvm_filter_insufficient >= 0,
-         "must be >= 0 (0 disables the filter)"),
-        ("sampling.gvm_max_samples", config.sampling.gvm_max_samples >= 0, "must be >= 0 (0: no cap)"),
-        ("sampling.gvm_refresh_every", config.sampling.gvm_refresh_every >= 1, "must be >= 1"),
-        ("sampling.gvm_history_decay", 0 <= config.sampling.gvm_history_decay <= 1, "must be in [0, 1]"),
-        ("sampling.gvm_history_probe", config.sampling.gvm_history_probe >= 0, "must be >= 0 (0: no probe)"),
-        ("sampling.gvm_history_probe_visits", config.sampling.gvm_history_probe_visits >= 0,
-         "must be >= 0 (0: no limit)"),
-        ("sampling.gvm_rows_per_chunk", config.sampling.gvm_rows_per_chunk >= 0,
-         "must be >= 0 (0: optim.micro_batch_size rows at a time)"),
-        ("sampling.gvm_param_subset", bool(config.sampling.gvm_param_subset.strip(", ")),
-         "must name at least one parameter path, e.g. 'embed' or 'embed,layers/q_proj'"),
-        ("algorithm.dynamic_sampling", not (config.sampling.allocation == "gvm" and config.algorithm.dynamic_sampling),
-         "cannot be combined with sampling.allocation=gvm (GVM already chooses how many samples each prompt gets)"),
-        ("algorithm.gamma", 0 <= config.algorithm.gamma <= 1, "must be in [0, 1]"),
-        ("algorithm.lam", 0 <= config.algorithm.lam <= 1, "must be in [0, 1]"),
-        ("algorithm.kl_reward_coef", config.algorithm.kl_reward_coef >= 0, "must be >= 0"),
-        ("algorithm.kl_reward_coef", config.algorithm.kl_reward_coef == 0 or uses_critic(config),
-         "needs algorithm.advantage=gae (the KL penalty is part of the critic's token rewards)"),
-        ("algorithm.rollout_correction_low", 0 <= config.algorithm.rollout_correction_low <= 1,
-         "must be in [0, 1] (a token whose ratio is 1 keeps its weight)"),
-        ("algorithm.rollout_correction_high", config.algorithm.rollout_correction_high >= 1,
-         "must be >= 1 (a token whose ratio is 1 keeps its weight)"),
-        ("algorithm.old_logp", not (config.algorithm.rollout_correction and config.algorithm.old_logp == "sampler"),
-         "cannot be 'sampler' with algorithm.rollout_correction: the correction weighs the trainer's recomputed "
-         "old log-probs against the sampler's (use 'auto' or 'recompute')"),
-        ("algorithm.loss", not config.algorithm.rollout_correction
-         or config.algorithm.loss not in ("clip_cov", "kl_cov"),
-         "cannot be clip_cov or kl_cov with algorithm.rollout_correction: the trainer folds the weights into the "
-         "advantages, which would change their covariance selection (and kl_cov's penalty is not linear in A)"),
-        ("algorithm.prl_eta", config.algorithm.prl_eta is None or not uses_critic(config),
-         "cannot be combined with algorithm.advantage=gae (both set per-token advantages)"),
-        ("algorithm.agg", config.algorithm.agg not in ("prompt-mean", "prompt-mean-unbiased")
-         or not uses_critic(config), "prompt-mean modes need sequence advantages, not algorithm.advantage=gae"),
-        ("sampling.allocation", config.sampling.allocation != "gvm" or not uses_critic(config),
-         "gvm cannot be combined with algorithm.advantage=gae (GVM allocates by sequence advantages)"),
-        ("critic.source", bool(config.critic.source.strip()),
-         "must be 'policy', 'bundled', an HF folder or a .gguf file"),
-        ("critic.lr", config.critic.lr > 0, "must be > 0"),
-        ("critic.warmup_steps", config.critic.warmup_steps >= 0, "must be >= 0"),
-        ("critic.weight_decay", config.critic.weight_decay >= 0, "must be >= 0"),
-        ("critic.grad_clip", config.critic.grad_clip > 0, "must be > 0"),
-        ("critic.value_clip", config.critic.value_clip is None or config.critic.value_clip > 0,
-         "must be > 0 (or null to disable)"),
-        ("train.steps", config.train.steps >= 0, "must be >= 0"),
-        ("train.eval_problems", config.train.eval_problems >= 0, "must be >= 0"),
-        ("train.eval_samples", config.train.eval_samples >= 1, "must be >= 1"),
-        ("train.keep_checkpoints", config.train.keep_checkpoints >= 1, "must be >= 1"),
-        ("train.save_concurrent_gb", config.train.save_concurrent_gb > 0, "must be > 0"),
-        ("train.max_bad_steps", config.train.max_bad_steps >= 1, "must be >= 1"),
-        ("tools.max_turns", config.tools.max_turns >= 0, "must be >= 0"),
-        ("tools.max_observation_tokens", config.tools.max_observation_tokens >= 8, "must be >= 8"),
-        ("tools.max_output_chars", config.tools.max_output_chars >= 16, "must be >= 16"),
-        ("tools.timeout_s", config.tools.timeout_s > 0, "must be > 0"),
-        ("tools.memory_mb", config.tools.memory_mb >= 64, "must be >= 64"),
-        ("tools.workers", config.tools.workers >= 1, "must be >= 1"),
-        ("tools.segment_iterations", config.tools.segment_iterations >= 1, "must be >= 1"),
-        ("tools.malformed_penalty", config.tools.malformed_penalty >= 0, "must be >= 0"),
-        ("rollouts.max_staleness", config.rollouts.max_staleness >= 0, "must be >= 0 (0: the synchronous schedule)"),
-        ("rollouts.sampler_devices", config.rollouts.sampler_devices >= 0, "must be >= 0 (0: share every device)"),
-        ("rollouts.sampler_devices", config.rollouts.mode == "async" or config.rollouts.sampler_devices == 0,
-         "applies to rollouts.mode=async (the synchronous loop samples on the trainer's devices)"),
-        ("rollouts.sampler_mesh", config.rollouts.sampler_devices > 0 or not config.rollouts.sampler_mesh,
-         "applies with rollouts.sampler_devices > 0 (the sampler's own devices)"),
-        ("rollouts.mode", config.rollouts.mode == "sync" or config.sampling.allocation != "gvm",
-         "async cannot be combined with sampling.allocation=gvm yet (its gradient-norm pass runs on the trainer's "
-         "parameters and devices)"),
-        ("rollouts.sampler_devices", config.rollouts.sampler_devices == 0 or not config.lora.base_dtype,
-         "cannot be combined with lora.base_dtype (a quantized base runs on one device only for now)"),
-        ("rollouts.sampler_devices", config.rollouts.sampler_devices == 0 or config.sampling.dtype != "int8",
-         "cannot be combined with sampling.dtype=int8 (a quantized sampler copy runs on one device only for now)"),
-    ]
-    for key, ok, reason in checks:
-        if not ok:
-            sec, name = key.split(".")
-            raise ConfigError(f"config key '{key}' {reason}, got {d[sec][name]!r}")
+    for section_checks in _CHECKS:
+        for key, ok, reason in section_checks(config):
+            if not ok:
+                sec, name = key.split(".")
+                raise ConfigError(f"config key '{key}' {reason}, got {d[sec][name]!r}")
     _validate_lora(config.lora)
+    _validate_single_device(config)
+
+
+def _validate_single_device(config: RunConfig) -> None:
+    """Quantized copies (the sampler's int8 weights, LoRA's int8/int4 base) run on one device only for now."""
     if config.sampling.dtype == "int8" and config.train.mesh:
         raise ConfigError(f"config key 'sampling.dtype'='int8' (a quantized sampler copy) runs on one device only for "
                           f"now: leave train.mesh empty ({config.train.mesh!r} given)")
     if config.lora.base_dtype and config.train.mesh:
         raise ConfigError(f"config key 'lora.base_dtype'={config.lora.base_dtype!r} (a quantized base) runs on one "
                           f"device only for now: leave train.mesh empty ({config.train.mesh!r} given)")
+
+
+def _model_checks(config: RunConfig) -> list[tuple[str, bool, str]]:
+    """model: attention tiling."""
+    return [
+    ("model.attention_block_size", config.model.attention_block_size is None
+     or config.model.attention_block_size >= 1, "must be >= 1 or null"),
+    ("model.attention_block_min_length", config.model.attention_block_min_length >= 0, "must be >= 0"),
+    ]
+
+
+def _optim_checks(config: RunConfig) -> list[tuple[str, bool, str]]:
+    """optim: the optimizer and the batch split."""
+    return [
+    ("optim.lr", config.optim.lr > 0, "must be > 0"),
+    ("optim.weight_decay", config.optim.weight_decay >= 0, "must be >= 0"),
+    ("optim.grad_clip", config.optim.grad_clip > 0, "must be > 0"),
+    ("optim.warmup_steps", config.optim.warmup_steps >= 0, "must be >= 0"),
+    ("optim.mini_batches", config.optim.mini_batches >= 1, "must be >= 1"),
+    ("optim.epochs", config.optim.epochs >= 1, "must be >= 1"),
+    ("optim.micro_batch_size", config.optim.micro_batch_size >= 1, "must be >= 1"),
+    ("optim.max_row_tokens", config.optim.max_row_tokens >= 0, "must be >= 0 (0: no limit)"),
+    ]
+
+
+def _algorithm_checks(config: RunConfig) -> list[tuple[str, bool, str]]:
+    """algorithm: clipping, penalties, Clip-Cov / KL-Cov, DAPO rounds, aggregation."""
+    return [
+    ("algorithm.clip_low", 0 <= config.algorithm.clip_low < 1
+     or (config.algorithm.loss == "cispo" and config.algorithm.clip_low == 1),
+     "must be in [0, 1): the ratio floor is 1 - clip_low (loss cispo also takes 1: no floor)"),
+    ("algorithm.clip_high", config.algorithm.clip_high >= 0, "must be >= 0"),
+    ("algorithm.dual_clip", config.algorithm.dual_clip is None or config.algorithm.dual_clip > 1,
+     "must be > 1 (or null to disable)"),
+    ("algorithm.kl_coef", config.algorithm.kl_coef >= 0, "must be >= 0"),
+    ("algorithm.cov_fraction", 0 < config.algorithm.cov_fraction <= 1, "must be in (0, 1]"),
+    ("algorithm.cov_high", config.algorithm.cov_low < config.algorithm.cov_high, "must be > algorithm.cov_low"),
+    ("algorithm.kl_cov_coef", config.algorithm.kl_cov_coef >= 0, "must be >= 0"),
+    ("algorithm.prl_eta", config.algorithm.prl_eta is None or config.algorithm.prl_eta > 0, "must be > 0 or null"),
+    ("algorithm.max_sampling_rounds", config.algorithm.max_sampling_rounds >= 1, "must be >= 1"),
+    ("algorithm.agg_max_len", config.algorithm.agg != "seq-mean-token-sum-norm"
+     or (config.algorithm.agg_max_len or 0) > 0, "must be set (> 0) for agg seq-mean-token-sum-norm"),
+    ("algorithm.agg", config.algorithm.agg != "prompt-mean-unbiased"
+     or config.sampling.allocation == "gvm",
+     "needs sampling.allocation=gvm (its stage-1 acceptance rates p_i); with uniform sampling use prompt-mean"),
+    ]
+
+
+def _sampling_checks(config: RunConfig) -> list[tuple[str, bool, str]]:
+    """sampling: batch shape, decoding, the engines' bounds and GVM's allocation."""
+    return [
+    ("sampling.prompts_per_step", config.sampling.prompts_per_step >= 1, "must be >= 1"),
+    ("sampling.samples_per_prompt", config.sampling.samples_per_prompt >= 1, "must be >= 1"),
+    ("sampling.max_new_tokens", config.sampling.max_new_tokens >= 1, "must be >= 1"),
+    ("sampling.temperature", config.sampling.temperature >= 0, "must be >= 0 (0 is greedy)"),
+    ("sampling.top_p", 0 < config.sampling.top_p <= 1, "must be in (0, 1]"),
+    ("sampling.top_k", config.sampling.top_k >= 0, "must be >= 0 (0 disables)"),
+    ("sampling.max_rows_per_call", config.sampling.max_rows_per_call >= 0,
+     "must be >= 0 (0: all of a step's rows in one sampler call)"),
+    ("sampling.max_slots", config.sampling.max_slots >= 0,
+     "must be >= 0 (0: one decode slot per sample of a sampler call)"),
+    ("sampling.max_slots", config.sampling.engine == "continuous" or config.sampling.max_slots == 0,
+     "applies to sampling.engine=continuous; the static engine bounds its cache with sampling.max_rows_per_call"),
+    ("sampling.max_prompt_entries", config.sampling.max_prompt_entries >= 0,
+     "must be >= 0 (0: decode slots + one prefill chunk)"),
+    ("sampling.max_prompt_entries",
+     config.sampling.engine == "continuous" or config.sampling.max_prompt_entries == 0,
+     "applies to sampling.engine=continuous (its prompt cache)"),
+    ("sampling.max_rows_per_call", config.sampling.engine == "static" or config.sampling.max_rows_per_call == 0,
+     "applies to sampling.engine=static; the continuous engine bounds its cache with sampling.max_slots"),
+    ("sampling.gvm_stage1_samples", config.sampling.gvm_stage1_samples >= 1, "must be >= 1"),
+    ("sampling.gvm_samples_per_prompt", config.sampling.gvm_samples_per_prompt >= 1, "must be >= 1"),
+    ("sampling.gvm_alpha", config.sampling.gvm_alpha >= 0, "must be >= 0"),
+    ("sampling.gvm_beta", math.isfinite(config.sampling.gvm_beta), "must be a finite number"),
+    ("sampling.gvm_filter_threshold", 0 < config.sampling.gvm_filter_threshold <= 1,
+     "must be in (0, 1] (1.0 disables the filter)"),
+    ("sampling.gvm_filter_insufficient", config.sampling.gvm_filter_insufficient >= 0,
+     "must be >= 0 (0 disables the filter)"),
+    ("sampling.gvm_max_samples", config.sampling.gvm_max_samples >= 0, "must be >= 0 (0: no cap)"),
+    ("sampling.gvm_refresh_every", config.sampling.gvm_refresh_every >= 1, "must be >= 1"),
+    ("sampling.gvm_history_decay", 0 <= config.sampling.gvm_history_decay <= 1, "must be in [0, 1]"),
+    ("sampling.gvm_history_probe", config.sampling.gvm_history_probe >= 0, "must be >= 0 (0: no probe)"),
+    ("sampling.gvm_history_probe_visits", config.sampling.gvm_history_probe_visits >= 0,
+     "must be >= 0 (0: no limit)"),
+    ("sampling.gvm_rows_per_chunk", config.sampling.gvm_rows_per_chunk >= 0,
+     "must be >= 0 (0: optim.micro_batch_size rows at a time)"),
+    ("sampling.gvm_param_subset", bool(config.sampling.gvm_param_subset.strip(", ")),
+     "must name at least one parameter path, e.g. 'embed' or 'embed,layers/q_proj'"),
+    ]
+
+
+def _combination_checks(config: RunConfig) -> list[tuple[str, bool, str]]:
+    """Keys that combine sections: the algorithm against the sampling, the critic and the correction."""
+    return [
+    ("algorithm.dynamic_sampling", not (config.sampling.allocation == "gvm" and config.algorithm.dynamic_sampling),
+     "cannot be combined with sampling.allocation=gvm (GVM already chooses how many samples each prompt gets)"),
+    ("algorithm.gamma", 0 <= config.algorithm.gamma <= 1, "must be in [0, 1]"),
+    ("algorithm.lam", 0 <= config.algorithm.lam <= 1, "must be in [0, 1]"),
+    ("algorithm.kl_reward_coef", config.algorithm.kl_reward_coef >= 0, "must be >= 0"),
+    ("algorithm.kl_reward_coef", config.algorithm.kl_reward_coef == 0 or uses_critic(config),
+     "needs algorithm.advantage=gae (the KL penalty is part of the critic's token rewards)"),
+    ("algorithm.rollout_correction_low", 0 <= config.algorithm.rollout_correction_low <= 1,
+     "must be in [0, 1] (a token whose ratio is 1 keeps its weight)"),
+    ("algorithm.rollout_correction_high", config.algorithm.rollout_correction_high >= 1,
+     "must be >= 1 (a token whose ratio is 1 keeps its weight)"),
+    ("algorithm.old_logp", not (config.algorithm.rollout_correction and config.algorithm.old_logp == "sampler"),
+     "cannot be 'sampler' with algorithm.rollout_correction: the correction weighs the trainer's recomputed "
+     "old log-probs against the sampler's (use 'auto' or 'recompute')"),
+    ("algorithm.loss", not config.algorithm.rollout_correction
+     or config.algorithm.loss not in ("clip_cov", "kl_cov"),
+     "cannot be clip_cov or kl_cov with algorithm.rollout_correction: the trainer folds the weights into the "
+     "advantages, which would change their covariance selection (and kl_cov's penalty is not linear in A)"),
+    ("algorithm.prl_eta", config.algorithm.prl_eta is None or not uses_critic(config),
+     "cannot be combined with algorithm.advantage=gae (both set per-token advantages)"),
+    ("algorithm.agg", config.algorithm.agg not in ("prompt-mean", "prompt-mean-unbiased")
+     or not uses_critic(config), "prompt-mean modes need sequence advantages, not algorithm.advantage=gae"),
+    ("sampling.allocation", config.sampling.allocation != "gvm" or not uses_critic(config),
+     "gvm cannot be combined with algorithm.advantage=gae (GVM allocates by sequence advantages)"),
+    ]
+
+
+def _critic_checks(config: RunConfig) -> list[tuple[str, bool, str]]:
+    """critic: the value model's optimizer."""
+    return [
+    ("critic.source", bool(config.critic.source.strip()),
+     "must be 'policy', 'bundled', an HF folder or a .gguf file"),
+    ("critic.lr", config.critic.lr > 0, "must be > 0"),
+    ("critic.warmup_steps", config.critic.warmup_steps >= 0, "must be >= 0"),
+    ("critic.weight_decay", config.critic.weight_decay >= 0, "must be >= 0"),
+    ("critic.grad_clip", config.critic.grad_clip > 0, "must be > 0"),
+    ("critic.value_clip", config.critic.value_clip is None or config.critic.value_clip > 0,
+     "must be > 0 (or null to disable)"),
+    ]
+
+
+def _train_checks(config: RunConfig) -> list[tuple[str, bool, str]]:
+    """train: run length, evaluation and checkpoints."""
+    return [
+    ("train.steps", config.train.steps >= 0, "must be >= 0"),
+    ("train.eval_problems", config.train.eval_problems >= 0, "must be >= 0"),
+    ("train.eval_samples", config.train.eval_samples >= 1, "must be >= 1"),
+    ("train.keep_checkpoints", config.train.keep_checkpoints >= 1, "must be >= 1"),
+    ("train.save_concurrent_gb", config.train.save_concurrent_gb > 0, "must be > 0"),
+    ("train.max_bad_steps", config.train.max_bad_steps >= 1, "must be >= 1"),
+    ]
+
+
+def _tools_checks(config: RunConfig) -> list[tuple[str, bool, str]]:
+    """tools: tool-call limits and the sandbox."""
+    return [
+    ("tools.max_turns", config.tools.max_turns >= 0, "must be >= 0"),
+    ("tools.max_observation_tokens", config.tools.max_observation_tokens >= 8, "must be >= 8"),
+    ("tools.max_output_chars", config.tools.max_output_chars >= 16, "must be >= 16"),
+    ("tools.timeout_s", config.tools.timeout_s > 0, "must be > 0"),
+    ("tools.memory_mb", config.tools.memory_mb >= 64, "must be >= 64"),
+    ("tools.workers", config.tools.workers >= 1, "must be >= 1"),
+    ("tools.segment_iterations", config.tools.segment_iterations >= 1, "must be >= 1"),
+    ("tools.malformed_penalty", config.tools.malformed_penalty >= 0, "must be >= 0"),
+    ]
+
+
+def _rollouts_checks(config: RunConfig) -> list[tuple[str, bool, str]]:
+    """rollouts: the async schedule and the sampler's devices."""
+    return [
+    ("rollouts.max_staleness", config.rollouts.max_staleness >= 0, "must be >= 0 (0: the synchronous schedule)"),
+    ("rollouts.sampler_devices", config.rollouts.sampler_devices >= 0, "must be >= 0 (0: share every device)"),
+    ("rollouts.sampler_devices", config.rollouts.mode == "async" or config.rollouts.sampler_devices == 0,
+     "applies to rollouts.mode=async (the synchronous loop samples on the trainer's devices)"),
+    ("rollouts.sampler_mesh", config.rollouts.sampler_devices > 0 or not config.rollouts.sampler_mesh,
+     "applies with rollouts.sampler_devices > 0 (the sampler's own devices)"),
+    ("rollouts.mode", config.rollouts.mode == "sync" or config.sampling.allocation != "gvm",
+     "async cannot be combined with sampling.allocation=gvm yet (its gradient-norm pass runs on the trainer's "
+     "parameters and devices)"),
+    ("rollouts.sampler_devices", config.rollouts.sampler_devices == 0 or not config.lora.base_dtype,
+     "cannot be combined with lora.base_dtype (a quantized base runs on one device only for now)"),
+    ("rollouts.sampler_devices", config.rollouts.sampler_devices == 0 or config.sampling.dtype != "int8",
+     "cannot be combined with sampling.dtype=int8 (a quantized sampler copy runs on one device only for now)"),
+    ]
+
+
+# The checks in the order they are made: the first failing one is reported.
+_CHECKS = (_model_checks, _optim_checks, _algorithm_checks, _sampling_checks, _combination_checks, _critic_checks,
+           _train_checks, _tools_checks, _rollouts_checks)
 
 
 def _validate_lora(lora: LoraSection) -> None:
