@@ -8,11 +8,26 @@ against 643 s with full optimization. The HLO passes still run, so the programs 
 speed is measured by benchmarks/, which compile as users do. Set the variable to 0 to test with full
 optimization."""
 
+import atexit
 import os
+import shutil
+import tempfile
 
 from jaxrl_llm.platforms import quiet_absent_accelerators
 
 os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
+
+# One persistent compilation cache for the run: many tests compile the same programs (the same tiny model's train
+# step, sampler and mesh programs) in new jit objects, in pytest-xdist's other worker, or in the processes they start
+# (CLI runs, kill -9 and resume); each program is compiled once per run and read back after. It lives in a
+# temporary directory of this run, never the user's (a JAX_COMPILATION_CACHE_DIR of theirs is not used), made by
+# the first pytest process and inherited through the environment by the workers and every process a test starts;
+# it is removed when that process ends. JAXRL_TEST_COMPILATION_CACHE=0 turns it off.
+if os.environ.get("JAXRL_TEST_COMPILATION_CACHE", "1") != "0" and "JAXRL_TEST_CACHE_OWNER" not in os.environ:
+    _cache_dir = tempfile.mkdtemp(prefix="jaxrl_llm-test-jax-cache-")
+    atexit.register(shutil.rmtree, _cache_dir, True)
+    os.environ.update(JAXRL_TEST_CACHE_OWNER=str(os.getpid()), JAX_COMPILATION_CACHE_DIR=_cache_dir,
+                      JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
 
 # The test extras install libtpu (and the CUDA plugin) for the ahead-of-time compile tests. Off a TPU, every JAX
 # process would otherwise try to open a TPU at start (an error message each) and take libtpu's lockfile, which a
@@ -24,8 +39,18 @@ quiet_absent_accelerators()
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
-# Also when jax was imported before this file (a plugin), which reads the variable only at import.
+# Also when jax was imported before this file (a plugin), which reads the variables only at import.
 jax.config.update("jax_disable_most_optimizations", os.environ["JAX_DISABLE_MOST_OPTIMIZATIONS"] != "0")
+if "JAX_COMPILATION_CACHE_DIR" in os.environ and "JAXRL_TEST_CACHE_OWNER" in os.environ:
+    jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+
+
+def pytest_configure(config):
+    # Programs compiled for a TPU topology without a TPU (jaxrl-llm compile) are written to the cache but cannot be
+    # read back by a compile-only client: JAX warns and compiles them again, as it would without the cache.
+    config.addinivalue_line("filterwarnings", "ignore:Error reading persistent compilation cache entry.*PjRtCompiler "
+                                              "must be constructed with a Client:UserWarning")
 
 
 @pytest.fixture(scope="session", autouse=True)
