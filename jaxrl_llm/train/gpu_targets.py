@@ -25,8 +25,8 @@ import re
 from jaxrl_llm.train.memory import GIB
 
 INSTALL_HINT = ("compiling for an NVIDIA GPU needs the CUDA plugin: pip install 'jaxrl_llm[gpu-compile]' (or bash "
-                "scripts/setup.sh gpu-compile), which installs jax-cuda12-plugin, jax-cuda12-pjrt, nvidia-cudnn-cu12 "
-                "and nvidia-cuda-nvcc-cu12 at the versions this project tested")
+                "scripts/setup.sh gpu-compile), which installs jax-cuda12-plugin, jax-cuda12-pjrt, nvidia-cudnn-cu12, "
+                "nvidia-cuda-nvcc-cu12 and nvidia-cuda-runtime-cu12 at the versions this project tested")
 
 # XLA's GPU compiler rematerializes a program toward 0.95 x (0.8 x device memory - its arguments) and never refuses
 # one over it (it logs "Can't reduce memory use below ..."; measured with jaxlib 0.10.2 at three memory sizes). A
