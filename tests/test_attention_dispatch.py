@@ -207,7 +207,7 @@ def test_compile_command_reports_and_fails_on_a_program_over_hbm(tmp_path, capsy
             "sampling.max_new_tokens=32", "data.max_prompt_tokens=64", "optim.micro_batch_size=4",
             "sampling.prompts_per_step=4", "sampling.engine=continuous", "sampling.max_slots=8"]
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(aot, "compile_run", lambda cfg, topo: real(cfg, topo, model_config=tiny))
+        patch.setattr(aot, "compile_run", lambda cfg, topo, **kw: real(cfg, topo, model_config=tiny, **kw))
         assert cli.main(args) == 0
         assert "train_step" in capsys.readouterr().out
         saved = json.loads((tmp_path / "out.json").read_text())
@@ -228,8 +228,8 @@ def test_compile_command_reports_and_fails_on_a_program_over_hbm(tmp_path, capsy
         # of 4 before the gradients and the update's temporaries, over the chip's 16 GiB.
         huge = tiny.replace(num_layers=4, hidden_size=4096, intermediate_size=65536, num_heads=32, num_kv_heads=8,
                             head_dim=128)
-        patch.setattr(aot, "compile_run", lambda cfg, topo: real(cfg, topo, model_config=huge))
-        assert cli.main(args) == 1
+        patch.setattr(aot, "compile_run", lambda cfg, topo, **kw: real(cfg, topo, model_config=huge, **kw))
+        assert cli.main(args[:7] + ["--programs", "train_step"] + args[7:]) == 1  # the one program over HBM
         assert "train_step does not fit" in capsys.readouterr().err
 
 
