@@ -525,3 +525,14 @@ def test_train_step_micro_batches_equal_one_batch(kind):
     assert float(m_one["finite"]) == 1.0
     first_leaf = lambda tree: np.asarray(jax.tree_util.tree_leaves(tree)[0])  # noqa: E731
     assert not np.allclose(first_leaf(one), first_leaf(params))
+
+
+def test_mixed_group_flags_is_the_host_form_of_mixed_groups():
+    from jaxrl_llm.objectives import mixed_groups
+    from jaxrl_llm.train.algorithms import mixed_group_flags
+
+    rewards, ids = np.array([1.0, 0.0, 1.0, 1.0]), np.array([0, 0, 1, 1])
+    flags = mixed_group_flags(rewards, ids, num_groups=3)  # group 0 differs, 1 agrees, 2 is empty
+    assert isinstance(flags, np.ndarray) and flags.tolist() == [True, False, False]
+    assert flags.tolist() == np.asarray(mixed_groups(rewards, ids, num_groups=3)).tolist()
+    assert mixed_group_flags(np.zeros(0), np.zeros(0, np.int32), num_groups=2).tolist() == [False, False]
