@@ -35,8 +35,8 @@ Slot occupancy = useful tokens / decoded slot-steps. Every sampler here decodes 
 lock step until its longest row ends (or `max_new_tokens`): a call of B rows whose longest row has L
 tokens decodes B x L token slots, of which a row of length l fills l. So slot-steps = sum over calls of
 rows in the call x the longest row of the call. For jaxrl_llm the rows of a call are its row bucket
-(`generate.call_row_bucket`, padding rows included) and the calls are consecutive runs of `--rows` output
-rows (`generate.call_plans`); its decode loop (`engine.decode_rows`) stops when every row is done, after
+(`plan.plan_calls`' row bucket, padding rows included) and the calls are consecutive runs of `--rows` output
+rows (`plan.plan_calls`); its decode loop (`engine.decode_rows`) stops when every row is done, after
 max(lengths) tokens. tunix's loop stops likewise (`any(~done)`), over its padded batch; transformers
 stops when every row has emitted an eos id. Occupancy 1 means no slot decoded past its row's end;
 continuous batching (refilling a slot when its row ends) is what raises it. The continuous engine's
@@ -282,8 +282,8 @@ def run_ours(params, config, tokenizer, prompts, samples, new_tokens, rows, repe
     import jax
     import jax.monitoring
 
-    from jaxrl_llm.sampling import decode, generate, make_plan, prefill
-    from jaxrl_llm.sampling.generate import _stop_array, call_plans, call_row_bucket
+    from jaxrl_llm.sampling import decode, generate, prefill
+    from jaxrl_llm.sampling.plan import plan_calls, stop_array
 
     stop = tokenizer.stop_ids
     pad = tokenizer.pad_token_id
@@ -299,11 +299,10 @@ def run_ours(params, config, tokenizer, prompts, samples, new_tokens, rows, repe
         # (max_new_tokens is a traced argument of the decode program).
         arrays = [np.asarray(p, np.int32) for p in prompts]
         lengths = np.array([len(p) for p in prompts])
-        plan = make_plan(lengths, np.full(len(prompts), samples), new_tokens)
-        _, first = call_plans(plan, lengths, new_tokens, rows)[0]
+        first = plan_calls(lengths, np.full(len(prompts), samples), new_tokens, max_rows_per_call=rows)[0].shapes
         state, logits = prefill(params, config, arrays, first, pad_id=pad)
         jax.block_until_ready(decode(params, config, state, logits, max_new_tokens=1, temperature=1.0, top_p=1.0,
-                                     top_k=0, stop_ids=_stop_array(stop, config.vocab_size), rng=jax.random.key(0),
+                                     top_k=0, stop_ids=stop_array(stop, config.vocab_size), rng=jax.random.key(0),
                                      pad_id=pad))
     else:
         # Warm-up: the whole workload's call, every sample cut to one token. The slot loop's shapes (prompt
@@ -343,7 +342,7 @@ def run_ours(params, config, tokenizer, prompts, samples, new_tokens, rows, repe
     useful = np.asarray(rollout.lengths, np.int64)  # a stop token is part of the response
     num_rows = len(useful)
     if engine == "static":
-        call_rows = call_row_bucket(num_rows, rows)
+        call_rows = plan_calls([1], [num_rows], 1, max_rows_per_call=rows)[0].shapes.row_bucket
         runs = batches(num_rows, rows)
         result = summary(sampler_name(engine), useful, [useful[a:b] for a, b in runs], [call_rows] * len(runs),
                          seconds)

@@ -52,11 +52,11 @@ def machine_roofline(num_params: int, weight_bytes: int) -> dict:
 
 def run_ours(params, config, prompts, samples, new_tokens, repeats):
     from jaxrl_llm.sampling import collect, decode, make_plan, prefill
-    from jaxrl_llm.sampling.generate import _stop_array
+    from jaxrl_llm.sampling.plan import stop_array
 
     arrays = [np.asarray(p, np.int32) for p in prompts]
     plan = make_plan(np.full(len(prompts), PROMPT_LENGTH), np.full(len(prompts), samples), new_tokens)
-    stop = _stop_array((), config.vocab_size)
+    stop = stop_array((), config.vocab_size)
     timings = {"prefill": [], "decode": []}
 
     def once(seed, record):

@@ -1,7 +1,8 @@
 """generate(max_rows_per_call=...): a step's rows decoded in several sampler calls give the rows of one call
-(tokens, lengths, finish reasons exactly, log-probs to f32 rounding), `call_plans` splits rows by hand-checked
+(tokens, lengths, finish reasons exactly, log-probs to f32 rounding), `plan.plan_calls` splits rows by hand-checked
 counts, and `sampling.max_rows_per_call` reaches the sampler from the run config (tiny model, CPU)."""
 
+import dataclasses
 import json
 import os
 import pathlib
@@ -15,7 +16,7 @@ import pytest
 from tiny_models import tiny_sampler_model
 
 from jaxrl_llm.sampling import generate, make_plan
-from jaxrl_llm.sampling.generate import call_plans, call_row_bucket
+from jaxrl_llm.sampling.plan import plan_calls
 from jaxrl_llm.train import load_config
 from jaxrl_llm.train.config import ConfigError
 
@@ -29,30 +30,41 @@ def tiny():
     return tiny_sampler_model(VOCAB)  # logits spread over a few nats, so draws differ by key
 
 
-def test_call_plans_split_rows_by_hand():
+def test_plan_calls_split_rows_by_hand():
     lengths = np.array([len(p) for p in PROMPTS])
-    plan = make_plan(lengths, np.array(COUNTS), 6)
-    runs = call_plans(plan, lengths, 6, 4)
+    counts = np.array(COUNTS)
+    plan = make_plan(lengths, counts, 6)
+    runs = plan_calls(lengths, counts, 6, max_rows_per_call=4)
     # Rows by prompt: 0 0 0 | 2 2 2 2 2 | 3 | 4 4 -> runs of 4: [0 0 0 2], [2 2 2 2], [3 4 4].
-    assert [first for first, _ in runs] == [0, 4, 8]
-    assert [run.row_prompt.tolist() for _, run in runs] == [[0, 0, 0, 2], [2, 2, 2, 2], [3, 4, 4]]
-    assert [run.prefill_prompts.tolist() for _, run in runs] == [[0, 2], [2], [3, 4]]
-    assert {run.row_bucket for _, run in runs} == {4}  # one compiled decode for every run
-    assert {run.prompt_bucket for _, run in runs} == {plan.prompt_bucket} == {16}
-    assert {run.prompts_per_prefill for _, run in runs} == {plan.prompts_per_prefill} == {4}  # one prefill program
-    assert {run.row_bucket for _, run in call_plans(plan, lengths, 6, 1)} == {2}  # never a 1-row decode
-    assert call_plans(plan, lengths, 6, 0) == [(0, plan)]
-    assert call_plans(plan, lengths, 6, 11) == [(0, plan)]
-    sharded = call_plans(plan, lengths, 6, 3, row_multiple=2)  # 3 rows a call, padded to the 2-device split
-    assert [run.num_rows for _, run in sharded] == [3, 3, 3, 2] and {run.row_bucket for _, run in sharded} == {4}
+    assert [call.first_row for call in runs] == [0, 4, 8]
+    assert [call.shapes.row_prompt.tolist() for call in runs] == [[0, 0, 0, 2], [2, 2, 2, 2], [3, 4, 4]]
+    assert [call.shapes.prefill_prompts.tolist() for call in runs] == [[0, 2], [2], [3, 4]]
+    assert {call.shapes.row_bucket for call in runs} == {4}  # one compiled decode for every run
+    assert {call.shapes.prompt_bucket for call in runs} == {plan.prompt_bucket} == {16}
+    assert {call.shapes.prompts_per_prefill for call in runs} == {plan.prompts_per_prefill} == {4}  # one prefill
+    assert {call.shapes.prompt_group for call in runs} == {1}  # counts 3, 1, 4, 1, 2 share no group
+    assert {call.shapes.row_bucket for call in plan_calls(lengths, counts, 6, max_rows_per_call=1)} == {2}  # never 1
+    for per_call in (0, 11):  # one call: make_plan's plan
+        [call] = plan_calls(lengths, counts, 6, max_rows_per_call=per_call)
+        assert call.first_row == 0 and dataclasses.replace(call.shapes, row_prompt=None, prefill_prompts=None) \
+            == dataclasses.replace(plan, row_prompt=None, prefill_prompts=None)
+        assert call.shapes.row_prompt.tolist() == plan.row_prompt.tolist()
+    sharded = plan_calls(lengths, counts, 6, max_rows_per_call=3, row_multiple=2)  # padded to the 2-device split
+    assert [call.shapes.num_rows for call in sharded] == [3, 3, 3, 2]
+    assert {call.shapes.row_bucket for call in sharded} == {4}
 
 
-def test_call_row_bucket_hand_values():
-    assert call_row_bucket(11, 0) == 16  # one call: make_plan's bucket of all rows
-    assert call_row_bucket(11, 11) == 16 and call_row_bucket(11, 12) == 16
-    assert call_row_bucket(11, 5) == 8 and call_row_bucket(11, 1) == 2  # never a 1-row state
-    assert call_row_bucket(8192, 1024, 8) == 1024 and call_row_bucket(8192, 100, 16) == 128
-    assert call_row_bucket(8192, 300, 1) == 512  # above 256 rows, buckets are multiples of 256
+def test_plan_calls_row_bucket_hand_values():
+    def row_bucket(rows, per_call, multiple=1):
+        calls = plan_calls(np.array([3]), np.array([rows]), 6, max_rows_per_call=per_call, row_multiple=multiple)
+        assert {call.shapes.row_bucket for call in calls} == {calls[0].shapes.row_bucket}
+        return calls[0].shapes.row_bucket
+
+    assert row_bucket(11, 0) == 16  # one call: make_plan's bucket of all rows
+    assert row_bucket(11, 11) == 16 and row_bucket(11, 12) == 16
+    assert row_bucket(11, 5) == 8 and row_bucket(11, 1) == 2  # never a 1-row state
+    assert row_bucket(8192, 1024, 8) == 1024 and row_bucket(8192, 100, 16) == 128
+    assert row_bucket(8192, 300, 1) == 512  # above 256 rows, buckets are multiples of 256
 
 
 @pytest.mark.parametrize("temperature, top_k, top_p", [(1.0, 0, 1.0), (0.7, 5, 0.9)])

@@ -9,7 +9,7 @@ from tiny_models import tiny_sampler_model
 
 from jaxrl_llm.sampling import FINISH_STOP, generate
 from jaxrl_llm.sampling.continuous import SlotStats, generate_slots
-from jaxrl_llm.sampling.generate import _stop_array
+from jaxrl_llm.sampling.plan import stop_array as _stop_array
 
 VOCAB = 24
 PROMPTS = [[1, 2, 3], list(range(4, 21)), [9], [2, 2], [7, 5, 3, 1, 8, 6]]  # 17 tokens: the second bucket

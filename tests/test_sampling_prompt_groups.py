@@ -14,10 +14,11 @@ from jaxrl_llm.models import ModelConfig
 from jaxrl_llm.sampling import buckets, collect, decode, generate, make_plan, prefill
 from jaxrl_llm.sampling.buckets import prompt_group_size
 from jaxrl_llm.sampling.decoder import _attend, empty_row_cache, prefill_cache
-from jaxrl_llm.sampling.generate import _stop_array, call_plans
+from jaxrl_llm.sampling.plan import plan_calls
+from jaxrl_llm.sampling.plan import stop_array as _stop_array
 from tiny_models import tiny_sampler_model
 
-generate_module = importlib.import_module("jaxrl_llm.sampling.generate")  # the package's `generate` is the function
+plan_module = importlib.import_module("jaxrl_llm.sampling.plan")
 
 VOCAB = 64
 PROMPTS = [np.array(p, np.int32) for p in ([1, 2, 3], list(range(4, 21)), [9], [2, 2], [7, 5, 3, 1, 8, 6])]
@@ -46,9 +47,9 @@ def test_runs_of_a_chunked_step_share_one_group():
     plan = make_plan(lengths, np.array([8, 8, 0, 8, 8]), 8)
     assert plan.prompt_group == 8
     # runs of 12 rows: prompt 0's 8 rows + 4 of prompt 1, then 4 + 8 ...: every group of 4 rows is one prompt's
-    runs = call_plans(plan, lengths, 8, 12)
-    assert [run.prompt_group for _, run in runs] == [4, 4, 4]
-    assert [run.row_bucket for _, run in runs] == [16, 16, 16]
+    runs = plan_calls(lengths, np.array([8, 8, 0, 8, 8]), 8, max_rows_per_call=12)
+    assert [call.shapes.prompt_group for call in runs] == [4, 4, 4]
+    assert [call.shapes.row_bucket for call in runs] == [16, 16, 16]
 
 
 def test_empty_row_cache_holds_one_entry_per_group(tiny):
@@ -155,7 +156,7 @@ def test_generate_over_tiles_and_groups_equals_one_entry_per_row(tiny, monkeypat
                   max_rows_per_call=16)
     grouped = generate(params, config, PROMPTS[:3], **kwargs)
     monkeypatch.setattr(buckets, "prompt_group_size", lambda counts, rows: 1)
-    monkeypatch.setattr(generate_module, "prompt_group_size", lambda counts, rows: 1)
+    monkeypatch.setattr(plan_module, "prompt_group_size", lambda counts, rows: 1)
     per_row = generate(params, config, PROMPTS[:3], **kwargs)
     assert grouped.lengths.min() == 200
     assert len({tuple(row) for row in grouped.tokens}) == len(grouped.tokens)  # a prompt's rows differ from one another

@@ -14,7 +14,7 @@ from jaxrl_llm.sampling import collect, decode, make_plan, prefill
 from jaxrl_llm.sampling.buckets import RESPONSE_TILE, response_tile_size
 from jaxrl_llm.sampling.decoder import _write_tiles, decode_step, empty_row_cache, unstack_layers
 from jaxrl_llm.sampling.engine import decode_rows
-from jaxrl_llm.sampling.generate import _stop_array
+from jaxrl_llm.sampling.plan import stop_array as _stop_array
 from tiny_models import tiny_sampler_model
 
 VOCAB = 64

@@ -115,3 +115,29 @@ def prefill_chunk(prompt_bucket: int, num_prompts: int, row_multiple: int = 1,
     budget = max(1, prefill_tokens_per_call // prompt_bucket)
     budget = 1 << (budget.bit_length() - 1)  # round down to a power of two
     return round_up(min(bucket_size(num_prompts), budget), row_multiple)
+
+
+def prompt_entries(num_prompts: int, slots: int, prefill_chunk: int, limit: int = 0) -> int:
+    """Entries of the continuous engine's prompt cache: one per prompt of the call (their bucket, a multiple of
+    the prefill chunk c), at most slots + c (rounded up to a multiple of c): enough for every prompt with a
+    sample in a slot and one chunk prefilled ahead, so the cache is bounded by the slots, not the prompts.
+    `limit` > 0 caps the entries lower (rounded up to a multiple of c, at least c): a slot whose next sample's
+    prompt has no free entry then waits until a prompt's last sample ends (never forever: E >= c)."""
+    every = round_up(bucket_size(num_prompts), prefill_chunk)
+    bound = round_up(slots + prefill_chunk, prefill_chunk)
+    if limit > 0:
+        bound = min(bound, round_up(limit, prefill_chunk))
+    return min(every, bound)
+
+
+def slot_count(max_slots: int, num_rows: int, row_multiple: int = 1) -> int:
+    """Slots of a call: max_slots, at most the row bucket of its samples (more would never be busy), at
+    least 2 (XLA's matrix-vector products round differently from its matrix products; 2 slots keep the
+    static engine's arithmetic), rounded up to a multiple of `row_multiple` (the devices they are split over)."""
+    return round_up(max(2, min(int(max_slots), bucket_size(num_rows))), row_multiple)
+
+
+def default_slots(samples: int, max_slots: int | None) -> int:
+    """The slots a caller asks for: `max_slots`, or (None / 0) one per sample rounded up to the row bucket
+    (`buckets.bucket_size`), so calls of nearby sizes share one compiled loop (`slot_count` then bounds it)."""
+    return max_slots if max_slots else bucket_size(int(samples))

@@ -36,7 +36,8 @@ import numpy as np
 from jax.sharding import Mesh
 
 from jaxrl_llm.models import ModelConfig
-from jaxrl_llm.sampling.buckets import bucket_size, make_plan, response_tile_size, round_up
+# the slot rules live with the other shape rules; imported here too for the engine's readers
+from jaxrl_llm.sampling.buckets import default_slots, prompt_entries, response_tile_size, slot_count  # noqa: F401
 from jaxrl_llm.sampling.decoder import (
     RowCache,
     decode_step,
@@ -44,7 +45,8 @@ from jaxrl_llm.sampling.decoder import (
     prefill_layers,
     unstack_layers,
 )
-from jaxrl_llm.sampling.engine import _constrain, paired_stop_hits, prefill_constraint, row_axes, to_host
+from jaxrl_llm.sampling.engine import _constrain, paired_stop_hits, prefill_constraint, to_host
+from jaxrl_llm.sampling.plan import CallPlan, check_max_slots, plan_calls, row_multiple
 from jaxrl_llm.sampling.token_selection import select_tokens, selection_settings
 
 logger = logging.getLogger(__name__)
@@ -167,24 +169,9 @@ def _empty_state(config: ModelConfig, prompts: PromptCache, queue_prompts: Promp
         turn_ended=jnp.zeros((queue,), bool))
 
 
-def _slot_loop(params, config: ModelConfig, mesh: Mesh | None, queue_prompts: PromptQueue, sample_prompt: jax.Array,
-               num_samples: jax.Array, rng: jax.Array, temperature: jax.Array, top_p: jax.Array,
-               max_new_tokens: jax.Array, stop_ids: jax.Array, *, slots: int, greedy: bool, top_k: int,
-               use_top_p: bool, prefill_chunk: int, paired_stops: bool, turns: bool):
-    """(constrain, busy, step) of the slot loop (traced inside `decode_slots` and `run_slots`). With `turns`, a sample
-    that ends keeps its prompt entry (the host ends the conversation, not the loop), is flagged in turn_ended,
-    and the host may give it back (resume): a free slot takes resumed samples before pending ones, feeds the
-    sample's given tokens again (its row's own, one per iteration, no stop among them) and samples on."""
-    queue = sample_prompt.shape[0]
-    layers = unstack_layers(params)  # sliced once, outside the loop
-
-    def constrain(state: SlotState) -> SlotState:
-        per_slot = ("slot_sample", "slot_step", "logits")
-        return dataclasses.replace(
-            state, **{name: _constrain(getattr(state, name), mesh) for name in per_slot},
-            response_k=jax.tree_util.tree_map(lambda x: _constrain(x, mesh), state.response_k),
-            response_v=jax.tree_util.tree_map(lambda x: _constrain(x, mesh), state.response_v))
-
+def _prefill_on_demand(params, layers, config: ModelConfig, mesh: Mesh | None, queue_prompts: PromptQueue,
+                       prefill_chunk: int):
+    """The slot loop's prefill: a step that prefills chunks of the queue's next prompts while free slots need them."""
     def prefill_next(state: SlotState) -> SlotState:
         """Prompts prefilled .. prefilled + c - 1 into the first c free entries (padding rows: nowhere)."""
         entries = state.entry_left.shape[0]
@@ -220,32 +207,61 @@ def _slot_loop(params, config: ModelConfig, mesh: Mesh | None, queue_prompts: Pr
     def prefill_on_demand(state: SlotState) -> SlotState:
         return jax.lax.while_loop(wants_prefill, prefill_next, state)
 
-    def refill(state: SlotState) -> SlotState:
-        free = state.slot_sample < 0
-        limit = queue_prompts.sample_start[state.prefilled]  # samples whose prompt is in the cache
-        rank = jnp.cumsum(free) - 1  # among the free slots, in index order
-        resumed = jnp.zeros((), jnp.int32)
-        if turns:  # resumed samples first, lowest index first
-            resumed = state.resume.sum()
-            waiting = jnp.nonzero(state.resume, size=slots, fill_value=queue)[0]
-            take_resumed = free & (rank < resumed)
-            resumed_sample = waiting[jnp.clip(rank, 0, slots - 1)]
-        candidate = state.next_sample + rank - resumed
-        take = free & (rank >= resumed) & (candidate < limit)
-        sample = candidate
-        if turns:
-            take = take | take_resumed
-            sample = jnp.where(take_resumed, resumed_sample, candidate)
-        entry = state.entry_of[sample_prompt[jnp.clip(sample, 0, queue - 1)]]
-        state = dataclasses.replace(
-            state, slot_sample=jnp.where(take, sample, state.slot_sample),
-            slot_step=jnp.where(free, 0, state.slot_step),
-            logits=jnp.where(take[:, None], state.prompts.last_logits[entry], state.logits),
-            next_sample=jnp.minimum(state.next_sample + jnp.maximum(free.sum() - resumed, 0), limit))
-        if turns:
-            state = dataclasses.replace(state, resume=state.resume.at[jnp.where(take_resumed, resumed_sample, queue)]
-                                        .set(False, mode="drop"))
-        return state
+    return prefill_on_demand
+
+
+def _refill(state: SlotState, *, queue_prompts: PromptQueue, sample_prompt: jax.Array, slots: int,
+            turns: bool) -> SlotState:
+    """Free slots take the next samples whose prompt is prefilled (with `turns`, resumed samples first)."""
+    queue = sample_prompt.shape[0]
+    free = state.slot_sample < 0
+    limit = queue_prompts.sample_start[state.prefilled]  # samples whose prompt is in the cache
+    rank = jnp.cumsum(free) - 1  # among the free slots, in index order
+    resumed = jnp.zeros((), jnp.int32)
+    if turns:  # resumed samples first, lowest index first
+        resumed = state.resume.sum()
+        waiting = jnp.nonzero(state.resume, size=slots, fill_value=queue)[0]
+        take_resumed = free & (rank < resumed)
+        resumed_sample = waiting[jnp.clip(rank, 0, slots - 1)]
+    candidate = state.next_sample + rank - resumed
+    take = free & (rank >= resumed) & (candidate < limit)
+    sample = candidate
+    if turns:
+        take = take | take_resumed
+        sample = jnp.where(take_resumed, resumed_sample, candidate)
+    entry = state.entry_of[sample_prompt[jnp.clip(sample, 0, queue - 1)]]
+    state = dataclasses.replace(
+        state, slot_sample=jnp.where(take, sample, state.slot_sample),
+        slot_step=jnp.where(free, 0, state.slot_step),
+        logits=jnp.where(take[:, None], state.prompts.last_logits[entry], state.logits),
+        next_sample=jnp.minimum(state.next_sample + jnp.maximum(free.sum() - resumed, 0), limit))
+    if turns:
+        state = dataclasses.replace(state, resume=state.resume.at[jnp.where(take_resumed, resumed_sample, queue)]
+                                    .set(False, mode="drop"))
+    return state
+
+
+def _slot_loop(params, config: ModelConfig, mesh: Mesh | None, queue_prompts: PromptQueue, sample_prompt: jax.Array,
+               num_samples: jax.Array, rng: jax.Array, temperature: jax.Array, top_p: jax.Array,
+               max_new_tokens: jax.Array, stop_ids: jax.Array, *, slots: int, greedy: bool, top_k: int,
+               use_top_p: bool, prefill_chunk: int, paired_stops: bool, turns: bool):
+    """(constrain, busy, step) of the slot loop (traced inside `decode_slots` and `run_slots`). With `turns`, a sample
+    that ends keeps its prompt entry (the host ends the conversation, not the loop), is flagged in turn_ended,
+    and the host may give it back (resume): a free slot takes resumed samples before pending ones, feeds the
+    sample's given tokens again (its row's own, one per iteration, no stop among them) and samples on."""
+    queue = sample_prompt.shape[0]
+    layers = unstack_layers(params)  # sliced once, outside the loop
+
+    def constrain(state: SlotState) -> SlotState:
+        per_slot = ("slot_sample", "slot_step", "logits")
+        return dataclasses.replace(
+            state, **{name: _constrain(getattr(state, name), mesh) for name in per_slot},
+            response_k=jax.tree_util.tree_map(lambda x: _constrain(x, mesh), state.response_k),
+            response_v=jax.tree_util.tree_map(lambda x: _constrain(x, mesh), state.response_v))
+
+    prefill_on_demand = _prefill_on_demand(params, layers, config, mesh, queue_prompts, prefill_chunk)
+    refill = functools.partial(_refill, queue_prompts=queue_prompts, sample_prompt=sample_prompt, slots=slots,
+                               turns=turns)
 
     def busy(state: SlotState) -> jax.Array:
         pending = jnp.any(state.slot_sample >= 0) | (state.next_sample < num_samples)
@@ -356,7 +372,7 @@ def run_slots(params, config: ModelConfig, mesh: Mesh | None, state: SlotState, 
     """At most `iterations` more iterations of the slot loop in turns (`_slot_loop`'s `turns`), fewer when no slot
     is busy and nothing waits for one: samples whose turn ended are flagged (`turn_ended`) and keep their prompt
     entry; the host reads them, runs their tools while the slots decode the others, and gives the continued
-    ones back with `resume_slots`. The prompt cache must hold every prompt of the call (`slot_inputs(...,
+    ones back with `resume_slots`. The prompt cache must hold every prompt of the call (`plan.plan_calls(...,
     every_prompt=True)`): an entry is never freed. Same random numbers as `decode_slots` (sample k's token t)."""
     constrain, busy, step = _slot_loop(params, config, mesh, queue_prompts, sample_prompt, num_samples, rng,
                                        temperature, top_p, max_new_tokens, stop_ids, slots=slots, greedy=greedy,
@@ -379,54 +395,17 @@ def resume_slots(state: SlotState, resume: jax.Array, tokens: jax.Array, logprob
         stopped=state.stopped & ~resume, resume=state.resume | resume, turn_ended=state.turn_ended & ~seen)
 
 
-def prompt_entries(num_prompts: int, slots: int, prefill_chunk: int, limit: int = 0) -> int:
-    """Entries of the continuous engine's prompt cache: one per prompt of the call (their bucket, a multiple of
-    the prefill chunk c), at most slots + c (rounded up to a multiple of c): enough for every prompt with a
-    sample in a slot and one chunk prefilled ahead, so the cache is bounded by the slots, not the prompts.
-    `limit` > 0 caps the entries lower (rounded up to a multiple of c, at least c): a slot whose next sample's
-    prompt has no free entry then waits until a prompt's last sample ends (never forever: E >= c)."""
-    every = round_up(bucket_size(num_prompts), prefill_chunk)
-    bound = round_up(slots + prefill_chunk, prefill_chunk)
-    if limit > 0:
-        bound = min(bound, round_up(limit, prefill_chunk))
-    return min(every, bound)
-
-
-def slot_count(max_slots: int, num_rows: int, row_multiple: int = 1) -> int:
-    """Slots of a call: max_slots, at most the row bucket of its samples (more would never be busy), at
-    least 2 (XLA's matrix-vector products round differently from its matrix products; 2 slots keep the
-    static engine's arithmetic), rounded up to a multiple of `row_multiple` (the devices they are split over)."""
-    return round_up(max(2, min(int(max_slots), bucket_size(num_rows))), row_multiple)
-
-
-def default_slots(samples: int, max_slots: int | None) -> int:
-    """The slots a caller asks for: `max_slots`, or (None / 0) one per sample rounded up to the row bucket
-    (`buckets.bucket_size`), so calls of nearby sizes share one compiled loop (`slot_count` then bounds it)."""
-    return max_slots if max_slots else bucket_size(int(samples))
-
-
-def check_max_slots(max_slots) -> None:
-    if isinstance(max_slots, bool) or not isinstance(max_slots, (int, np.integer)) or max_slots < 1:
-        raise ValueError(f"max_slots must be an int >= 1 (decode slots of the continuous engine), got {max_slots!r}")
-
-
-def slot_inputs(config: ModelConfig, prompts: list[np.ndarray], counts: np.ndarray, *, max_new_tokens: int,
-                pad_id: int, max_slots: int, prefill_tokens_per_call: int = 4096, max_prompt_entries: int = 0,
-                row_multiple: int = 1, every_prompt: bool = False):
-    """(plan, (prompt cache, queue, sample_prompt, num_samples), static keywords of `decode_slots`) of a
-    `generate_slots` call: the arrays its decode loop starts from (`jaxrl_llm.train.aot` lowers the same).
-    `every_prompt`: an entry of the prompt cache for every prompt of the call (`run_slots` never frees one)."""
+def slot_inputs(config: ModelConfig, prompts: list[np.ndarray], counts: np.ndarray, call: CallPlan, *,
+                pad_id: int):
+    """((prompt cache, queue, sample_prompt, num_samples), static keywords of `decode_slots`) of the continuous
+    call `call` (`plan.plan_calls`): the arrays its decode loop starts from (`jaxrl_llm.train.aot` lowers the same)."""
+    plan = call.shapes
     lengths = np.array([len(p) for p in prompts])
-    plan = make_plan(lengths, counts, max_new_tokens, row_multiple=row_multiple,
-                     prefill_tokens_per_call=prefill_tokens_per_call)
     active = plan.prefill_prompts
     per_call = plan.prompts_per_prefill
-    slots = slot_count(max_slots, plan.num_rows, row_multiple)
-    queue_bucket = round_up(bucket_size(len(active)), per_call)
-    entries = queue_bucket if every_prompt else prompt_entries(len(active), slots, per_call, max_prompt_entries)
-    queue_tokens = np.full((queue_bucket + per_call, plan.prompt_bucket), pad_id, np.int32)
-    queue_lengths = np.ones(queue_bucket + per_call, np.int32)  # padding rows: one pad token
-    queue_counts = np.zeros(queue_bucket + per_call, np.int32)
+    queue_tokens = np.full((call.queue_bucket + per_call, plan.prompt_bucket), pad_id, np.int32)
+    queue_lengths = np.ones(call.queue_bucket + per_call, np.int32)  # padding rows: one pad token
+    queue_counts = np.zeros(call.queue_bucket + per_call, np.int32)
     for j, p in enumerate(active):
         queue_tokens[j, : lengths[p]] = prompts[p]
         queue_lengths[j] = lengths[p]
@@ -434,37 +413,39 @@ def slot_inputs(config: ModelConfig, prompts: list[np.ndarray], counts: np.ndarr
     sample_start = np.concatenate([[0], np.cumsum(queue_counts)]).astype(np.int32)
     queue = PromptQueue(jnp.asarray(queue_tokens), jnp.asarray(queue_lengths), jnp.asarray(queue_counts),
                         jnp.asarray(sample_start), jnp.int32(len(active)))
-    cache = empty_prompt_cache(config, entries, plan.prompt_bucket)
+    cache = empty_prompt_cache(config, call.prompt_entries, plan.prompt_bucket)
     entry = np.zeros(len(prompts), np.int32)
     entry[active] = np.arange(len(active), dtype=np.int32)
     sample_prompt = np.zeros(plan.row_bucket, np.int32)
     sample_prompt[: plan.num_rows] = entry[plan.row_prompt]
-    static = {"slots": slots, "new_token_bucket": plan.new_token_bucket, "prefill_chunk": per_call}
-    return plan, (cache, queue, jnp.asarray(sample_prompt), jnp.int32(plan.num_rows)), static
+    static = {"slots": call.slots, "new_token_bucket": plan.new_token_bucket, "prefill_chunk": per_call}
+    return (cache, queue, jnp.asarray(sample_prompt), jnp.int32(plan.num_rows)), static
 
 
 def generate_slots(params, config: ModelConfig, prompts: list[np.ndarray], counts: np.ndarray, *,
                    max_new_tokens: int, temperature: float, top_p: float, top_k: int, stop_ids: np.ndarray,
                    rng: jax.Array, pad_id: int, max_slots: int, prefill_tokens_per_call: int = 4096,
-                   max_prompt_entries: int = 0, mesh: Mesh | None = None, paired_stops: bool = False):
-    """The continuous engine behind `generate(..., engine="continuous")` on checked inputs (prompts as
-    int32 arrays, counts [len(prompts)] with a positive sum, stop_ids padded by `generate._stop_array`).
-    Returns (tokens [R, max_new_tokens], logprobs, lengths [R], stopped [R], row_prompt [R], SlotStats)
-    as numpy arrays, R = counts.sum(), rows ordered by prompt then sample. `params` must already be placed
-    on `mesh` when one is given (`models.sharding.shard_params`)."""
+                   max_prompt_entries: int = 0, mesh: Mesh | None = None, paired_stops: bool = False,
+                   call: CallPlan | None = None):
+    """The continuous engine behind `generate(..., engine="continuous")` on checked inputs (`plan.prepare_call`:
+    prompts as int32 arrays, counts [len(prompts)] with a positive sum, stop_ids padded by `plan.stop_array`),
+    running `call` (None: `plan.plan_calls` of these inputs). Returns (tokens [R, max_new_tokens], logprobs,
+    lengths [R], stopped [R], row_prompt [R], SlotStats) as numpy arrays, R = counts.sum(), rows ordered by prompt
+    then sample. `params` must already be placed on `mesh` when one is given (`models.sharding.shard_params`)."""
     check_max_slots(max_slots)
-    row_multiple = 1 if mesh is None else int(np.prod([mesh.shape[a] for a in row_axes(mesh)]))
-    plan, inputs, static = slot_inputs(config, prompts, counts, max_new_tokens=max_new_tokens, pad_id=pad_id,
-                                       max_slots=max_slots, prefill_tokens_per_call=prefill_tokens_per_call,
-                                       max_prompt_entries=max_prompt_entries, row_multiple=row_multiple)
+    if call is None:
+        call = plan_calls([len(p) for p in prompts], counts, max_new_tokens, engine="continuous",
+                          row_multiple=row_multiple(mesh), prefill_tokens_per_call=prefill_tokens_per_call,
+                          max_slots=max_slots, max_prompt_entries=max_prompt_entries)[0]
+    inputs, static = slot_inputs(config, prompts, counts, call, pad_id=pad_id)
     temperature, top_p, selection = selection_settings(temperature, top_p, top_k)
     state = decode_slots(params, config, mesh, *inputs, rng, temperature, top_p, jnp.int32(max_new_tokens),
                          jnp.asarray(stop_ids), jnp.int32(pad_id), **static, **selection, paired_stops=paired_stops)
     slots = static["slots"]
-    n = plan.num_rows
+    n = call.shapes.num_rows
     out_lengths = to_host(state.lengths)[:n]
     stats = SlotStats(slots=slots, iterations=int(state.iterations), useful_slot_steps=int(out_lengths.sum()))
     logger.debug("continuous sampler: %d samples on %d slots, %d iterations, slot occupancy %.3f", n, slots,
                  stats.iterations, stats.occupancy)
     return (to_host(state.tokens)[:n, :max_new_tokens], to_host(state.logprobs)[:n, :max_new_tokens],
-            out_lengths, to_host(state.stopped)[:n], plan.row_prompt.astype(np.int32), stats)
+            out_lengths, to_host(state.stopped)[:n], call.shapes.row_prompt.astype(np.int32), stats)

@@ -182,7 +182,7 @@ def _row_uniforms(rng: jax.Array, rows: int, step: jax.Array, row_offset: jax.Ar
 
 def paired_stop_hits(tokens: jax.Array, stop_ids: jax.Array, written: jax.Array, vocab_size: int) -> jax.Array:
     """[rows] bool: token t of each row is a pair-stop id (stored in `stop_ids` as id + vocab_size,
-    `generate._stop_array`) that closes a pair, i.e. an odd number of them came before it among the row's
+    `plan.stop_array`) that closes a pair, i.e. an odd number of them came before it among the row's
     `written` [rows, N] tokens (negative: not written): a row stops at the second, fourth, ... (a code fence that
     closes a block)."""
     pair = stop_ids - vocab_size

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 from typing import NamedTuple, Sequence
 
 import jax
@@ -11,20 +10,11 @@ import numpy as np
 from jax.sharding import Mesh
 
 from jaxrl_llm.models import ModelConfig
-from jaxrl_llm.sampling.buckets import SamplingPlan, bucket_size, make_plan, prompt_group_size, round_up
-from jaxrl_llm.sampling.continuous import SlotStats, check_max_slots, default_slots, generate_slots
-from jaxrl_llm.sampling.engine import (
-    SamplingState,
-    decode_rows,
-    init_state,
-    prefill_rows,
-    row_axes,
-    row_sharding,
-    to_host,
-)
+from jaxrl_llm.sampling.buckets import SamplingPlan, bucket_size
+from jaxrl_llm.sampling.continuous import SlotStats, generate_slots
+from jaxrl_llm.sampling.engine import SamplingState, decode_rows, init_state, prefill_rows, row_sharding, to_host
+from jaxrl_llm.sampling.plan import ENGINES, CallPlan, CallSetup, prepare_call  # noqa: F401 (ENGINES re-exported)
 from jaxrl_llm.sampling.token_selection import selection_settings
-
-ENGINES = ("static", "continuous")
 FINISH_STOP = 0
 FINISH_LENGTH = 1
 FINISH_REASON_NAMES = ("stop", "length")
@@ -52,50 +42,6 @@ class Rollout(NamedTuple):
     def finish_reason_names(self) -> list[str]:
         """finish_reason as strings, "stop" or "length"."""
         return [FINISH_REASON_NAMES[int(code)] for code in self.finish_reason]
-
-
-def _sample_counts(num_samples, num_prompts: int) -> np.ndarray:
-    if isinstance(num_samples, (int, np.integer)):
-        counts = np.full(num_prompts, int(num_samples), np.int64)
-    else:
-        counts = np.asarray(list(num_samples))
-        if counts.shape != (num_prompts,):
-            raise ValueError(f"num_samples must be an int or one count per prompt ({num_prompts}), "
-                             f"got {len(counts)} counts")
-        if counts.size and not np.issubdtype(counts.dtype, np.integer):
-            raise ValueError(f"num_samples must hold integers, got dtype {counts.dtype}")
-    if (counts < 0).any():
-        raise ValueError(f"num_samples must be >= 0, got {counts.tolist()}")
-    return counts.astype(np.int64)
-
-
-def _check_prompts(prompts, config: ModelConfig, max_new_tokens: int) -> list[np.ndarray]:
-    arrays = []
-    for i, prompt in enumerate(prompts):
-        ids = np.asarray(prompt)
-        if ids.ndim != 1 or ids.size == 0 or (ids.size and not np.issubdtype(ids.dtype, np.integer)):
-            raise ValueError(f"prompt {i} must be a non-empty list of token ids, got {prompt!r:.80}")
-        if ids.min() < 0 or ids.max() >= config.vocab_size:
-            raise ValueError(f"prompt {i} has token ids outside [0, {config.vocab_size})")
-        if ids.size + max_new_tokens > config.max_position_embeddings:
-            raise ValueError(f"prompt {i} ({ids.size} tokens) + max_new_tokens ({max_new_tokens}) exceeds "
-                             f"max_position_embeddings ({config.max_position_embeddings})")
-        arrays.append(ids.astype(np.int32))
-    return arrays
-
-
-def _stop_array(stop_ids: Sequence[int], vocab_size: int, pair_stop_ids: Sequence[int] = ()) -> np.ndarray:
-    """The decode loops' stop array: stop ids, then pair-stop ids stored as id + vocab_size (no token matches
-    them as immediate stops; `engine.paired_stop_hits` reads them back), padded with -1 to a bucket."""
-    for name, ids in (("stop_ids", stop_ids), ("pair_stop_ids", pair_stop_ids)):
-        bad = [int(s) for s in ids if not 0 <= int(s) < vocab_size]
-        if bad:
-            raise ValueError(f"{name} must lie in [0, {vocab_size}), got {sorted(bad)}")
-    stop = np.asarray(sorted(set(int(s) for s in stop_ids)) + sorted(set(int(s) + vocab_size for s in pair_stop_ids)),
-                      np.int32)
-    padded = np.full(bucket_size(stop.size, minimum=4), -1, np.int32)  # -1 never matches a token
-    padded[: stop.size] = stop
-    return padded
 
 
 def _forced_rows(prefixes: Sequence[Sequence[int]], first_row: int, rows: int) -> tuple[np.ndarray, np.ndarray]:
@@ -178,63 +124,13 @@ def collect(state: SamplingState, plan: SamplingPlan, max_new_tokens: int, pad_i
     )
 
 
-def call_row_bucket(num_rows: int, max_rows_per_call: int, row_multiple: int = 1) -> int:
-    """Rows of the sampler state of each call for `num_rows` output rows: `make_plan`'s bucket of all rows
-    when they fit in one call (max_rows_per_call 0 or >= num_rows), else the bucket of max(max_rows_per_call, 2),
-    a multiple of `row_multiple` either way."""
-    if max_rows_per_call == 0 or num_rows <= max_rows_per_call:
-        return round_up(bucket_size(num_rows), row_multiple)
-    return round_up(bucket_size(max(max_rows_per_call, 2)), row_multiple)
-
-
-def call_counts(counts: np.ndarray, max_rows_per_call: int) -> list[tuple[int, np.ndarray]]:
-    """The calls of a step whose output rows (ordered by prompt, `counts[i]` of prompt i) go in consecutive runs of
-    at most `max_rows_per_call` rows (0: one run) -> [(first output row, per-prompt counts of that run)]; a prompt's
-    samples may straddle two runs and count in both."""
-    counts = np.asarray(counts)
-    num_rows = int(counts.sum())
-    if max_rows_per_call == 0 or num_rows <= max_rows_per_call:
-        return [(0, counts)]
-    row_prompt = np.repeat(np.arange(len(counts)), counts)
-    return [(start, np.bincount(row_prompt[start: start + max_rows_per_call], minlength=len(counts)))
-            for start in range(0, num_rows, max_rows_per_call)]
-
-
-def call_prompt_group(counts: np.ndarray, max_rows_per_call: int, row_multiple: int = 1) -> int:
-    """Rows per prompt entry of every call of a step with per-prompt sample `counts` split in calls of
-    `max_rows_per_call` rows (`call_plans`): `buckets.prompt_group_size` of the counts each call takes
-    (`call_counts`) and a device's rows of the calls' row bucket."""
-    rows_per_device = call_row_bucket(int(np.sum(counts)), max_rows_per_call, row_multiple) // row_multiple
-    return prompt_group_size(np.concatenate([c for _, c in call_counts(counts, max_rows_per_call)]), rows_per_device)
-
-
-def call_plans(plan: SamplingPlan, prompt_lengths: np.ndarray, max_new_tokens: int, max_rows_per_call: int, *,
-               row_multiple: int = 1, prefill_tokens_per_call: int = 4096) -> list[tuple[int, SamplingPlan]]:
-    """Split `plan`'s output rows into consecutive runs of at most `max_rows_per_call` rows (0: one run)
-    -> [(first output row, plan of that run)]. A prompt's samples may straddle two runs. Every run keeps
-    the whole plan's prompt bucket and prompts per prefill call, and all runs have one row bucket (at least
-    2: XLA's matrix-vector products round differently from its matrix products) and one prompt group (the
-    largest that suits every run), so the runs share the compiled prefill and decode programs and compute each
-    row as the single call would, bit for bit."""
-    if max_rows_per_call == 0 or plan.num_rows <= max_rows_per_call:
-        return [(0, plan)]
-    row_bucket = call_row_bucket(plan.num_rows, max_rows_per_call, row_multiple)
-    counts = np.bincount(plan.row_prompt, minlength=len(prompt_lengths))
-    group = call_prompt_group(counts, max_rows_per_call, row_multiple)
-    runs = []
-    for start, counts in call_counts(counts, max_rows_per_call):
-        run = make_plan(prompt_lengths, counts, max_new_tokens, row_multiple=row_multiple,
-                        prefill_tokens_per_call=prefill_tokens_per_call)
-        runs.append((start, dataclasses.replace(run, prompt_bucket=plan.prompt_bucket, row_bucket=row_bucket,
-                                                prompts_per_prefill=plan.prompts_per_prefill, prompt_group=group)))
-    return runs
-
-
-def _continuous_rollout(params, config: ModelConfig, prompts: list[np.ndarray], counts: np.ndarray, *,
-                        max_slots: int | None, **kwargs) -> tuple[Rollout, SlotStats]:
-    slots = default_slots(int(counts.sum()), max_slots)
-    tokens, logprobs, lengths, stopped, row_prompt, stats = generate_slots(params, config, prompts, counts,
-                                                                           max_slots=slots, **kwargs)
+def _continuous_rollout(setup: CallSetup, config: ModelConfig, call: CallPlan, rng: jax.Array
+                        ) -> tuple[Rollout, SlotStats]:
+    tokens, logprobs, lengths, stopped, row_prompt, stats = generate_slots(
+        setup.params, config, setup.prompts, setup.counts, max_new_tokens=setup.max_new_tokens,
+        temperature=setup.temperature, top_p=setup.top_p, top_k=setup.top_k, stop_ids=setup.stop_ids, rng=rng,
+        pad_id=setup.pad_id, max_slots=call.slots, prefill_tokens_per_call=setup.prefill_tokens_per_call,
+        max_prompt_entries=setup.max_prompt_entries, mesh=setup.mesh, paired_stops=setup.paired_stops, call=call)
     mask = (np.arange(tokens.shape[1])[None, :] < lengths[:, None]).astype(np.float32)
     return Rollout(prompt_index=row_prompt, tokens=tokens, mask=mask, logprobs=logprobs, lengths=lengths,
                    finish_reason=np.where(stopped, FINISH_STOP, FINISH_LENGTH).astype(np.int32)), stats
@@ -257,7 +153,8 @@ def generate(params, config: ModelConfig, prompts: Sequence[Sequence[int]], *, n
     prompt (0 allowed: GVM-RAFT gives prompt i its own n_i). Each prompt is prefilled once (length
     padded to a bucket) and its KV cache copied to its samples' rows (one entry shared by each group of
     consecutive rows of the prompt, `buckets.prompt_group_size`); rows are padded to a power-of-two
-    bucket, so a new mix of counts with the same bucket reuses the compiled programs. Decoding is a
+    bucket (the call's shapes: `plan.plan_calls`; its checks: `plan.prepare_call`), so a new mix of counts with
+    the same bucket reuses the compiled programs. Decoding is a
     `lax.while_loop` that ends when every row has emitted a stop id or `max_new_tokens` tokens. A row also
     stops at the second (fourth, ...) token of `pair_stop_ids` it emits: a code fence that closes a block,
     not the one that opens it (`sampling.multiturn`). `forced_prefixes` (static engine; one token list per row, in
@@ -279,7 +176,7 @@ def generate(params, config: ModelConfig, prompts: Sequence[Sequence[int]], *, n
     With `mesh`, rows are sharded over its ('data', 'fsdp') axes and params are placed by the model's
     partition rules (`jaxrl_llm.models.sharding.shard_params`; a no-op when already placed so).
 
-    `max_rows_per_call` > 0 decodes the output rows in consecutive runs of at most that many (`call_plans`),
+    `max_rows_per_call` > 0 decodes the output rows in consecutive runs of at most that many (`plan.plan_calls`),
     so only one run's KV cache is live at a time; the result is the same as one call (0, the default),
     token for token and log-prob for log-prob, since a row's random numbers follow its output index.
 
@@ -303,70 +200,27 @@ def generate(params, config: ModelConfig, prompts: Sequence[Sequence[int]], *, n
     engine's slots are a call's rows (its row bucket, padding included), decoded in lock step for as many
     steps as the call's longest row.
     """
-    if engine not in ENGINES:
-        raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
-    if engine == "continuous":
-        if max_slots is not None:
-            check_max_slots(max_slots)
-        if max_rows_per_call:
-            raise ValueError("max_rows_per_call applies to the static engine; the continuous engine bounds "
-                             "its cache with max_slots")
-        if isinstance(max_prompt_entries, bool) or not isinstance(max_prompt_entries, (int, np.integer)) \
-                or max_prompt_entries < 0:
-            raise ValueError(f"max_prompt_entries must be an int >= 0 (0: max_slots + one prefill chunk), "
-                             f"got {max_prompt_entries!r}")
-    elif max_prompt_entries:
-        raise ValueError("max_prompt_entries applies to engine='continuous' (its prompt cache)")
-    elif max_slots is not None:
-        raise ValueError("max_slots applies to engine='continuous'; the static engine bounds its cache with "
-                         "max_rows_per_call")
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    if temperature < 0:
-        raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
-    if not 0.0 < top_p <= 1.0:
-        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
-    if top_k < 0:
-        raise ValueError(f"top_k must be >= 0 (0 = no limit), got {top_k}")
-    if isinstance(max_rows_per_call, bool) or not isinstance(max_rows_per_call, (int, np.integer)) \
-            or max_rows_per_call < 0:
-        raise ValueError(f"max_rows_per_call must be an int >= 0 (0 = all rows in one call), got {max_rows_per_call!r}")
-    prompt_arrays = _check_prompts(prompts, config, max_new_tokens)
-    counts = _sample_counts(num_samples, len(prompt_arrays))
-    if counts.sum() == 0:
+    setup = prepare_call(params, config, prompts, num_samples=num_samples, max_new_tokens=max_new_tokens,
+                         temperature=temperature, top_p=top_p, top_k=top_k, stop_ids=stop_ids,
+                         pair_stop_ids=pair_stop_ids, pad_id=pad_id, mesh=mesh, engine=engine, max_slots=max_slots,
+                         max_prompt_entries=max_prompt_entries, max_rows_per_call=max_rows_per_call,
+                         prefill_tokens_per_call=prefill_tokens_per_call, forced_prefixes=forced_prefixes)
+    if setup.num_rows == 0:
         empty = _empty_rollout(max_new_tokens)
         return (empty, SlotStats(slots=0, iterations=0, useful_slot_steps=0)) if return_stats else empty
-    row_multiple = 1
-    if mesh is not None:
-        from jaxrl_llm.models.sharding import shard_params
-
-        params = shard_params(params, mesh)
-        row_multiple = int(np.prod([mesh.shape[a] for a in row_axes(mesh)]))
-    stop = _stop_array(stop_ids, config.vocab_size, pair_stop_ids)
-    paired = len(pair_stop_ids) > 0
-    if forced_prefixes is not None and engine != "static":
-        raise ValueError("forced_prefixes needs engine='static'")
-    if forced_prefixes is not None and len(forced_prefixes) != int(counts.sum()):
-        raise ValueError(f"forced_prefixes: one per row ({int(counts.sum())}), got {len(forced_prefixes)}")
-    if forced_prefixes is not None and max(map(len, forced_prefixes), default=0) >= max_new_tokens:
-        raise ValueError(f"forced_prefixes must be shorter than max_new_tokens ({max_new_tokens})")
+    calls = setup.calls()
     if engine == "continuous":
-        rollout, stats = _continuous_rollout(params, config, prompt_arrays, counts, max_new_tokens=max_new_tokens,
-                                   temperature=temperature, top_p=top_p, top_k=top_k, stop_ids=stop, rng=rng,
-                                   pad_id=pad_id, max_slots=max_slots, prefill_tokens_per_call=prefill_tokens_per_call,
-                                   max_prompt_entries=max_prompt_entries, mesh=mesh, paired_stops=paired)
+        rollout, stats = _continuous_rollout(setup, config, calls[0], rng)
         return (rollout, stats) if return_stats else rollout
-    lengths = np.array([len(p) for p in prompt_arrays])
-    plan = make_plan(lengths, counts, max_new_tokens, row_multiple=row_multiple,
-                     prefill_tokens_per_call=prefill_tokens_per_call)
     rollouts = []
-    for first_row, run in call_plans(plan, lengths, max_new_tokens, int(max_rows_per_call), row_multiple=row_multiple,
-                                     prefill_tokens_per_call=prefill_tokens_per_call):
-        state, first_logits = prefill(params, config, prompt_arrays, run, pad_id=pad_id, mesh=mesh)
-        forced = None if forced_prefixes is None else _forced_rows(forced_prefixes, first_row, run.row_bucket)
-        state = decode(params, config, state, first_logits, max_new_tokens=max_new_tokens, temperature=temperature,
-                       top_p=top_p, top_k=top_k, stop_ids=stop, rng=rng, pad_id=pad_id, mesh=mesh,
-                       row_offset=first_row, paired_stops=paired, forced=forced)
+    for call in calls:
+        run = call.shapes
+        state, first_logits = prefill(setup.params, config, setup.prompts, run, pad_id=pad_id, mesh=mesh)
+        forced = None if forced_prefixes is None else _forced_rows(forced_prefixes, call.first_row, run.row_bucket)
+        state = decode(setup.params, config, state, first_logits, max_new_tokens=max_new_tokens,
+                       temperature=temperature, top_p=top_p, top_k=top_k, stop_ids=setup.stop_ids, rng=rng,
+                       pad_id=pad_id, mesh=mesh, row_offset=call.first_row, paired_stops=setup.paired_stops,
+                       forced=forced)
         rollouts.append(collect(state, run, max_new_tokens, pad_id))
     rollout = rollouts[0] if len(rollouts) == 1 else _concat(rollouts)
     if not return_stats:
@@ -374,4 +228,3 @@ def generate(params, config: ModelConfig, prompts: Sequence[Sequence[int]], *, n
     # decode_rows stops when a call's longest row ends: that row's length is the call's decode steps
     return rollout, SlotStats(slots=run.row_bucket, iterations=sum(int(part.lengths.max()) for part in rollouts),
                               useful_slot_steps=int(rollout.lengths.sum()))
-

@@ -39,7 +39,7 @@ import numpy as np
 
 from jaxrl_llm.sampling.continuous import SlotStats
 from jaxrl_llm.sampling.generate import FINISH_STOP, generate
-from jaxrl_llm.sampling.token_selection import selection_settings
+from jaxrl_llm.sampling.plan import prepare_call
 
 
 @dataclasses.dataclass
@@ -207,33 +207,24 @@ def _slot_turns(params, config, tokenizer, records, counts, conversations: list[
     conversation. Fills `conversations` (in `records` order, as `generate` orders rows); returns (segments run,
     slot-steps). `max_prompt_entries` is ignored: the prompt cache holds every prompt of the call."""
     from jaxrl_llm.sampling import continuous
-    from jaxrl_llm.sampling.engine import row_axes, to_host
-    from jaxrl_llm.sampling.generate import _check_prompts, _stop_array
+    from jaxrl_llm.sampling.engine import to_host
 
-    if max_rows_per_call:
-        raise ValueError("max_rows_per_call applies to the static engine; the continuous engine bounds its cache "
-                         "with max_slots")
-    if max_slots is not None:
-        continuous.check_max_slots(max_slots)
-    prompts = _check_prompts([r["prompt_ids"] for r in records], config, max_new_tokens)
-    row_multiple = 1
-    if mesh is not None:
-        from jaxrl_llm.models.sharding import shard_params
-
-        params = shard_params(params, mesh)
-        row_multiple = int(np.prod([mesh.shape[a] for a in row_axes(mesh)]))
-    total = int(np.sum(counts))
-    plan, (cache, queue, sample_prompt, num_samples), static = continuous.slot_inputs(
-        config, prompts, np.asarray(counts), max_new_tokens=max_new_tokens, pad_id=tokenizer.pad_token_id,
-        max_slots=continuous.default_slots(total, max_slots), prefill_tokens_per_call=prefill_tokens_per_call,
-        row_multiple=row_multiple, every_prompt=True)
+    setup = prepare_call(params, config, [r["prompt_ids"] for r in records], num_samples=counts,
+                         max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                         stop_ids=stops, pair_stop_ids=fences, pad_id=tokenizer.pad_token_id, mesh=mesh, engine=engine,
+                         max_slots=max_slots, max_prompt_entries=max_prompt_entries,
+                         max_rows_per_call=max_rows_per_call, prefill_tokens_per_call=prefill_tokens_per_call)
+    call = setup.calls(every_prompt=True)[0]
+    (cache, queue, sample_prompt, num_samples), static = continuous.slot_inputs(
+        config, setup.prompts, setup.counts, call, pad_id=tokenizer.pad_token_id)
+    plan, params = call.shapes, setup.params
     # the plan's rows are ordered by prompt then sample, as `conversations`
     assert [conversations[r].prompt for r in range(plan.num_rows)] == plan.row_prompt.tolist()
-    temperature, top_p, selection = selection_settings(temperature, top_p, top_k)
+    temperature, top_p, selection = setup.selection()
     keywords = dict(slots=static["slots"], **selection, prefill_chunk=static["prefill_chunk"],
-                    paired_stops=bool(fences))
+                    paired_stops=setup.paired_stops)
     arguments = (queue, sample_prompt, num_samples, rng, temperature, top_p, jnp.int32(max_new_tokens),
-                 jnp.asarray(_stop_array(stops, config.vocab_size, fences)), jnp.int32(segment_iterations))
+                 jnp.asarray(setup.stop_ids), jnp.int32(segment_iterations))
     state = continuous.start_slots(config, cache, queue, sample_prompt, jnp.int32(tokenizer.pad_token_id),
                                    slots=static["slots"], new_token_bucket=static["new_token_bucket"])
     width, rows = static["new_token_bucket"], sample_prompt.shape[0]

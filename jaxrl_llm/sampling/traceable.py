@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from jaxrl_llm.models import ModelConfig
 from jaxrl_llm.sampling.buckets import bucket_size, response_tile_size
 from jaxrl_llm.sampling.engine import decode_rows, init_state, prefill_rows
-from jaxrl_llm.sampling.generate import _stop_array
+from jaxrl_llm.sampling.plan import stop_array
 from jaxrl_llm.sampling.token_selection import selection_settings
 
 
@@ -70,7 +70,7 @@ def sample_tokens(params, config: ModelConfig, prompt_tokens: jax.Array, prompt_
                                        row_prompt, state, first_logits)
     temperature, top_p, selection = selection_settings(temperature, top_p, top_k)
     state = decode_rows(params, config, None, state, first_logits, rng, temperature, top_p,
-                        jnp.int32(max_new_tokens), jnp.asarray(_stop_array(stop_ids, config.vocab_size)),
+                        jnp.int32(max_new_tokens), jnp.asarray(stop_array(stop_ids, config.vocab_size)),
                         jnp.int32(pad_id), **selection)
     return SampledTokens(tokens=state.tokens[:, :max_new_tokens], logprobs=state.logprobs[:, :max_new_tokens],
                          lengths=state.lengths, stopped=state.stopped)

@@ -404,22 +404,21 @@ def _continuous_program(cfg: RunConfig, mc: ModelConfig, mesh, policy, hbm: int)
     prompt `data.max_prompt_tokens` long, `samples_per_prompt` samples of `max_new_tokens` each (GVM: the larger
     of its stage-1 and later counts), `sampling.max_slots` slots, as `sampling.continuous.generate_slots` calls it.
     The prompt queue and cache are replicated, as the engine's uncommitted host arrays are."""
-    from jaxrl_llm.sampling.continuous import decode_slots, default_slots, slot_inputs
-    from jaxrl_llm.sampling.engine import row_axes
+    from jaxrl_llm.sampling.continuous import decode_slots, slot_inputs
+    from jaxrl_llm.sampling.plan import plan_calls, row_multiple
 
     s = cfg.sampling
     per_prompt = max(s.gvm_stage1_samples, s.gvm_samples_per_prompt) if s.allocation == "gvm" \
         else s.samples_per_prompt
     prompts = [np.zeros(cfg.data.max_prompt_tokens, np.int32)] * s.prompts_per_step
     counts = np.full(s.prompts_per_step, per_prompt)
-    row_multiple = int(np.prod([mesh.shape[a] for a in row_axes(mesh)]))
+    call = plan_calls([len(p) for p in prompts], counts, s.max_new_tokens, engine="continuous",
+                      row_multiple=row_multiple(mesh), max_slots=s.max_slots,
+                      max_prompt_entries=s.max_prompt_entries)[0]
     found = {}
 
     def inputs():
-        found["plan"], arrays, found["static"] = slot_inputs(
-            mc, prompts, counts, max_new_tokens=s.max_new_tokens, pad_id=0,
-            max_slots=default_slots(int(counts.sum()), s.max_slots), max_prompt_entries=s.max_prompt_entries,
-            row_multiple=row_multiple)
+        arrays, found["static"] = slot_inputs(mc, prompts, counts, call, pad_id=0)
         return arrays
 
     replicated = NamedSharding(mesh, P())
@@ -441,12 +440,10 @@ def _sampler_programs(cfg: RunConfig, mc: ModelConfig, mesh, policy, hbm: int) -
     stage-1 and later counts, varying so that no rows share a prompt entry), rows split over data x fsdp
     as `sampling.generate` splits them. The sampler reads the policy in `model.param_dtype` (LoRA: the merged copy,
     `policy` None: laid out like an unquantized base)."""
-    from jaxrl_llm.sampling.buckets import make_plan
-    from jaxrl_llm.sampling.engine import cache_sharding, decode_rows, init_state, prefill_rows, row_axes, row_sharding
-    from jaxrl_llm.sampling.generate import call_plans
+    from jaxrl_llm.sampling.engine import cache_sharding, decode_rows, init_state, prefill_rows, row_sharding
+    from jaxrl_llm.sampling.plan import plan_calls, row_multiple
 
     policy = _merged_policy(mc, mesh, policy)
-    row_multiple = int(np.prod([mesh.shape[a] for a in row_axes(mesh)]))
     lengths = np.full(cfg.sampling.prompts_per_step, cfg.data.max_prompt_tokens)
     if cfg.sampling.allocation == "gvm":  # counts that vary from prompt to prompt: one prompt entry per row
         counts = np.full(cfg.sampling.prompts_per_step,
@@ -455,9 +452,8 @@ def _sampler_programs(cfg: RunConfig, mc: ModelConfig, mesh, policy, hbm: int) -
         # the estimate's worst case
     else:
         counts = np.full(cfg.sampling.prompts_per_step, cfg.sampling.samples_per_prompt)
-    plan = make_plan(lengths, counts, cfg.sampling.max_new_tokens, row_multiple=row_multiple)
-    _, run = call_plans(plan, lengths, cfg.sampling.max_new_tokens, cfg.sampling.max_rows_per_call,
-                        row_multiple=row_multiple)[0]
+    run = plan_calls(lengths, counts, cfg.sampling.max_new_tokens, row_multiple=row_multiple(mesh),
+                     max_rows_per_call=cfg.sampling.max_rows_per_call)[0].shapes
     rows = row_sharding(mesh, 1)
 
     def sds(shape, dtype, sharding=rows):

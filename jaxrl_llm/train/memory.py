@@ -65,9 +65,9 @@ Every term counts what jaxrl_llm itself allocates, per device of a `data x fsdp 
               where kept is what the forward pass keeps (every layer's terms, or with remat each layer's input);
               `activations` reports kept + the larger of the two layer-backward phases.
   sampling    KV cache of the rows of one sampler call: all of a step's rows, or `sampling.max_rows_per_call`
-              of them (the row bucket of `sampling.generate.call_plans`), rows split over data x fsdp:
+              of them (the row bucket of `sampling.plan.plan_calls`), rows split over data x fsdp:
               layers x (rows / g x P_bucket + rows x R_bucket) x kv_heads x head_dim x 2 x c, where g rows
-              share one prompt entry (`sampling.generate.call_prompt_group`: samples_per_prompt when it divides
+              share one prompt entry (`sampling.plan.plan_calls`' prompt group: samples_per_prompt when it divides
               a device's rows; 1 with GVM's varying counts) and a sliding-window layer (Mistral, Gemma) keeps
               min(R_bucket, window) response slots, the kv_heads split over tensor where it divides them
               (`sampling.engine.cache_sharding`); where tensor > 1 does not divide them, the decode loop
@@ -86,8 +86,8 @@ Every term counts what jaxrl_llm itself allocates, per device of a `data x fsdp 
                          TPU without the cast copy, the stacked layer weights sliced per layer in c (XLA hoists
                          the slices out of the loop)
               With sampling.engine=continuous: layers x (C x P_bucket + S x R_bucket) x
-              kv_heads x head_dim x 2 x c for S decode slots (`sampling.continuous.slot_count`) and
-              C = `sampling.continuous.prompt_entries` prompt-cache entries (one per prompt of the step, at
+              kv_heads x head_dim x 2 x c for S decode slots (`sampling.buckets.slot_count`) and
+              C = `sampling.buckets.prompt_entries` prompt-cache entries (one per prompt of the step, at
               most S + one prefill chunk of floor_pow2(4096 / P_bucket) prompts, or
               `sampling.max_prompt_entries` where lower; with tools.env, one per prompt of the step rounded up
               to the chunk: tool conversations keep their prompt's entry across turns), plus one layer's prompt
@@ -159,9 +159,8 @@ from jaxrl_llm.models.lora import LoraSpec, adapter_shapes, resolve_targets
 from jaxrl_llm.models.model import param_shapes
 from jaxrl_llm.models.sharding import MESH_AXES, partition_rules
 from jaxrl_llm.sampling.buckets import bucket_size, prefill_chunk, response_tile_size, round_up
-from jaxrl_llm.sampling.continuous import default_slots, prompt_entries, slot_count
 from jaxrl_llm.sampling.decoder import response_slots
-from jaxrl_llm.sampling.generate import call_prompt_group, call_row_bucket
+from jaxrl_llm.sampling.plan import plan_calls
 from jaxrl_llm.train.algorithms import needs_reference
 from jaxrl_llm.train.config import RunConfig, lora_enabled, uses_critic
 from jaxrl_llm.train.packing import bucket, length_bucket
@@ -443,22 +442,21 @@ def _sampling_bytes(cfg: RunConfig, mc: ModelConfig, mesh: dict[str, int], c: in
     batch_split = mesh["data"] * mesh["fsdp"]
     samples = max(cfg.sampling.gvm_stage1_samples, cfg.sampling.gvm_samples_per_prompt) if gvm \
         else cfg.sampling.samples_per_prompt
-    sample_rows = call_row_bucket(cfg.sampling.prompts_per_step * samples, cfg.sampling.max_rows_per_call,
-                                  batch_split)
+    # the sampler's first call at the worst case (every prompt max_prompt_tokens long), as `sampling.plan` plans it
+    call = plan_calls(np.full(cfg.sampling.prompts_per_step, cfg.data.max_prompt_tokens),
+                      np.full(cfg.sampling.prompts_per_step, samples), cfg.sampling.max_new_tokens,
+                      engine=cfg.sampling.engine, row_multiple=batch_split,
+                      max_rows_per_call=cfg.sampling.max_rows_per_call, max_slots=cfg.sampling.max_slots,
+                      max_prompt_entries=cfg.sampling.max_prompt_entries,
+                      every_prompt=bool(cfg.tools.env))[0]  # with tools.env the prompts keep their entries
+    sample_rows = call.shapes.row_bucket
     local_rows = sample_rows // batch_split
-    prompt_bucket = bucket_size(cfg.data.max_prompt_tokens, minimum=16)
-    response_bucket = bucket_size(cfg.sampling.max_new_tokens, minimum=16)
+    prompt_bucket = call.shapes.prompt_bucket
+    response_bucket = call.shapes.new_token_bucket
     kv_bytes = mc.num_kv_heads * mc.head_dim * 2 * c  # one token's keys and values in one layer
     if cfg.sampling.engine == "continuous":
-        num_rows = cfg.sampling.prompts_per_step * samples
-        all_slots = slot_count(default_slots(num_rows, cfg.sampling.max_slots), num_rows, batch_split)
-        local_slots = all_slots // batch_split
-        chunk = prefill_chunk(prompt_bucket, cfg.sampling.prompts_per_step, batch_split)
-        if cfg.tools.env:  # conversations turn over on the slots and keep their prompt's entry (`run_slots`)
-            local_prompts = round_up(bucket_size(cfg.sampling.prompts_per_step), chunk)
-        else:
-            local_prompts = prompt_entries(cfg.sampling.prompts_per_step, all_slots, chunk,
-                                           cfg.sampling.max_prompt_entries)
+        local_slots = call.slots // batch_split
+        local_prompts = call.prompt_entries
         kv_cache = sum((local_prompts * prompt_bucket + local_slots * slots) * kv_bytes
                        for slots in response_slots(mc, response_bucket))
         sampling = (kv_cache + local_slots * prompt_bucket * kv_bytes
@@ -466,8 +464,7 @@ def _sampling_bytes(cfg: RunConfig, mc: ModelConfig, mesh: dict[str, int], c: in
         return sample_rows, kv_cache, sampling, sampling, sampling
     # One prompt entry per group of rows that continue the same prompt (`sampling.buckets.prompt_group_size`);
     # GVM's counts change from step to step, so it is counted at one entry per row, the most it can take.
-    group = 1 if gvm else call_prompt_group(np.full(cfg.sampling.prompts_per_step, samples),
-                                            cfg.sampling.max_rows_per_call, batch_split)
+    group = 1 if gvm else call.shapes.prompt_group
     # KV heads split over tensor where it divides them (`sampling.engine.cache_sharding`)
     head_split = mesh["tensor"] if mc.num_kv_heads % mesh["tensor"] == 0 else 1
     slots = response_slots(mc, response_bucket)
