@@ -1,8 +1,22 @@
-"""Helpers of the multi-process tests: a free localhost port for `jax.distributed.initialize`, and
-waiting for a set of worker processes (each must exit 0)."""
+"""Helpers of the multi-process tests: a free localhost port for `jax.distributed.initialize`, the environment of
+their processes, and waiting for a set of worker processes (each must exit 0)."""
 
+import os
 import socket
 import subprocess
+
+# The suite's persistent compilation cache (conftest) stays out of `jax.distributed` processes: with it, a resumed
+# two-process run once differed from the straight one in the last bits of a gradient norm, and a pair whose
+# processes hit and missed the cache apart waited on each other past the test's timeout.
+_CACHE_VARIABLES = ("JAX_COMPILATION_CACHE_DIR", "JAXRL_TEST_CACHE_OWNER", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS",
+                    "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES")
+
+
+def distributed_env(**variables: str) -> dict[str, str]:
+    """This process's environment without the suite's compilation cache, with `variables` set."""
+    env = {k: v for k, v in os.environ.items() if k not in _CACHE_VARIABLES}
+    env.update(variables)
+    return env
 
 
 def free_port() -> int:

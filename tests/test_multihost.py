@@ -6,14 +6,13 @@ checkpoints are written through orbax by both. This file is also the worker scri
 (`python tests/test_multihost.py ID COUNT PORT DIR MESH [KEY=VALUE ...]`)."""
 
 import json
-import os
 import pathlib
 import subprocess
 import sys
 
 import numpy as np
 import pytest
-from process_helpers import finish, free_port
+from process_helpers import distributed_env, finish, free_port
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 MESH = "data=2,fsdp=2,tensor=2"
@@ -21,7 +20,7 @@ STEPS = 2
 
 
 def _launch(process_id: int, num_processes: int, port: int, out_dir: pathlib.Path, devices: int, *extra: str):
-    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu")
+    env = distributed_env(XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu")
     mesh = MESH if num_processes > 1 else ""  # the reference: one process, one device
     return subprocess.Popen([sys.executable, __file__, str(process_id), str(num_processes), str(port), str(out_dir),
                              mesh, *extra],

@@ -22,7 +22,7 @@ import sys
 
 import numpy as np
 import pytest
-from process_helpers import finish, free_port
+from process_helpers import distributed_env, finish, free_port
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 MESH = "data=2,fsdp=2,tensor=2"
@@ -31,9 +31,9 @@ STOP_AFTER = 2  # the step during which process 1 receives SIGTERM
 
 
 def _launch_pair(out_dir: pathlib.Path, mode: str) -> list[subprocess.Popen]:
-    # No shared persistent compilation cache: with one, the resumed pair's step after a GVM step differed
-    # from the straight run in the last bits of the gradient norm; compiled afresh, every run is bitwise.
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
+    # No shared persistent compilation cache (`distributed_env`): with one, the resumed pair's step after a GVM step
+    # differed from the straight run in the last bits of the gradient norm; compiled afresh, every run is bitwise.
+    env = distributed_env(XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
     port = free_port()
     return [subprocess.Popen([sys.executable, __file__, str(i), "2", str(port), str(out_dir), mode],
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)

@@ -112,6 +112,7 @@ def _step_checks() -> dict:
     import jax
     import jax.numpy as jnp
     import numpy as np
+    from compile_count import counted_compiles
 
     from jaxrl_llm import models
     from jaxrl_llm.models.sharding import make_mesh, param_shardings
@@ -165,12 +166,13 @@ def _step_checks() -> dict:
         state = place(state, s_sharding)
         placed = place(batch, b_sharding if sharded else None)
         history = []
-        for _ in range(steps):
-            previous = state
-            state, metrics = step(state, placed, denom)
-            history.append({k: float(v) for k, v in metrics.items()})
+        with counted_compiles() as compiles:
+            for _ in range(steps):
+                previous = state
+                state, metrics = step(state, placed, denom)
+                history.append({k: float(v) for k, v in metrics.items()})
         donated = all(x.is_deleted() for x in jax.tree_util.tree_leaves(previous))
-        return state, history, donated, step._cache_size()
+        return state, history, donated, len(compiles)
 
     adamw = make_optimizer(OptimSection(lr=1e-2, weight_decay=0.01))
     a_single, m_single, _, _ = run(adamw, False)
