@@ -214,6 +214,17 @@ def paper_batch(config, rows: int, prompt_len: int, resp_len: int, samples: int,
     return prompts, responses, lengths, groups, adv, per_token
 
 
+def train_config(small: bool, block: int | None, prompt_len: int, layers: int | None = None):
+    """The train part's model: the Qwen2.5-1.5B shape with the paper preset's memory settings (f32 weights, bf16
+    compute, full remat, attention tiles of `block` for the xla path, log-prob chunks recomputed), `layers` of them
+    (None: all). max_prompt_tokens (the data's prompt bound, set by a run from data.max_prompt_tokens) sizes the
+    regrouped rows of the fused paths: prompt + one response, not the whole packed row."""
+    config = shrink(qwen_shape(), small).replace(param_dtype="float32", compute_dtype="bfloat16", remat=True,
+                                                 remat_policy="full", attention_block_size=block or None,
+                                                 remat_logits=True, max_prompt_tokens=prompt_len)
+    return config.replace(num_layers=layers) if layers else config
+
+
 def train(small: bool, ceil: dict, torch_side: bool = True, layers: int | None = None, rows: int = 2,
           samples: int = 8, resp_len: int | None = None, block: int | None = 512,
           impls: tuple[str, ...] = ("auto", "xla")) -> dict:
@@ -231,13 +242,7 @@ def train(small: bool, ceil: dict, torch_side: bool = True, layers: int | None =
 
     prompt_len = 64 if small else 1024
     resp_len = resp_len or (96 if small else 3072)
-    # max_prompt_tokens (the data's prompt bound, set by the run from data.max_prompt_tokens) sizes the regrouped
-    # rows of the fused paths: prompt + one response, not the whole packed row
-    base = shrink(qwen_shape(), small).replace(param_dtype="float32", compute_dtype="bfloat16", remat=True,
-                                               remat_policy="full", attention_block_size=(64 if small else block)
-                                               or None, remat_logits=True, max_prompt_tokens=prompt_len)
-    if layers:
-        base = base.replace(num_layers=layers)
+    base = train_config(small, 64 if small else block, prompt_len, layers)
     prompts, responses, lengths, groups, adv, per_token = paper_batch(base, rows, prompt_len, resp_len, samples)
     params = random_params(base, "float32")
     probe = pack_groups(prompts, groups, responses, lengths)

@@ -40,7 +40,7 @@ def compile_step(impl: str, *, layers: int = 28, rows: int = 2, samples: int = 8
     import numpy as np
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-    from gpu import paper_batch, qwen_shape
+    from gpu import paper_batch, train_config
     from jaxrl_llm.models.layers import TILE_SCOPE
     from jaxrl_llm.models.model import init_params
     from jaxrl_llm.objectives import aggregate_denominator
@@ -52,9 +52,7 @@ def compile_step(impl: str, *, layers: int = 28, rows: int = 2, samples: int = 8
     from jaxrl_llm.train.step import make_train_step
 
     prompt_len, resp_len = 1024, 3072
-    config = qwen_shape().replace(param_dtype="float32", compute_dtype="bfloat16", remat=True, remat_policy="full",
-                                  attention_block_size=block, remat_logits=True, max_prompt_tokens=prompt_len,
-                                  num_layers=layers, attention_impl=impl)
+    config = train_config(False, block, prompt_len, layers).replace(attention_impl=impl)
     prompts, responses, lengths, groups, _, per_token = paper_batch(config, rows, prompt_len, resp_len, samples)
     batch = pack_groups(prompts, groups, responses, lengths, advantages=per_token,
                         old_logp=np.zeros((rows * samples, resp_len), np.float32))
