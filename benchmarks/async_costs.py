@@ -61,7 +61,7 @@ V5E = Machine("v5e-64", 64, 197e12, 819e9, 16 * 2**30, "ICI", 200e9, True, 16 * 
 
 @dataclasses.dataclass(frozen=True)
 class Policy:
-    """Qwen2.5-Math-1.5B (jaxrl_llm.train.memory.KNOWN_MODELS)."""
+    """Qwen2.5-Math-1.5B (jaxrl_llm.capacity.memory.KNOWN_MODELS)."""
     params: int = 1_543_714_304
     vocab: int = 151_936
     hidden: int = 1536
@@ -194,7 +194,7 @@ def train_work(lengths, workload: Workload = WORKLOAD, policy: Policy = POLICY) 
     out = []
     for batch, factor in passes:
         padded = length_bucket(max(r[0] for r in batch))
-        out.append((len(batch), factor * sum(row_flops(padded, r[1], r[2], policy) for r in batch)))
+        out.append((len(batch), factor * math.fsum(row_flops(padded, r[1], r[2], policy) for r in batch)))
     return out
 
 
@@ -207,7 +207,7 @@ def train_fits(devices: int, machine: Machine, policy: Policy = POLICY, workload
 def trainer_seconds(work, devices: int, machine: Machine, mfu: float, workload: Workload = WORKLOAD) -> float:
     """One step's training (train_work) on `devices`: ceil(rows / devices) rows each per pass."""
     rate = devices * machine.matmul_flops * mfu * (1.0 if devices == 1 else workload.train_efficiency)
-    return sum(flops * (-(-rows // devices) * devices / rows) for rows, flops in work) / rate
+    return math.fsum(flops * (-(-rows // devices) * devices / rows) for rows, flops in work) / rate
 
 
 def measured_train_mfu(policy: Policy = POLICY) -> float:

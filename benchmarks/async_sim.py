@@ -29,6 +29,7 @@ import argparse
 import collections
 import dataclasses
 import json
+import math
 import pathlib
 import random
 import sys
@@ -95,8 +96,8 @@ def summarize(events: list[StepEvents], *, warmup: int, sampler_busy_s=None, tra
         raise ValueError(f"warmup must be in 1..{n - 1}, got {warmup}")
     window = events[-1].train_end_s - events[warmup - 1].train_end_s
     tail = events[warmup:]
-    sampler_busy = sum((sampler_busy_s or [e.sample_end_s - e.sample_start_s for e in events])[warmup:])
-    trainer_busy = sum((trainer_busy_s or [e.train_end_s - e.train_start_s for e in events])[warmup:])
+    sampler_busy = math.fsum((sampler_busy_s or [e.sample_end_s - e.sample_start_s for e in events])[warmup:])
+    trainer_busy = math.fsum((trainer_busy_s or [e.train_end_s - e.train_start_s for e in events])[warmup:])
     out = {"seconds_per_step": window / (n - warmup),
            "staleness": dict(sorted(collections.Counter(e.staleness for e in events).items())),
            "sampler_waited_for_weights": _share(e.sample_start_s > p.sample_end_s + 1e-9
@@ -191,10 +192,10 @@ def compare(rows: list[dict], *, max_staleness: int, transfer_blocks_trainer: bo
         "transfer_blocks_trainer": transfer_blocks_trainer,
         "first_version_mismatch": next((t for t in range(n) if versions[t] != max(0, t - k)), None),
         "replayed": {"max_abs_error_s": max(abs(e) for v in errors.values() for e in v),
-                     "mean_abs_error_s": {key: sum(map(abs, v)) / n for key, v in errors.items()},
+                     "mean_abs_error_s": {key: math.fsum(map(abs, v)) / n for key, v in errors.items()},
                      "wall_s": {"measured": measured_wall, "predicted": predicted[-1].train_end_s - publish[0]},
                      "wall_relative_error": (predicted[-1].train_end_s - publish[0]) / measured_wall - 1.0},
-        "lags_s": {name: {"min": min(lag), "mean": sum(lag) / n, "max": max(lag)}
+        "lags_s": {name: {"min": min(lag), "mean": math.fsum(lag) / n, "max": max(lag)}
                    for name, lag in (("sample_start", lag_sample), ("train_start", lag_train))},
         "events": [dataclasses.asdict(p) for p in predicted],
     }
@@ -321,7 +322,7 @@ def _scenario(sides: dict, work: list, machine, mfu: float, ks, warmup: int) -> 
 
 def _mean(values) -> float:
     values = list(values)
-    return sum(values) / len(values)
+    return math.fsum(values) / len(values)
 
 
 def markdown(results: dict) -> str:

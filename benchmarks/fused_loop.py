@@ -9,7 +9,7 @@ GRPO without KL, 8 prompts x 8 samples x 24 new tokens of the 2-term 1-digit ari
 - host: `jaxrl_llm.train.loop.train` for N steps (evaluation off); per-step wall time from its
   metrics.jsonl (sample + score + update). Step 1 includes compilation; later steps can include
   recompiling the train step for a new packed width (the host packs to the rollouts' lengths).
-- fused: `jaxrl_llm.train.fused`: one `lax.scan` over N iterations of sample -> on-device reward ->
+- fused: `jaxrl_llm.ondevice.fused`: one `lax.scan` over N iterations of sample -> on-device reward ->
   GRPO advantages -> update, prompts pre-drawn on the host. Compiled once (timed apart), then run.
 
 Also printed: the fused run's reward per iteration (does it learn), and how often the on-device reward
@@ -32,12 +32,12 @@ import numpy as np
 
 from jaxrl_llm import data as data_lib
 from jaxrl_llm import rewards
+from jaxrl_llm.ondevice.device_reward import token_bytes
+from jaxrl_llm.ondevice.fused import PromptBatch, check_fused_config, make_fused_iteration, make_fused_loop, prompt_batches
+from jaxrl_llm.run.metrics import read_metrics
+from jaxrl_llm.run.setup import load_policy, load_prompts, runtime_model_config
+from jaxrl_llm.run.state import init_state, make_optimizer
 from jaxrl_llm.train import load_config
-from jaxrl_llm.train.device_reward import token_bytes
-from jaxrl_llm.train.fused import PromptBatch, check_fused_config, make_fused_iteration, make_fused_loop, prompt_batches
-from jaxrl_llm.train.metrics import read_metrics
-from jaxrl_llm.train.setup import load_policy, load_prompts, runtime_model_config
-from jaxrl_llm.train.state import init_state, make_optimizer
 
 
 def copy_params(params):

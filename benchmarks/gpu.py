@@ -26,7 +26,7 @@ Parts (each writes its figures to DIR/gpu.json as soon as it ends, so a run cut 
   4096 tokens (the prompt repeated for each response, as TRL does), f32 weights, bf16 autocast, activation
   checkpointing, log-softmax over the response positions, the same loss, clip and fused AdamW.
 - memory: XLA's measured peak of the train step (`memory_stats()["peak_bytes_in_use"]`) against
-  `train.memory.estimate_memory` for the same settings, and the largest response length that fits one 80 GB
+  `capacity.memory.estimate_memory` for the same settings, and the largest response length that fits one 80 GB
   GPU by the estimate.
 
 `--small` shrinks every shape (2 layers, short rows) to check the script on a CPU.
@@ -59,7 +59,7 @@ def smollm2_shape():
 
 
 def qwen_shape():
-    from jaxrl_llm.train.memory import KNOWN_MODELS
+    from jaxrl_llm.capacity.memory import KNOWN_MODELS
 
     return KNOWN_MODELS["qwen2.5-math-1.5b"].replace(max_position_embeddings=32768)
 
@@ -235,9 +235,9 @@ def train(small: bool, ceil: dict, torch_side: bool = True, layers: int | None =
     import jax.numpy as jnp
 
     from jaxrl_llm.objectives import aggregate_denominator
-    from jaxrl_llm.train.config import AlgorithmSection, OptimSection
+    from jaxrl_llm.run.config import AlgorithmSection, OptimSection
+    from jaxrl_llm.run.state import init_state, make_optimizer
     from jaxrl_llm.train.packing import pack_groups
-    from jaxrl_llm.train.state import init_state, make_optimizer
     from jaxrl_llm.train.step import make_logprob_fn, make_train_step
 
     prompt_len = 64 if small else 1024
@@ -309,10 +309,10 @@ def train(small: bool, ceil: dict, torch_side: bool = True, layers: int | None =
 
 def program_stats(hlo_text: str) -> dict:
     """The compiled program's attention kernel, kernels launched per call and matmul FLOPs
-    (`jaxrl_llm.train.hlo_stats`), as a JSON-ready dict."""
+    (`jaxrl_llm.capacity.hlo_stats`), as a JSON-ready dict."""
     import dataclasses
 
-    from jaxrl_llm.train.hlo_stats import program_stats as stats
+    from jaxrl_llm.capacity.hlo_stats import program_stats as stats
 
     return {k: v for k, v in dataclasses.asdict(stats(hlo_text)).items() if isinstance(v, (int, float, str))}
 
@@ -368,8 +368,8 @@ def torch_train(config, prompts, responses, adv, old_logp, samples: int, small: 
 
 
 def memory(small: bool, measured: dict) -> dict:
+    from jaxrl_llm.capacity.memory import GIB, estimate_memory
     from jaxrl_llm.train import load_config
-    from jaxrl_llm.train.memory import GIB, estimate_memory
 
     root = pathlib.Path(__file__).resolve().parents[1]
     prompt_len = measured.get("prompt_tokens", 1024)

@@ -5,8 +5,8 @@
 Each train step of benchmarks/gpu.py's train part is compiled here for one H200 (no GPU needed: the gpu-compile
 extra) exactly as that part builds it (the Qwen2.5-1.5B shape, f32 weights and AdamW, bf16 compute, full remat,
 one packed row per micro-batch, `train.step.make_train_step` with the default algorithm), and its optimized HLO is
-read kernel by kernel (`train.hlo_stats.kernel_costs`: times launched, matmul FLOPs, bytes). The model
-(`train.gpu_targets.predict_seconds`) sums, per kernel, max(FLOPs / matmul ceiling, bytes / bandwidth) plus a launch
+read kernel by kernel (`capacity.hlo_stats.kernel_costs`: times launched, matmul FLOPs, bytes). The model
+(`capacity.gpu_targets.predict_seconds`) sums, per kernel, max(FLOPs / matmul ceiling, bytes / bandwidth) plus a launch
 cost, with the H200's measured ceilings (508 TFLOP/s bf16, 2.79 TB/s: results/gpu_h200.json).
 
 Its one free constant, the launch cost, is fitted on one measurement only: the packed XLA path's 28-layer step on
@@ -41,14 +41,14 @@ def compile_step(impl: str, *, layers: int = 28, rows: int = 2, samples: int = 8
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
     from gpu import paper_batch, train_config
+    from jaxrl_llm.capacity import aot
+    from jaxrl_llm.capacity.hlo_stats import kernel_costs, program_stats
     from jaxrl_llm.models.layers import TILE_SCOPE
     from jaxrl_llm.models.model import init_params
     from jaxrl_llm.objectives import aggregate_denominator
-    from jaxrl_llm.train import aot
-    from jaxrl_llm.train.config import AlgorithmSection, OptimSection
-    from jaxrl_llm.train.hlo_stats import kernel_costs, program_stats
+    from jaxrl_llm.run.config import AlgorithmSection, OptimSection
+    from jaxrl_llm.run.state import init_state, make_optimizer
     from jaxrl_llm.train.packing import pack_groups
-    from jaxrl_llm.train.state import init_state, make_optimizer
     from jaxrl_llm.train.step import make_train_step
 
     prompt_len, resp_len = 1024, 3072
@@ -108,7 +108,7 @@ def main() -> None:
     parser.add_argument("--out", default=str(HERE / "results" / "gpu_model.json"))
     args = parser.parse_args()
 
-    from jaxrl_llm.train.gpu_targets import GPUS, LAUNCH_SECONDS, predict_seconds
+    from jaxrl_llm.capacity.gpu_targets import GPUS, LAUNCH_SECONDS, predict_seconds
 
     h200 = GPUS["h200"]
     measured = json.loads(MEASURED.read_text())

@@ -33,7 +33,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
 def load_policy(model: str):
-    from jaxrl_llm.train.setup import load_policy as load
+    from jaxrl_llm.run.setup import load_policy as load
 
     if model != "tiny":
         return load(model)
@@ -106,7 +106,6 @@ def run_config(algorithm: str, arm: str | bool, seed: int, args, out_dir: pathli
     """The preset with the study's budget: steps and eval interval from the samples one step draws. `arm` is
     a key of ARMS (True / False: "gvm" / "uniform")."""
     from jaxrl_llm.train import load_config
-
     arm = {True: "gvm", False: "uniform"}.get(arm, arm)
     gvm, extra = ARMS[arm]
     preset = ROOT / "configs" / (f"gvm_{algorithm}.yaml" if gvm else f"{algorithm}.yaml")
@@ -131,8 +130,8 @@ def train_once(config, policy) -> dict:
     import jax
     import jax.numpy as jnp
 
+    from jaxrl_llm.run.metrics import read_metrics
     from jaxrl_llm.train.loop import train
-    from jaxrl_llm.train.metrics import read_metrics
 
     model_config, params, tokenizer = policy
     params = jax.tree_util.tree_map(jnp.copy, params)  # the train step donates its state

@@ -106,7 +106,7 @@ def write_hard_setting(args, out: pathlib.Path) -> None:
     OUT/eval.jsonl (the toy's held-out prompts)."""
     import shutil
 
-    from jaxrl_llm.train.setup import load_policy
+    from jaxrl_llm.run.setup import load_policy
 
     toy = pathlib.Path(args.toy)
     hard_model(load_policy(str(toy / "model"))[1], args)
@@ -128,7 +128,7 @@ def hard_model(params, args):
     import jax
 
     from jaxrl_llm import models
-    from jaxrl_llm.train.setup import load_policy
+    from jaxrl_llm.run.setup import load_policy
 
     folder = pathlib.Path(args.cache) / "hard_model"
     if (folder / "config.json").exists():
@@ -202,8 +202,8 @@ def build_pool(model_config, params, tokenizer, records, *, pool: int, max_new_t
     """Sample `pool` responses per prompt at T = 1, score them, and take per-sample gradients."""
     import jax
 
+    from jaxrl_llm.run.config import AlgorithmSection, SamplingSection
     from jaxrl_llm.train.rollouts import RewardScorer, ScoredRollouts, all_rows_batch, sample_and_score
-    from jaxrl_llm.train.config import AlgorithmSection, SamplingSection
 
     sampling = SamplingSection(max_new_tokens=max_new_tokens, temperature=1.0, max_rows_per_call=2048)
     scorer = RewardScorer(AlgorithmSection(), sampling, timeout=5.0, workers=0)
@@ -442,7 +442,7 @@ def lemma1_variance_ratio(c: np.ndarray, counts: np.ndarray, per_prompt: int) ->
 # ---- driver ---------------------------------------------------------------------------------------------------
 
 def load_mix(name: str, args):
-    from jaxrl_llm.train.setup import load_policy
+    from jaxrl_llm.run.setup import load_policy
 
     if name in ("toy", "hard"):
         folder = pathlib.Path(args.toy)

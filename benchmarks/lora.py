@@ -6,7 +6,7 @@ its 8 responses each), layer remat "full", GRPO's clipped loss, AdamW.
         [--repeats 3] [--base-dtype float32|bfloat16|int8|int4] [--remat-logits]
 
 Each mode runs in a fresh process (peak RSS only grows within one): it loads the policy as a run does
-(`train.setup.load_policy`), builds the train state (full: parameters + AdamW moments of every weight; LoRA:
+(`run.setup.load_policy`), builds the train state (full: parameters + AdamW moments of every weight; LoRA:
 the frozen base + adapters + their moments), compiles the step and times `repeats` steps after one untimed.
 LoRA's step also merges the adapters into the weights once, as a run does before sampling (timed apart).
 Reported per mode: the median step seconds, the merge seconds (LoRA), resident memory after loading and the
@@ -58,9 +58,9 @@ def measure(mode: str, args) -> dict:
     import jax
 
     from jaxrl_llm.models import lora
-    from jaxrl_llm.train.config import AlgorithmSection, OptimSection
-    from jaxrl_llm.train.setup import load_policy, map_large_host_allocations
-    from jaxrl_llm.train.state import init_state, make_optimizer
+    from jaxrl_llm.run.config import AlgorithmSection, OptimSection
+    from jaxrl_llm.run.setup import load_policy, map_large_host_allocations
+    from jaxrl_llm.run.state import init_state, make_optimizer
     from jaxrl_llm.train.step import make_train_step
 
     map_large_host_allocations()  # as a run does

@@ -10,7 +10,7 @@ The peers are not in the project's extras: TRL needs torch (the `test` extra) an
 without its dependencies (they pin an older transformers), with the pinned set benchmarks/README.md lists.
 
 Shapes (any value can be changed with the flags above or `--set section.key=value`):
-- demo: the embedded demo, `jaxrl-llm train`'s defaults (train/config.py): bundled SmolLM2-135M-Instruct in
+- demo: the embedded demo, `jaxrl-llm train`'s defaults (run/config.py): bundled SmolLM2-135M-Instruct in
   float32, GRPO without KL, 8 prompts x 8 samples x 24 new tokens of the 2-term 1-digit arithmetic task with
   the 3-shot prompt, AdamW lr 1e-5 (weight decay 0.01, clip 1.0, constant), one update per step.
 - long: the same algorithm on gsm8k-100 with the `reasoning` prompt, up to 512 new tokens, at most 64 rows
@@ -47,7 +47,7 @@ dividing the step's), `max_tokens_to_generate` = M, `max_prompt_length` = the lo
 our temperature / top_p / top_k, eos tokens = our stop ids, rollout seed = `train.seed` (tunix reuses one seed for
 every call); the same verifier as its reward function; `num_iterations=1`, epsilon = our `clip_low`,
 `loss_agg_mode` = our `algorithm.agg` (token-mean, within each micro-batch); one optimizer update per step
-(mini-batch = the step's prompts) with our `train.state.make_optimizer` (clip 1.0, then AdamW with weight decay
+(mini-batch = the step's prompts) with our `run.state.make_optimizer` (clip 1.0, then AdamW with weight decay
 0.01 off norm scales, constant lr), which tunix wraps in `optax.MultiSteps` over micro-batches of
 `--tunix-micro-batch` prompts (default 1: `samples` completions per forward/backward, since its Llama 3 keeps every
 activation, no remat, by default). Its completions end before the stop token, so its loss never sees that token.
@@ -126,8 +126,8 @@ def run_ours(config, policy) -> list[dict]:
     import jax
     import jax.numpy as jnp
 
+    from jaxrl_llm.run.setup import setup_run
     from jaxrl_llm.train.loop import collect_rollouts, new_books, update_policy
-    from jaxrl_llm.train.setup import setup_run
 
     model_config, params, tokenizer = policy
     steps = []
@@ -166,7 +166,7 @@ def step_line(s: dict) -> str:
 def drawn_records(config, tokenizer) -> list[dict]:
     """The prompts our run draws, step by step (the same stream as `setup_run`'s)."""
     from jaxrl_llm import data as data_lib
-    from jaxrl_llm.train.setup import load_prompts
+    from jaxrl_llm.run.setup import load_prompts
 
     records = load_prompts(config.data.train, tokenizer, config)
     stream = data_lib.RecordBatches(records, data_lib.LoaderConfig(
@@ -279,8 +279,8 @@ def run_tunix(config, policy, micro_prompts: int) -> tuple[list[dict], dict]:
     from tunix.rl.grpo import grpo_learner
     from tunix.rl.rollout import base_rollout
 
+    from jaxrl_llm.run.state import make_optimizer
     from jaxrl_llm.train.rollouts import RewardScorer
-    from jaxrl_llm.train.state import make_optimizer
     from sampling import _IdTokenizer, build_tunix
 
     model_config, params, tokenizer = policy
@@ -382,8 +382,8 @@ def main():
 
     import jax
 
+    from jaxrl_llm.run.setup import load_policy, runtime_model_config
     from jaxrl_llm.train import load_config
-    from jaxrl_llm.train.setup import load_policy, runtime_model_config
 
     overrides = list(SHAPES[args.shape]) + [f"train.steps={args.steps}"]
     for flag, key in ((args.prompts, "sampling.prompts_per_step"), (args.samples, "sampling.samples_per_prompt"),

@@ -52,10 +52,10 @@ sys.path.insert(0, str(ROOT))
 
 from jaxrl_llm.models import quant  # noqa: E402
 from jaxrl_llm.objectives import rollout_correction  # noqa: E402
+from jaxrl_llm.run.setup import setup_run  # noqa: E402
 from jaxrl_llm.train import load_config  # noqa: E402
 from jaxrl_llm.train.loop import token_logprobs  # noqa: E402
 from jaxrl_llm.train.rollouts import sample_and_score  # noqa: E402
-from jaxrl_llm.train.setup import setup_run  # noqa: E402
 
 SETUPS = {"lora_demo": "configs/lora_demo.yaml", "lora_demo_trained": "configs/lora_demo.yaml", "full": None}
 

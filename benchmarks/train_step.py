@@ -174,8 +174,8 @@ def build_ours(config, params, batch, *, micro_batch: int, repeats: int, pieces:
     import jax.numpy as jnp
 
     from jaxrl_llm.objectives import aggregate_denominator
-    from jaxrl_llm.train.config import AlgorithmSection, OptimSection
-    from jaxrl_llm.train.state import init_state, make_optimizer
+    from jaxrl_llm.run.config import AlgorithmSection, OptimSection
+    from jaxrl_llm.run.state import init_state, make_optimizer
     from jaxrl_llm.train.step import loss_fn, make_train_step, split_micro
 
     algo = AlgorithmSection()

@@ -9,9 +9,10 @@ import importlib
 
 __version__ = "0.1.0"
 
-_SUBPACKAGES = ("data", "eval", "models", "objectives", "rewards", "sampling", "tools", "train")
+_SUBPACKAGES = ("capacity", "data", "eval", "models", "objectives", "ondevice", "rewards", "run", "sampling", "tools",
+                "train")
 # Modules directly under the package that `jaxrl_llm.<name>` may also reach.
-_MODULES = ("cli", "platforms")
+_MODULES = ("cli", "platforms", "plot")
 
 
 def __getattr__(name: str):

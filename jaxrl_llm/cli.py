@@ -166,8 +166,8 @@ def _cmd_compile(args) -> int:
     import dataclasses
     import json
 
+    from jaxrl_llm.capacity.aot import CudaPluginMissing, LibtpuMissing, compile_run, format_report
     from jaxrl_llm.train import load_config
-    from jaxrl_llm.train.aot import CudaPluginMissing, LibtpuMissing, compile_run, format_report
 
     config = load_config(args.config, args.overrides)
     _say(f"jaxrl-llm compile: {config.model.source} ({config.algorithm.name}) for {args.topology}, "
@@ -200,7 +200,7 @@ def _cmd_eval(args) -> int:
 
 
 def _cmd_plot(args) -> int:
-    from jaxrl_llm.train.plot import plot_run
+    from jaxrl_llm.plot import plot_run
 
     drawn = plot_run(args.run_dirs, args.out, x=args.x)
     _say(f"wrote {drawn.path}\n{drawn.plan.summary()}")

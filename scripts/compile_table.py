@@ -26,10 +26,10 @@ import pathlib
 import subprocess
 import sys
 
+from jaxrl_llm.capacity.aot import ProgramReport, refresh_estimates, usable_bytes
+from jaxrl_llm.capacity.gpu_targets import parse_gpu_topology
+from jaxrl_llm.capacity.memory import GIB, TARGETS, model_config_for, suggest_layout
 from jaxrl_llm.train import load_config
-from jaxrl_llm.train.aot import ProgramReport, refresh_estimates, usable_bytes
-from jaxrl_llm.train.gpu_targets import parse_gpu_topology
-from jaxrl_llm.train.memory import GIB, TARGETS, model_config_for, suggest_layout
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 START, END = "<!-- compile-table:start -->", "<!-- compile-table:end -->"

@@ -1,4 +1,4 @@
-"""Write docs/config_reference.md from the run-config dataclasses in jaxrl_llm/train/config.py.
+"""Write docs/config_reference.md from the run-config dataclasses in jaxrl_llm/run/config.py.
 
     python scripts/gen_config_reference.py            # rewrite docs/config_reference.md
     python scripts/gen_config_reference.py --check    # exit 1 when the checked-in file is stale
@@ -90,8 +90,8 @@ def _cell(text: str) -> str:
 
 
 def render(module=None, source: str | None = None) -> str:
-    """The markdown reference of `module` (default jaxrl_llm.train.config) with comments from `source`."""
-    module = module or importlib.import_module("jaxrl_llm.train.config")
+    """The markdown reference of `module` (default jaxrl_llm.run.config) with comments from `source`."""
+    module = module or importlib.import_module("jaxrl_llm.run.config")
     source = source if source is not None else inspect.getsource(module)
     where = getattr(module, "__file__", "<config>")
     comments = field_comments(source)
@@ -100,7 +100,7 @@ def render(module=None, source: str | None = None) -> str:
     parts = [
         "# Configuration reference",
         "",
-        f"Generated from the dataclasses in `jaxrl_llm/train/config.py` by `{REGENERATE}`; do not edit by hand",
+        f"Generated from the dataclasses in `jaxrl_llm/run/config.py` by `{REGENERATE}`; do not edit by hand",
         "(`tests/test_docs.py` fails when this file differs from what the script writes).",
         "",
         "A run is configured by a YAML file of sections (`jaxrl-llm train --config F`; a preset may start with",

@@ -7,7 +7,7 @@
 For each preset and target the script picks the fsdp x tensor layout of least peak (one packed row per
 device per micro-batch), lowers `sampling.max_rows_per_call` where the sampler's KV cache alone would not fit
 in 85% of HBM, and prints the overrides that select them. The terms are those of
-`jaxrl_llm.train.memory.estimate_memory` (see its module docstring); sizes are GiB per device.
+`jaxrl_llm.capacity.memory.estimate_memory` (see its module docstring); sizes are GiB per device.
 The LoRA presets (configs/paper/lora/) get a second table: each on the smallest hardware of `LORA_LADDER`
 where it fits (one 16 GiB accelerator, one 80 GB GPU, 8 of them).
 """
@@ -18,8 +18,8 @@ import argparse
 import pathlib
 import sys
 
+from jaxrl_llm.capacity.memory import GIB, TARGETS, model_config_for, suggest_layout
 from jaxrl_llm.train import load_config
-from jaxrl_llm.train.memory import GIB, TARGETS, model_config_for, suggest_layout
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 START, END = "<!-- memory-table:start -->", "<!-- memory-table:end -->"

@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
+from jaxrl_llm.run.config import ConfigError
 from jaxrl_llm.train import load_config
 from jaxrl_llm.train.async_rollouts import (AsyncRollouts, load_in_flight, prune_in_flight, save_in_flight)
-from jaxrl_llm.train.config import ConfigError
 from jaxrl_llm.train.rollouts import ScoredRollouts
 from simulated_mesh import run_on_devices
 
@@ -176,7 +176,7 @@ def test_config_errors_name_the_key():
 
 def test_asynchronous_runs_verify_in_a_process_pool():
     """The sampler thread scores, where the in-process time limit (SIGALRM) does not hold: at least one worker."""
-    from jaxrl_llm.train.setup import verifier_workers
+    from jaxrl_llm.run.setup import verifier_workers
 
     assert verifier_workers(load_config(None, [])) == 0
     assert verifier_workers(load_config(None, ["rollouts.mode=async"])) == 1
@@ -249,8 +249,8 @@ SPLIT = """
 import json, sys
 sys.path.insert(0, "tests")
 from loop_runner import TINY_RUN, tiny_policy
+from jaxrl_llm.run import setup as setup_module
 from jaxrl_llm.train import load_config
-from jaxrl_llm.train import setup as setup_module
 from jaxrl_llm.train.loop import train
 
 seen = {}

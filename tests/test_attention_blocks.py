@@ -18,7 +18,7 @@ from numpy_reference import numpy_attention
 from jaxrl_llm import models
 from jaxrl_llm.models import ModelConfig
 from jaxrl_llm.models.layers import attention, attention_keep_mask, blocked_attention
-from jaxrl_llm.train.config import ConfigError, load_config
+from jaxrl_llm.run.config import ConfigError, load_config
 
 TINY = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4, num_kv_heads=2,
                    head_dim=8)
@@ -203,7 +203,7 @@ def test_block_size_validation_and_config_json(tmp_path):
 def test_run_config_key_reaches_the_policy(tmp_path):
     from jaxrl_llm.models.bundled import bundled_gguf_path
     from jaxrl_llm.models.tokenizer import Tokenizer
-    from jaxrl_llm.train.setup import load_policy
+    from jaxrl_llm.run.setup import load_policy
 
     cfg = load_config(None, ["model.attention_block_size=512", "model.attention_block_min_length=2048"])
     assert (cfg.model.attention_block_size, cfg.model.attention_block_min_length) == (512, 2048)

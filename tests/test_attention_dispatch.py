@@ -162,8 +162,8 @@ def test_tiny_train_step_compiles_for_a_v5e_slice_with_splash():
     kernel left to the partitioner fails to lower), the sampler's prefill and decode beside them, and XLA's
     per-device memory is reported."""
     pytest.importorskip("libtpu")
-    from jaxrl_llm.train.aot import compile_run, format_report, parse_topology
-    from jaxrl_llm.train.config import load_config
+    from jaxrl_llm.capacity.aot import compile_run, format_report, parse_topology
+    from jaxrl_llm.run.config import load_config
 
     tiny = ModelConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_layers=2, num_heads=4,
                        num_kv_heads=2, head_dim=32)
@@ -198,8 +198,7 @@ def test_compile_command_reports_and_fails_on_a_program_over_hbm(tmp_path, capsy
     import json
 
     from jaxrl_llm import cli
-    from jaxrl_llm.train import aot
-
+    from jaxrl_llm.capacity import aot
     tiny = ModelConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_layers=2, num_heads=4,
                        num_kv_heads=2, head_dim=32)
     real = aot.compile_run
@@ -218,7 +217,6 @@ def test_compile_command_reports_and_fails_on_a_program_over_hbm(tmp_path, capsy
         assert all(p["argument_bytes"] <= p["compiler_peak_bytes"] for p in saved["programs"]), saved["programs"]
         # a saved result's estimates recomputed (scripts/compile_table.py --reuse): the same as compiled with
         from jaxrl_llm.train import load_config
-
         stale = {**saved, "estimate": {}, "programs": [{**p, "estimate_bytes": 0, "resident_bytes": 0, "fits": False}
                                                        for p in saved["programs"]]}
         fresh = aot.refresh_estimates(load_config(CONFIGS / "ppo.yaml", args[7:]), stale, model_config=tiny)
@@ -239,8 +237,8 @@ def test_compile_puts_an_async_sampler_on_its_own_devices_with_its_own_copy():
     each version); beside a sampler program stay its other versions (max_staleness = 1: one more). A slice of
     several hosts is refused, as the run refuses it."""
     pytest.importorskip("libtpu")
-    from jaxrl_llm.train import aot
-    from jaxrl_llm.train.config import ConfigError, load_config
+    from jaxrl_llm.capacity import aot
+    from jaxrl_llm.run.config import ConfigError, load_config
 
     tiny = ModelConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_layers=2, num_heads=4,
                        num_kv_heads=2, head_dim=32)
@@ -280,7 +278,7 @@ def test_usable_hbm_is_what_the_compiler_holds_a_program_to(generation):
     0.1 GiB over it is refused with that "available HBM" (the check counts the arguments and outputs: the
     program below holds nothing else)."""
     pytest.importorskip("libtpu")
-    from jaxrl_llm.train.aot import CHIPS, Topology, topology_devices
+    from jaxrl_llm.capacity.aot import CHIPS, Topology, topology_devices
 
     chip = CHIPS[generation]
     grid = "2x2" if generation in ("v5e", "v6e") else "2x2x1"
@@ -310,8 +308,7 @@ def test_a_program_fits_by_the_compilers_peak_where_recorded():
     (`compiler_peak_bytes`) fit the chip, though the sum XLA allots it (`peak_bytes`, arguments + temporaries) is
     larger (a 1.5B GRPO train step at 3 rows per v5e chip compiled with 19.3 GiB allotted, 14.2 GiB peak, on a
     16 GiB chip); a report without the compiler's peak (saved before it was recorded) is judged by the allotment."""
-    from jaxrl_llm.train import aot
-
+    from jaxrl_llm.capacity import aot
     gib = 1024 ** 3
     est = {"reference": 0, "critic": 0, "params": 2 * gib, "optimizer": 4 * gib, "train_step": 5 * gib,
            "gvm_norms": 0, "sampling_prefill": 0, "sampling_decode": 0, "sampling": 0, "critic_step": 0}

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from jaxrl_llm import objectives
+from jaxrl_llm.run.config import AlgorithmSection
 from jaxrl_llm.train.algorithms import rollout_weights
-from jaxrl_llm.train.config import AlgorithmSection
 
 
 def _batch(seed=0, b=4, t=7):

@@ -16,8 +16,7 @@ import pytest
 import yaml
 
 import jaxrl_llm
-from jaxrl_llm.train import config as config_module
-
+from jaxrl_llm.run import config as config_module
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 DOCS = sorted((ROOT / "docs").glob("*.md"))
 FLAGS = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
@@ -76,7 +75,7 @@ def test_config_reference_is_up_to_date():
     if current != expected:
         diff = "".join(list(difflib.unified_diff(current.splitlines(True), expected.splitlines(True),
                                                  "docs/config_reference.md", "generated"))[:40])
-        pytest.fail(f"docs/config_reference.md is out of date with jaxrl_llm/train/config.py: "
+        pytest.fail(f"docs/config_reference.md is out of date with jaxrl_llm/run/config.py: "
                     f"run python scripts/gen_config_reference.py\n{diff}")
 
 

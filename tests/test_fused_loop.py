@@ -1,4 +1,4 @@
-"""The fully jitted RL iteration (jaxrl_llm.train.fused) and its on-device reward, against the host path:
+"""The fully jitted RL iteration (jaxrl_llm.ondevice.fused) and its on-device reward, against the host path:
 the reward equals the host verifier, the sampler inside the fused program (`sample_tokens`) equals
 `generate`, one fused iteration's update equals `make_train_step` on the same rollouts, and a scan of K
 iterations equals K calls."""
@@ -12,17 +12,17 @@ import optax
 import pytest
 
 from jaxrl_llm import models, rewards
+from jaxrl_llm.ondevice.device_reward import (TokenBytes, boxed_integer_reward, gold_integers, last_boxed_span,
+                                              token_bytes)
+from jaxrl_llm.ondevice.fused import (PromptBatch, check_fused_config, make_fused_iteration, make_fused_loop,
+                                      prompt_batches)
 from jaxrl_llm.rewards.extract import last_boxed
+from jaxrl_llm.run.config import AlgorithmSection, SamplingSection
+from jaxrl_llm.run.state import init_state
 from jaxrl_llm.sampling import generate
 from jaxrl_llm.train import load_config
 from jaxrl_llm.train.algorithms import sequence_advantages, token_advantages
-from jaxrl_llm.train.config import AlgorithmSection, SamplingSection
-from jaxrl_llm.train.device_reward import (TokenBytes, boxed_integer_reward, gold_integers, last_boxed_span,
-                                           token_bytes)
-from jaxrl_llm.train.fused import (PromptBatch, check_fused_config, make_fused_iteration, make_fused_loop,
-                                   prompt_batches)
 from jaxrl_llm.train.rollouts import ScoredRollouts, build_train_batches
-from jaxrl_llm.train.state import init_state
 from jaxrl_llm.train.step import make_train_step
 
 VOCAB = 24

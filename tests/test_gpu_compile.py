@@ -1,5 +1,5 @@
 """`jaxrl-llm compile` for NVIDIA GPU hosts on a machine without a GPU (the gpu-compile extra's CUDA plugin), and the
-statistics each compiled program's optimized HLO gives (`train.hlo_stats`): kernels launched, conditionals, matmul
+statistics each compiled program's optimized HLO gives (`capacity.hlo_stats`): kernels launched, conditionals, matmul
 FLOPs with loop trip counts multiplied in, the attention kernel, against the model's FLOPs."""
 
 import json
@@ -7,10 +7,10 @@ import pathlib
 
 import pytest
 
+from jaxrl_llm.capacity import aot
+from jaxrl_llm.capacity.gpu_targets import GPUS, cuda_plugin_installed, parse_gpu_topology
+from jaxrl_llm.capacity.hlo_stats import attended_pairs, model_flops, program_stats
 from jaxrl_llm.models.config import ModelConfig
-from jaxrl_llm.train import aot
-from jaxrl_llm.train.gpu_targets import GPUS, cuda_plugin_installed, parse_gpu_topology
-from jaxrl_llm.train.hlo_stats import attended_pairs, model_flops, program_stats
 
 CONFIGS = pathlib.Path(__file__).resolve().parents[1] / "configs"
 TINY = ModelConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_layers=2, num_heads=4, num_kv_heads=2,
@@ -192,7 +192,6 @@ def test_tiny_train_step_compiles_for_one_h200_through_the_command(tmp_path, cap
                                                                         "conditionals", "largest_buffer")}
                                  for p in saved["programs"]]}
     from jaxrl_llm.train import load_config
-
     fresh = aot.refresh_estimates(load_config(CONFIGS / "grpo.yaml", args[7:]), old, model_config=TINY)
     assert [p["fits"] for p in fresh["programs"]] == [True] * 4 and fresh["programs"][0]["kernels"] == 0
     assert "train_step" in aot.format_report({**fresh, "programs": [aot.ProgramReport(**p)
@@ -202,8 +201,7 @@ def test_tiny_train_step_compiles_for_one_h200_through_the_command(tmp_path, cap
 def test_compile_without_the_cuda_plugin_exits_2_with_the_install_line(capsys):
     """Without the gpu-compile extra, compiling for GPU hosts stops before any work: exit 2, the install line."""
     from jaxrl_llm import cli
-    from jaxrl_llm.train import gpu_targets
-
+    from jaxrl_llm.capacity import gpu_targets
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(gpu_targets, "cuda_plugin_installed", lambda: False)
         assert cli.main(["compile", "--config", str(CONFIGS / "grpo.yaml"), "--topology", "h100-8"]) == 2
@@ -215,7 +213,7 @@ def test_compile_without_the_cuda_plugin_exits_2_with_the_install_line(capsys):
 def test_tiny_run_compiles_over_two_h100_hosts():
     """`h100-8x2`: 16 GPUs on two hosts, the run's mesh `fsdp=16` over all of them; each program's matmul FLOPs and
     the model's are per GPU (the 16 rows split one a GPU), the same ratio as on one GPU with 2 rows."""
-    from jaxrl_llm.train.config import load_config
+    from jaxrl_llm.run.config import load_config
 
     cfg = load_config(CONFIGS / "grpo.yaml", ["sampling.max_new_tokens=32", "data.max_prompt_tokens=64",
                                              "optim.micro_batch_size=16", "sampling.prompts_per_step=16",
@@ -239,8 +237,8 @@ def test_paper_train_step_on_one_h200_runs_cudnn_attention_in_few_kernels():
     packed row (no [T, T] scores)."""
     import re
 
-    from jaxrl_llm.train.config import load_config
-    from jaxrl_llm.train.memory import KNOWN_MODELS
+    from jaxrl_llm.capacity.memory import KNOWN_MODELS
+    from jaxrl_llm.run.config import load_config
 
     cfg = load_config(CONFIGS / "paper" / "qwen2.5-math-1.5b_grpo.yaml",
                       ["train.mesh=fsdp=1", "optim.micro_batch_size=1", "sampling.prompts_per_step=2",
@@ -307,9 +305,9 @@ def test_kernel_costs_by_hand():
     slice (512 B) and the row into the cache (64 B): 1,156 B, not the 2,048 + 256 B of the whole weights and cache;
     the conditional runs both expensive kernels (512 + 512 B each) always by default, a quarter of the time under
     `taken`, its cheap branch (no kernel) the rest."""
+    from jaxrl_llm.capacity.gpu_targets import GPUS, LAUNCH_SECONDS, predict_seconds
+    from jaxrl_llm.capacity.hlo_stats import kernel_costs
     from jaxrl_llm.models.layers import TILE_SCOPE
-    from jaxrl_llm.train.gpu_targets import GPUS, LAUNCH_SECONDS, predict_seconds
-    from jaxrl_llm.train.hlo_stats import kernel_costs
 
     assert kernel_costs(FUSION_HLO) == [(1.0, 0.0, 512 + 4 + 64 + 512 + 64), (1.0, 0.0, 1024.0), (1.0, 0.0, 1024.0)]
     assert TILE_SCOPE == "attention_tile"
@@ -330,7 +328,7 @@ def test_docs_gpu_launch_table_is_the_saved_compiles():
     estimate_memory), and in it every program fits and every train step runs cuDNN attention."""
     import importlib.util
 
-    from jaxrl_llm.train.config import load_config
+    from jaxrl_llm.run.config import load_config
 
     root = CONFIGS.parent
     spec = importlib.util.spec_from_file_location("compile_table", root / "scripts" / "compile_table.py")
@@ -359,8 +357,8 @@ def test_gpu_decode_reads_every_response_tile_in_fewer_kernels():
     """The sampler's decode step compiled for an H200 (a tiny model at 256 new tokens: response tiles): reading
     every tile (`decoder.GPU_DECODE_READS`, as on a TPU) compiles to no conditional and fewer kernels per generated
     token than the CPU's switch over the tiles written so far, one conditional per full-attention layer."""
+    from jaxrl_llm.run.config import load_config
     from jaxrl_llm.sampling import decoder
-    from jaxrl_llm.train.config import load_config
 
     cfg = load_config(CONFIGS / "grpo.yaml", ["sampling.max_new_tokens=256", "data.max_prompt_tokens=64",
                                              "sampling.prompts_per_step=2", "train.mesh=fsdp=1"])

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from jaxrl_llm import models
-from jaxrl_llm.train.config import ConfigError, SamplingSection, load_config
+from jaxrl_llm.run.config import ConfigError, SamplingSection, load_config
 from jaxrl_llm.train.gvm import (
     allocate_samples,
     stage2_budget,
@@ -331,7 +331,6 @@ def bundled_policy():
 
 def _train_gvm(tmp_path, policy, monkeypatch, verdict, extra=()):
     from jaxrl_llm.train import loop, rollouts
-
     def stub_scorer(self, texts, golds, lengths):  # a verifier whose verdict the test chooses
         correct = np.array([verdict(t) for t in texts], bool)
         return correct, correct.astype(np.float32)

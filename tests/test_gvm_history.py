@@ -6,7 +6,7 @@ import jax
 import numpy as np
 import pytest
 
-from jaxrl_llm.train.config import ConfigError, load_config
+from jaxrl_llm.run.config import ConfigError, load_config
 from jaxrl_llm.train.gvm import gvm_rollouts
 from jaxrl_llm.train.gvm_history import GvmHistory, prompt_key
 from test_gvm import TINY, StubScorer, StubTokenizer, _records, _sampling  # noqa: F401
@@ -106,7 +106,6 @@ def test_loop_keeps_the_history_across_steps_and_resume(tmp_path, monkeypatch, b
     """Four prompts revisited every step: step 1 draws stage 1 for all, later steps only probe the unsolved,
     and a resumed run reads the history back from the checkpoint instead of drawing stage 1 again."""
     from jaxrl_llm.train import loop, rollouts
-
     policy = bundled_policy
 
     def stub_scorer(self, texts, golds, lengths):  # solved iff the text has an even length: mixed prompts

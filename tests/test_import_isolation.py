@@ -53,3 +53,25 @@ def test_top_level_package_imports_subpackages_on_demand():
     assert heavy == [] and others == [], (heavy, others)
     assert missing == "module 'jaxrl_llm' has no attribute 'no_such_module'"
     assert listed
+
+
+def test_rooms_keep_their_places():
+    """train/ holds the loop and its stages only (at most 14 modules, capacity planning outside it), every
+    subpackage on disk is reachable as `jaxrl_llm.<name>`, and nothing the training run imports reaches into
+    capacity planning (`capacity` reads the run's config and step functions, never the other way)."""
+    import ast
+    import pathlib
+
+    import jaxrl_llm
+
+    root = pathlib.Path(jaxrl_llm.__file__).parent
+    train_modules = sorted(p.stem for p in (root / "train").glob("*.py"))
+    assert len(train_modules) <= 14, train_modules
+    assert not {"memory", "aot", "estimate", "compile"} & set(train_modules)
+    on_disk = {p.parent.name for p in root.glob("*/__init__.py")}
+    assert on_disk == set(jaxrl_llm._SUBPACKAGES), on_disk ^ set(jaxrl_llm._SUBPACKAGES)
+    for room in ("train", "run", "sampling", "models", "objectives"):
+        for path in (root / room).glob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.ImportFrom) and node.module:
+                    assert not node.module.startswith("jaxrl_llm.capacity"), f"{room}/{path.name} imports {node.module}"

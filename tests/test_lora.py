@@ -55,7 +55,7 @@ def test_resolve_targets_and_spec():
 
 
 def test_lora_config_section_and_errors():
-    from jaxrl_llm.train.config import ConfigError, load_config, lora_enabled
+    from jaxrl_llm.run.config import ConfigError, load_config, lora_enabled
 
     assert not lora_enabled(load_config(None, []))  # off by default
     cfg = load_config(None, ["lora.rank=16", "lora.targets=q,v"])
@@ -152,8 +152,8 @@ def _packed_batch(config, seed=0):
 
 
 def test_train_step_updates_the_adapters_only_and_leaves_the_base_bitwise():
-    from jaxrl_llm.train.config import AlgorithmSection, OptimSection
-    from jaxrl_llm.train.state import init_state, make_optimizer
+    from jaxrl_llm.run.config import AlgorithmSection, OptimSection
+    from jaxrl_llm.run.state import init_state, make_optimizer
     from jaxrl_llm.train.step import make_train_step
 
     config, params = _tiny()
@@ -188,8 +188,8 @@ def _get(tree, path):
 
 
 def test_first_lora_loss_equals_the_base_loss():
-    from jaxrl_llm.train.config import AlgorithmSection, OptimSection
-    from jaxrl_llm.train.state import init_state, make_optimizer
+    from jaxrl_llm.run.config import AlgorithmSection, OptimSection
+    from jaxrl_llm.run.state import init_state, make_optimizer
     from jaxrl_llm.train.step import make_train_step
 
     config, params = _tiny()
@@ -281,8 +281,8 @@ def test_load_peft_names_the_missing_tensor(tmp_path):
 
 
 def test_run_continues_from_a_peft_adapter_folder(tmp_path):
-    from jaxrl_llm.train.config import ConfigError, load_config
-    from jaxrl_llm.train.setup import lora_adapters
+    from jaxrl_llm.run.config import ConfigError, load_config
+    from jaxrl_llm.run.setup import lora_adapters
 
     config, _ = _tiny()
     spec = lora.LoraSpec(rank=2, alpha=3.0, targets=("k_proj", "up_proj"))
@@ -299,8 +299,8 @@ def test_run_continues_from_a_peft_adapter_folder(tmp_path):
 
 
 def test_memory_estimate_counts_adapters_not_base_gradients():
-    from jaxrl_llm.train.config import load_config
-    from jaxrl_llm.train.memory import estimate_memory
+    from jaxrl_llm.capacity.memory import estimate_memory
+    from jaxrl_llm.run.config import load_config
 
     config, _ = _tiny()
     full = estimate_memory(load_config(None, ["algorithm.kl_coef=0.01"]), config, "", devices=1)
@@ -337,9 +337,9 @@ def test_sharded_lora_step_equals_single_device():
 
 def _mesh_checks() -> dict:
     from jaxrl_llm.models.sharding import make_mesh, param_shardings
-    from jaxrl_llm.train.config import AlgorithmSection, OptimSection
-    from jaxrl_llm.train.setup import batch_shardings, place
-    from jaxrl_llm.train.state import init_state, make_optimizer, state_shardings
+    from jaxrl_llm.run.config import AlgorithmSection, OptimSection
+    from jaxrl_llm.run.layout import batch_shardings, place
+    from jaxrl_llm.run.state import init_state, make_optimizer, state_shardings
     from jaxrl_llm.train.step import make_train_step
 
     config = models.ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
@@ -430,9 +430,9 @@ def test_resume_with_other_lora_settings_names_the_keys(tmp_path):
     """The checkpoint's JSON record is read alone, and a changed rank names the key instead of failing in orbax."""
     import jax.numpy as jnp
 
-    from jaxrl_llm.train.checkpoint import Checkpointer
-    from jaxrl_llm.train.config import load_config
-    from jaxrl_llm.train.resume import check_state_layout
+    from jaxrl_llm.run.checkpoint import Checkpointer
+    from jaxrl_llm.run.config import load_config
+    from jaxrl_llm.run.resume import check_state_layout
 
     saved_config = load_config(None, ["lora.rank=16"])
     checkpointer = Checkpointer(tmp_path / "checkpoints")

@@ -1,4 +1,4 @@
-"""Memory estimate (jaxrl_llm.train.memory, scripts/memory_estimate.py): parameter counts against init_params
+"""Memory estimate (jaxrl_llm.capacity.memory, scripts/memory_estimate.py): parameter counts against init_params
 and the published model sizes, per-device shards against a real sharded placement on 8 simulated devices,
 every term by hand on a tiny run, and the table in docs/launch.md against the script's output."""
 
@@ -15,10 +15,10 @@ import functools
 
 import pytest
 
+from jaxrl_llm.capacity.memory import (KNOWN_MODELS, estimate_memory, fit_rows_per_call, model_config_for, parse_mesh,
+                                       sharded_param_elements, suggest_layout)
 from jaxrl_llm.models import ModelConfig, init_params
 from jaxrl_llm.train import load_config
-from jaxrl_llm.train.memory import (KNOWN_MODELS, estimate_memory, fit_rows_per_call, model_config_for, parse_mesh,
-                                    sharded_param_elements, suggest_layout)
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 cpu_estimate = functools.partial(estimate_memory, platform="cpu")  # the xla attention path
@@ -85,9 +85,9 @@ def test_shards_match_a_real_placement_on_8_devices():
     (vocab 61 is not divisible by tensor=2: that dimension replicates, in both)."""
     code = """
         import json, jax
+        from jaxrl_llm.capacity.memory import sharded_param_elements
         from jaxrl_llm.models import ModelConfig, init_params
         from jaxrl_llm.models.sharding import make_mesh, shard_params
-        from jaxrl_llm.train.memory import sharded_param_elements
         config = ModelConfig(vocab_size=61, hidden_size=24, intermediate_size=40, num_layers=3, num_heads=6,
                              num_kv_heads=3, head_dim=4, model_type="qwen2", attention_bias=True)
         params = shard_params(init_params(config, jax.random.PRNGKey(0)), make_mesh("data=2,fsdp=2,tensor=2"))

@@ -270,7 +270,7 @@ def test_image_text_gemma3_checkpoint_loads_its_text_model(tmp_path):
 
 def test_sparse_hub_gemma3_config_gives_the_4b_text_model():
     """google/gemma-3-4b-it's config.json writes only what differs from Gemma3TextConfig's defaults."""
-    from jaxrl_llm.train.memory import KNOWN_MODELS
+    from jaxrl_llm.capacity.memory import KNOWN_MODELS
 
     raw = {"model_type": "gemma3", "eos_token_id": [1, 106],
            "text_config": {"hidden_size": 2560, "intermediate_size": 10240, "model_type": "gemma3_text",

@@ -84,11 +84,11 @@ def _worker(process_id: int, num_processes: int, port: int, out_dir: str, mesh: 
     sys.path.insert(0, str(ROOT / "tests"))
     from loop_runner import TINY_RUN, tiny_policy
 
+    from jaxrl_llm.run.config import AlgorithmSection, SamplingSection
+    from jaxrl_llm.run.setup import ProcessShareScorer
     from jaxrl_llm.train import load_config
-    from jaxrl_llm.train.config import AlgorithmSection, SamplingSection
     from jaxrl_llm.train.loop import train
     from jaxrl_llm.train.rollouts import RewardScorer
-    from jaxrl_llm.train.setup import ProcessShareScorer
 
     # No evaluation (it compiles the sampler for a second shape); kl_coef > 0 keeps a reference policy.
     overrides = TINY_RUN + [f"train.out_dir={out_dir}", f"train.mesh={mesh}", f"train.steps={STEPS}",

@@ -123,7 +123,6 @@ def _stub_verifier() -> None:
     """Accept a sample when its text's character codes sum to an even number (the same verdict on every
     process, whichever share of the samples it verifies)."""
     from jaxrl_llm.train import rollouts
-
     def verdicts(self, texts, golds, lengths):
         correct = np.array([sum(map(ord, text)) % 2 == 0 for text in texts], bool)
         self.last_seconds = 0.0
@@ -136,7 +135,6 @@ def _sigterm_during_step(step_index: int) -> None:
     """Deliver SIGTERM to this process while it updates on step `step_index` (0-based), as a preempted
     host would receive it mid-step."""
     from jaxrl_llm.train import loop
-
     update = loop.update_policy
 
     def update_then_signal(run, scored, step):

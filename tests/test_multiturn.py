@@ -236,7 +236,8 @@ def test_the_training_loop_runs_on_conversations(tmp_path, algorithm, engine):
     sys.path.insert(0, str(pathlib.Path(__file__).parent))
     from loop_runner import TINY_RUN, tiny_policy
 
-    from jaxrl_llm.train import load_config, setup
+    from jaxrl_llm.run import setup
+    from jaxrl_llm.train import load_config
     from jaxrl_llm.train.loop import train
     from jaxrl_llm.train.rollouts import ToolUse
 

@@ -24,7 +24,7 @@ from jaxrl_llm.objectives import (
     value_loss,
     value_loss_terms,
 )
-from jaxrl_llm.train.config import ConfigError, load_config
+from jaxrl_llm.run.config import ConfigError, load_config
 
 NEW_KINDS = ("gspo", "gspo_token", "cispo", "clip_cov", "kl_cov")
 
@@ -491,7 +491,7 @@ def test_train_step_micro_batches_equal_one_batch(kind):
     from jaxrl_llm.train.packing import pack_groups
     import optax
 
-    from jaxrl_llm.train.state import init_state
+    from jaxrl_llm.run.state import init_state
     from jaxrl_llm.train.step import cov_tokens, make_train_step
 
     tiny = models.ModelConfig(vocab_size=61, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=4,

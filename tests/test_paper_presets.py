@@ -7,8 +7,8 @@ import pathlib
 
 import pytest
 
+from jaxrl_llm.capacity.memory import model_config_for
 from jaxrl_llm.train import load_config
-from jaxrl_llm.train.memory import model_config_for
 
 CONFIGS = pathlib.Path(__file__).resolve().parents[1] / "configs"
 ALL = sorted(CONFIGS.rglob("*.yaml"))

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from jaxrl_llm.cli import main
-from jaxrl_llm.train.plot import (NO_UPDATE, NON_FINITE, Panel, centred_mean, constant_text, default_out, plan_panels,
+from jaxrl_llm.plot import (NO_UPDATE, NON_FINITE, Panel, centred_mean, constant_text, default_out, plan_panels,
                                   plot_run, split_rows)
 
 

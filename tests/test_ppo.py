@@ -18,12 +18,12 @@ from packed_groups import random_groups
 
 from jaxrl_llm import models
 from jaxrl_llm.models.flax_modules import ValueModel
+from jaxrl_llm.run.config import CriticSection
+from jaxrl_llm.run.state import init_state
 from jaxrl_llm.train import ConfigError, load_config
 from jaxrl_llm.train.algorithms import explained_variance, gae_token_advantages, token_rewards, whiten
-from jaxrl_llm.train.config import CriticSection
 from jaxrl_llm.train.critic import critic_trunk, make_critic_step, response_values, value_params
 from jaxrl_llm.train.packing import pack_groups, unpack
-from jaxrl_llm.train.state import init_state
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 UNTIED = models.ModelConfig(vocab_size=61, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
@@ -284,7 +284,7 @@ def test_critic_source_errors_name_the_key(tmp_path):
 
 
 def test_resume_with_or_without_critic_names_the_key(tmp_path):
-    from jaxrl_llm.train.resume import check_state_layout
+    from jaxrl_llm.run.resume import check_state_layout
 
     saved = load_config(None, ["algorithm.advantage=gae"]).to_dict()
     with pytest.raises(ValueError, match="algorithm.advantage: checkpoint 'gae', this run 'grpo'"):

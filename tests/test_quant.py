@@ -92,9 +92,9 @@ def test_quantized_forward_is_the_dequantized_model_and_near_float32(kind, toler
 
 
 def test_lora_step_on_an_int8_base_leaves_the_codes_bitwise_and_matches_the_dequantized_base():
-    from jaxrl_llm.train.config import AlgorithmSection, OptimSection
+    from jaxrl_llm.run.config import AlgorithmSection, OptimSection
+    from jaxrl_llm.run.state import init_state, make_optimizer
     from jaxrl_llm.train.packing import pack_groups
-    from jaxrl_llm.train.state import init_state, make_optimizer
     from jaxrl_llm.train.step import make_logprob_fn, make_train_step
 
     config, params = _tiny()
@@ -146,7 +146,7 @@ def test_merge_dequantizes_a_quantized_base():
 
 
 def test_base_dtype_config_key():
-    from jaxrl_llm.train.config import ConfigError, load_config
+    from jaxrl_llm.run.config import ConfigError, load_config
 
     assert load_config(None, ["lora.rank=8", "lora.base_dtype=int4"]).lora.base_dtype == "int4"
     with pytest.raises(ConfigError, match="lora.base_dtype"):
@@ -158,8 +158,8 @@ def test_base_dtype_config_key():
 
 
 def test_memory_estimate_counts_codes_and_scales():
-    from jaxrl_llm.train.config import load_config
-    from jaxrl_llm.train.memory import estimate_memory
+    from jaxrl_llm.capacity.memory import estimate_memory
+    from jaxrl_llm.run.config import load_config
 
     config, _ = _tiny()
     mesh = {"data": 1, "fsdp": 1, "tensor": 1}

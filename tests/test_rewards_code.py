@@ -78,7 +78,7 @@ def test_the_bundled_code_task_is_solvable_and_its_tests_discriminate():
 
 @needs_sandbox
 def test_the_scorer_with_the_code_verifier():
-    from jaxrl_llm.train.config import load_config
+    from jaxrl_llm.run.config import load_config
     from jaxrl_llm.train.rollouts import RewardScorer
 
     cfg = load_config(None, ["algorithm.verifier=code", "algorithm.code_reward=fraction"])

@@ -17,9 +17,9 @@ from jaxrl_llm.objectives import (
     policy_loss_terms,
     rollout_correction,
 )
+from jaxrl_llm.ondevice.fused import check_fused_config
+from jaxrl_llm.run.config import ConfigError, load_config
 from jaxrl_llm.train.algorithms import rollout_weights
-from jaxrl_llm.train.config import ConfigError, load_config
-from jaxrl_llm.train.fused import check_fused_config
 
 LOG = math.log
 # d = train - sampler per token. Row 0: ratios 1, 3, 1.5 and 0.25 (one padding slot holding -inf);
@@ -242,7 +242,6 @@ def test_rollout_weights_of_the_trainer():
 def test_loop_step_logs_the_gap_and_the_correction(tmp_path, monkeypatch):
     from loop_runner import tiny_policy
     from jaxrl_llm.train import loop, rollouts
-
     def stub_scorer(self, texts, golds, lengths):  # mixed verdicts, so the advantages are not all 0
         correct = np.array([len(t) % 2 == 0 for t in texts], bool)
         return correct, correct.astype(np.float32)

@@ -13,12 +13,12 @@ import numpy as np
 import pytest
 
 from jaxrl_llm.models import quant
+from jaxrl_llm.ondevice.fused import check_fused_config
+from jaxrl_llm.run.config import ConfigError
+from jaxrl_llm.run.setup import sampler_weights, setup_run
 from jaxrl_llm.train import load_config
-from jaxrl_llm.train.config import ConfigError
-from jaxrl_llm.train.fused import check_fused_config
 from jaxrl_llm.train.loop import token_logprobs
 from jaxrl_llm.train.rollouts import sample_and_score
-from jaxrl_llm.train.setup import sampler_weights, setup_run
 
 SMALL = ["train.eval_problems=0", "sampling.prompts_per_step=2", "sampling.samples_per_prompt=4",
          "sampling.max_new_tokens=6", "optim.micro_batch_size=2"]
@@ -32,7 +32,6 @@ def _scored_stub(self, texts, golds, lengths):  # the verifier does not matter h
 def make_run(tmp_path, monkeypatch):
     from loop_runner import tiny_policy
     from jaxrl_llm.train import rollouts
-
     monkeypatch.setattr(rollouts.RewardScorer, "__call__", _scored_stub)
     runs = []
 
@@ -144,7 +143,6 @@ def test_int8_sampler_of_an_int8_lora_base_is_the_trainers_own_base(make_run):
 def test_the_loop_samples_with_the_sampler_copy_and_keeps_f32_elsewhere(tmp_path, monkeypatch):
     from loop_runner import tiny_policy
     from jaxrl_llm.train import loop, rollouts
-
     monkeypatch.setattr(rollouts.RewardScorer, "__call__", _scored_stub)
     seen = []
     real = loop.sample_and_score
@@ -164,7 +162,6 @@ def test_the_loop_samples_with_the_sampler_copy_and_keeps_f32_elsewhere(tmp_path
 
 def test_gvm_samples_with_the_sampler_copy_and_takes_gradients_of_the_policy(make_run, monkeypatch):
     from jaxrl_llm.train import gvm
-
     run = make_run("sampling.dtype=bfloat16", "sampling.allocation=gvm", "sampling.gvm_stage1_samples=2",
                    "sampling.gvm_samples_per_prompt=2")
     sampled, normed = [], []

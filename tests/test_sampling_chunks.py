@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 from tiny_models import tiny_sampler_model
 
+from jaxrl_llm.run.config import ConfigError
 from jaxrl_llm.sampling import generate, make_plan
 from jaxrl_llm.sampling.plan import plan_calls
 from jaxrl_llm.train import load_config
-from jaxrl_llm.train.config import ConfigError
 
 VOCAB = 24
 PROMPTS = [[1, 2, 3], [4, 5], [6], [7, 8, 9, 10, 11], [12, 13]]

@@ -233,8 +233,8 @@ def test_bad_engine_options_raise_clear_errors(tiny):
 
 
 def test_config_selects_and_checks_the_engine():
+    from jaxrl_llm.run.config import ConfigError
     from jaxrl_llm.train import load_config
-    from jaxrl_llm.train.config import ConfigError
     from jaxrl_llm.train.rollouts import engine_options
 
     assert engine_options(load_config(None, []).sampling) == {}  # the default: static, generate's own default
@@ -277,9 +277,9 @@ def test_two_training_steps_log_the_same_metrics_with_both_engines(tmp_path, mon
 
     from loop_runner import TINY_RUN, tiny_policy
 
+    from jaxrl_llm.plot import SCHEDULE
     from jaxrl_llm.train import load_config
     from jaxrl_llm.train.loop import train
-    from jaxrl_llm.train.plot import SCHEDULE
 
     generate_module = importlib.import_module("jaxrl_llm.sampling.generate")  # the package's `generate` is the function
     calls, lengths = [], []

@@ -95,8 +95,8 @@ def test_the_prompt_holds_the_tools_schemas():
 
 
 def test_the_run_renders_the_schemas_only_in_the_chat_format():
+    from jaxrl_llm.run.config import ConfigError
     from jaxrl_llm.train import load_config
-    from jaxrl_llm.train.config import ConfigError
     from jaxrl_llm.train.rollouts import run_prompt_template
 
     assert run_prompt_template(load_config(None, ["tools.env=calculator"])) == "arithmetic-3shot"
@@ -216,7 +216,7 @@ def test_a_template_without_a_tool_role_is_refused_at_start():
     """The bundled SmolLM2's template renders neither tool schemas nor tool calls: a ConfigError naming the key
     and the model."""
     from jaxrl_llm.models.bundled import bundled_gguf_path
-    from jaxrl_llm.train.config import ConfigError, ToolsSection
+    from jaxrl_llm.run.config import ConfigError, ToolsSection
     from jaxrl_llm.train.rollouts import make_tool_use
 
     smollm = Tokenizer.from_gguf(bundled_gguf_path())

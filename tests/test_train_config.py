@@ -1,6 +1,6 @@
 import pytest
 
-from jaxrl_llm.train.config import ConfigError, load_config, parse_overrides
+from jaxrl_llm.run.config import ConfigError, load_config, parse_overrides
 
 
 def test_defaults_and_overrides_are_typed():
@@ -63,7 +63,7 @@ def test_runtime_model_keys_apply_to_a_policy_passed_in(tmp_path):
     sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
     from loop_runner import TINY_RUN, tiny_policy
 
-    from jaxrl_llm.train.setup import runtime_model_config, setup_run
+    from jaxrl_llm.run.setup import runtime_model_config, setup_run
 
     runtime = ["model.remat=true", "model.remat_policy=dots", "model.attention_block_size=64",
                "model.attention_block_min_length=128", "model.remat_logits=true", "model.compute_dtype=bfloat16"]
@@ -94,9 +94,8 @@ def test_unbiased_m_step_needs_gvm_allocation():
 def test_allowed_values_are_built_from_the_registries():
     """config._ALLOWED restates no registry: each key's values are the registry's, and every entry loads."""
     from jaxrl_llm import objectives
+    from jaxrl_llm.run import config
     from jaxrl_llm.sampling import ENGINES
-    from jaxrl_llm.train import config
-
     allowed = config._ALLOWED
     assert allowed[("algorithm", "advantage")] == set(objectives.ADVANTAGE_ESTIMATORS) | {"gae"}
     assert allowed[("algorithm", "loss")] == set(objectives.POLICY_LOSSES) == set(objectives.POLICY_LOSS_KINDS)
@@ -117,8 +116,7 @@ def test_every_agg_value_is_one_the_trainer_can_reduce():
     import numpy as np
 
     from jaxrl_llm import objectives
-    from jaxrl_llm.train import config
-
+    from jaxrl_llm.run import config
     logp = np.zeros((1, 2), np.float32)
     for mode in sorted(config._ALLOWED[("algorithm", "agg")]):
         cfg = load_config(None, [f"algorithm.agg={mode}", "algorithm.agg_max_len=4", "sampling.allocation=gvm"])
@@ -136,10 +134,9 @@ def test_validation_is_split_into_small_section_validators():
     import ast
     import pathlib
 
-    from jaxrl_llm.train import config
-
+    from jaxrl_llm.run import config
     root = pathlib.Path(config.__file__).parents[1]
-    for path in (root / "train" / "config.py", root / "objectives" / "losses.py"):
+    for path in (root / "run" / "config.py", root / "objectives" / "losses.py"):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 assert node.end_lineno - node.lineno + 1 <= 100, f"{path.name}: {node.name}"

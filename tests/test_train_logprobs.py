@@ -112,8 +112,8 @@ def test_recomputed_logits_on_an_8_device_mesh_equal_one_device():
         import jax, jax.numpy as jnp, numpy as np
         from jaxrl_llm import models
         from jaxrl_llm.models.sharding import make_mesh, param_shardings
+        from jaxrl_llm.run.layout import place
         from jaxrl_llm.train.logprobs import row_logprobs
-        from jaxrl_llm.train.setup import place
 
         diffs = {}
         for vocab in (64, 70):

@@ -117,10 +117,10 @@ def _step_checks() -> dict:
     from jaxrl_llm import models
     from jaxrl_llm.models.sharding import make_mesh, param_shardings
     from jaxrl_llm.objectives import aggregate_denominator
-    from jaxrl_llm.train.config import AlgorithmSection, ConfigError, OptimSection, load_config
+    from jaxrl_llm.run.config import AlgorithmSection, ConfigError, OptimSection, load_config
+    from jaxrl_llm.run.layout import batch_shardings, check_mesh_fits, place
+    from jaxrl_llm.run.state import init_state, make_optimizer, state_shardings
     from jaxrl_llm.train.packing import pack_groups, unpack
-    from jaxrl_llm.train.setup import batch_shardings, check_mesh_fits, place
-    from jaxrl_llm.train.state import init_state, make_optimizer, state_shardings
     from jaxrl_llm.train.step import make_logprob_fn, make_train_step
 
     assert jax.device_count() == 8, jax.devices()
@@ -222,9 +222,8 @@ def _loop_checks() -> dict:
 
     from loop_runner import TINY_RUN, tiny_policy
 
+    from jaxrl_llm.run import setup as setup_lib
     from jaxrl_llm.train import load_config
-    from jaxrl_llm.train import setup as setup_lib
-
     seen = {}
     original_setup = setup_lib.setup_run
 
@@ -303,9 +302,8 @@ def _ppo_checks() -> dict:
 
     from loop_runner import TINY_RUN
 
+    from jaxrl_llm.run import setup as setup_lib
     import jaxrl_llm.train.loop as loop_lib
-    from jaxrl_llm.train import setup as setup_lib
-
     original_setup, seen = setup_lib.setup_run, {}
 
     def recording_setup(config, *, policy=None):
@@ -341,10 +339,10 @@ def _gvm_checks() -> dict:
     from loop_runner import TINY_RUN, tiny_policy
 
     from jaxrl_llm.models.sharding import make_mesh, param_shardings
+    from jaxrl_llm.run.layout import place
     from jaxrl_llm.train import load_config, rollouts
     from jaxrl_llm.train.gvm import per_sample_grad_norms
     from jaxrl_llm.train.loop import train
-    from jaxrl_llm.train.setup import place
 
     def stub_verdicts(self, texts, golds, lengths):  # none (gold a multiple of 4), or even character-code sums
         unsolved = [int(g) % 4 == 0 for g in golds]

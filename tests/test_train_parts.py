@@ -5,12 +5,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxrl_llm.train.checkpoint import Checkpointer
-from jaxrl_llm.train.config import ConfigError, OptimSection, load_config
+from jaxrl_llm.run.checkpoint import Checkpointer
+from jaxrl_llm.run.config import ConfigError, OptimSection, load_config
+from jaxrl_llm.run.metrics import MetricsWriter, read_metrics
+from jaxrl_llm.run.setup import write_bound_gb
+from jaxrl_llm.run.state import init_state, learning_rate, make_optimizer
 from jaxrl_llm.train.logprobs import chunked_logprobs, gather_response_hidden
-from jaxrl_llm.train.metrics import MetricsWriter, read_metrics
-from jaxrl_llm.train.setup import write_bound_gb
-from jaxrl_llm.train.state import init_state, learning_rate, make_optimizer
 
 
 def test_chunked_logprobs_match_full_softmax():
@@ -120,7 +120,7 @@ def test_eval_metrics_log_the_sampling_sd_for_the_plot():
 
 
 def test_eval_rows_per_call_follow_the_training_step():
-    from jaxrl_llm.train.config import SamplingSection
+    from jaxrl_llm.run.config import SamplingSection
     from jaxrl_llm.train.loop import eval_rows_per_call
 
     assert eval_rows_per_call(SamplingSection()) == 64  # the demo: 8 prompts x 8 samples
@@ -133,7 +133,7 @@ def test_release_free_host_memory_returns_freed_pages():
     """After a freed heap of ~200 MB of small blocks, RSS falls back (glibc keeps such pages otherwise)."""
     import ctypes
 
-    from jaxrl_llm.train.setup import release_free_host_memory
+    from jaxrl_llm.run.setup import release_free_host_memory
 
     if not hasattr(ctypes.CDLL(None), "malloc_trim"):
         pytest.skip("no glibc malloc_trim on this platform")
@@ -155,7 +155,7 @@ def test_release_free_host_memory_returns_freed_pages():
 
 FREE_AFTER_LARGE_BLOCK = r"""
 import sys
-from jaxrl_llm.train.setup import map_large_host_allocations
+from jaxrl_llm.run.setup import map_large_host_allocations
 if sys.argv[1] == "mapped":
     assert map_large_host_allocations()
 def rss_mb():
@@ -203,7 +203,7 @@ def _scored(rewards_by_group, resp=4):
 
 
 def test_train_batches_drop_zero_advantage_rows_but_keep_the_denominator():
-    from jaxrl_llm.train.config import AlgorithmSection
+    from jaxrl_llm.run.config import AlgorithmSection
     from jaxrl_llm.train.rollouts import build_train_batches
 
     scored = _scored([[1, 0, 1], [0, 0], [1, 1]])
@@ -222,7 +222,7 @@ def test_train_batches_drop_zero_advantage_rows_but_keep_the_denominator():
 
 
 def test_train_batches_put_padding_rows_in_whole_trailing_micro_batches():
-    from jaxrl_llm.train.config import AlgorithmSection
+    from jaxrl_llm.run.config import AlgorithmSection
     from jaxrl_llm.train.rollouts import build_train_batches
     from jaxrl_llm.train.step import split_micro
 
@@ -251,7 +251,7 @@ def test_group_selection_and_concat_renumber_prompts():
 
 
 def test_reward_scorer_binary_signed_and_overlong():
-    from jaxrl_llm.train.config import AlgorithmSection, SamplingSection
+    from jaxrl_llm.run.config import AlgorithmSection, SamplingSection
     from jaxrl_llm.train.rollouts import RewardScorer
 
     texts, golds = ["so \\boxed{4}", "\\boxed{5}", "no answer"], ["4", "4", "4"]
@@ -271,7 +271,7 @@ def test_train_batches_with_the_m_step_give_the_prompt_mean_loss(mode):
     """agg prompt-mean: the token-mean over `denom` of the packed batch's vanilla loss -A' x equals GVM's
     M-step (objectives.prompt_mean) of -A x, with D_i = the accepted samples (RAFT advantages)."""
     from jaxrl_llm.objectives import prompt_mean
-    from jaxrl_llm.train.config import AlgorithmSection
+    from jaxrl_llm.run.config import AlgorithmSection
     from jaxrl_llm.train.rollouts import build_train_batches
 
     scored = _scored([[1, 0, 1], [0, 0], [1, 1], [0, 1, 0, 0]])

@@ -10,9 +10,9 @@ import pytest
 
 from jaxrl_llm import models
 from jaxrl_llm.objectives import aggregate_denominator
+from jaxrl_llm.run.state import init_state, make_optimizer
 from jaxrl_llm.train import load_config
 from jaxrl_llm.train.algorithms import sequence_advantages, token_advantages
-from jaxrl_llm.train.state import init_state, make_optimizer
 from jaxrl_llm.train.packing import pack_groups, unpack
 from jaxrl_llm.train.step import make_logprob_fn, make_train_step
 

@@ -9,10 +9,10 @@ from packed_groups import random_groups
 
 from jaxrl_llm import models
 from jaxrl_llm.objectives import aggregate_denominator
-from jaxrl_llm.train.config import AlgorithmSection, OptimSection
+from jaxrl_llm.run.config import AlgorithmSection, OptimSection
+from jaxrl_llm.run.state import init_state, make_optimizer
 from jaxrl_llm.train.logprobs import response_logprobs, row_logprobs
 from jaxrl_llm.train.packing import bucket, length_bucket, pack_groups, unpack
-from jaxrl_llm.train.state import init_state, make_optimizer
 from jaxrl_llm.train.step import make_logprob_fn, make_train_step
 
 TINY = models.ModelConfig(vocab_size=61, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,

@@ -398,7 +398,7 @@ def resume_slots(state: SlotState, resume: jax.Array, tokens: jax.Array, logprob
 def slot_inputs(config: ModelConfig, prompts: list[np.ndarray], counts: np.ndarray, call: CallPlan, *,
                 pad_id: int):
     """((prompt cache, queue, sample_prompt, num_samples), static keywords of `decode_slots`) of the continuous
-    call `call` (`plan.plan_calls`): the arrays its decode loop starts from (`jaxrl_llm.train.aot` lowers the same)."""
+    call `call` (`plan.plan_calls`): the arrays its decode loop starts from (`jaxrl_llm.capacity.aot` lowers the same)."""
     plan = call.shapes
     lengths = np.array([len(p) for p in prompts])
     active = plan.prefill_prompts

@@ -1,7 +1,7 @@
 """One planner for a sampler call: `prepare_call` checks a call's inputs once, `plan_calls` computes its shapes once.
 
 Every entry point (`generate` on either engine, `continuous.generate_slots`, the multi-turn slot loop) and the
-capacity planners (`train.aot`, `train.memory`) ask these two functions; none re-derives a row multiple, a bucket,
+capacity planners (`capacity.aot`, `capacity.memory`) ask these two functions; none re-derives a row multiple, a bucket,
 a prompt group or a slot count. The rules themselves (bucket sizes, prompt groups, prefill chunks, slots, prompt
 entries) are `sampling.buckets`' pure arithmetic.
 """

@@ -1,5 +1,5 @@
 """`sample_tokens`: the sampler as one traceable function of fixed-shape arrays, callable inside an
-outer `jax.jit` (the fully jitted RL iteration of `jaxrl_llm.train.fused`).
+outer `jax.jit` (the fully jitted RL iteration of `jaxrl_llm.ondevice.fused`).
 
 `generate` plans buckets and loops over prefill chunks on the host. Here every prompt batch has one
 shape [P, L] and every prompt gets the same number of samples, so the plan is static: the three

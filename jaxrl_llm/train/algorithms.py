@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrl_llm import objectives
-from jaxrl_llm.train.config import AlgorithmSection
+from jaxrl_llm.run.config import AlgorithmSection
 
 def sequence_advantages(algo: AlgorithmSection, rewards: np.ndarray, group_ids: np.ndarray,
                         num_groups: int) -> np.ndarray:

@@ -24,10 +24,10 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxrl_llm import models, objectives
 from jaxrl_llm.models.sharding import param_shardings
-from jaxrl_llm.train.config import ConfigError, CriticSection, OptimSection
+from jaxrl_llm.run.config import ConfigError, CriticSection, OptimSection
+from jaxrl_llm.run.state import TrainState, init_state, make_optimizer, state_shardings
 from jaxrl_llm.train.logprobs import scored_positions, to_slots
 from jaxrl_llm.train.packing import TrainBatch
-from jaxrl_llm.train.state import TrainState, init_state, make_optimizer, state_shardings
 from jaxrl_llm.train.step import (_replicated, apply_if_finite, has_tokens, jit_packed_pass, mesh_context,
                                   micro_shardings, split_micro, summed_grads)
 

@@ -30,7 +30,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxrl_llm.models.sharding import BATCH_SPEC
 from jaxrl_llm.objectives import gvm_allocate
-from jaxrl_llm.train.config import SamplingSection
+from jaxrl_llm.run.config import SamplingSection
 from jaxrl_llm.train.gvm_history import GvmHistory
 from jaxrl_llm.train.logprobs import row_logprobs
 from jaxrl_llm.train.rollouts import (ScoredRollouts, ToolUse, all_rows_batch, count_slot_use, count_tool_use,
@@ -134,7 +134,7 @@ def per_sample_grad_norms(params, model_config, tokens, prompt_lens, response_to
     inputs = (padded(tokens, np.int32), padded(prompt_lens, np.int32, 1), padded(response_tokens, np.int32),
               padded(mask, np.float32))
     if mesh is not None:
-        from jaxrl_llm.train.setup import place  # the trainer's host-to-mesh placement (multi-process aware)
+        from jaxrl_llm.run.layout import place  # the trainer's host-to-mesh placement (multi-process aware)
 
         inputs = place(inputs, tuple(NamedSharding(mesh, BATCH_SPEC) for _ in inputs))
     norms = _grad_norms(params, model_config, paths, int(rows_per_chunk), *inputs, chunk_sharding=chunk_sharding)

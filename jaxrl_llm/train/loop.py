@@ -24,19 +24,19 @@ from tqdm.auto import tqdm
 from jaxrl_llm import models
 from jaxrl_llm.eval import evaluate
 from jaxrl_llm.models.peft_io import save_peft
+from jaxrl_llm.run.config import RunConfig
+from jaxrl_llm.run.resume import any_process, host_values, new_books, preemption_guard, restore, save
+from jaxrl_llm.run.setup import Run, release_free_host_memory, setup_run
+from jaxrl_llm.run.state import learning_rate
 from jaxrl_llm.train.algorithms import (explained_variance, gae_token_advantages, mixed_group_flags, needs_reference,
                                         rollout_weights, sequence_advantages, token_advantages)
 from jaxrl_llm.train.async_rollouts import AsyncRollouts, SyncRollouts, copy_params
-from jaxrl_llm.train.config import RunConfig
 from jaxrl_llm.train.gvm import gvm_rollouts
 from jaxrl_llm.train.gvm_history import GvmHistory
 from jaxrl_llm.train.packing import unpack
-from jaxrl_llm.train.resume import any_process, host_values, new_books, preemption_guard, restore, save
 from jaxrl_llm.train.rollouts import (ScoredRollouts, build_train_batches, count_slot_use, count_tool_use,
                                       counting_generate, engine_options, packed_rollouts, sample_and_score,
                                       run_prompt_template, slot_occupancy, tool_generate, tool_metrics)
-from jaxrl_llm.train.setup import Run, release_free_host_memory, setup_run
-from jaxrl_llm.train.state import learning_rate
 
 
 class NonFiniteError(RuntimeError):

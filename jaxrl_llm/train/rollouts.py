@@ -15,8 +15,8 @@ import jax
 import numpy as np
 
 from jaxrl_llm import objectives
+from jaxrl_llm.run.config import AlgorithmSection, ConfigError, RunConfig, SamplingSection, ToolsSection
 from jaxrl_llm.sampling import SlotStats, generate
-from jaxrl_llm.train.config import AlgorithmSection, ConfigError, RunConfig, SamplingSection, ToolsSection
 from jaxrl_llm.train.packing import TrainBatch, bucket, micro_batch_order, pack_groups, round_up
 
 logger = logging.getLogger(__name__)

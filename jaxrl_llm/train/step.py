@@ -27,10 +27,10 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxrl_llm import objectives
 from jaxrl_llm.models import lora
-from jaxrl_llm.train.config import AlgorithmSection
+from jaxrl_llm.run.config import AlgorithmSection
+from jaxrl_llm.run.state import TrainState
 from jaxrl_llm.train.logprobs import response_logprobs
 from jaxrl_llm.train.packing import TrainBatch
-from jaxrl_llm.train.state import TrainState
 
 
 def split_micro(batch, micro_batch_size: int):
@@ -169,7 +169,7 @@ def make_train_step(model_config, algo: AlgorithmSection, optimizer: optax.Gradi
     The state argument is donated.
 
     With `state_sharding` (a TrainState of NamedShardings, see `state.state_shardings`) and
-    `batch_sharding` (a TrainBatch of NamedShardings splitting rows, see `setup.batch_shardings`) the
+    `batch_sharding` (a TrainBatch of NamedShardings splitting rows, see `run.layout.batch_shardings`) the
     step is compiled for that mesh: the state keeps its sharding across updates (so donation reuses
     its buffers), each micro-batch keeps the batch's row split, the gradient accumulator is sharded
     like the parameters, and metrics come back replicated.

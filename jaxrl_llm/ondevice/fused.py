@@ -7,7 +7,7 @@ one `jax.jit`, and K iterations in one `lax.scan` (the shape of PureJaxRL's `mak
     state, metrics = loop(state, rng, prompt_batches)          # [K, P, L]; metrics [K]
 
 The stages are the trainer's own: `sampling.sample_tokens` (each prompt prefilled once, the
-`lax.while_loop` decode), `train.device_reward.boxed_integer_reward` (the verifier's rule for integer
+`lax.while_loop` decode), `ondevice.device_reward.boxed_integer_reward` (the verifier's rule for integer
 answers), the configured estimator of `objectives.ADVANTAGE_ESTIMATORS`, each prompt packed with its
 samples (`pack_on_device`, a fixed-shape `TrainBatch`), and the step of `train.step.make_train_step`
 (the same loss, micro-batch accumulation and skip-on-non-finite). Prompts are drawn on the host
@@ -29,12 +29,12 @@ import optax
 
 from jaxrl_llm import objectives
 from jaxrl_llm.models import ModelConfig
+from jaxrl_llm.ondevice.device_reward import TokenBytes, boxed_integer_reward, gold_integers
+from jaxrl_llm.run.config import AlgorithmSection, RunConfig, SamplingSection, lora_enabled
+from jaxrl_llm.run.state import TrainState
 from jaxrl_llm.sampling import SampledTokens, sample_tokens
-from jaxrl_llm.train.config import AlgorithmSection, RunConfig, SamplingSection, lora_enabled
-from jaxrl_llm.train.device_reward import TokenBytes, boxed_integer_reward, gold_integers
 from jaxrl_llm.train.logprobs import response_logprobs
 from jaxrl_llm.train.packing import TrainBatch
-from jaxrl_llm.train.state import TrainState
 from jaxrl_llm.train.step import make_train_step
 
 

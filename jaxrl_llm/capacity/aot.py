@@ -4,7 +4,7 @@ them, and each program is lowered from shapes alone (no parameters are loaded or
 that target. XLA then reports each program's per-device arguments, outputs and temporaries, and refuses a
 program that does not fit the chip's HBM.
 
-Programs compiled (the ones a run's step spends its memory in, built by the same functions `train.setup` uses):
+Programs compiled (the ones a run's step spends its memory in, built by the same functions `run.setup` uses):
   train_step      the policy update on one mini-batch of packed rows (LoRA: adapters over the frozen, possibly
                   quantized base)
   logprob_pass    the old/reference log-prob pass over the same rows
@@ -15,9 +15,9 @@ Programs compiled (the ones a run's step spends its memory in, built by the same
   gvm_grad_norms  GVM's per-sample gradient norms of stage 1's rows (sampling.allocation gvm)
 
 libtpu is an optional dependency (`pip install 'jaxrl_llm[tpu]'`); without it `topology_devices` says how to get it.
-NVIDIA GPU hosts (`h200-8`, `h100-8x2`, ...) compile the same way through the CUDA plugin (`train.gpu_targets`, the
+NVIDIA GPU hosts (`h200-8`, `h100-8x2`, ...) compile the same way through the CUDA plugin (`capacity.gpu_targets`, the
 `gpu-compile` extra). Each program's report also says what it executes, read from its optimized HLO
-(`train.hlo_stats`): the attention kernel, kernels launched per step, matmul FLOPs against the model's.
+(`capacity.hlo_stats`): the attention kernel, kernels launched per step, matmul FLOPs against the model's.
 """
 
 from __future__ import annotations
@@ -35,17 +35,19 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from jaxrl_llm.capacity.gpu_targets import (CudaPluginMissing, Gpu, gpu_devices, parse_gpu_topology,  # noqa: F401
+                                            predict_seconds)
+from jaxrl_llm.capacity.hlo_stats import kernel_costs, model_flops, program_stats
+from jaxrl_llm.capacity.memory import GIB, estimate_memory, model_config_for
 from jaxrl_llm.models import lora, quant
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.model import init_params
 from jaxrl_llm.models.sharding import make_mesh, param_shardings
-from jaxrl_llm.train.config import RunConfig, lora_enabled, uses_critic
-from jaxrl_llm.train.gpu_targets import (CudaPluginMissing, Gpu, gpu_devices, parse_gpu_topology,  # noqa: F401
-                                         predict_seconds)
-from jaxrl_llm.train.hlo_stats import kernel_costs, model_flops, program_stats
-from jaxrl_llm.train.memory import GIB, estimate_memory, model_config_for
+from jaxrl_llm.run.config import RunConfig, lora_enabled, uses_critic
+from jaxrl_llm.run.layout import batch_shardings, check_mesh_fits, split_devices
+from jaxrl_llm.run.setup import runtime_model_config, sampler_weights
+from jaxrl_llm.run.state import init_state, make_optimizer, state_shardings
 from jaxrl_llm.train.packing import TrainBatch, bucket
-from jaxrl_llm.train.state import init_state, make_optimizer, state_shardings
 from jaxrl_llm.train.step import make_logprob_fn, make_train_step
 
 
@@ -248,7 +250,6 @@ def compile_run(cfg: RunConfig, topology: str | Topology, *, model_config: Model
     if unknown:
         raise ValueError(f"unknown program(s) {', '.join(unknown)}: expected some of {', '.join(PROGRAMS)}")
     wanted = set(only or PROGRAMS)
-    from jaxrl_llm.train.setup import batch_shardings, check_mesh_fits, split_devices
 
     topo = parse_topology(topology) if isinstance(topology, str) else topology
     devices = topology_devices(topo) if devices is None else devices
@@ -340,7 +341,6 @@ def _sampler_policy(cfg: RunConfig, mc: ModelConfig, mesh, sampler_mesh, policy)
     """The model config and weights the sampler's programs read, as `Run.sampler_model_config` and
     `Run.sampler_params` give them: the policy (`policy` None: LoRA's merged copy) in `sampling.dtype`, laid out
     by the model's rules on the sampler's mesh (`async_rollouts.copy_params` places a version there)."""
-    from jaxrl_llm.train.setup import sampler_weights
 
     if not cfg.sampling.dtype and sampler_mesh is mesh:
         return mc, policy
@@ -381,8 +381,8 @@ def _critic_program(cfg: RunConfig, mc: ModelConfig, trunk, batch: TrainBatch, b
 def _gvm_program(cfg: RunConfig, mc: ModelConfig, mesh, policy, hbm: int) -> ProgramReport:
     """GVM's per-sample gradient-norm pass over stage 1's accepted rows at the worst case (every stage-1 sample
     accepted, every prompt `data.max_prompt_tokens` long), as `train.gvm.per_sample_grad_norms` runs it."""
+    from jaxrl_llm.capacity.memory import ROW_SEQ_MULTIPLE
     from jaxrl_llm.train.gvm import _grad_norms, parse_param_subset
-    from jaxrl_llm.train.memory import ROW_SEQ_MULTIPLE
     from jaxrl_llm.train.packing import round_up
 
     split = mesh.shape["data"] * mesh.shape["fsdp"]
@@ -484,8 +484,7 @@ def _sampler_programs(cfg: RunConfig, mc: ModelConfig, mesh, policy, hbm: int) -
 
 
 def _runtime_config(cfg: RunConfig, model_config: ModelConfig | None = None) -> ModelConfig:
-    """The model config the run's programs are traced with (`train.setup.runtime_model_config`)."""
-    from jaxrl_llm.train.setup import runtime_model_config
+    """The model config the run's programs are traced with (`run.setup.runtime_model_config`)."""
 
     mc = model_config or model_config_for(cfg.model.source)
     return runtime_model_config(mc.replace(param_dtype=cfg.model.param_dtype), cfg.model, cfg.data.max_prompt_tokens)

@@ -138,7 +138,7 @@ worst case: every response reaches max_new_tokens (set `response_fill` below 1 f
 own peak of each compiled program (`memory_analysis().peak_memory_in_bytes`, what the TPU compiler holds a program
 to) over 22 preset-slices in docs/launch.md: the train step -5% to +10%, the sampler's prefill -5% to +9%, decode
 -8% to +10%, GVM's norms -7% to 0%; leave ~10-15% of HBM free (the compiler lets a program use 15.75 GiB of a
-v5e chip's 16, 30.75 of a v4's 32: `train.aot.CHIPS`).
+v5e chip's 16, 30.75 of a v4's 32: `capacity.aot.CHIPS`).
 """
 
 from __future__ import annotations
@@ -152,17 +152,17 @@ from typing import Any
 
 import numpy as np
 
-from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.attention import SPLASH_BLOCK
 from jaxrl_llm.models.attention import resolve as attention_resolve
+from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.lora import LoraSpec, adapter_shapes, resolve_targets
 from jaxrl_llm.models.model import param_shapes
 from jaxrl_llm.models.sharding import MESH_AXES, partition_rules
+from jaxrl_llm.run.config import RunConfig, lora_enabled, uses_critic
 from jaxrl_llm.sampling.buckets import bucket_size, prefill_chunk, response_tile_size, round_up
 from jaxrl_llm.sampling.decoder import response_slots
 from jaxrl_llm.sampling.plan import plan_calls
 from jaxrl_llm.train.algorithms import needs_reference
-from jaxrl_llm.train.config import RunConfig, lora_enabled, uses_critic
 from jaxrl_llm.train.packing import bucket, length_bucket
 
 GIB = 1024 ** 3

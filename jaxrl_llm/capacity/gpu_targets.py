@@ -22,7 +22,7 @@ import dataclasses
 import importlib.util
 import re
 
-from jaxrl_llm.train.memory import GIB
+from jaxrl_llm.capacity.memory import GIB
 
 INSTALL_HINT = ("compiling for an NVIDIA GPU needs the CUDA plugin: pip install 'jaxrl_llm[gpu-compile]' (or bash "
                 "scripts/setup.sh gpu-compile), which installs jax-cuda12-plugin, jax-cuda12-pjrt, nvidia-cudnn-cu12, "
@@ -113,7 +113,7 @@ def parse_gpu_topology(name: str):
     """`h100-8`, `h200-1`, `a100-8`: N GPUs of one host (N <= 8); `h100-8x2`: two such hosts. Returns the
     `aot.Topology`, its `topology_name` get_topology_desc's "1x<hosts>x<gpus per host>" (one slice); None when
     `name` is not a GPU name."""
-    from jaxrl_llm.train.aot import Topology
+    from jaxrl_llm.capacity.aot import Topology
 
     match = re.fullmatch(r"([a-z]\d+)-(\d+)(?:x(\d+))?", name.strip().lower())
     if not match or match.group(1) not in GPUS:

@@ -10,10 +10,10 @@ import signal
 import jax
 import numpy as np
 
+from jaxrl_llm.run.config import uses_critic
+from jaxrl_llm.run.setup import Run, release_free_host_memory
 from jaxrl_llm.train.async_rollouts import load_in_flight, prune_in_flight, save_in_flight
-from jaxrl_llm.train.config import uses_critic
 from jaxrl_llm.train.gvm_history import GvmHistory
-from jaxrl_llm.train.setup import Run, release_free_host_memory
 
 
 def new_books() -> dict:

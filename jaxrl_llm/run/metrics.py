@@ -1,4 +1,4 @@
-"""Run metrics: one JSON line per step and TensorBoard events; `train/plot.py` draws them (`jaxrl-llm plot`)."""
+"""Run metrics: one JSON line per step and TensorBoard events; `plot.py` draws them (`jaxrl-llm plot`)."""
 
 from __future__ import annotations
 

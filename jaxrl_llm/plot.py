@@ -12,7 +12,7 @@ import math
 import pathlib
 from typing import Any, Mapping, NamedTuple, Sequence
 
-from jaxrl_llm.train.metrics import read_metrics
+from jaxrl_llm.run.metrics import read_metrics
 
 # Panels of per-step series come in this order; other numeric keys follow, sorted.
 SERIES_ORDER = ("reward", "accuracy", "acceptance_rate", "response_length", "entropy", "kl", "clip_fraction", "loss",

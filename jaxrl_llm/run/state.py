@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxrl_llm.train.config import OptimSection
+from jaxrl_llm.run.config import OptimSection
 
 
 class TrainState(NamedTuple):
