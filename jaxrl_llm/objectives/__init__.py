@@ -1,6 +1,6 @@
 """Pure jax.numpy objectives for RL on verifiable rewards: advantages (and GAE), policy and value
 losses, KL, aggregation (with GVM's M-step, each prompt weighted equally), PRL shaping, GVM allocation, DAPO
-shaping and the sampler/trainer mismatch correction.
+shaping, the sampler/trainer mismatch correction and on-policy distillation.
 
 Arrays in, arrays out: shapes are [B] per sequence and [B, T] per token, and `mask` is the
 response-token mask (1.0 on generated tokens, 0.0 on prompt and padding). This package imports
@@ -29,6 +29,7 @@ from jaxrl_llm.objectives.correction import (
 )
 from jaxrl_llm.objectives.cov import COV_LOSS_KINDS, cov_selection, token_covariance
 from jaxrl_llm.objectives.dapo import overlong_penalty
+from jaxrl_llm.objectives.distill import reverse_kl_advantages, topk_distill_loss, topk_distill_terms
 from jaxrl_llm.objectives.gvm import gvm_allocate
 from jaxrl_llm.objectives.kl import KL_KINDS, entropy_from_logits, kl_penalty
 from jaxrl_llm.objectives.mstep import (
@@ -88,9 +89,12 @@ __all__ = [
     "reinforce_pp_advantages",
     "reinforce_pp_batch_advantages",
     "reinforce_rej_advantages",
+    "reverse_kl_advantages",
     "rloo_advantages",
     "rollout_correction",
     "token_covariance",
+    "topk_distill_loss",
+    "topk_distill_terms",
     "value_loss",
     "value_loss_terms",
 ]
