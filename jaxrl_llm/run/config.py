@@ -341,6 +341,24 @@ class RolloutsSection:
 
 
 @dataclass(frozen=True)
+class DistillSection:
+    """On-policy distillation (docs/distillation.md): a teacher scores every token the student samples, and the
+    student is pushed towards the teacher's distribution on its own states (reverse KL). With a teacher set, the
+    advantages are coef x (log pi_teacher - log pi_sampler) per token (objectives.reverse_kl_advantages), alone
+    (reward none: the verifier is not called) or added to the algorithm's (reward add: GRPO + distillation)."""
+
+    # The teacher's weights: "" (no distillation), "policy" (the student's starting weights; under LoRA the base),
+    # "bundled", an HF folder (a run's final/) or a .gguf file. Its vocabulary must be the policy's.
+    teacher: str = ""
+    adapter: str = ""  # a PEFT adapter folder merged into the teacher's weights (e.g. a LoRA run's final_adapter/)
+    mode: str = "sampled"  # sampled: the reverse KL of each sampled token as its advantage
+    top_k: int = 20  # the teacher's top-K ids scored per position (objectives.topk_distill_loss)
+    coef: float = 1.0  # weight of the distillation advantage
+    reward: str = "none"  # none: distillation alone, no verifier; add: the algorithm's advantages plus it
+    teacher_dtype: str = "float32"  # the teacher's weights: float32, bfloat16 or int8 (projections per channel)
+
+
+@dataclass(frozen=True)
 class RunConfig:
     model: ModelSection = field(default_factory=ModelSection)
     lora: LoraSection = field(default_factory=LoraSection)
@@ -352,6 +370,7 @@ class RunConfig:
     train: TrainSection = field(default_factory=TrainSection)
     tools: ToolsSection = field(default_factory=ToolsSection)
     rollouts: RolloutsSection = field(default_factory=RolloutsSection)
+    distill: DistillSection = field(default_factory=DistillSection)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -394,6 +413,9 @@ _ALLOWED = {
     ("model", "attention_impl"): set(ATTENTION_IMPLS),
     ("algorithm", "rollout_correction"): {""} | set(objectives.ROLLOUT_CORRECTION_LEVELS),
     ("algorithm", "rollout_correction_mode"): set(objectives.ROLLOUT_CORRECTION_MODES),
+    ("distill", "mode"): {"sampled"},
+    ("distill", "reward"): {"none", "add"},
+    ("distill", "teacher_dtype"): {"float32", "bfloat16", "int8"},
 }
 
 
@@ -713,9 +735,29 @@ def _rollouts_checks(config: RunConfig) -> list[tuple[str, bool, str]]:
     ]
 
 
+def _distill_checks(config: RunConfig) -> list[tuple[str, bool, str]]:
+    """distill: the teacher and what its signal replaces."""
+    d, algo = config.distill, config.algorithm
+    alone = bool(d.teacher) and d.reward == "none"
+    return [
+    ("distill.top_k", d.top_k >= 1, "must be >= 1"),
+    ("distill.coef", d.coef > 0, "must be > 0"),
+    ("distill.adapter", bool(d.teacher) or not d.adapter, "applies with a distill.teacher"),
+    ("distill.reward", not alone or (algo.group_filter == "none" and not algo.dynamic_sampling),
+     "none gives every sample reward 0: it cannot be combined with algorithm.group_filter mixed or "
+     "dynamic_sampling (use reward add)"),
+    ("distill.reward", not alone or config.sampling.allocation == "uniform",
+     "none cannot be combined with sampling.allocation gvm (GVM allocates by the verifier's acceptance rates)"),
+    ("distill.reward", not alone or not uses_critic(config),
+     "none cannot be combined with algorithm.advantage gae (the critic learns the verifier's rewards)"),
+    ("distill.teacher_dtype", d.teacher_dtype != "int8" or not config.train.mesh,
+     "int8 (a quantized teacher) runs on one device only for now: leave train.mesh empty"),
+    ]
+
+
 # The checks in the order they are made: the first failing one is reported.
 _CHECKS = (_model_checks, _optim_checks, _algorithm_checks, _sampling_checks, _combination_checks, _critic_checks,
-           _train_checks, _tools_checks, _rollouts_checks)
+           _train_checks, _tools_checks, _rollouts_checks, _distill_checks)
 
 
 def _validate_lora(lora: LoraSection) -> None:

@@ -43,6 +43,7 @@ from jaxrl_llm.run.metrics import MetricsWriter
 from jaxrl_llm.run.state import TrainState, init_state, make_optimizer, state_shardings
 from jaxrl_llm.train.algorithms import needs_reference
 from jaxrl_llm.train.critic import Critic, critic_trunk, setup_critic
+from jaxrl_llm.train.distill import SkippedVerifier, Teacher, make_teacher
 from jaxrl_llm.train.packing import TrainBatch
 from jaxrl_llm.train.rollouts import RewardScorer, ToolUse, make_tool_use, run_prompt_template
 from jaxrl_llm.train.step import make_logprob_fn, make_train_step
@@ -75,6 +76,7 @@ class Run:
     critic: Critic | None = None  # PPO with a critic (algorithm.advantage gae): the value model
     tools: ToolUse | None = None  # tool-integrated rollouts (tools.env): the environment and its limits
     split_mesh: Any = None  # rollouts.sampler_devices > 0: the sampler's own mesh (None: it samples on `mesh`)
+    teacher: Teacher | None = None  # on-policy distillation (distill.teacher): the frozen teacher and its pass
 
     @property
     def sampler_mesh(self):
@@ -233,7 +235,12 @@ def setup_run(config: RunConfig, *, policy=None) -> Run:
     loader = data_lib.LoaderConfig(batch_size=cfg.sampling.prompts_per_step, seed=cfg.data.seed, shard_index=0,
                                    shard_count=1)
     scorer = RewardScorer(cfg.algorithm, cfg.sampling, timeout=cfg.train.verifier_timeout,
-                          workers=verifier_workers(cfg))
+                          workers=verifier_workers(cfg)) if cfg.distill.reward == "add" or not cfg.distill.teacher \
+        else SkippedVerifier()
+    teacher = make_teacher(cfg.distill, model_config, params, mesh=mesh, batch_sharding=batch_sharding,
+                           micro_batch_size=cfg.optim.micro_batch_size, copy=lora_spec is None,
+                           load=lambda source, dtype: load_policy(source, param_dtype=dtype),
+                           configure=lambda c: runtime_model_config(c, cfg.model, cfg.data.max_prompt_tokens))
     return Run(
         config=cfg, model_config=model_config, tokenizer=tokenizer, state=state, ref_params=ref_params,
         optimizer=optimizer,
@@ -250,7 +257,8 @@ def setup_run(config: RunConfig, *, policy=None) -> Run:
         metrics=MetricsWriter(out_dir), out_dir=out_dir, mesh=mesh, state_sharding=state_sharding,
         batch_sharding=batch_sharding, base_params=None if lora_spec is None else params, lora_spec=lora_spec,
         merge_fn=merge_fn, critic=critic, tools=make_tool_use(cfg.tools, tokenizer, model=cfg.model.source),
-        split_mesh=make_mesh(cfg.rollouts.sampler_mesh, devices=sampler_devices) if sampler_devices else None)
+        split_mesh=make_mesh(cfg.rollouts.sampler_mesh, devices=sampler_devices) if sampler_devices else None,
+        teacher=teacher)
 
 
 def verifier_workers(cfg: RunConfig) -> int:

@@ -31,6 +31,7 @@ from jaxrl_llm.run.state import learning_rate
 from jaxrl_llm.train.algorithms import (explained_variance, gae_token_advantages, mixed_group_flags, needs_reference,
                                         rollout_weights, sequence_advantages, token_advantages)
 from jaxrl_llm.train.async_rollouts import AsyncRollouts, SyncRollouts, copy_params
+from jaxrl_llm.train.distill import distill_advantages
 from jaxrl_llm.train.gvm import gvm_rollouts
 from jaxrl_llm.train.gvm_history import GvmHistory
 from jaxrl_llm.train.packing import unpack
@@ -255,6 +256,10 @@ def update_policy(run: Run, scored: ScoredRollouts, step: int) -> dict[str, Any]
         out.update(explained_variance=explained_variance(returns, old_values, scored.mask),
                    value_mean=float(old_values[on].mean()), return_mean=float(returns[on].mean()),
                    advantage_mean=float(advantages[on].mean()))
+    if run.teacher is not None:  # on-policy distillation: the teacher's log-probs of the sampled tokens
+        teacher_logp = per_sample_pass(run, run.teacher.logprob_fn, run.teacher.params, scored)
+        advantages, distilled = distill_advantages(cfg.distill, advantages, scored.logprobs, teacher_logp, scored.mask)
+        out.update(distilled)
     if not use_sampler:  # the trainer's and the sampler's log-probs of the same tokens: their gap, and its correction
         weights, correction = rollout_weights(algo, old_logp, scored.logprobs, scored.mask)
         advantages = advantages if weights is None else advantages * weights
@@ -388,7 +393,8 @@ def step_metrics(run: Run, scored: ScoredRollouts, round_info: dict, update: dic
         **{k: update[k] for k in ("loss", "policy_loss", "kl", "entropy", "clip_fraction", "grad_norm",
                                   "value_loss", "value_clip_fraction", "value_grad_norm", "explained_variance",
                                   "value_mean", "return_mean", "rollout_mismatch_kl", "rollout_corrected_fraction",
-                                  "rollout_weight_mean", "rollout_ratio_min", "rollout_ratio_max") if k in update},
+                                  "rollout_weight_mean", "rollout_ratio_min", "rollout_ratio_max", "distill_reverse_kl",
+                                  "teacher_logp") if k in update},
         "updates": update["updates"], "skipped_update": 0 if update["finite"] else 1,
         **{f"time_{k}": v for k, v in times.items()},
         **slot_occupancy(round_info),  # continuous engine: useful / decoded slot-steps of the step's sampler calls
