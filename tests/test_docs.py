@@ -39,7 +39,7 @@ def test_pages_with_numeric_examples_have_them():
     # The pages whose worked examples the issue asks for must keep them (a page emptied of examples would pass).
     for name in ("gvm.md", "grpo.md", "own_training_step.md", "index.md", "raft.md", "raftpp.md", "dr_grpo.md",
                  "dapo.md", "reinforce_rej.md", "rloo.md", "prl.md", "gspo.md", "cispo.md", "reinforce_pp.md",
-                 "clip_cov.md", "kl_cov.md", "gae.md", "ppo.md"):
+                 "clip_cov.md", "kl_cov.md", "gae.md", "ppo.md", "distillation.md"):
         text = (ROOT / "docs" / name).read_text(encoding="utf-8")
         assert ">>> " in text, f"docs/{name} lost its doctested example"
 

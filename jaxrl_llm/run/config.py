@@ -330,10 +330,17 @@ class ToolsSection:
 class RolloutsSection:
     """When rollouts are drawn against training (`train/async_rollouts.py`, docs/async_rollouts.md): "sync", each
     step's rollouts drawn with the current policy before its update; "async", a sampler thread draws step t's with
-    the policy of max(0, t - max_staleness) steps before, while the trainer trains the steps between."""
+    the policy of max(0, t - max_staleness) steps before, while the trainer trains the steps between; "partial", a
+    sampler that never stops decoding, whose unfinished responses continue under each new policy
+    (`train/partial_rollouts.py`)."""
 
-    mode: str = "sync"  # "sync" or "async"
-    max_staleness: int = 1  # async: k, the updates between the policy that drew a step's rollouts and the trainer's
+    mode: str = "sync"  # "sync", "async" or "partial"
+    # async: k, the updates between the policy that drew a step's rollouts and the trainer's; partial: the most
+    # versions any token of a group the trainer takes may lag behind it (older groups: `stale`)
+    max_staleness: int = 1
+    partial_lag: int = 1  # partial: a segment decodes with version max(0, r - lag), r the batch it fills
+    segment_iterations: int = 16  # partial: decode iterations per segment (versions change between segments)
+    stale: str = "drop"  # partial: a group over max_staleness is dropped (counted) or its prompt redrawn ("redraw")
     # async: the last n devices sample (on their own mesh, rollouts.sampler_mesh) and the others train (train.mesh);
     # the weights go to the sampler's devices after every update. 0: both share every device.
     sampler_devices: int = 0
@@ -351,8 +358,9 @@ class DistillSection:
     # "bundled", an HF folder (a run's final/) or a .gguf file. Its vocabulary must be the policy's.
     teacher: str = ""
     adapter: str = ""  # a PEFT adapter folder merged into the teacher's weights (e.g. a LoRA run's final_adapter/)
-    mode: str = "sampled"  # sampled: the reverse KL of each sampled token as its advantage
-    top_k: int = 20  # the teacher's top-K ids scored per position (objectives.topk_distill_loss)
+    # sampled: the reverse KL of each sampled token as its advantage (top-K distillation,
+    # objectives.topk_distill_loss, is not in the trainer yet)
+    mode: str = "sampled"
     coef: float = 1.0  # weight of the distillation advantage
     reward: str = "none"  # none: distillation alone, no verifier; add: the algorithm's advantages plus it
     teacher_dtype: str = "float32"  # the teacher's weights: float32, bfloat16 or int8 (projections per channel)
@@ -403,7 +411,8 @@ _ALLOWED = {
     ("tools", "env"): {""} | set(ENVIRONMENTS),
     ("tools", "format"): {"markdown", "chat"},
     ("tools", "isolation"): set(ISOLATIONS),
-    ("rollouts", "mode"): {"sync", "async"},
+    ("rollouts", "mode"): {"sync", "async", "partial"},
+    ("rollouts", "stale"): {"drop", "redraw"},
     ("algorithm", "group_filter"): {"none", "mixed"},
     ("algorithm", "old_logp"): {"auto", "recompute", "sampler"},
     ("model", "param_dtype"): {"float32", "bfloat16"},
@@ -721,6 +730,13 @@ def _rollouts_checks(config: RunConfig) -> list[tuple[str, bool, str]]:
     return [
     ("rollouts.max_staleness", config.rollouts.max_staleness >= 0, "must be >= 0 (0: the synchronous schedule)"),
     ("rollouts.sampler_devices", config.rollouts.sampler_devices >= 0, "must be >= 0 (0: share every device)"),
+    ("rollouts.partial_lag", 0 <= config.rollouts.partial_lag <= config.rollouts.max_staleness,
+     "must lie in [0, rollouts.max_staleness] (a group's newest tokens are partial_lag versions old)"),
+    ("rollouts.segment_iterations", config.rollouts.segment_iterations >= 1, "must be >= 1"),
+    ("rollouts.mode", config.rollouts.mode != "partial" or not config.tools.env,
+     "partial cannot be combined with tools.env yet (a conversation's turns end inside the sampler)"),
+    ("rollouts.mode", config.rollouts.mode != "partial" or not config.algorithm.dynamic_sampling,
+     "partial cannot be combined with algorithm.dynamic_sampling (a step takes the first prompts_per_step groups)"),
     ("rollouts.sampler_devices", config.rollouts.mode == "async" or config.rollouts.sampler_devices == 0,
      "applies to rollouts.mode=async (the synchronous loop samples on the trainer's devices)"),
     ("rollouts.sampler_mesh", config.rollouts.sampler_devices > 0 or not config.rollouts.sampler_mesh,
@@ -740,7 +756,6 @@ def _distill_checks(config: RunConfig) -> list[tuple[str, bool, str]]:
     d, algo = config.distill, config.algorithm
     alone = bool(d.teacher) and d.reward == "none"
     return [
-    ("distill.top_k", d.top_k >= 1, "must be >= 1"),
     ("distill.coef", d.coef > 0, "must be > 0"),
     ("distill.adapter", bool(d.teacher) or not d.adapter, "applies with a distill.teacher"),
     ("distill.reward", not alone or (algo.group_filter == "none" and not algo.dynamic_sampling),
