@@ -2,6 +2,7 @@
 used (values and gradients, f32), and the tiny model's train step compiled ahead of time for a TPU v5e topology
 with Pallas splash attention in the program (needs libtpu, a test extra)."""
 
+import importlib.metadata as metadata
 import pathlib
 
 import jax
@@ -274,11 +275,12 @@ def test_compile_puts_an_async_sampler_on_its_own_devices_with_its_own_copy():
 
 @pytest.mark.parametrize("generation", ["v4", "v5e", "v5p", "v6e"])
 def test_usable_hbm_is_what_the_compiler_holds_a_program_to(generation):
-    """Each chip's `usable_bytes` is the compiler's: a program whose buffers peak 0.1 GiB under it compiles, one
-    0.1 GiB over it is refused with that "available HBM" (the check counts the arguments and outputs: the
-    program below holds nothing else)."""
+    """Each chip's `usable_bytes` is the installed libtpu's: a program whose buffers peak 0.1 GiB under it compiles,
+    one 0.1 GiB over it is refused with that "available HBM" (the check counts the arguments and outputs: the
+    program below holds nothing else). The figures are those of the newest release of `aot.USABLE_GIB_BY_LIBTPU` at
+    or before the installed one: a release that holds programs to another figure fails here until it is listed."""
     pytest.importorskip("libtpu")
-    from jaxrl_llm.capacity.aot import CHIPS, Topology, topology_devices
+    from jaxrl_llm.capacity.aot import CHIPS, Topology, libtpu_release, topology_devices
 
     chip = CHIPS[generation]
     grid = "2x2" if generation in ("v5e", "v6e") else "2x2x1"
@@ -297,10 +299,30 @@ def test_usable_hbm_is_what_the_compiler_holds_a_program_to(generation):
                 jax.ShapeDtypeStruct((), jnp.float32, sharding=on_chip))
         return jax.jit(program).lower(*args).compile()
 
+    release = f"libtpu {metadata.version('libtpu')}, figures of {libtpu_release()}"
     under = compile_with_peak(chip.usable_bytes - gib // 10).memory_analysis()
-    assert chip.usable_bytes - gib // 10 - 2 ** 20 < under.peak_memory_in_bytes <= chip.usable_bytes, under
-    with pytest.raises(Exception, match=rf"available HBM \({chip.usable_bytes / gib:.2f}G\)"):
+    assert chip.usable_bytes - gib // 10 - 2 ** 20 < under.peak_memory_in_bytes <= chip.usable_bytes, (release, under)
+    with pytest.raises(Exception) as refused:
         compile_with_peak(chip.usable_bytes + gib // 10)
+    assert f"available HBM ({chip.usable_bytes / gib:.2f}G)" in str(refused.value), (release, str(refused.value)[:300])
+
+
+def test_usable_hbm_follows_the_libtpu_release(monkeypatch):
+    """The figures of a libtpu release are those of the newest measured release at or before it; without libtpu,
+    the first listed (what the recorded compile results were made with)."""
+    from jaxrl_llm.capacity import aot
+
+    assert list(aot.USABLE_GIB_BY_LIBTPU)[:2] == ["0.0.42.1", "0.0.50.1"]
+    assert [aot.libtpu_release(v) for v in ("0.0.30", "0.0.42.1", "0.0.49.2", "0.0.50.1", "0.0.50.1+nightly")] \
+        == ["0.0.42.1", "0.0.42.1", "0.0.42.1", "0.0.50.1", "0.0.50.1"]
+    assert aot.libtpu_release("9.0") == list(aot.USABLE_GIB_BY_LIBTPU)[-1]
+    assert all(set(figures) == {"v4", "v5e", "v5p", "v6e"} for figures in aot.USABLE_GIB_BY_LIBTPU.values())
+
+    def not_installed(name):
+        raise metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(metadata, "version", not_installed)
+    assert aot.libtpu_release() == "0.0.42.1"
 
 
 def test_a_program_fits_by_the_compilers_peak_where_recorded():

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib.metadata
 import importlib.util
 import math
 import re
@@ -69,16 +70,43 @@ def _gib(value: float) -> int:
     return int(value * GIB)
 
 
+# What the compiler lets one program use on each chip, by libtpu release: the "available HBM" of its refusal of a
+# program over it, to its two decimals (the check counts the program's peak, arguments included;
+# tests/test_attention_dispatch.py measures the installed release's again). 0.0.50.1 holds a v5p program to 16 MiB
+# less than 0.0.42.1 and a v6e program to 4 MiB less. A release holds the figures of the newest one listed at or
+# before it; without libtpu, the first listed (constraints.txt's, with which benchmarks/results/compile was made).
+USABLE_GIB_BY_LIBTPU = {
+    "0.0.42.1": {"v4": 30.75, "v5e": 15.75, "v5p": 95.74, "v6e": 31.25},
+    "0.0.50.1": {"v4": 30.75, "v5e": 15.75, "v5p": 95.73, "v6e": 31.24},
+}
+
+
+def _release_key(version: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in re.findall(r"\d+", version.split("+")[0]))
+
+
+def libtpu_release(installed: str | None = None) -> str:
+    """The USABLE_GIB_BY_LIBTPU release whose figures hold for libtpu `installed` (default: the installed libtpu's
+    version, read from its metadata without importing it)."""
+    if installed is None:
+        try:
+            installed = importlib.metadata.version("libtpu")
+        except importlib.metadata.PackageNotFoundError:
+            return next(iter(USABLE_GIB_BY_LIBTPU))
+    at_or_before = [r for r in USABLE_GIB_BY_LIBTPU if _release_key(r) <= _release_key(installed)]
+    return max(at_or_before, key=_release_key) if at_or_before else next(iter(USABLE_GIB_BY_LIBTPU))
+
+
+_USABLE_GIB = USABLE_GIB_BY_LIBTPU[libtpu_release()]
+
 # HBM per chip from Google Cloud's TPU pages: v4 32 GiB, v5e 16 GiB, v6e (Trillium) 32 GiB; v5p "95GB" there, but
-# its compiler lets a program use 95.74 GiB, so 96 GiB here. Usable:
-# the "available HBM" of the compiler's refusal of a program over it, to its two decimals (libtpu 0.0.42.1; the
-# check counts the program's peak, arguments included: tests/test_attention_dispatch.py measures it again).
+# its compiler lets a program use 95.74 GiB, so 96 GiB here. Usable: USABLE_GIB_BY_LIBTPU's for the installed libtpu.
 CHIPS = {
-    "v4": Chip("v4", 32 * GIB, 2, "megacore", (2, 2, 1), _gib(30.75)),
-    "v5litepod": Chip("v5e", 16 * GIB, 1, "default", (2, 2, 1), _gib(15.75)),
-    "v5e": Chip("v5e", 16 * GIB, 1, "default", (2, 2, 1), _gib(15.75)),
-    "v5p": Chip("v5p", 96 * GIB, 2, "megacore", (2, 2, 1), _gib(95.74)),
-    "v6e": Chip("v6e", 32 * GIB, 1, "default", (2, 2, 1), _gib(31.25)),
+    "v4": Chip("v4", 32 * GIB, 2, "megacore", (2, 2, 1), _gib(_USABLE_GIB["v4"])),
+    "v5litepod": Chip("v5e", 16 * GIB, 1, "default", (2, 2, 1), _gib(_USABLE_GIB["v5e"])),
+    "v5e": Chip("v5e", 16 * GIB, 1, "default", (2, 2, 1), _gib(_USABLE_GIB["v5e"])),
+    "v5p": Chip("v5p", 96 * GIB, 2, "megacore", (2, 2, 1), _gib(_USABLE_GIB["v5p"])),
+    "v6e": Chip("v6e", 32 * GIB, 1, "default", (2, 2, 1), _gib(_USABLE_GIB["v6e"])),
 }
 
 
