@@ -326,28 +326,32 @@ def test_usable_hbm_follows_the_libtpu_release(monkeypatch):
 
 
 def test_a_program_fits_by_the_compilers_peak_where_recorded():
-    """`aot.account`: a program fits when the run's resident arrays plus XLA's own peak of its buffers
-    (`compiler_peak_bytes`) fit the chip, though the sum XLA allots it (`peak_bytes`, arguments + temporaries) is
-    larger (a 1.5B GRPO train step at 3 rows per v5e chip compiled with 19.3 GiB allotted, 14.2 GiB peak, on a
-    16 GiB chip); a report without the compiler's peak (saved before it was recorded) is judged by the allotment."""
+    """`aot.place_beside`: a program fits when the run's resident arrays (the estimate's per-program split,
+    `memory.program_memory`) plus XLA's own peak of its buffers (`compiler_peak_bytes`) fit the chip, though the sum
+    XLA allots it (`peak_bytes`, arguments + temporaries) is larger (a 1.5B GRPO train step at 3 rows per v5e chip
+    compiled with 19.3 GiB allotted, 14.2 GiB peak, on a 16 GiB chip); a report without the compiler's peak (saved
+    before it was recorded) is judged by the allotment."""
     from jaxrl_llm.capacity import aot
     gib = 1024 ** 3
-    est = {"reference": 0, "critic": 0, "params": 2 * gib, "optimizer": 4 * gib, "train_step": 5 * gib,
-           "gvm_norms": 0, "sampling_prefill": 0, "sampling_decode": 0, "sampling": 0, "critic_step": 0}
+    est = {"programs": {"logprob_pass": {"resident": 4 * gib, "working": 0}}}
+    tighter = {"programs": {"logprob_pass": {"resident": 4 * gib + gib // 2, "working": 0}}}
 
     def report(**kw):
         return aot.ProgramReport("logprob_pass", 1.0, gib, 0, 0, 9 * gib, 10 * gib, None, True, True, **kw)
 
     recorded, old = report(compiler_peak_bytes=8 * gib), report()
-    aot.account([recorded, old], est, lora=False, hbm=16 * gib)
+    aot.place_beside([recorded, old], est, 16 * gib)
     # the log-prob pass reads the policy beside AdamW's moments: 4 GiB resident; 4 + 8 fits 16, 4 + 10 too
     assert recorded.resident_bytes == 4 * gib and recorded.need_bytes == 8 * gib and recorded.fits
     assert old.need_bytes == 10 * gib and old.fits
     tight = report(compiler_peak_bytes=11 * gib)
     tight.peak_bytes = 13 * gib
-    aot.account([tight], {**est, "optimizer": 4 * gib + gib // 2}, lora=False, hbm=16 * gib)
+    aot.place_beside([tight], tighter, 16 * gib)
     assert tight.fits  # 4.5 + 11 <= 16 < 4.5 + 13
     big = report()
     big.peak_bytes = 13 * gib
-    aot.account([big], {**est, "optimizer": 4 * gib + gib // 2}, lora=False, hbm=16 * gib)
+    aot.place_beside([big], tighter, 16 * gib)
     assert not big.fits
+    failed = report(error="RESOURCE_EXHAUSTED")
+    aot.place_beside([failed], est, 16 * gib)
+    assert not failed.fits  # a program the compiler refused never fits

@@ -44,11 +44,12 @@ from jaxrl_llm.models import lora, quant
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.model import init_params
 from jaxrl_llm.models.sharding import make_mesh, param_shardings
-from jaxrl_llm.run.config import RunConfig, lora_enabled, uses_critic
+from jaxrl_llm.run.config import RunConfig, uses_critic
 from jaxrl_llm.run.layout import batch_shardings, check_mesh_fits, split_devices
 from jaxrl_llm.run.setup import runtime_model_config, sampler_weights
+from jaxrl_llm.run.shapes import StepShapes, step_shapes
 from jaxrl_llm.run.state import init_state, make_optimizer, state_shardings
-from jaxrl_llm.train.packing import TrainBatch, bucket
+from jaxrl_llm.train.packing import TrainBatch
 from jaxrl_llm.train.step import make_logprob_fn, make_train_step
 
 
@@ -183,15 +184,12 @@ def _abstract(tree, shardings):
     return jax.tree_util.tree_map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
 
 
-def batch_shapes(cfg: RunConfig, row_length: int, rows: int) -> TrainBatch:
-    """ShapeDtypeStructs of a mini-batch of `rows` packed rows of `row_length` tokens, each a prompt and its
-    responses in S slots of max_new_tokens (S: samples per prompt, or what fits optim.max_row_tokens)."""
-    slots = bucket(cfg.sampling.samples_per_prompt)
-    if cfg.optim.max_row_tokens > 0:
-        slots = bucket(max(1, min(slots, (cfg.optim.max_row_tokens - cfg.data.max_prompt_tokens)
-                                  // cfg.sampling.max_new_tokens)))
-    per_row = (rows, row_length)
-    per_slot = (rows, slots, cfg.sampling.max_new_tokens)
+def batch_shapes(cfg: RunConfig, shapes: StepShapes) -> TrainBatch:
+    """ShapeDtypeStructs of a train-step mini-batch of `shapes.mini_batch_rows` packed rows of `shapes.row_length`
+    tokens, each a prompt and its responses in `shapes.responses_per_row` slots of max_new_tokens."""
+    rows = shapes.mini_batch_rows
+    per_row = (rows, shapes.row_length)
+    per_slot = (rows, shapes.responses_per_row, cfg.sampling.max_new_tokens)
     i32, f32 = jnp.int32, jnp.float32
     return TrainBatch(tokens=jax.ShapeDtypeStruct(per_row, i32), positions=jax.ShapeDtypeStruct(per_row, i32),
                       segments=jax.ShapeDtypeStruct(per_row, i32), pred_index=jax.ShapeDtypeStruct(per_slot, i32),
@@ -286,20 +284,18 @@ def compile_run(cfg: RunConfig, topology: str | Topology, *, model_config: Model
     mesh = make_mesh(cfg.train.mesh, devices=trainer_devices or devices)
     sampler_mesh = make_mesh(cfg.rollouts.sampler_mesh, devices=sampler_devices) if sampler_devices else mesh
     check_mesh_fits(mesh, cfg)  # as the run does
-    sizes = dict(mesh.shape)
-    estimate = run_estimate(cfg, {k: int(v) for k, v in sizes.items()}, model_config=model_config,
-                            platform=_estimate_platform(topo))
-    split = sizes["data"] * sizes["fsdp"]
-    rows = bucket(-(-cfg.sampling.prompts_per_step // cfg.optim.mini_batches), max(cfg.optim.micro_batch_size, split))
-    batch = batch_shapes(cfg, estimate["row_length"], rows)
+    shapes = step_shapes(cfg, mesh, sampler_mesh)
+    estimate = run_estimate(cfg, shapes.mesh, model_config=model_config, platform=_estimate_platform(topo))
+    rows = shapes.mini_batch_rows
+    batch = batch_shapes(cfg, shapes)
     batch_sharding = batch_shardings(mesh)
     batch = _abstract(batch, batch_sharding)
 
     optimizer = make_optimizer(cfg.optim)
     params = jax.eval_shape(lambda: init_params(mc, jax.random.PRNGKey(0)))
     lora_kwargs, trained = {}, params
-    if lora_enabled(cfg):
-        spec = lora.LoraSpec(rank=cfg.lora.rank, alpha=cfg.lora.alpha, targets=lora.resolve_targets(cfg.lora.targets))
+    spec = shapes.lora
+    if spec is not None:
         trained = jax.eval_shape(lambda: lora.init_adapters(mc, spec, jax.random.PRNGKey(0)))
         if cfg.lora.base_dtype:
             params = jax.eval_shape(lambda p: quant.quantize_base(p, cfg.lora.base_dtype), params)
@@ -320,9 +316,9 @@ def compile_run(cfg: RunConfig, topology: str | Topology, *, model_config: Model
     # the model's FLOPs per device (the rows split over data x fsdp, the matrices over tensor): each row's prompt and
     # its responses, not the padding slots of the bucket; full fine-tuning's count (LoRA's step needs less)
     work = dict(model_config=mc, rows=rows, prompt_tokens=cfg.data.max_prompt_tokens,
-                samples=min(batch.pred_index.shape[1], cfg.sampling.samples_per_prompt),
+                samples=min(shapes.responses_per_row, shapes.samples_per_prompt),
                 response_tokens=cfg.sampling.max_new_tokens)
-    per_device = split * sizes.get("tensor", 1)
+    per_device = shapes.row_split * shapes.mesh["tensor"]
     programs = []
     if "train_step" in wanted:
         lowered = (step.jitted.lower(state, batch, denom, base) if lora_kwargs else step.lower(state, batch, denom))
@@ -336,33 +332,24 @@ def compile_run(cfg: RunConfig, topology: str | Topology, *, model_config: Model
         programs.append(_critic_program(cfg, mc, base, batch, batch_sharding, denom, hbm))
     policy = None if lora_kwargs else base  # LoRA: the sampler and GVM read the merged copy (unquantized)
     if cfg.sampling.allocation == "gvm" and "gvm_grad_norms" in wanted:
-        programs.append(_gvm_program(cfg, mc, mesh, policy, hbm))
+        programs.append(_gvm_program(cfg, shapes, mc, mesh, policy, hbm))
     sampler_mc, sampler_policy = _sampler_policy(cfg, mc, mesh, sampler_mesh, policy)
     if cfg.sampling.engine == "static" and wanted & {"sampler_prefill", "sampler_decode"}:
-        programs += [r for r in _sampler_programs(cfg, sampler_mc, sampler_mesh, sampler_policy, hbm)
+        programs += [r for r in _sampler_programs(cfg, shapes, sampler_mc, sampler_mesh, sampler_policy, hbm)
                     if r.name in wanted]
     elif cfg.sampling.engine != "static" and "sampler_continuous" in wanted:
-        programs.append(_continuous_program(cfg, sampler_mc, sampler_mesh, sampler_policy, hbm))
-    account(programs, estimate, lora=bool(lora_kwargs), hbm=hbm, sampler=sampler_kind(cfg))
+        programs.append(_continuous_program(cfg, shapes, sampler_mc, sampler_mesh, sampler_policy, hbm))
+    place_beside(programs, estimate, hbm)
     if isinstance(topo.chip, Gpu):
         for program in programs:
             program.predicted_s = predict_seconds(getattr(program, "kernel_costs", ()), topo.chip)
     result = {"topology": topo.name, "topology_desc": topo.topology_name, "devices": len(devices),
               "hbm_bytes": topo.chip.hbm_bytes, "usable_bytes": hbm,
-              "mesh": {k: int(v) for k, v in sizes.items()}, "rows": rows, "row_length": estimate["row_length"],
+              "mesh": dict(shapes.mesh), "rows": rows, "row_length": shapes.row_length,
               "estimate": estimate, "programs": programs}
     if sampler_devices:
-        result["sampler_mesh"] = {k: int(v) for k, v in sampler_mesh.shape.items()}
+        result["sampler_mesh"] = dict(shapes.sampler_mesh)
     return result
-
-
-def sampler_kind(cfg: RunConfig) -> str:
-    """What the sampler's programs read and where: "own" (rollouts.sampler_devices: its own copies on its own
-    devices), "copy" (its own copy beside the trainer's state: an async version, or sampling.dtype's), "policy"
-    (the trainer's policy itself, under LoRA the merged copy)."""
-    if cfg.rollouts.mode == "async" and cfg.rollouts.sampler_devices > 0:
-        return "own"
-    return "copy" if cfg.rollouts.mode == "async" or cfg.sampling.dtype else "policy"
 
 
 def _sampler_policy(cfg: RunConfig, mc: ModelConfig, mesh, sampler_mesh, policy) -> tuple[ModelConfig, Any]:
@@ -406,43 +393,34 @@ def _critic_program(cfg: RunConfig, mc: ModelConfig, trunk, batch: TrainBatch, b
     return _report("critic_step", step.lower(_abstract(shapes, state_sharding), batch, denom), hbm)
 
 
-def _gvm_program(cfg: RunConfig, mc: ModelConfig, mesh, policy, hbm: int) -> ProgramReport:
+def _gvm_program(cfg: RunConfig, shapes: StepShapes, mc: ModelConfig, mesh, policy, hbm: int) -> ProgramReport:
     """GVM's per-sample gradient-norm pass over stage 1's accepted rows at the worst case (every stage-1 sample
-    accepted, every prompt `data.max_prompt_tokens` long), as `train.gvm.per_sample_grad_norms` runs it."""
-    from jaxrl_llm.capacity.memory import ROW_SEQ_MULTIPLE
+    accepted, every prompt `data.max_prompt_tokens` long), as `train.gvm.per_sample_grad_norms` runs it: the
+    step's `gvm_rows` unpacked rows of `gvm_row_length` tokens in chunks of `gvm_chunk_rows`."""
     from jaxrl_llm.train.gvm import _grad_norms, parse_param_subset
-    from jaxrl_llm.train.packing import round_up
 
-    split = mesh.shape["data"] * mesh.shape["fsdp"]
-    chunk = -(-(cfg.sampling.gvm_rows_per_chunk or cfg.optim.micro_batch_size) // split) * split
-    rows = round_up(cfg.sampling.prompts_per_step * cfg.sampling.gvm_stage1_samples, chunk)
-    length = round_up(cfg.data.max_prompt_tokens + cfg.sampling.max_new_tokens, ROW_SEQ_MULTIPLE)
+    rows, length, new = shapes.gvm_rows, shapes.gvm_row_length, cfg.sampling.max_new_tokens
     on_rows = NamedSharding(mesh, P(("data", "fsdp")))
     i32, f32 = jnp.int32, jnp.float32
     inputs = [jax.ShapeDtypeStruct(shape, dtype, sharding=on_rows) for shape, dtype in
-              (((rows, length), i32), ((rows,), i32), ((rows, cfg.sampling.max_new_tokens), i32),
-               ((rows, cfg.sampling.max_new_tokens), f32))]
+              (((rows, length), i32), ((rows,), i32), ((rows, new), i32), ((rows, new), f32))]
     lowered = _grad_norms.lower(_merged_policy(mc, mesh, policy), mc, parse_param_subset(cfg.sampling.gvm_param_subset),
-                                chunk, *inputs, chunk_sharding=NamedSharding(mesh, P(None, ("data", "fsdp"))))
+                                shapes.gvm_chunk_rows, *inputs,
+                                chunk_sharding=NamedSharding(mesh, P(None, ("data", "fsdp"))))
     return _report("gvm_grad_norms", lowered, hbm)
 
 
-def _continuous_program(cfg: RunConfig, mc: ModelConfig, mesh, policy, hbm: int) -> ProgramReport:
-    """The continuous engine's decode loop (prefill inside it) of one step's sampling at the worst case: every
-    prompt `data.max_prompt_tokens` long, `samples_per_prompt` samples of `max_new_tokens` each (GVM: the larger
-    of its stage-1 and later counts), `sampling.max_slots` slots, as `sampling.continuous.generate_slots` calls it.
-    The prompt queue and cache are replicated, as the engine's uncommitted host arrays are."""
+def _continuous_program(cfg: RunConfig, shapes: StepShapes, mc: ModelConfig, mesh, policy,
+                        hbm: int) -> ProgramReport:
+    """The continuous engine's decode loop (prefill inside it) of one step's sampling at the worst case
+    (`shapes.sampler_call`: every prompt `data.max_prompt_tokens` long, `shapes.sampler_samples` samples of
+    `max_new_tokens` each), as `sampling.continuous.generate_slots` calls it. The prompt queue and cache are
+    replicated, as the engine's uncommitted host arrays are."""
     from jaxrl_llm.sampling.continuous import decode_slots, slot_inputs
-    from jaxrl_llm.sampling.plan import plan_calls, row_multiple
 
-    s = cfg.sampling
-    per_prompt = max(s.gvm_stage1_samples, s.gvm_samples_per_prompt) if s.allocation == "gvm" \
-        else s.samples_per_prompt
-    prompts = [np.zeros(cfg.data.max_prompt_tokens, np.int32)] * s.prompts_per_step
-    counts = np.full(s.prompts_per_step, per_prompt)
-    call = plan_calls([len(p) for p in prompts], counts, s.max_new_tokens, engine="continuous",
-                      row_multiple=row_multiple(mesh), max_slots=s.max_slots,
-                      max_prompt_entries=s.max_prompt_entries)[0]
+    prompts = [np.zeros(cfg.data.max_prompt_tokens, np.int32)] * cfg.sampling.prompts_per_step
+    counts = np.full(cfg.sampling.prompts_per_step, shapes.sampler_samples)
+    call = shapes.sampler_call
     found = {}
 
     def inputs():
@@ -462,26 +440,17 @@ def _continuous_program(cfg: RunConfig, mc: ModelConfig, mesh, policy, hbm: int)
     return _report("sampler_continuous", lowered, hbm)
 
 
-def _sampler_programs(cfg: RunConfig, mc: ModelConfig, mesh, policy, hbm: int) -> list[ProgramReport]:
-    """The static engine's prefill and decode of one sampler call at the run's worst case (every prompt
-    `data.max_prompt_tokens` long, `samples_per_prompt` samples of `max_new_tokens`; GVM: the larger of its
-    stage-1 and later counts, varying so that no rows share a prompt entry), rows split over data x fsdp
-    as `sampling.generate` splits them. The sampler reads the policy in `model.param_dtype` (LoRA: the merged copy,
+def _sampler_programs(cfg: RunConfig, shapes: StepShapes, mc: ModelConfig, mesh, policy,
+                      hbm: int) -> list[ProgramReport]:
+    """The static engine's prefill and decode of one sampler call at the run's worst case (`shapes.sampler_call`:
+    every prompt `data.max_prompt_tokens` long, `shapes.sampler_samples` samples of `max_new_tokens`; GVM's counts
+    vary, so no rows share a prompt entry: `shapes.prompt_group`), rows split over data x fsdp as
+    `sampling.generate` splits them. The sampler reads the policy in `model.param_dtype` (LoRA: the merged copy,
     `policy` None: laid out like an unquantized base)."""
     from jaxrl_llm.sampling.engine import cache_sharding, decode_rows, init_state, prefill_rows, row_sharding
-    from jaxrl_llm.sampling.plan import plan_calls, row_multiple
 
     policy = _merged_policy(mc, mesh, policy)
-    lengths = np.full(cfg.sampling.prompts_per_step, cfg.data.max_prompt_tokens)
-    if cfg.sampling.allocation == "gvm":  # counts that vary from prompt to prompt: one prompt entry per row
-        counts = np.full(cfg.sampling.prompts_per_step,
-                         max(cfg.sampling.gvm_stage1_samples, cfg.sampling.gvm_samples_per_prompt))
-        counts[0] = max(counts[0] - 1, 1)  # no group size divides every count (`buckets.prompt_group_size`):
-        # the estimate's worst case
-    else:
-        counts = np.full(cfg.sampling.prompts_per_step, cfg.sampling.samples_per_prompt)
-    run = plan_calls(lengths, counts, cfg.sampling.max_new_tokens, row_multiple=row_multiple(mesh),
-                     max_rows_per_call=cfg.sampling.max_rows_per_call)[0].shapes
+    run = dataclasses.replace(shapes.sampler_call.shapes, prompt_group=shapes.prompt_group)
     rows = row_sharding(mesh, 1)
 
     def sds(shape, dtype, sharding=rows):
@@ -537,7 +506,7 @@ def refresh_estimates(cfg: RunConfig, result: dict[str, Any], *,
                        platform=_estimate_platform(parse_topology(result["topology"])))
     programs = [ProgramReport(**p) for p in result["programs"]]
     usable = usable_bytes(result)
-    account(programs, est, lora=lora_enabled(cfg), hbm=usable, sampler=sampler_kind(cfg))
+    place_beside(programs, est, usable)
     return {**result, "usable_bytes": usable, "estimate": est, "programs": [dataclasses.asdict(p) for p in programs]}
 
 
@@ -547,41 +516,13 @@ def usable_bytes(result: dict[str, Any]) -> int:
     return result.get("usable_bytes") or parse_topology(result["topology"]).chip.usable_bytes
 
 
-def account(programs: list[ProgramReport], est: dict[str, Any], *, lora: bool, hbm: int,
-            sampler: str = "policy") -> None:
-    """Each program's resident neighbours (`estimate_memory`'s terms for the run's arrays that live across the
-    step but are not the program's arguments) and the estimate of what the program itself holds; `fits` is
-    resident + XLA's peak against `hbm`, the chip's HBM a program may use. The train step's arguments are the
-    state (and a LoRA base), the critic step's the critic's state; the log-prob pass and GVM's norm pass read the
-    policy (LoRA: the merged copy) beside the optimizer state; a reference copy (full fine-tuning with a KL term)
-    and a critic stay resident throughout. The sampler (`sampler_kind`) reads the policy as those do ("policy"),
-    or its own copy ("copy": one async version, the others and the trainer's state resident beside it; or
-    sampling.dtype's copy, the trainer's state beside it), or one of its versions on its own devices ("own", the
-    other versions beside it)."""
-    other = est["reference"] + est["critic"]
-    reader = est["params"] + est["optimizer"] + other if lora else est["optimizer"] + other  # reads the policy
-    policy = 0 if lora else est["params"]  # the policy among a reader's arguments
-    version = est.get("sampler_version", 0)  # one policy version an async sampler holds
-    if sampler == "own":
-        sampler_resident, sampler_reads = est["sampler_copies"] - version, version
-    elif sampler == "copy":  # the copy is counted in the sampling terms (sampling.dtype) or is a version
-        sampler_resident = est["params"] + est["optimizer"] + other + est["sampler_copies"] - version
-        sampler_reads = version
-    else:
-        sampler_resident, sampler_reads = reader, policy
-    resident = {"train_step": other, "logprob_pass": est["optimizer"] + other,
-                "critic_step": est["params"] + est["optimizer"] + est["reference"], "gvm_grad_norms": reader,
-                "sampler_prefill": sampler_resident, "sampler_decode": sampler_resident,
-                "sampler_continuous": sampler_resident}
-    # estimate_memory has no term of its own for the log-prob pass (a forward pass, bounded by the train step's).
-    estimate = {"train_step": est["params"] + est["optimizer"] + est["train_step"],
-                "critic_step": est["critic"] + est["critic_step"], "gvm_grad_norms": policy + est["gvm_norms"],
-                "sampler_prefill": sampler_reads + est["sampling_prefill"],
-                "sampler_decode": sampler_reads + est["sampling_decode"],
-                "sampler_continuous": sampler_reads + est["sampling"]}
+def place_beside(programs: list[ProgramReport], est: dict[str, Any], hbm: int) -> None:
+    """Each program's resident neighbours and the estimate of what it holds, from the estimate's per-program split
+    (`capacity.memory.program_memory`); `fits` is resident + XLA's peak (`need_bytes`) against `hbm`, the chip's
+    HBM a program may use."""
     for program in programs:
-        program.resident_bytes = int(resident.get(program.name, 0))
-        program.estimate_bytes = int(estimate.get(program.name, 0))
+        split = est["programs"].get(program.name, {"resident": 0, "working": 0})
+        program.resident_bytes, program.estimate_bytes = split["resident"], split["working"]
         program.fits = not program.error and program.resident_bytes + program.need_bytes <= hbm
 
 

@@ -144,31 +144,25 @@ v5e chip's 16, 30.75 of a v4's 32: `capacity.aot.CHIPS`).
 from __future__ import annotations
 
 import dataclasses
-import json
-import math
-import pathlib
-import re
 from typing import Any
 
-import numpy as np
-
+from jaxrl_llm.capacity.activations import activation_bytes, logprob_residual_bytes
+from jaxrl_llm.capacity.elements import (local_elements, output_matrix_copy_bytes, output_matrix_elements,
+                                         quantized_base_savings, sampler_copy_bytes, sharded_param_elements,
+                                         subset_elements)
+from jaxrl_llm.capacity.known_models import KNOWN_MODELS, model_config_for  # noqa: F401 (the planners' names)
 from jaxrl_llm.models.attention import SPLASH_BLOCK
 from jaxrl_llm.models.attention import resolve as attention_resolve
 from jaxrl_llm.models.config import ModelConfig
-from jaxrl_llm.models.lora import LoraSpec, adapter_shapes, resolve_targets
-from jaxrl_llm.models.model import param_shapes
-from jaxrl_llm.models.sharding import MESH_AXES, partition_rules
-from jaxrl_llm.run.config import RunConfig, lora_enabled, uses_critic
-from jaxrl_llm.sampling.buckets import bucket_size, prefill_chunk, response_tile_size, round_up
+from jaxrl_llm.models.lora import adapter_shapes
+from jaxrl_llm.run.config import RunConfig, uses_critic
+from jaxrl_llm.run.shapes import ROW_SEQ_MULTIPLE, StepShapes, parse_mesh, step_shapes  # noqa: F401
+from jaxrl_llm.sampling.buckets import prefill_chunk, response_tile_size, round_up
 from jaxrl_llm.sampling.decoder import response_slots
-from jaxrl_llm.sampling.plan import plan_calls
 from jaxrl_llm.train.algorithms import needs_reference
-from jaxrl_llm.train.packing import bucket, length_bucket
 
 GIB = 1024 ** 3
 _BYTES = {"float32": 4, "bfloat16": 2}
-LOGPROB_CHUNK = 8192  # vocabulary chunk of train.logprobs.chunked_logprobs
-ROW_SEQ_MULTIPLE = 32  # packed rows are padded to a multiple of this (train.packing.pack_groups)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -192,301 +186,221 @@ TARGETS = {
     "1xH100": Target("1xH100", 1, 81559 * 1024 ** 2, "one GPU x 80 GB HBM3", "gpu"),
 }
 
-# The paper models' transformers config.json values (Qwen/Qwen2.5-Math-1.5B and -7B on the HF Hub).
-KNOWN_MODELS = {
-    "qwen2.5-math-1.5b": ModelConfig(
-        model_type="qwen2", vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_layers=28,
-        num_heads=12, num_kv_heads=2, head_dim=128, rope_theta=10000.0, tie_word_embeddings=True,
-        attention_bias=True, max_position_embeddings=4096, rms_norm_eps=1e-6),
-    "qwen2.5-math-7b": ModelConfig(
-        model_type="qwen2", vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_layers=28,
-        num_heads=28, num_kv_heads=4, head_dim=128, rope_theta=10000.0, tie_word_embeddings=False,
-        attention_bias=True, max_position_embeddings=4096, rms_norm_eps=1e-6),
-}
-# The config.json values of google/gemma-2-2b, google/gemma-3-1b-pt, the text model of google/gemma-3-4b-pt
-# and mistralai/Mistral-7B-v0.1 (instruction-tuned versions share them).
-_GEMMA3_LAYERS = lambda n: tuple("full_attention" if (i + 1) % 6 == 0 else "sliding_attention"  # noqa: E731
-                                 for i in range(n))
-KNOWN_MODELS.update({
-    "gemma-2-2b": ModelConfig(
-        model_type="gemma2", vocab_size=256000, hidden_size=2304, intermediate_size=9216, num_layers=26,
-        num_heads=8, num_kv_heads=4, head_dim=256, rope_theta=10000.0, tie_word_embeddings=True,
-        max_position_embeddings=8192, rms_norm_eps=1e-6, query_pre_attn_scalar=256, attn_logit_softcapping=50.0,
-        final_logit_softcapping=30.0, sliding_window=4096,
-        layer_types=tuple("sliding_attention" if i % 2 == 0 else "full_attention" for i in range(26))),
-    "gemma-3-1b-pt": ModelConfig(
-        model_type="gemma3_text", vocab_size=262144, hidden_size=1152, intermediate_size=6912, num_layers=26,
-        num_heads=4, num_kv_heads=1, head_dim=256, rope_theta=1000000.0, rope_local_theta=10000.0, qk_norm=True,
-        tie_word_embeddings=True, max_position_embeddings=32768, rms_norm_eps=1e-6, query_pre_attn_scalar=256,
-        sliding_window=512, layer_types=_GEMMA3_LAYERS(26)),
-    "gemma-3-4b-pt": ModelConfig(
-        model_type="gemma3_text", vocab_size=262208, hidden_size=2560, intermediate_size=10240, num_layers=34,
-        num_heads=8, num_kv_heads=4, head_dim=256, rope_theta=1000000.0, rope_local_theta=10000.0, qk_norm=True,
-        rope_scaling=(("factor", 8.0), ("rope_type", "linear")), tie_word_embeddings=True,
-        max_position_embeddings=131072, rms_norm_eps=1e-6, query_pre_attn_scalar=256, sliding_window=1024,
-        layer_types=_GEMMA3_LAYERS(34)),
-    "mistral-7b-v0.1": ModelConfig(
-        model_type="mistral", vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_layers=32,
-        num_heads=32, num_kv_heads=8, head_dim=128, rope_theta=10000.0, tie_word_embeddings=False,
-        max_position_embeddings=32768, rms_norm_eps=1e-5, sliding_window=4096),
-})
-# The bundled SmolLM2-135M-Instruct (models.bundled; shapes from its GGUF header, shared/PEERS.md).
-KNOWN_MODELS["smollm2-135m-instruct"] = ModelConfig(
-    model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9,
-    num_kv_heads=3, head_dim=64, rope_theta=100000.0, tie_word_embeddings=True, max_position_embeddings=8192,
-    rms_norm_eps=1e-5)
-for _name, _alias in (("smollm2-135m-instruct", "bundled"), ("gemma-2-2b", "gemma-2-2b-it"), ("gemma-3-1b-pt", "gemma-3-1b-it"),
-                      ("gemma-3-4b-pt", "gemma-3-4b-it"), ("mistral-7b-v0.1", "mistral-7b-instruct-v0.1")):
-    KNOWN_MODELS[_alias] = KNOWN_MODELS[_name]
+
+@dataclasses.dataclass(frozen=True)
+class _Inputs:
+    """What every term reads: the run config, the traced model config, the step's shapes, bytes of the parameter
+    (p) and compute (c) dtypes, whether layers are rematerialised, and the target's platform."""
+
+    cfg: RunConfig
+    mc: ModelConfig
+    shapes: StepShapes
+    p: int
+    c: int
+    remat: bool
+    platform: str
+
+    @property
+    def kernel(self) -> str:
+        """The attention path of the train step (`models.attention.resolve`)."""
+        return attention_resolve(self.mc.replace(attention_impl=self.cfg.model.attention_impl,
+                                                 compute_dtype=self.cfg.model.compute_dtype), self.platform)
+
+    def activations(self, rows: int, length: int, slots: int, width: int) -> tuple[int, int]:
+        """`activation_bytes` (kept, working) of `rows` rows of `length` tokens on the trainer's tensor axis; a fused
+        kernel's regrouped rows are `slots` rows of `width` tokens each."""
+        kernel, cfg = self.kernel, self.cfg
+        tiles = self.mc.replace(attention_block_size=cfg.model.attention_block_size,
+                                attention_block_min_length=cfg.model.attention_block_min_length)
+        return activation_bytes(self.mc, rows, length, self.shapes.mesh["tensor"], self.c, self.remat,
+                                cfg.model.remat_policy, tiles.attention_block_for(length),
+                                (slots, width, kernel == "xla_rows") if kernel != "xla" else None)
+
+    def logprob_residuals(self, rows: int, scored: int) -> int:
+        """`logprob_residual_bytes` of `rows` rows of `scored` scored positions."""
+        return logprob_residual_bytes(self.mc, rows, scored, self.c, not self.cfg.model.remat_logits,
+                                      output_matrix_elements(self.mc, self.shapes.mesh))
 
 
-def model_config_for(source: str) -> ModelConfig:
-    """The ModelConfig of `model.source`: its config.json when it is an HF folder, else the entry of
-    KNOWN_MODELS whose name is the folder's basename (case-insensitive), e.g. ~/models/Qwen2.5-Math-1.5B."""
-    path = pathlib.Path(source).expanduser()
-    if (path / "config.json").is_file():
-        return ModelConfig.from_hf_dict(json.loads((path / "config.json").read_text()))
-    key = path.name.lower()
-    if key not in KNOWN_MODELS:
-        raise ValueError(f"model.source {source!r}: no config.json there and {path.name!r} is not a known model "
-                         f"({', '.join(sorted(KNOWN_MODELS))}); pass an HF folder")
-    return KNOWN_MODELS[key]
+def _policy_terms(x: _Inputs) -> dict[str, int]:
+    """params, optimizer, reference; what trains (elements per device and their bytes: the policy in p, LoRA's
+    adapters in f32); LoRA's merged copy of the base the sampler and GVM read; the policy's elements per device."""
+    mesh, p = x.shapes.mesh, x.p
+    count, local = sharded_param_elements(x.mc, mesh)
+    terms = {"param_count": count, "local": local, "params": local * p, "optimizer": 2 * local * p,
+             "reference": local * p if needs_reference(x.cfg.algorithm) else 0, "trained": local,
+             "trained_bytes": p, "merged_copy": 0}
+    if x.shapes.lora is not None:  # frozen base; f32 adapters, their moments and gradients; merged base for sampling
+        trained = sum(local_elements(x.mc, mesh, adapter_shapes(x.mc, x.shapes.lora)).values())
+        params = local * p + trained * 4
+        if x.cfg.lora.base_dtype:  # projections as int8 / packed int4 codes + f32 per-output-channel scales
+            params -= quantized_base_savings(x.mc, mesh, p, x.cfg.lora.base_dtype)
+        terms.update(params=params, optimizer=2 * trained * 4, reference=0, trained=trained, trained_bytes=4,
+                     merged_copy=local * p)
+    return terms
 
 
-def parse_mesh(spec: str, devices: int) -> dict[str, int]:
-    """{"data", "fsdp", "tensor"} sizes from a `train.mesh` string for `devices` devices, with
-    `models.sharding.make_mesh`'s rules: missing axes are 1, one axis may be -1 (the rest), "" = all fsdp."""
-    sizes = {name: 1 for name in MESH_AXES}
-    if not spec.strip():
-        sizes["fsdp"] = -1
-    for part in filter(None, (p.strip() for p in spec.split(","))):
-        name, sep, value = part.partition("=")
-        if not sep or name.strip() not in sizes or not re.fullmatch(r"-?\d+", value.strip()):
-            raise ValueError(f"mesh spec {spec!r}: expected comma-separated axis=size with axes {MESH_AXES}")
-        sizes[name.strip()] = int(value)
-    free = [n for n, s in sizes.items() if s == -1]
-    if len(free) > 1:
-        raise ValueError(f"mesh spec {spec!r}: at most one axis may be -1")
-    fixed = math.prod(s for s in sizes.values() if s != -1)
-    if free:
-        sizes[free[0]] = devices // fixed if devices % fixed == 0 else 0
-    if any(s < 1 for s in sizes.values()) or math.prod(sizes.values()) != devices:
-        raise ValueError(f"mesh spec {spec!r} gives {sizes}, which do not multiply to {devices} devices")
-    return sizes
+def _train_step_terms(x: _Inputs, policy: dict[str, int]) -> dict[str, int]:
+    """gradients, activations, logprob_residuals and the train step's peak of its phases (module docstring)."""
+    sh, cfg = x.shapes, x.cfg
+    trained = policy["trained"]
+    # the f32 accumulator and one micro-batch's gradient while the backward passes run; after them, XLA's update
+    # temporaries: two more f32 copies (AdamW's new moments before they replace the old ones)
+    accumulate, update = trained * 4 + trained * policy["trained_bytes"], 2 * trained * 4
+    width = min(sh.row_length, round_up(cfg.data.max_prompt_tokens + cfg.sampling.max_new_tokens, SPLASH_BLOCK))
+    kept, working = x.activations(sh.rows_per_device, sh.row_length, sh.responses_per_row, width)
+    # Scored positions: every slot (n x max_new_tokens), or the compact layout's L when that is shorter.
+    scored = min(sh.row_length, sh.responses_per_row * cfg.sampling.max_new_tokens)
+    logprob = x.logprob_residuals(sh.rows_per_device, scored) + output_matrix_copy_bytes(x.mc, sh.mesh, x.c, x.p)
+    # The log-prob pass's backward runs before the layers': its residuals and a vocabulary chunk's logits are
+    # gone when a layer's working set is made (the compiled train steps' buffer assignments)
+    return {"gradients": accumulate + update, "activations": kept + working, "logprob_residuals": logprob,
+            "train_step": max(accumulate + kept + max(working, logprob), trained * 4 + update)}
 
 
-def _leaf_paths(tree, prefix=()):
-    for key, value in tree.items():
-        if isinstance(value, dict):
-            yield from _leaf_paths(value, prefix + (key,))
-        else:
-            yield "/".join(prefix + (key,)), value
-
-
-def _local_elements(model_config: ModelConfig, mesh: dict[str, int], shapes=None) -> dict[str, int]:
-    """{parameter path: elements one device holds} under the model's partition rules (of the model's
-    parameters, or of the tree of `shapes` given, e.g. LoRA adapters)."""
-    rules = [(re.compile(pattern), spec) for pattern, spec in partition_rules(model_config)]
-    local = {}
-    for name, shape in _leaf_paths(param_shapes(model_config) if shapes is None else shapes):
-        spec = next(s for pattern, s in rules if pattern.search(name))
-        per_device = 1
-        for dim, axes in zip(shape, tuple(spec) + (None,) * (len(shape) - len(spec))):
-            names = (axes,) if isinstance(axes, str) else tuple(axes or ())
-            split = math.prod(mesh[n] for n in names)
-            per_device *= dim // split if names and dim % split == 0 else dim
-        local[name] = per_device
-    return local
-
-
-_CODE_BYTES = {"int8": 1.0, "int4": 0.5}
-
-
-def quantized_base_savings(model_config: ModelConfig, mesh: dict[str, int], p: int, kind: str) -> int:
-    """Bytes per device saved by storing every projection ("*_proj") as `kind` codes plus float32 scales
-    [L, 1, out] instead of `p`-byte values (scales counted unsharded: they are small)."""
-    shapes = param_shapes(model_config)["layers"]
-    saved = 0
-    for name, elements in _local_elements(model_config, mesh).items():
-        if re.fullmatch(r"layers/\w+_proj", name):
-            layers, _, out = shapes[name.split("/")[1]]
-            saved += elements * (p - _CODE_BYTES[kind]) - layers * out * 4
-    return int(saved)
-
-
-def sharded_param_elements(model_config: ModelConfig, mesh: dict[str, int]) -> tuple[int, int]:
-    """(total parameter count, elements held by one device) under the model's partition rules."""
-    total = sum(math.prod(shape) for _, shape in _leaf_paths(param_shapes(model_config)))
-    return total, sum(_local_elements(model_config, mesh).values())
-
-
-def _split(n: int, tensor: int) -> int:
-    """`n` features per device: split over tensor where it divides them (`models.sharding`), else whole."""
-    return n // tensor if n % tensor == 0 else n
-
-
-def _activation_bytes(mc: ModelConfig, rows: int, length: int, tensor: int, c: int, remat: bool,
-                      policy: str = "full", block: int | None = None,
-                      groups: tuple[int, int, bool] | None = None) -> tuple[int, int]:
-    """(kept, working) for `rows` sequences of `length` tokens on a mesh whose tensor axis has `tensor` devices:
-    what the forward pass keeps for the backward pass, and the largest working set of the backward pass beside
-    it (one layer's recomputed activations, its attention's working set and gradients; or, at the embedding,
-    the hidden states' f32 gradient twice). Remat policy "dots" also keeps each layer's projection outputs
-    (q, k, v, o, gate, up, down) per token, "qkv_attn_mlp" q, k, v, the attention output, gate and up; `block`
-    is model.attention_block_size (None: full attention); `groups` (S, W, dense): a fused kernel attends on S
-    regrouped rows of W tokens per row (`models.attention`), or with `dense` XLA's full attention on each of
-    them (a GPU where cuDNN cannot serve); None: the xla path."""
-    q_heads = _split(mc.num_heads, tensor)
-    q, kv = q_heads * mc.head_dim, _split(mc.num_kv_heads, tensor) * mc.head_dim
-    f = _split(mc.intermediate_size, tensor)
-    d = mc.hidden_size
-    per_layer_tokens = rows * length * (4 * d + 2 * q + 3 * kv + 4 * f) * c
-    # While one layer's backward pass runs: the gradients of its input, output, q, k, v, gate and up.
-    layer_grads = rows * length * (2 * d + q + 2 * kv + 2 * f) * c
-    # The hidden states' f32 gradient where the embedding is differentiated, twice (resharded for its gradient).
-    embed_grads = rows * length * d * 4 * 2
-    if groups is not None:
-        # the kernel runs per device on its KV heads' query groups, all heads where tensor cannot split the KV
-        # heads: q, its output and output gradient, k and v, all in c (splash's backward kernels give dq, dk,
-        # dv in the inputs' dtype), and the int32 segment ids laid over 128 lanes (512 B a token)
-        slots, width, dense = groups
-        kv_heads = _split(mc.num_kv_heads, tensor)
-        heads = kv_heads * (mc.num_heads // mc.num_kv_heads)
-        tokens = rows * slots * width
-        attention = 0
-        working = tokens * (mc.head_dim * (heads * 3 * c + kv_heads * 2 * c) + 512)
-        if dense:  # each regrouped row's scores and probabilities, as the xla path's full attention per row
-            attention = rows * slots * heads * width * width * (4 + c)
-            working += rows * slots * (heads * width * width * 4 + width * width)
-    elif block is None:
-        attention = rows * q_heads * length * length * (4 + c)
-        working = rows * q_heads * length * length * 4 + rows * length * length  # f32 score gradient + bool mask
-    else:
-        tile = min(block, length)
-        attention = 0
-        working = (rows * q_heads * round_up(length, tile) * (mc.head_dim + 2) * 4  # per key block: max, sum, out
-                   + rows * q_heads * tile * tile * (12 + c) + rows * tile * tile)  # one tile, its gradient, mask
-    if remat:
-        kept = d
-        if policy == "dots":
-            kept += q + 2 * kv + 2 * d + 2 * f
-        elif policy == "qkv_attn_mlp":
-            kept += 2 * q + 2 * kv + 2 * f
-            # the layer being differentiated recomputes only its two norm outputs and SiLU(gate) x up
-            per_layer_tokens = rows * length * (2 * d + 2 * f) * c
-        return (mc.num_layers * rows * length * kept * c,
-                max(per_layer_tokens + attention + working + layer_grads, embed_grads))
-    return mc.num_layers * (per_layer_tokens + attention), max(working + layer_grads, embed_grads)
-
-
-def _logprob_residual_bytes(mc: ModelConfig, rows: int, response_tokens: int, c: int, keep_logits: bool,
-                            head_elements: int) -> int:
-    """What the custom VJP of `chunked_logprobs` needs per token: the hidden state in c, the int32 target,
-    log Z and E_p[logit] in f32, and either every vocabulary chunk's f32 logits (kept) or, recomputing them,
-    one chunk's f32 logits at a time. Kept logits: plus the backward pass's pieces of d head
-    (`head_elements` x c, concatenated at the end)."""
-    # plus one chunk's logits in c as the matmul gives them, before the f32 cast
-    per_token = mc.hidden_size * c + 12 + (min(mc.vocab_size, LOGPROB_CHUNK) * c if c != 4 else 0)
-    if keep_logits:
-        return rows * response_tokens * (per_token + mc.vocab_size * 4) + head_elements * c
-    return rows * response_tokens * (per_token + min(mc.vocab_size, LOGPROB_CHUNK) * 4)
-
-
-def _whole_row_responses(cfg: RunConfig) -> int:
-    """Response slots of a packed row without optim.max_row_tokens (train.rollouts.max_row_responses): the
-    mean group size, N'' under GVM (larger groups are split over rows), rounded up to a power of two."""
-    gvm = cfg.sampling.allocation == "gvm"
-    return bucket(cfg.sampling.gvm_samples_per_prompt if gvm else cfg.sampling.samples_per_prompt)
-
-
-def _output_matrix_elements(mc: ModelConfig, mesh: dict[str, int]) -> int:
-    """Elements of the output matrix one device holds (sharded as its parameter)."""
-    return _local_elements(mc, mesh)["embed" if mc.tie_word_embeddings else "lm_head"]
-
-
-def _output_matrix_copy_bytes(mc: ModelConfig, mesh: dict[str, int], c: int, p: int) -> int:
-    """The output matrix cast to the compute dtype (a new array only when c != p), sharded as its parameter."""
-    return 0 if c == p else _output_matrix_elements(mc, mesh) * c
-
-
-def _subset_elements(mc: ModelConfig, subset: str) -> int:
-    shapes = dict(_leaf_paths(param_shapes(mc)))
-    total = 0
-    for name in filter(None, (n.strip().replace(".", "/") for n in subset.split(","))):
-        if name not in shapes:
-            raise ValueError(f"sampling.gvm_param_subset names {name!r}, not a parameter ({', '.join(shapes)})")
-        total += math.prod(shapes[name])
-    return total
-
-
-def _sampler_copy_bytes(mc: ModelConfig, mesh: dict[str, int], p: int, dtype: str) -> int:
-    """Bytes per device of the sampler's copy of the policy in `sampling.dtype` ("" : none, it reads the
-    trainer's tree): bf16 values, or int8 projection codes with f32 scales and the rest in p."""
-    if not dtype:
-        return 0
-    local = sharded_param_elements(mc, mesh)[1]
-    if dtype == "bfloat16":
-        return local * 2
-    return local * p - quantized_base_savings(mc, mesh, p, dtype)
-
-
-def _sampling_bytes(cfg: RunConfig, mc: ModelConfig, mesh: dict[str, int], c: int, gvm: bool,
-                    weights_cast: int = 0, layer_copy: int = 0) -> tuple[int, int, int, int, int]:
-    """(rows of one sampler call, KV cache bytes per device, the sampling term without the policy copies, and its
-    prefill and decode phases (the term is the larger)) of `cfg`'s sampler on `mesh` with keys, values and logits of
-    the cache in `c` bytes; `weights_cast`: the policy cast to the compute dtype, which XLA hoists out of the loops;
-    `layer_copy`: the stacked layer weights in c, which a decode loop holds sliced per layer where there is no cast
-    (XLA hoists the slices out of the loop: the 1.5B LoRA preset's merged bf16 copy on one v5e chip, 2.3 GiB of
-    [8960, 1536]-sized slices)."""
-    loop_weights = max(weights_cast, layer_copy)
-    batch_split = mesh["data"] * mesh["fsdp"]
-    samples = max(cfg.sampling.gvm_stage1_samples, cfg.sampling.gvm_samples_per_prompt) if gvm \
-        else cfg.sampling.samples_per_prompt
-    # the sampler's first call at the worst case (every prompt max_prompt_tokens long), as `sampling.plan` plans it
-    call = plan_calls(np.full(cfg.sampling.prompts_per_step, cfg.data.max_prompt_tokens),
-                      np.full(cfg.sampling.prompts_per_step, samples), cfg.sampling.max_new_tokens,
-                      engine=cfg.sampling.engine, row_multiple=batch_split,
-                      max_rows_per_call=cfg.sampling.max_rows_per_call, max_slots=cfg.sampling.max_slots,
-                      max_prompt_entries=cfg.sampling.max_prompt_entries,
-                      every_prompt=bool(cfg.tools.env))[0]  # with tools.env the prompts keep their entries
-    sample_rows = call.shapes.row_bucket
-    local_rows = sample_rows // batch_split
-    prompt_bucket = call.shapes.prompt_bucket
-    response_bucket = call.shapes.new_token_bucket
+def _continuous_sampling(x: _Inputs, c: int, loop_weights: int) -> dict[str, int]:
+    """The continuous engine's KV cache of S slots and C prompt entries, one layer's prompt keys and values gathered
+    for the slots, (C + 2 S) x V f32 logits and the loop's weights (module docstring, sampling)."""
+    mc, call, split = x.mc, x.shapes.sampler_call, x.shapes.sampler_row_split
     kv_bytes = mc.num_kv_heads * mc.head_dim * 2 * c  # one token's keys and values in one layer
-    if cfg.sampling.engine == "continuous":
-        local_slots = call.slots // batch_split
-        local_prompts = call.prompt_entries
-        kv_cache = sum((local_prompts * prompt_bucket + local_slots * slots) * kv_bytes
-                       for slots in response_slots(mc, response_bucket))
-        sampling = (kv_cache + local_slots * prompt_bucket * kv_bytes
-                    + (local_prompts + 2 * local_slots) * mc.vocab_size * 4 + loop_weights)
-        return sample_rows, kv_cache, sampling, sampling, sampling
-    # One prompt entry per group of rows that continue the same prompt (`sampling.buckets.prompt_group_size`);
-    # GVM's counts change from step to step, so it is counted at one entry per row, the most it can take.
-    group = 1 if gvm else call.shapes.prompt_group
+    local_slots, prompts = call.slots // split, call.prompt_entries
+    prompt_bucket = call.shapes.prompt_bucket
+    kv_cache = sum((prompts * prompt_bucket + local_slots * slots) * kv_bytes
+                   for slots in response_slots(mc, call.shapes.new_token_bucket))
+    sampling = (kv_cache + local_slots * prompt_bucket * kv_bytes + (prompts + 2 * local_slots) * mc.vocab_size * 4
+                + loop_weights)
+    return {"kv_cache": kv_cache, "sampling": sampling, "sampling_prefill": sampling, "sampling_decode": sampling}
+
+
+def _static_sampling(x: _Inputs, c: int, weights_cast: int, layer_copy: int) -> dict[str, int]:
+    """The static engine's call: its KV cache and the larger of the prefill and decode phases (module docstring,
+    sampling); `weights_cast` / `layer_copy`: the policy cast to c, or the stacked layer weights sliced per layer."""
+    mc, sh, mesh = x.mc, x.shapes, x.shapes.sampler_mesh
+    call, split = sh.sampler_call.shapes, sh.sampler_row_split
+    local_rows = call.row_bucket // split
+    kv_bytes = mc.num_kv_heads * mc.head_dim * 2 * c  # one token's keys and values in one layer
     # KV heads split over tensor where it divides them (`sampling.engine.cache_sharding`)
     head_split = mesh["tensor"] if mc.num_kv_heads % mesh["tensor"] == 0 else 1
-    slots = response_slots(mc, response_bucket)
-    kv_cache = sum((local_rows // group * prompt_bucket + local_rows * n) * kv_bytes for n in slots) // head_split
+    slots = response_slots(mc, call.new_token_bucket)
+    kv_cache = sum((local_rows // sh.prompt_group * call.prompt_bucket + local_rows * n) * kv_bytes
+                   for n in slots) // head_split
     logits = 2 * local_rows * mc.vocab_size * 4
     # Prefill: every device gathers the keys and values of the whole chunk of prompts before taking its rows'
     # (`engine.prefill_rows`' merge: a prompt's rows may sit on any device); a chunk of the call's prompts, split
     # over tensor by its KV heads or, where tensor cannot split them, by its prompts (XLA; `jaxrl-llm compile`,
     # Gemma 3 1B at tensor=4: [4, 1, 1024, 256] per layer of a 16-prompt chunk).
-    chunk = prefill_chunk(prompt_bucket, max(1, sample_rows // samples), batch_split)
+    chunk = prefill_chunk(call.prompt_bucket, max(1, call.row_bucket // sh.sampler_samples), split)
     gather_split = head_split if head_split > 1 or chunk % mesh["tensor"] else mesh["tensor"]
-    prefill = kv_cache + chunk * prompt_bucket * len(slots) * kv_bytes // gather_split + logits + weights_cast
+    prefill = kv_cache + chunk * call.prompt_bucket * len(slots) * kv_bytes // gather_split + logits + weights_cast
     # Decode: a tensor axis that cannot split the KV heads makes the loop copy the cache (XLA on TPU); a tiled
     # response cache (`buckets.response_tile_size`) copies the tile being written, in every full-attention layer;
     # the output layer's f32 logits come out for the call's rows with the vocabulary split over tensor.
     decode_copy = kv_cache if mesh["tensor"] > 1 and head_split == 1 else 0
-    tile = response_tile_size(response_bucket)
-    tiles = sum(1 for n in slots if n == response_bucket) * local_rows * tile * kv_bytes // head_split if tile else 0
+    tile = response_tile_size(call.new_token_bucket)
+    tiles = sum(1 for n in slots if n == call.new_token_bucket) * local_rows * tile * kv_bytes // head_split \
+        if tile else 0
     vocab_split = mesh["tensor"] if mc.vocab_size % mesh["tensor"] == 0 else 1
-    decode = (kv_cache + decode_copy + tiles + max(logits, sample_rows * mc.vocab_size // vocab_split * 4)
-              + loop_weights)
-    return sample_rows, kv_cache, max(prefill, decode), prefill, decode
+    decode = (kv_cache + decode_copy + tiles + max(logits, call.row_bucket * mc.vocab_size // vocab_split * 4)
+              + max(weights_cast, layer_copy))
+    return {"kv_cache": kv_cache, "sampling": max(prefill, decode), "sampling_prefill": prefill,
+            "sampling_decode": decode}
+
+
+def _sampler_terms(x: _Inputs, policy: dict[str, int]) -> dict[str, int]:
+    """sample_rows, kv_cache, sampling (and its prefill and decode phases) on the trainer's devices, sampler_copy,
+    sampler_version, sampler_copies and sampler_peak (the sampler's own devices; 0 when it shares the trainer's)."""
+    cfg, mc, sh, p, c = x.cfg, x.mc, x.shapes, x.p, x.c
+    dtype, mesh = cfg.sampling.dtype, sh.sampler_mesh
+    copy = sampler_copy_bytes(mc, sh.mesh, p, dtype)  # made where the trainer's weights are
+    # the trainer's weights cast to the compute dtype when the sampler reads them (no sampling.dtype copy) in
+    # another: XLA hoists the casts out of the decode loop, a cast copy of the policy
+    weights_cast = sharded_param_elements(mc, mesh)[1] * c if not dtype and p != c else 0
+    # without a cast, a TPU decode loop's per-layer slices of the stacked layer weights (XLA hoists them too)
+    layer_copy = sum(n for name, n in local_elements(mc, mesh).items()
+                     if name.startswith("layers/")) * c if not dtype and x.platform == "tpu" else 0
+    cache_c = 2 if dtype == "bfloat16" else c
+    terms = (_continuous_sampling(x, cache_c, max(weights_cast, layer_copy)) if cfg.sampling.engine == "continuous"
+             else _static_sampling(x, cache_c, weights_cast, layer_copy))
+    terms.update(sample_rows=sh.sampler_call.shapes.row_bucket, sampler_copy=copy, sampler_version=0,
+                 sampler_copies=0, sampler_peak=0)
+    if cfg.rollouts.mode == "async":
+        version = sampler_copy_bytes(mc, mesh, p, dtype) or sharded_param_elements(mc, mesh)[1] * p
+        terms.update(sampler_version=version, sampler_copies=(cfg.rollouts.max_staleness + 1) * version)
+    made = policy["merged_copy"] + copy  # the merged or cast copy, made on the trainer's devices
+    if sh.sampler_devices:  # the trainer's devices merge / cast before the transfer
+        terms.update(sampler_peak=terms["sampler_copies"] + terms["sampling"], sampling=made)
+    else:
+        terms.update({k: terms[k] + made for k in ("sampling", "sampling_prefill", "sampling_decode")})
+    return terms
+
+
+def _gvm_norms(x: _Inputs, policy: dict[str, int]) -> int:
+    """GVM's per-sample gradient-norm pass over one chunk of unpacked rows (0 without GVM; module docstring)."""
+    if not x.shapes.gvm_chunk:
+        return 0
+    mc, cfg, c, p = x.mc, x.cfg, x.c, x.p
+    rows, length = x.shapes.gvm_chunk_rows_per_device, x.shapes.gvm_row_length
+    # Unpacked rows hold every max_new_tokens column whatever the fill (train.rollouts.all_rows_batch), and
+    # `train.logprobs.row_logprobs` scores all of them. Each device differentiates its own rows: the subset's
+    # per-sample gradient is whole (unsharded). A tied embedding in the subset gets two before they are summed: the
+    # output layer's, made first (at the log-prob pass's backward) in c, and the lookup's, made last, in p. The pass
+    # reads the policy cast to c (LoRA: the merged copy, in p). Its phases as the train step's: the layers' backward
+    # beside the kept activations, then the lookup's gradient with the embedding's f32 gradients, the activations
+    # gone (`jaxrl-llm compile`: the 7B's peak is its f32 [152064, 3584] per-sample gradient; the tied 1.5B's a
+    # bf16 [rows, 151936, 1536] and an f32 [151936, 1536] one).
+    names = {n.strip().replace(".", "/") for n in cfg.sampling.gvm_param_subset.split(",")}
+    head = rows * mc.vocab_size * mc.hidden_size * c if mc.tie_word_embeddings and "embed" in names else 0
+    subset = rows * subset_elements(mc, cfg.sampling.gvm_param_subset) * p
+    lookup = rows * subset_elements(mc, "embed") * p if "embed" in names else 0
+    cast = policy["local"] * c if c != p else 0
+    kept, working = x.activations(rows, length, 1, round_up(length, SPLASH_BLOCK))
+    layers = kept + max(working, x.logprob_residuals(rows, cfg.sampling.max_new_tokens))
+    return (policy["merged_copy"] + head + cast + subset - lookup
+            + max(layers, lookup + rows * length * mc.hidden_size * 4 * 2))
+
+
+def _critic_terms(x: _Inputs, policy: dict[str, int], activations: int) -> dict[str, int]:
+    """PPO's value model (the policy's trunk, its AdamW moments, the f32 head) and its step (0 without a critic)."""
+    if not uses_critic(x.cfg):
+        return {"critic": 0, "critic_step": 0}
+    lm_head = local_elements(x.mc, x.shapes.mesh)["lm_head"] if not x.mc.tie_word_embeddings else 0
+    trunk, head, p = policy["local"] - lm_head, (x.mc.hidden_size + 1) * 4, x.p
+    return {"critic": 3 * (trunk * p + head),  # phases as the train step's
+            "critic_step": max(trunk * (4 + p) + 2 * head + activations, 3 * trunk * 4 + 2 * head)}
+
+
+def program_memory(est: dict[str, Any], shapes: StepShapes) -> dict[str, dict[str, int]]:
+    """Per compiled program (`capacity.aot.PROGRAMS`), {"resident": the run's arrays held beside it that are not its
+    arguments, "working": the estimate's terms for what the program itself holds, its arguments included}. The
+    train step's arguments are the state (and a LoRA base), the critic step's the critic's state; the log-prob pass
+    and GVM's norm pass read the policy (LoRA: the merged copy) beside the optimizer state; a reference copy (full
+    fine-tuning with a KL term) and a critic stay resident throughout. The sampler (`shapes.sampler_reads`) reads the
+    policy as those do ("policy"), or its own copy ("copy": one async version, the others and the trainer's state
+    resident beside it; or sampling.dtype's copy, counted in the sampling terms, the trainer's state beside it), or
+    one of its versions on its own devices ("own", the other versions beside it). The log-prob pass has no working
+    term of its own (a forward pass, bounded by the train step's): 0."""
+    lora = shapes.lora is not None
+    other = est["reference"] + est["critic"]
+    reader = est["params"] + est["optimizer"] + other if lora else est["optimizer"] + other  # reads the policy
+    policy = 0 if lora else est["params"]  # the policy among a reader's arguments
+    version = est["sampler_version"]
+    if shapes.sampler_reads == "own":
+        sampler_resident, sampler_reads = est["sampler_copies"] - version, version
+    elif shapes.sampler_reads == "copy":
+        sampler_resident = est["params"] + est["optimizer"] + other + est["sampler_copies"] - version
+        sampler_reads = version
+    else:
+        sampler_resident, sampler_reads = reader, policy
+    resident = {"train_step": other, "logprob_pass": est["optimizer"] + other,
+                "critic_step": est["params"] + est["optimizer"] + est["reference"], "gvm_grad_norms": reader,
+                "sampler_prefill": sampler_resident, "sampler_decode": sampler_resident,
+                "sampler_continuous": sampler_resident}
+    working = {"train_step": est["params"] + est["optimizer"] + est["train_step"], "logprob_pass": 0,
+               "critic_step": est["critic"] + est["critic_step"], "gvm_grad_norms": policy + est["gvm_norms"],
+               "sampler_prefill": sampler_reads + est["sampling_prefill"],
+               "sampler_decode": sampler_reads + est["sampling_decode"],
+               "sampler_continuous": sampler_reads + est["sampling"]}
+    return {name: {"resident": int(resident[name]), "working": int(working[name])} for name in resident}
 
 
 def estimate_memory(config: RunConfig, model_config: ModelConfig, mesh: dict[str, int] | str = "", *,
@@ -500,217 +414,24 @@ def estimate_memory(config: RunConfig, model_config: ModelConfig, mesh: dict[str
     activations, logprob_residuals, train_step, kv_cache, sampling, gvm_norms, critic, critic_step, sampler_copy,
     sampler_version (one policy version an async sampler holds, 0 in sync), sampler_copies, sampler_peak (the
     sampler's own devices, 0 when it shares the trainer's), peak) plus param_count, row_length (packed training
-    row), sample_rows (rows of one sampler call's state) and gvm_chunk_rows.
+    row), sample_rows (rows of one sampler call's state), gvm_chunk_rows and "programs" (`program_memory`: each compiled program's resident and working bytes).
     """
     if isinstance(mesh, str):
         if devices is None:
             raise ValueError("estimate_memory: a mesh string needs `devices`")
         mesh = parse_mesh(mesh, devices)
-    if set(mesh) != set(MESH_AXES) or any(int(v) < 1 for v in mesh.values()):
-        raise ValueError(f"mesh must give a size >= 1 for each of {MESH_AXES}, got {mesh}")
-    if not 0 < response_fill <= 1:
-        raise ValueError(f"response_fill must be in (0, 1], got {response_fill}")
-    mc, cfg = model_config, config
-    p, c = _BYTES[cfg.model.param_dtype], _BYTES[cfg.model.compute_dtype]
-    remat = cfg.model.remat if remat is None else remat
-    policy = cfg.model.remat_policy
-    batch_split = mesh["data"] * mesh["fsdp"]
-    tensor = mesh["tensor"]
-    kernel = attention_resolve(mc.replace(attention_impl=cfg.model.attention_impl,
-                                          compute_dtype=cfg.model.compute_dtype), platform)
-    fused = kernel != "xla"  # regrouped rows: a fused kernel's, or (xla_rows) XLA's dense causal block per row
-    dense_rows = kernel == "xla_rows"
-
-    count, local = sharded_param_elements(mc, mesh)
-    params = local * p
-    optimizer = 2 * local * p
-    reference = params if needs_reference(cfg.algorithm) else 0
-    trained, trained_bytes, merged_copy = local, p, 0
-    if lora_enabled(cfg):  # frozen base; f32 adapters, their moments and gradients; merged base for sampling
-        spec = LoraSpec(rank=max(cfg.lora.rank, 1), alpha=cfg.lora.alpha, targets=resolve_targets(cfg.lora.targets))
-        trained, trained_bytes = sum(_local_elements(mc, mesh, adapter_shapes(mc, spec)).values()), 4
-        params, optimizer, reference, merged_copy = params + trained * 4, 2 * trained * 4, 0, local * p
-        if cfg.lora.base_dtype:  # projections as int8 / packed int4 codes + f32 per-output-channel scales
-            params -= quantized_base_savings(mc, mesh, p, cfg.lora.base_dtype)
-
-    gvm = cfg.sampling.allocation == "gvm"
-    tiles = mc.replace(attention_block_size=cfg.model.attention_block_size,
-                       attention_block_min_length=cfg.model.attention_block_min_length)
-    responses_per_row = _whole_row_responses(cfg)
-    response_len = max(1, int(math.ceil(cfg.sampling.max_new_tokens * response_fill)))
-    prompt_len = cfg.data.max_prompt_tokens
-    if cfg.optim.max_row_tokens > 0:  # rows of at most that many tokens, at least one response each
-        fit = max(1, (cfg.optim.max_row_tokens - prompt_len) // response_len)
-        responses_per_row = bucket(min(responses_per_row, fit))
-        row_length = length_bucket(min(prompt_len + responses_per_row * response_len,
-                                       max(cfg.optim.max_row_tokens, prompt_len + response_len)), ROW_SEQ_MULTIPLE)
-    else:
-        row_length = length_bucket(prompt_len + responses_per_row * response_len, ROW_SEQ_MULTIPLE)
-    rows = -(-cfg.optim.micro_batch_size // batch_split)
-    # the f32 accumulator and one micro-batch's gradient while the backward passes run; after them, XLA's update
-    # temporaries: two more f32 copies (AdamW's new moments before they replace the old ones)
-    accumulate, update = trained * 4 + trained * trained_bytes, 2 * trained * 4
-    gradients = accumulate + update
-    width = min(row_length, round_up(prompt_len + cfg.sampling.max_new_tokens, SPLASH_BLOCK))
-    kept, working = _activation_bytes(mc, rows, row_length, tensor, c, remat, policy,
-                                      tiles.attention_block_for(row_length),
-                                      (responses_per_row, width, dense_rows) if fused else None)
-    activations = kept + working
-    output_copy = _output_matrix_copy_bytes(mc, mesh, c, p)
-    keep_logits = not cfg.model.remat_logits
-    head_elements = _output_matrix_elements(mc, mesh)
-    # Scored positions: every slot (n x max_new_tokens), or the compact layout's L when that is shorter.
-    scored = min(row_length, responses_per_row * cfg.sampling.max_new_tokens)
-    logprob = _logprob_residual_bytes(mc, rows, scored, c, keep_logits, head_elements) + output_copy
-    # The log-prob pass's backward runs before the layers': its residuals and a vocabulary chunk's logits are
-    # gone when a layer's working set is made (the compiled train steps' buffer assignments)
-    train_step = max(accumulate + kept + max(working, logprob), trained * 4 + update)
-
-    dtype = cfg.sampling.dtype
-    split_devices = cfg.rollouts.mode == "async" and cfg.rollouts.sampler_devices > 0
-    sampler_mesh = (parse_mesh(cfg.rollouts.sampler_mesh, cfg.rollouts.sampler_devices) if split_devices
-                    else mesh)
-    sampler_copy = _sampler_copy_bytes(mc, mesh, p, dtype)  # made where the trainer's weights are
-    # the trainer's weights cast to the compute dtype when the sampler reads them (no sampling.dtype copy) in
-    # another: XLA hoists the casts out of the decode loop, a cast copy of the policy
-    weights_cast = sharded_param_elements(mc, sampler_mesh)[1] * c if not dtype and p != c else 0
-    # without a cast, a TPU decode loop's per-layer slices of the stacked layer weights (XLA hoists them too)
-    layer_copy = sum(n for name, n in _local_elements(mc, sampler_mesh).items()
-                     if name.startswith("layers/")) * c if not dtype and platform == "tpu" else 0
-    sample_rows, kv_cache, sampling, sampling_prefill, sampling_decode = _sampling_bytes(
-        cfg, mc, sampler_mesh, 2 if dtype == "bfloat16" else c, gvm, weights_cast, layer_copy)
-    sampler_version = sampler_copies = sampler_peak = 0
-    if cfg.rollouts.mode == "async":
-        sampler_version = (_sampler_copy_bytes(mc, sampler_mesh, p, dtype)
-                           or sharded_param_elements(mc, sampler_mesh)[1] * p)
-        sampler_copies = (cfg.rollouts.max_staleness + 1) * sampler_version
-    if split_devices:
-        sampler_peak = sampler_copies + sampling
-        sampling = merged_copy + sampler_copy  # the trainer's devices merge / cast before the transfer
-    else:
-        sampling += merged_copy + sampler_copy
-        sampling_prefill += merged_copy + sampler_copy
-        sampling_decode += merged_copy + sampler_copy
-
-    gvm_norms = 0
-    if gvm:
-        # A chunk's rows are split over data x fsdp (train.gvm.per_sample_grad_norms rounds the chunk up to it).
-        chunk_rows = -(-(cfg.sampling.gvm_rows_per_chunk or cfg.optim.micro_batch_size) // batch_split)
-        # Unpacked rows hold every max_new_tokens column whatever the fill (train.rollouts.all_rows_batch), and
-        # `train.logprobs.row_logprobs` scores all of them.
-        full_len = cfg.sampling.max_new_tokens
-        unpacked = round_up(cfg.data.max_prompt_tokens + full_len, ROW_SEQ_MULTIPLE)
-        # Each device differentiates its own rows: the subset's per-sample gradient is whole (unsharded). A tied
-        # embedding in the subset gets two before they are summed: the output layer's, made first (at the log-prob
-        # pass's backward) in c, and the lookup's, made last, in p. The pass reads the policy cast to c (LoRA: the
-        # merged copy, in p). Its phases as the train step's: the layers' backward beside the kept activations,
-        # then the lookup's gradient with the embedding's f32 gradients, the activations gone (`jaxrl-llm
-        # compile`: the 7B's peak is its f32 [152064, 3584] per-sample gradient; the tied 1.5B's a bf16
-        # [rows, 151936, 1536] and an f32 [151936, 1536] one).
-        names = {n.strip().replace(".", "/") for n in cfg.sampling.gvm_param_subset.split(",")}
-        tied_subset = mc.tie_word_embeddings and "embed" in names
-        head = chunk_rows * mc.vocab_size * mc.hidden_size * c if tied_subset else 0
-        subset = chunk_rows * _subset_elements(mc, cfg.sampling.gvm_param_subset) * p
-        lookup = chunk_rows * _subset_elements(mc, "embed") * p if "embed" in names else 0
-        cast = local * c if c != p else 0
-        gvm_kept, gvm_working = _activation_bytes(mc, chunk_rows, unpacked, tensor, c, remat, policy,
-                                                  tiles.attention_block_for(unpacked),
-                                                  (1, round_up(unpacked, SPLASH_BLOCK), dense_rows) if fused
-                                                  else None)
-        layers = gvm_kept + max(gvm_working, _logprob_residual_bytes(mc, chunk_rows, full_len, c, keep_logits,
-                                                                     head_elements))
-        gvm_norms = (merged_copy + head + cast + subset - lookup
-                     + max(layers, lookup + chunk_rows * unpacked * mc.hidden_size * 4 * 2))
-
-    critic = critic_step = 0
-    if uses_critic(cfg):
-        trunk = local - (_local_elements(mc, mesh)["lm_head"] if not mc.tie_word_embeddings else 0)
-        head = (mc.hidden_size + 1) * 4
-        critic = 3 * (trunk * p + head)
-        critic_step = max(trunk * (4 + p) + 2 * head + activations, 3 * trunk * 4 + 2 * head)  # phases as above
-
-    resident = params + optimizer + reference + critic + (0 if split_devices else sampler_copies)
-    trainer_peak = resident + max(train_step, critic_step, sampling, gvm_norms)
-    return {
-        "mesh": dict(mesh), "micro_batch_size": cfg.optim.micro_batch_size,
-        "param_count": count, "row_length": row_length, "sample_rows": sample_rows,
-        "gvm_chunk_rows": (cfg.sampling.gvm_rows_per_chunk or cfg.optim.micro_batch_size) if gvm else 0,
-        "params": params, "optimizer": optimizer, "reference": reference,
-        "gradients": gradients, "activations": activations, "logprob_residuals": logprob, "train_step": train_step,
-        "kv_cache": kv_cache, "sampling": sampling, "sampling_prefill": sampling_prefill,
-        "sampling_decode": sampling_decode, "gvm_norms": gvm_norms, "critic": critic,
-        "critic_step": critic_step, "sampler_copy": sampler_copy, "sampler_version": sampler_version,
-        "sampler_copies": sampler_copies,
-        "sampler_peak": sampler_peak, "peak": max(trainer_peak, sampler_peak),
-    }
-
-
-def _with_rows_per_call(config: RunConfig, rows: int) -> RunConfig:
-    return dataclasses.replace(config, sampling=dataclasses.replace(config.sampling, max_rows_per_call=rows))
-
-
-def fit_rows_per_call(config: RunConfig, model_config: ModelConfig, mesh: dict[str, int],
-                      budget_bytes: int, platform: str = "tpu") -> tuple[dict[str, Any], int]:
-    """The estimate and `sampling.max_rows_per_call` when the sampler's KV cache is what pushes the peak over
-    `budget_bytes`: the configured value (0 = all rows) if it fits, else the largest power of two below it
-    that fits, or, if none does, the one of least peak (one row per device at the least)."""
-    est = estimate_memory(config, model_config, mesh, platform=platform)
-    rows = config.sampling.max_rows_per_call
-    if config.sampling.engine == "continuous":  # bounded by sampling.max_slots, not by rows per call
-        return est, rows
-    split = mesh["data"] * mesh["fsdp"]
-    while est["peak"] > budget_bytes and est["sample_rows"] > split \
-            and est["sampling"] > max(est["train_step"], est["critic_step"], est["gvm_norms"]):
-        halved = bucket_size(est["sample_rows"]) // 2  # halves the rows of one call
-        smaller = estimate_memory(_with_rows_per_call(config, halved), model_config, mesh, platform=platform)
-        if smaller["sample_rows"] >= est["sample_rows"]:  # the row bucket's floor: no fewer rows per call
-            break
-        est, rows = smaller, halved
-    return est, rows
-
-
-def suggest_layout(config: RunConfig, model_config: ModelConfig, devices: int,
-                   budget_bytes: int | None = None, platform: str = "tpu") -> tuple[dict[str, Any], dict[str, Any]]:
-    """The `fsdp x tensor` layout (tensor a power of two dividing the devices, at most 8, and dividing the
-    heads) with one packed row per device and micro-batch (micro_batch_size = fsdp) of least estimated peak.
-    With `budget_bytes`, each layout first gets the `sampling.max_rows_per_call` of `fit_rows_per_call`, and
-    when no layout fits and `optim.max_row_tokens` is unset, packed rows of half, a quarter, ... of a prompt's
-    responses are tried (`optim.max_row_tokens` = prompt + that many full responses; the first that fits).
-    Returns (estimate, {"train.mesh": ..., "optim.micro_batch_size": ...[, "sampling.max_rows_per_call": ...]
-    [, "optim.max_row_tokens": ...]} overrides; the last two only where they differ from the config's)."""
-    best = _least_peak_layout(config, model_config, devices, budget_bytes, platform)
-    if budget_bytes is None or best[0]["peak"] <= budget_bytes or config.optim.max_row_tokens > 0:
-        return best
-    per_row = _whole_row_responses(config) // 2
-    while per_row >= 1:
-        tokens = config.data.max_prompt_tokens + per_row * config.sampling.max_new_tokens
-        split = dataclasses.replace(config, optim=dataclasses.replace(config.optim, max_row_tokens=tokens))
-        est, overrides = _least_peak_layout(split, model_config, devices, budget_bytes, platform)
-        if est["peak"] <= budget_bytes:
-            return est, {**overrides, "optim.max_row_tokens": tokens}
-        per_row //= 2
-    return best
-
-
-def _least_peak_layout(config: RunConfig, model_config: ModelConfig, devices: int,
-                       budget_bytes: int | None, platform: str) -> tuple[dict[str, Any], dict[str, Any]]:
-    best = None
-    tensor = 1
-    while tensor <= min(8, devices):
-        if devices % tensor == 0 and model_config.num_heads % tensor == 0:
-            fsdp = devices // tensor
-            cfg = dataclasses.replace(config, optim=dataclasses.replace(config.optim, micro_batch_size=fsdp))
-            mesh = {"data": 1, "fsdp": fsdp, "tensor": tensor}
-            if budget_bytes is None:
-                est = estimate_memory(cfg, model_config, mesh, platform=platform)
-                rows = config.sampling.max_rows_per_call
-            else:
-                est, rows = fit_rows_per_call(cfg, model_config, mesh, budget_bytes, platform)
-            if best is None or est["peak"] < best[0]["peak"]:
-                overrides = {"train.mesh": f"fsdp={fsdp}" + (f",tensor={tensor}" if tensor > 1 else ""),
-                             "optim.micro_batch_size": fsdp}
-                if rows != config.sampling.max_rows_per_call:
-                    overrides["sampling.max_rows_per_call"] = rows
-                best = (est, overrides)
-        tensor *= 2
-    return best
+    shapes = step_shapes(config, mesh, response_fill=response_fill)
+    x = _Inputs(config, model_config, shapes, _BYTES[config.model.param_dtype], _BYTES[config.model.compute_dtype],
+                config.model.remat if remat is None else remat, platform)
+    policy = _policy_terms(x)
+    train = _train_step_terms(x, policy)
+    sampler = _sampler_terms(x, policy)
+    critic = _critic_terms(x, policy, train["activations"])
+    est = {"mesh": dict(shapes.mesh), "micro_batch_size": config.optim.micro_batch_size,
+           "param_count": policy["param_count"], "row_length": shapes.row_length, "gvm_chunk_rows": shapes.gvm_chunk,
+           **{k: policy[k] for k in ("params", "optimizer", "reference")}, **train, **sampler,
+           "gvm_norms": _gvm_norms(x, policy), **critic}
+    resident = (est["params"] + est["optimizer"] + est["reference"] + est["critic"]
+                + (0 if shapes.sampler_devices else est["sampler_copies"]))
+    trainer_peak = resident + max(est["train_step"], est["critic_step"], est["sampling"], est["gvm_norms"])
+    return {**est, "peak": max(trainer_peak, est["sampler_peak"]), "programs": program_memory(est, shapes)}

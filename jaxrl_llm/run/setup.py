@@ -37,9 +37,11 @@ from jaxrl_llm.models import lora, quant
 from jaxrl_llm.models.peft_io import load_peft
 from jaxrl_llm.models.sharding import BATCH_SPEC, make_mesh, param_shardings
 from jaxrl_llm.run.checkpoint import Checkpointer
-from jaxrl_llm.run.config import ConfigError, RunConfig, lora_enabled, uses_critic
+from jaxrl_llm.run.config import ConfigError, RunConfig, uses_critic
 from jaxrl_llm.run.layout import batch_shardings, check_mesh_fits, place, split_devices
 from jaxrl_llm.run.metrics import MetricsWriter
+from jaxrl_llm.run.shapes import StepShapes, step_shapes
+from jaxrl_llm.run.shapes import lora_spec as config_lora_spec
 from jaxrl_llm.run.state import TrainState, init_state, make_optimizer, state_shardings
 from jaxrl_llm.train.algorithms import needs_reference
 from jaxrl_llm.train.critic import Critic, critic_trunk, setup_critic
@@ -77,6 +79,7 @@ class Run:
     tools: ToolUse | None = None  # tool-integrated rollouts (tools.env): the environment and its limits
     split_mesh: Any = None  # rollouts.sampler_devices > 0: the sampler's own mesh (None: it samples on `mesh`)
     teacher: Teacher | None = None  # on-policy distillation (distill.teacher): the frozen teacher and its pass
+    shapes: StepShapes | None = None  # the step's shapes on these meshes (`run.shapes.step_shapes`)
 
     @property
     def sampler_mesh(self):
@@ -197,14 +200,18 @@ def setup_run(config: RunConfig, *, policy=None) -> Run:
     model_config, params, tokenizer = policy or load_policy(cfg.model.source, param_dtype=cfg.model.param_dtype)
     model_config = runtime_model_config(model_config, cfg.model, cfg.data.max_prompt_tokens)
     optimizer = make_optimizer(cfg.optim)
-    lora_spec, adapters = lora_adapters(cfg, model_config) if lora_enabled(cfg) else (None, None)
-    if lora_spec is not None and cfg.lora.base_dtype:  # the frozen base's projections as int8 / int4 codes
-        params = jax.jit(quant.quantize_base, static_argnums=1)(params, cfg.lora.base_dtype)
-    mesh = param_sharding = trained_sharding = state_sharding = batch_sharding = None
+    mesh = split_mesh = param_sharding = trained_sharding = state_sharding = batch_sharding = None
     trainer_devices, sampler_devices = split_devices(cfg)
     if cfg.train.mesh or sampler_devices:
         mesh = make_mesh(cfg.train.mesh, devices=trainer_devices)
         check_mesh_fits(mesh, cfg)
+    if sampler_devices:
+        split_mesh = make_mesh(cfg.rollouts.sampler_mesh, devices=sampler_devices)
+    shapes = step_shapes(cfg, mesh, split_mesh)
+    lora_spec, adapters = lora_adapters(cfg, model_config, shapes.lora) if shapes.lora else (None, None)
+    if lora_spec is not None and cfg.lora.base_dtype:  # the frozen base's projections as int8 / int4 codes
+        params = jax.jit(quant.quantize_base, static_argnums=1)(params, cfg.lora.base_dtype)
+    if mesh is not None:
         param_sharding, batch_sharding = param_shardings(params, mesh), batch_shardings(mesh)
         trained_sharding = param_sharding if adapters is None else param_shardings(adapters, mesh)
     params = place(params, param_sharding)
@@ -257,8 +264,7 @@ def setup_run(config: RunConfig, *, policy=None) -> Run:
         metrics=MetricsWriter(out_dir), out_dir=out_dir, mesh=mesh, state_sharding=state_sharding,
         batch_sharding=batch_sharding, base_params=None if lora_spec is None else params, lora_spec=lora_spec,
         merge_fn=merge_fn, critic=critic, tools=make_tool_use(cfg.tools, tokenizer, model=cfg.model.source),
-        split_mesh=make_mesh(cfg.rollouts.sampler_mesh, devices=sampler_devices) if sampler_devices else None,
-        teacher=teacher)
+        split_mesh=split_mesh, teacher=teacher, shapes=shapes)
 
 
 def verifier_workers(cfg: RunConfig) -> int:
@@ -306,12 +312,13 @@ def merge_policy(base, adapters, scale: float, dtype: str):
     return lora.merge(quant.dequantize_base(base, jnp.dtype(dtype)), adapters, scale)
 
 
-def lora_adapters(cfg: RunConfig, model_config) -> tuple[lora.LoraSpec, Any]:
-    """(LoraSpec, adapters) of a LoRA run: read from the PEFT folder `lora.adapter`, else new ones of
-    `lora.rank`, `lora.alpha`, `lora.targets` (A random from `lora.seed`, B = 0)."""
+def lora_adapters(cfg: RunConfig, model_config, spec: lora.LoraSpec | None = None) -> tuple[lora.LoraSpec, Any]:
+    """(LoraSpec, adapters) of a LoRA run: read from the PEFT folder `lora.adapter`, else new ones of `spec`
+    (default: the config's, `run.shapes.lora_spec`: `lora.rank`, `lora.alpha`, `lora.targets`; A random from
+    `lora.seed`, B = 0)."""
     section = cfg.lora
     if not section.adapter:
-        spec = lora.LoraSpec(rank=section.rank, alpha=section.alpha, targets=lora.resolve_targets(section.targets))
+        spec = spec or config_lora_spec(cfg)
         return spec, lora.init_adapters(model_config, spec, jax.random.PRNGKey(section.seed))
     try:
         spec, adapters = load_peft(section.adapter, model_config)
