@@ -336,6 +336,32 @@ def test_sampler_copies_by_hand():
     assert split["peak"] == base["peak"]  # the trainer's devices: no sampler there
 
 
+def test_each_program_holds_its_terms_by_hand():
+    """`program_memory`: what each compiled program holds itself (working, its arguments included) and what stays
+    resident beside it, on the runs of test_sampler_copies_by_hand (policy 22848 B, AdamW 45696 B, no reference)."""
+    one = {"data": 1, "fsdp": 1, "tensor": 1}
+    base = cpu_estimate(load_config(None, TINY_RUN), TINY, one)["programs"]
+    train = cpu_estimate(load_config(None, TINY_RUN), TINY, one)["train_step"]
+    assert base["train_step"] == {"resident": 0, "working": 22848 + 45696 + train}  # the state is its argument
+    assert base["logprob_pass"] == {"resident": 45696, "working": 0}  # reads the policy beside AdamW's moments
+    # the sampler reads the trainer's policy: its prefill = the 12288 B cache + the 4096 B gathered chunk + logits
+    assert base["sampler_prefill"] == {"resident": 45696, "working": 22848 + 12288 + 4096 + 2048}
+    # async (k = 2) on the trainer's devices: it reads one version; the state and the two other versions beside it
+    shared = cpu_estimate(load_config(None, TINY_RUN + ["rollouts.mode=async", "rollouts.max_staleness=2"]),
+                          TINY, one)["programs"]
+    assert shared["sampler_decode"]["resident"] == 22848 + 45696 + 2 * 22848
+    assert shared["sampler_prefill"]["working"] == 22848 + 18432
+    # on 2 devices of its own: one version (11584 B) read, the other beside it; its prefill 6144 + 4096 + 1024 there
+    split = cpu_estimate(load_config(None, TINY_RUN + ["rollouts.mode=async", "rollouts.sampler_devices=2"]),
+                         TINY, one)["programs"]
+    assert split["sampler_prefill"] == {"resident": 11584, "working": 11584 + 6144 + 4096 + 1024}
+    # LoRA: the readers read the merged copy (counted in their terms), the base and adapters stay beside them
+    lora = cpu_estimate(load_config(None, TINY_RUN + ["lora.rank=2"]), TINY, one)
+    state = lora["params"] + lora["optimizer"]
+    assert lora["programs"]["gvm_grad_norms"]["resident"] == lora["programs"]["sampler_decode"]["resident"] == state
+    assert lora["programs"]["sampler_decode"]["working"] == lora["sampling_decode"]
+
+
 def test_critic_by_hand():
     mesh = {"data": 1, "fsdp": 2, "tensor": 1}
     base = cpu_estimate(load_config(None, TINY_RUN), TINY, mesh)
