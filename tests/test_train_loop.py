@@ -86,3 +86,31 @@ def test_sigterm_saves_and_exits_cleanly(tmp_path):
     assert "STATUS preempted" in stdout and "SIGTERM: saved step" in stdout
     steps = sorted(int(p.name) for p in (out / "checkpoints").iterdir() if p.name.isdigit())
     assert steps and steps[-1] == _steps_logged(out) < 50
+
+
+def test_restored_state_is_placed_as_a_fresh_runs(tmp_path):
+    """On one device a resumed run's state is placed as a fresh run's (uncommitted, on the default device), not
+    committed as orbax restores it: its train step is then the uninterrupted run's program, read back from a
+    persistent compilation cache instead of compiled again."""
+    import jax
+    from loop_runner import TINY_RUN, tiny_policy
+
+    from jaxrl_llm.run import resume
+    from jaxrl_llm.run.setup import setup_run
+    from jaxrl_llm.train import load_config
+
+    config = load_config(None, TINY_RUN + [f"train.out_dir={tmp_path}"])
+    run = setup_run(config, policy=tiny_policy())
+    saved = jax.device_get(run.state)
+    resume.save(run, 1, resume.new_books(), None)
+    run.close()
+    run = setup_run(config, policy=tiny_policy(seed=1))
+    fresh = jax.tree_util.tree_leaves(run.state)
+    step, _, _ = resume.restore(run)
+    restored = jax.tree_util.tree_leaves(run.state)
+    assert step == 1 and len(restored) == len(fresh)
+    assert [x.committed for x in restored] == [x.committed for x in fresh] == [False] * len(fresh)
+    assert [x.sharding for x in restored] == [x.sharding for x in fresh]
+    for got, want in zip(restored, jax.tree_util.tree_leaves(saved)):
+        np.testing.assert_array_equal(np.asarray(got), want)
+    run.close()

@@ -50,6 +50,10 @@ def restore(run: Run) -> tuple[int, dict, dict]:
     check_state_layout(run.config, saved_config, run.checkpointer.directory)
     check_rollout_schedule(run.config, saved_config, run.checkpointer.directory)
     step, states, extra = run.checkpointer.restore(train_states(run))
+    if run.mesh is None:  # the leaves one at a time: the restored state is not held twice
+        leaves, treedef = jax.tree_util.tree_flatten(states)
+        del states
+        states = jax.tree_util.tree_unflatten(treedef, placed_by_default(leaves))
     if run.critic is None:
         run.state = states
     else:
@@ -59,6 +63,16 @@ def restore(run: Run) -> tuple[int, dict, dict]:
     if "gvm_history" in extra:
         books["gvm_history"] = GvmHistory.from_json(extra["gvm_history"])
     return step, books, load_in_flight(run.out_dir, step, extra.get("in_flight_steps", 0))
+
+
+def placed_by_default(leaves: list) -> list:
+    """`leaves` (arrays), replaced in place, placed as a fresh one-device run places its state: on the default
+    device, uncommitted. orbax restores them committed to that device, and a program called with committed
+    arguments is another program (its parameters carry a device assignment): a resumed run would compile its
+    train step and log-prob pass again instead of reading them back from a persistent compilation cache."""
+    for i in range(len(leaves)):
+        leaves[i] = jax.device_put(np.asarray(leaves[i]))
+    return leaves
 
 
 # Keys that shape the saved train state: a resumed run must hold the same ones.
