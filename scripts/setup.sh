@@ -2,7 +2,9 @@
 # Creates .venv (if missing) and installs jaxrl_llm with the bundled model, at the versions in constraints.txt (what
 # the test suite passed with; README, "Pinned versions").
 # Usage: bash scripts/setup.sh               # the library and the bundled model
-#        bash scripts/setup.sh test          # plus the test extras (pytest, torch CPU reference, libtpu, CUDA plugin)
+#        bash scripts/setup.sh test          # plus the test extras (pytest, torch for the reference tests, libtpu,
+#                                            # CUDA plugin); torch is PyPI's build (on Linux x86-64 the CUDA one,
+#                                            # about 3 GB more) unless pip finds a CPU build (README, "Pinned versions")
 #        bash scripts/setup.sh tpu           # plus libtpu, for jaxrl-llm compile (TPU programs on any machine)
 #        bash scripts/setup.sh gpu-compile   # plus the CUDA plugin, for jaxrl-llm compile --topology h200-8 (no GPU)
 #        bash scripts/setup.sh test latest   # any of the above with the newest releases pyproject.toml allows
@@ -31,10 +33,8 @@ fi
 # An editable install; setuptools' general warning about editable installs is not about this project.
 if ! PYTHONWARNINGS="ignore:Editable installation" .venv/bin/python -m pip install -q ${pinned[@]+"${pinned[@]}"} -e "$spec"; then
   if [ "${#pinned[@]}" -gt 0 ]; then
-    echo "setup.sh: pip could not install the versions in constraints.txt for $(.venv/bin/python -V). torch" \
-         "$(grep '^torch==' constraints.txt | cut -d= -f3) is PyTorch's CPU build: pip finds it in a local wheel" \
-         "folder or in PyTorch's CPU index (PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu bash" \
-         "scripts/setup.sh ${*}); 'bash scripts/setup.sh ${*:+$* }latest' installs the newest releases instead" >&2
+    echo "setup.sh: pip could not install the versions in constraints.txt for $(.venv/bin/python -V);" \
+         "'bash scripts/setup.sh ${*:+$* }latest' installs the newest releases instead" >&2
   fi
   exit 1
 fi

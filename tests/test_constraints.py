@@ -3,6 +3,7 @@ holds every constrained distribution it has at the pinned version, and pins ever
 extras bring in; `setup.sh ... latest` (no constraints) marks its venv, and the comparison is skipped there."""
 
 import importlib.metadata as metadata
+import importlib.util
 import pathlib
 import re
 import sys
@@ -10,6 +11,7 @@ import tomllib
 
 import pytest
 from packaging.requirements import Requirement
+from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
 from test_dependencies import canonical, requirement_closure
@@ -43,12 +45,13 @@ def installed_version(name: str) -> str | None:
 
 
 def mismatches(pins: dict[str, str], installed) -> dict[str, tuple[str, str]]:
-    """{name: (pinned, installed)} where an installed distribution differs from its pin (local labels count:
-    2.13.0+cpu is not 2.13.0); names `installed(name)` returns None for are not installed and are skipped."""
+    """{name: (pinned, installed)} where an installed distribution does not satisfy its pin as pip reads it: a public
+    pin takes any build of its release (2.13.0 takes 2.13.0+cpu), a local pin only that build (2.13.0+cpu does not
+    take 2.13.0); names `installed(name)` returns None for are not installed and are skipped."""
     out = {}
     for name, want in pins.items():
         got = installed(name)
-        if got is not None and Version(got) != Version(want):
+        if got is not None and not SpecifierSet(f"=={want}").contains(Version(got), prereleases=True):
             out[name] = (want, got)
     return out
 
@@ -64,6 +67,45 @@ def test_mismatches_names_each_distribution_off_its_pin():
     pins = {"numpy": "2.4.6", "torch": "2.13.0+cpu", "jax": "0.10.2", "absent": "1.0"}
     installed = {"numpy": "2.5.5", "torch": "2.13.0", "jax": "0.10.2.0"}.get
     assert mismatches(pins, installed) == {"numpy": ("2.4.6", "2.5.5"), "torch": ("2.13.0+cpu", "2.13.0")}
+    public = {"torch": "2.13.0"}
+    assert mismatches(public, {"torch": "2.13.0+cpu"}.get) == mismatches(public, {"torch": "2.13.0"}.get) == {}
+    assert mismatches(public, {"torch": "2.13.1+cpu"}.get) == {"torch": ("2.13.0", "2.13.1+cpu")}
+
+
+def test_every_pin_is_a_public_release():
+    """No pin names a local build (torch's "+cpu"): PyPI serves every pinned version, so the pinned install works on
+    any machine that reaches PyPI. torch's pin takes PyPI's build (on Linux x86-64 the CUDA one, whose CUDA libraries
+    are pinned too) or a CPU build of the same release where pip finds one."""
+    pins = constraint_pins(CONSTRAINTS.read_text())
+    assert not {name: version for name, version in pins.items() if "+" in version}
+    assert pins["torch"] == next(str(req.specifier)[2:] for req in project_requirements() if req.name == "torch")
+    assert {"triton", "cuda-toolkit", "nvidia-cudnn-cu13"} <= set(pins)
+
+
+def _freeze_script():
+    spec = importlib.util.spec_from_file_location("freeze_constraints", ROOT / "scripts" / "freeze_constraints.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_freeze_pins_a_local_build_at_its_public_release_with_what_that_brings():
+    """scripts/freeze_constraints.py on an environment holding torch's CPU build: torch pinned at 2.13.0, and what
+    PyPI's 2.13.0 brings that the environment lacks added (here from a stand-in for pip's resolution, which gets
+    the environment's versions to hold)."""
+    freeze = _freeze_script()
+    asked = []
+
+    def resolve(name, version, held):
+        asked.append((name, version, held["numpy"]))
+        return {"torch": "2.13.0", "numpy": "9.9", "triton": "3.7.1", "nvidia-cublas": "13.1.1.3"}
+
+    installed = {"numpy": "2.4.6", "torch": "2.13.0+cpu", "zstandard": "0.23.0"}
+    assert freeze.with_public_builds(installed, resolve) == {"numpy": "2.4.6", "nvidia-cublas": "13.1.1.3",
+                                                            "torch": "2.13.0", "triton": "3.7.1",
+                                                            "zstandard": "0.23.0"}
+    assert asked == [("torch", "2.13.0+cpu", "2.4.6")]
+    assert freeze.with_public_builds({"numpy": "2.4.6"}, resolve) == {"numpy": "2.4.6"} and len(asked) == 1
 
 
 def test_the_file_pins_names_once_each_in_order():
