@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib.metadata
 import importlib.util
 import math
 import re
@@ -36,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from jaxrl_llm.capacity.chips import CHIPS, USABLE_GIB_BY_LIBTPU, Chip, libtpu_release  # noqa: F401
 from jaxrl_llm.capacity.gpu_targets import (CudaPluginMissing, Gpu, gpu_devices, parse_gpu_topology,  # noqa: F401
                                             predict_seconds)
 from jaxrl_llm.capacity.hlo_stats import kernel_costs, model_flops, program_stats
@@ -55,60 +55,6 @@ from jaxrl_llm.train.step import make_logprob_fn, make_train_step
 
 class LibtpuMissing(RuntimeError):
     """Compiling for a TPU needs libtpu, an optional dependency."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Chip:
-    generation: str  # get_topology_desc's name prefix
-    hbm_bytes: int
-    cores_per_chip: int  # TensorCores counted in a slice's name (v4 and v5p count both cores of a megacore chip)
-    chip_config: str
-    host_bounds: tuple[int, int, int]  # chips per host
-    usable_bytes: int  # what the compiler lets one program's buffers peak at (its out-of-HBM check)
-
-
-def _gib(value: float) -> int:
-    return int(value * GIB)
-
-
-# What the compiler lets one program use on each chip, by libtpu release: the "available HBM" of its refusal of a
-# program over it, to its two decimals (the check counts the program's peak, arguments included;
-# tests/test_attention_dispatch.py measures the installed release's again). 0.0.50.1 holds a v5p program to 16 MiB
-# less than 0.0.42.1 and a v6e program to 4 MiB less. A release holds the figures of the newest one listed at or
-# before it; without libtpu, the first listed (constraints.txt's, with which benchmarks/results/compile was made).
-USABLE_GIB_BY_LIBTPU = {
-    "0.0.42.1": {"v4": 30.75, "v5e": 15.75, "v5p": 95.74, "v6e": 31.25},
-    "0.0.50.1": {"v4": 30.75, "v5e": 15.75, "v5p": 95.73, "v6e": 31.24},
-}
-
-
-def _release_key(version: str) -> tuple[int, ...]:
-    return tuple(int(part) for part in re.findall(r"\d+", version.split("+")[0]))
-
-
-def libtpu_release(installed: str | None = None) -> str:
-    """The USABLE_GIB_BY_LIBTPU release whose figures hold for libtpu `installed` (default: the installed libtpu's
-    version, read from its metadata without importing it)."""
-    if installed is None:
-        try:
-            installed = importlib.metadata.version("libtpu")
-        except importlib.metadata.PackageNotFoundError:
-            return next(iter(USABLE_GIB_BY_LIBTPU))
-    at_or_before = [r for r in USABLE_GIB_BY_LIBTPU if _release_key(r) <= _release_key(installed)]
-    return max(at_or_before, key=_release_key) if at_or_before else next(iter(USABLE_GIB_BY_LIBTPU))
-
-
-_USABLE_GIB = USABLE_GIB_BY_LIBTPU[libtpu_release()]
-
-# HBM per chip from Google Cloud's TPU pages: v4 32 GiB, v5e 16 GiB, v6e (Trillium) 32 GiB; v5p "95GB" there, but
-# its compiler lets a program use 95.74 GiB, so 96 GiB here. Usable: USABLE_GIB_BY_LIBTPU's for the installed libtpu.
-CHIPS = {
-    "v4": Chip("v4", 32 * GIB, 2, "megacore", (2, 2, 1), _gib(_USABLE_GIB["v4"])),
-    "v5litepod": Chip("v5e", 16 * GIB, 1, "default", (2, 2, 1), _gib(_USABLE_GIB["v5e"])),
-    "v5e": Chip("v5e", 16 * GIB, 1, "default", (2, 2, 1), _gib(_USABLE_GIB["v5e"])),
-    "v5p": Chip("v5p", 96 * GIB, 2, "megacore", (2, 2, 1), _gib(_USABLE_GIB["v5p"])),
-    "v6e": Chip("v6e", 32 * GIB, 1, "default", (2, 2, 1), _gib(_USABLE_GIB["v6e"])),
-}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -304,9 +250,9 @@ def compile_run(cfg: RunConfig, topology: str | Topology, *, model_config: Model
     trained_sharding = param_sharding if trained is params else param_shardings(trained, mesh)
     if trained is not params:
         lora_kwargs = dict(frozen=base, frozen_sharding=param_sharding, lora_scale=spec.scale)
-    shapes = jax.eval_shape(lambda p: init_state(p, optimizer), trained)
-    state_sharding = state_shardings(shapes, optimizer, trained_sharding)
-    state = _abstract(shapes, state_sharding)
+    state_shapes = jax.eval_shape(lambda p: init_state(p, optimizer), trained)
+    state_sharding = state_shardings(state_shapes, optimizer, trained_sharding)
+    state = _abstract(state_shapes, state_sharding)
     denom = jax.ShapeDtypeStruct((), jnp.float32, sharding=NamedSharding(mesh, P()))
 
     step = make_train_step(mc, cfg.algorithm, optimizer, micro_batch_size=cfg.optim.micro_batch_size,

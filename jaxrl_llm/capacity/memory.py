@@ -129,7 +129,7 @@ merged copy is still in p.
 
 H_t = heads / tensor when tensor divides the heads, else all heads; H_a, KV_a the heads a fused kernel runs per
 device (KV heads / tensor and their query heads when tensor divides the KV heads, else all). `platform` ("tpu",
-"gpu", "cpu") picks the attention path as `models.attention.resolve` does (a target's platform in `TARGETS`).
+"gpu", "cpu") picks the attention path as `models.attention.resolve` does (a target's platform in `capacity.chips.TARGETS`).
 The XLA-specific terms (update temporaries, the embedding's f32 gradients, the prefill's gathered chunk, the
 decode's tile copies, logits and weight slices, the policy cast, the phases of the train step and of GVM's norm
 pass) were read from the compiled programs' buffer assignments and live ranges (`jaxrl-llm compile` for
@@ -138,7 +138,7 @@ worst case: every response reaches max_new_tokens (set `response_fill` below 1 f
 own peak of each compiled program (`memory_analysis().peak_memory_in_bytes`, what the TPU compiler holds a program
 to) over 22 preset-slices in docs/launch.md: the train step -5% to +10%, the sampler's prefill -5% to +9%, decode
 -8% to +10%, GVM's norms -7% to 0%; leave ~10-15% of HBM free (the compiler lets a program use 15.75 GiB of a
-v5e chip's 16, 30.75 of a v4's 32: `capacity.aot.CHIPS`).
+v5e chip's 16, 30.75 of a v4's 32: `capacity.chips.CHIPS`).
 """
 
 from __future__ import annotations
@@ -146,6 +146,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from jaxrl_llm.capacity.chips import GIB, TARGETS  # noqa: F401 (the planners' names)
 from jaxrl_llm.capacity.activations import activation_bytes, logprob_residual_bytes
 from jaxrl_llm.capacity.elements import (local_elements, output_matrix_copy_bytes, output_matrix_elements,
                                          quantized_base_savings, sampler_copy_bytes, sharded_param_elements,
@@ -161,30 +162,7 @@ from jaxrl_llm.sampling.buckets import prefill_chunk, response_tile_size, round_
 from jaxrl_llm.sampling.decoder import response_slots
 from jaxrl_llm.train.algorithms import needs_reference
 
-GIB = 1024 ** 3
 _BYTES = {"float32": 4, "bfloat16": 2}
-
-
-@dataclasses.dataclass(frozen=True)
-class Target:
-    """An accelerator slice: devices JAX sees and HBM per device."""
-
-    name: str
-    devices: int
-    hbm_bytes: int
-    note: str
-    platform: str = "tpu"  # picks the attention path (`models.attention.resolve`)
-
-
-# A v4 chip (two TensorCores as one megacore device) has 32 GiB HBM; v4-32 = 32 TensorCores = 16 chips.
-# A v5e chip has 16 GiB HBM; v5litepod-64 = 64 chips. An H100 SXM has 80 GB (81,559 MiB seen by CUDA).
-TARGETS = {
-    "v4-32": Target("v4-32", 16, 32 * GIB, "16 chips x 32 GiB HBM, 4 hosts"),
-    "v5e-64": Target("v5e-64", 64, 16 * GIB, "64 chips x 16 GiB HBM, 16 hosts"),
-    "8xH100": Target("8xH100", 8, 81559 * 1024 ** 2, "8 GPUs x 80 GB HBM3, 1 node", "gpu"),
-    "1x16GB": Target("1x16GB", 1, 16 * GIB, "one 16 GiB accelerator: a TPU v5e chip (a T4 has 15 GiB)"),
-    "1xH100": Target("1xH100", 1, 81559 * 1024 ** 2, "one GPU x 80 GB HBM3", "gpu"),
-}
 
 
 @dataclasses.dataclass(frozen=True)
