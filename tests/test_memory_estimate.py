@@ -607,10 +607,12 @@ def test_fit_rows_per_call_lowers_the_sampler_rows_until_they_fit():
     assert rows == 1024 and est["sample_rows"] == 1024 and est["sampling"] == 512 * 3584 + 256 * 2048
     assert est["peak"] == 34752 + 512 * 3584 + 256 * 2048 <= 3_000_000
     # An unreachable budget: halve only while the sampler is the largest term (the train step is 185,984 B,
-    # test_tiny_run_by_hand): calls of 64 rows, 32 prompts per prefill.
+    # test_tiny_run_by_hand). Every call prefills the step's chunk of 256 prompts (`sampling.plan.plan_calls`), so the
+    # sampler stays above the train step down to the smallest call, 2 rows: one local row's 16 prompt and 16 response
+    # slots x 2 layers x 64 B, 512 B of logits, and the 256-prompt chunk.
     est, rows = fit_rows_per_call(cfg, TINY, mesh, 1000, "cpu")
     assert est["train_step"] == 185_984
-    assert rows == 64 and est["sampling"] == 32 * 3584 + 32 * 2048 < est["train_step"] < 64 * 3584 + 64 * 2048
+    assert rows == 2 and est["sampling"] == 32 * 2 * 64 + 512 + 256 * 2048 > est["train_step"]
     assert fit_rows_per_call(cfg, TINY, mesh, 10 ** 9, "cpu")[1] == 0  # fits as configured: unchanged
     _, overrides = suggest_layout(cfg, TINY, 2, 3_000_000, platform="cpu")
     assert overrides == {"train.mesh": "fsdp=2", "optim.micro_batch_size": 2, "sampling.max_rows_per_call": 1024}

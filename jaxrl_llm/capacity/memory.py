@@ -7,6 +7,9 @@ Every term counts what jaxrl_llm itself allocates, per device of a `data x fsdp 
               (`models.sharding.partition_rules`; an axis that does not divide a dimension replicates it)
   optimizer   AdamW first and second moments, kept by optax in the parameters' dtype: 2 x params
   reference   a frozen copy of params when the KL term or PRL shaping needs a reference policy
+  teacher     on-policy distillation's frozen teacher (distill.teacher): its elements per device (the policy's
+              shape unless estimate_memory is given the teacher's config) x 4 (float32; "policy": p), 2 (bfloat16),
+              or int8's codes and scales; 0 when it is a LoRA run's base itself (teacher policy, no adapter, float32)
   train step  gradients: the f32 accumulator of the micro-batch scan + one micro-batch gradient in p, and after
               the backward passes XLA's update temporaries, two more f32 copies (AdamW's new moments before they
               replace the old);
@@ -75,10 +78,11 @@ Every term counts what jaxrl_llm itself allocates, per device of a `data x fsdp 
               5.58 GiB beside a 5.47 GiB cache per chip, `jaxrl-llm compile`); plus two [rows, V] f32 logits
               buffers, and the policy cast to c where the sampler reads p != c weights (no sampling.dtype copy:
               XLA hoists the casts out of the loop). The term is the larger of its two phases:
-                prefill  + the keys and values of one prefill chunk of the call's prompts (min(call prompts,
-                         floor_pow2(4096 / P_bucket)), rounded up to data x fsdp) in every layer, gathered on
-                         every device by the merge into rows: chunk x P_bucket x layers x kv_heads_t x head_dim
-                         x 2 x c (split over tensor by prompts where tensor does not divide the KV heads)
+                prefill  + the keys and values of one prefill chunk of prompts (the plan's prompts per prefill,
+                         which every call of the step shares: min(the step's prompts' bucket, floor_pow2(4096 /
+                         P_bucket)), rounded up to data x fsdp) in every layer, gathered on every device by the
+                         merge into rows: chunk x P_bucket x layers x kv_heads_t x head_dim x 2 x c (split over
+                         tensor by prompts where tensor does not divide the KV heads)
                 decode   + the cache copy above; with a tiled response cache (`buckets.response_tile_size`) the
                          written tile of every full-attention layer, rows x tile x kv_heads_t x head_dim x 2 x c;
                          the logits are the larger of the two row buffers and the call's rows x V / tensor f32
@@ -158,7 +162,7 @@ from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.lora import adapter_shapes
 from jaxrl_llm.run.config import RunConfig, uses_critic
 from jaxrl_llm.run.shapes import ROW_SEQ_MULTIPLE, StepShapes, parse_mesh, step_shapes  # noqa: F401
-from jaxrl_llm.sampling.buckets import prefill_chunk, response_tile_size, round_up
+from jaxrl_llm.sampling.buckets import response_tile_size, round_up
 from jaxrl_llm.sampling.decoder import response_slots
 from jaxrl_llm.train.algorithms import needs_reference
 
@@ -218,6 +222,20 @@ def _policy_terms(x: _Inputs) -> dict[str, int]:
     return terms
 
 
+def _teacher_term(x: _Inputs, teacher_config: ModelConfig | None) -> int:
+    """Bytes per device of distill.teacher's weights (module docstring); 0 without a teacher."""
+    d = x.cfg.distill
+    if not d.teacher:
+        return 0
+    if d.teacher == "policy" and x.shapes.lora is not None and not d.adapter and d.teacher_dtype == "float32":
+        return 0  # the base's own buffers
+    mc = teacher_config or x.mc
+    _, local = sharded_param_elements(mc, x.shapes.mesh)
+    width = {"float32": x.p if d.teacher == "policy" else 4, "bfloat16": 2, "int8": 4}[d.teacher_dtype]
+    saved = quantized_base_savings(mc, x.shapes.mesh, 4, "int8") if d.teacher_dtype == "int8" else 0
+    return local * width - saved
+
+
 def _train_step_terms(x: _Inputs, policy: dict[str, int]) -> dict[str, int]:
     """gradients, activations, logprob_residuals and the train step's peak of its phases (module docstring)."""
     sh, cfg = x.shapes, x.cfg
@@ -267,7 +285,7 @@ def _static_sampling(x: _Inputs, c: int, weights_cast: int, layer_copy: int) -> 
     # (`engine.prefill_rows`' merge: a prompt's rows may sit on any device); a chunk of the call's prompts, split
     # over tensor by its KV heads or, where tensor cannot split them, by its prompts (XLA; `jaxrl-llm compile`,
     # Gemma 3 1B at tensor=4: [4, 1, 1024, 256] per layer of a 16-prompt chunk).
-    chunk = prefill_chunk(call.prompt_bucket, max(1, call.row_bucket // sh.sampler_samples), split)
+    chunk = call.prompts_per_prefill  # the plan's: every call of the step prefills as many prompts at a time
     gather_split = head_split if head_split > 1 or chunk % mesh["tensor"] else mesh["tensor"]
     prefill = kv_cache + chunk * call.prompt_bucket * len(slots) * kv_bytes // gather_split + logits + weights_cast
     # Decode: a tensor axis that cannot split the KV heads makes the loop copy the cache (XLA on TPU); a tiled
@@ -358,7 +376,7 @@ def program_memory(est: dict[str, Any], shapes: StepShapes) -> dict[str, dict[st
     one of its versions on its own devices ("own", the other versions beside it). The log-prob pass has no working
     term of its own (a forward pass, bounded by the train step's): 0."""
     lora = shapes.lora is not None
-    other = est["reference"] + est["critic"]
+    other = est["reference"] + est["critic"] + est.get("teacher", 0)
     reader = est["params"] + est["optimizer"] + other if lora else est["optimizer"] + other  # reads the policy
     policy = 0 if lora else est["params"]  # the policy among a reader's arguments
     version = est["sampler_version"]
@@ -370,7 +388,8 @@ def program_memory(est: dict[str, Any], shapes: StepShapes) -> dict[str, dict[st
     else:
         sampler_resident, sampler_reads = reader, policy
     resident = {"train_step": other, "logprob_pass": est["optimizer"] + other,
-                "critic_step": est["params"] + est["optimizer"] + est["reference"], "gvm_grad_norms": reader,
+                "critic_step": est["params"] + est["optimizer"] + est["reference"] + est.get("teacher", 0),
+                "gvm_grad_norms": reader,
                 "sampler_prefill": sampler_resident, "sampler_decode": sampler_resident,
                 "sampler_continuous": sampler_resident}
     working = {"train_step": est["params"] + est["optimizer"] + est["train_step"], "logprob_pass": 0,
@@ -383,12 +402,14 @@ def program_memory(est: dict[str, Any], shapes: StepShapes) -> dict[str, dict[st
 
 def estimate_memory(config: RunConfig, model_config: ModelConfig, mesh: dict[str, int] | str = "", *,
                     devices: int | None = None, remat: bool | None = None,
-                    response_fill: float = 1.0, platform: str = "tpu") -> dict[str, Any]:
+                    response_fill: float = 1.0, platform: str = "tpu",
+                    teacher_config: ModelConfig | None = None) -> dict[str, Any]:
     """Bytes per device of `config` on a mesh (a {"data", "fsdp", "tensor"} dict, or a `train.mesh`
     string resolved for `devices`); see the module docstring for each term.
 
     `remat` overrides model.remat; `response_fill` scales the response length (1.0: every response
-    reaches sampling.max_new_tokens). Returns a dict of byte counts (params, optimizer, reference, gradients,
+    reaches sampling.max_new_tokens); `teacher_config`: distill.teacher's model when it is not the policy's shape.
+    Returns a dict of byte counts (params, optimizer, reference, teacher, gradients,
     activations, logprob_residuals, train_step, kv_cache, sampling, gvm_norms, critic, critic_step, sampler_copy,
     sampler_version (one policy version an async sampler holds, 0 in sync), sampler_copies, sampler_peak (the
     sampler's own devices, 0 when it shares the trainer's), peak) plus param_count, row_length (packed training
@@ -408,8 +429,8 @@ def estimate_memory(config: RunConfig, model_config: ModelConfig, mesh: dict[str
     est = {"mesh": dict(shapes.mesh), "micro_batch_size": config.optim.micro_batch_size,
            "param_count": policy["param_count"], "row_length": shapes.row_length, "gvm_chunk_rows": shapes.gvm_chunk,
            **{k: policy[k] for k in ("params", "optimizer", "reference")}, **train, **sampler,
-           "gvm_norms": _gvm_norms(x, policy), **critic}
-    resident = (est["params"] + est["optimizer"] + est["reference"] + est["critic"]
+           "gvm_norms": _gvm_norms(x, policy), **critic, "teacher": _teacher_term(x, teacher_config)}
+    resident = (est["params"] + est["optimizer"] + est["reference"] + est["critic"] + est["teacher"]
                 + (0 if shapes.sampler_devices else est["sampler_copies"]))
     trainer_peak = resident + max(est["train_step"], est["critic_step"], est["sampling"], est["gvm_norms"])
     return {**est, "peak": max(trainer_peak, est["sampler_peak"]), "programs": program_memory(est, shapes)}
