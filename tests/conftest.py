@@ -9,8 +9,12 @@ speed is measured by benchmarks/, which compile as users do. Set the variable to
 optimization."""
 
 import atexit
+import fcntl
 import os
+import pathlib
 import shutil
+import subprocess
+import sys
 import tempfile
 
 from jaxrl_llm.platforms import quiet_absent_accelerators
@@ -79,3 +83,45 @@ def tiny_checkpoint(tmp_path_factory):
         return made[family, seed]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def once_per_run(tmp_path_factory):
+    """`once_per_run(name, make)` -> a directory that `make(directory)` fills once in this test run, whichever
+    pytest-xdist worker asks first (under a file lock; a worker asking meanwhile waits for it, and later ones
+    find it made). For end-to-end runs several tests read (a reference run their own runs must equal): tests
+    only read the directory. When `make` fails, the next test to ask makes it again (and fails the same way)."""
+    base = tmp_path_factory.getbasetemp()
+    root = base.parent if "PYTEST_XDIST_WORKER" in os.environ else base  # the workers' folders share a parent
+
+    def get(name: str, make) -> pathlib.Path:
+        folder = root / f"once-{name}"
+        with open(root / f"once-{name}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if not (folder / ".made").is_file():
+                shutil.rmtree(folder, ignore_errors=True)  # what a failed attempt left
+                folder.mkdir()
+                make(folder)
+                (folder / ".made").touch()
+        return folder
+
+    return get
+
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="session")
+def tiny_loop_run(once_per_run):
+    """The uninterrupted tests/loop_runner.py run with its defaults (TINY_RUN: 4 steps, a checkpoint each step),
+    made once for the tests that compare their own runs with it: (its train.out_dir, its stdout)."""
+
+    def make(folder: pathlib.Path) -> None:
+        runner = [sys.executable, str(ROOT / "tests" / "loop_runner.py"), f"train.out_dir={folder / 'run'}"]
+        proc = subprocess.run(runner, capture_output=True, text=True, timeout=900, cwd=ROOT)
+        assert proc.returncode == 0, f"loop_runner failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n" \
+                                     f"{proc.stderr[-3000:]}"
+        (folder / "stdout.txt").write_text(proc.stdout, encoding="utf-8")
+
+    folder = once_per_run("tiny_loop_run", make)
+    return folder / "run", (folder / "stdout.txt").read_text(encoding="utf-8")

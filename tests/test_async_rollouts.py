@@ -203,13 +203,13 @@ def _weights(out_dir) -> dict:
     return load_file(pathlib.Path(out_dir) / "final" / "model.safetensors")
 
 
-def test_k0_equals_the_synchronous_run_bitwise(tmp_path):
-    _run(tmp_path / "sync")
+def test_k0_equals_the_synchronous_run_bitwise(tmp_path, tiny_loop_run):
+    sync = tiny_loop_run[0]  # loop_runner's defaults: the synchronous run (conftest: made once per test run)
     _run(tmp_path / "async", "rollouts.mode=async", "rollouts.max_staleness=0")
-    want, got = _weights(tmp_path / "sync"), _weights(tmp_path / "async")
+    want, got = _weights(sync), _weights(tmp_path / "async")
     for name in want:
         np.testing.assert_array_equal(got[name], want[name], err_msg=name)
-    sync_rows, async_rows = _rows(tmp_path / "sync"), _rows(tmp_path / "async")
+    sync_rows, async_rows = _rows(sync), _rows(tmp_path / "async")
     for key in ("loss", "grad_norm", "reward", "response_length", "samples_drawn"):
         assert [r[key] for r in async_rows] == [r[key] for r in sync_rows], key
     assert [r["policy_version"] for r in async_rows] == [0, 1, 2, 3]

@@ -50,10 +50,10 @@ def _steps_logged(out_dir) -> int:
 
 
 @pytest.mark.slow
-def test_kill9_then_resume_is_bitwise_equal_to_uninterrupted(tmp_path):
-    straight, broken = tmp_path / "straight", tmp_path / "broken"
-    done = _run(straight)
-    assert "STATUS done" in done.stdout
+def test_kill9_then_resume_is_bitwise_equal_to_uninterrupted(tmp_path, tiny_loop_run):
+    straight, straight_stdout = tiny_loop_run  # loop_runner's defaults, uninterrupted (conftest: made once per run)
+    broken = tmp_path / "broken"
+    assert "STATUS done" in straight_stdout
     rows = _step_rows(straight)
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     assert rows[-1]["samples_drawn"] == 4 * 2 * 2  # steps x prompts x samples: every sample is counted
