@@ -134,3 +134,74 @@ def test_one_step_towards_a_distinct_teacher_lowers_the_reverse_kl(tmp_path):
         assert after < before, (before, after)
     finally:
         run.close()
+
+
+def test_lora_teacher_is_the_frozen_base_itself():
+    # Under LoRA the student starts as the base (B = 0): the teacher "policy" is the base's own buffers, no copy.
+    run = setup_run(load_config(None, DISTILL_RUN + ["distill.teacher=policy", "lora.rank=4"]), policy=tiny_policy())
+    try:
+        assert run.teacher.params is run.base_params
+        scored, _ = collect_rollouts(run, 0)
+        out = update_policy(run, scored, 0)
+        assert abs(out["distill_reverse_kl"]) < 1e-6 and out["grad_norm"] < 1e-5
+    finally:
+        run.close()
+
+
+def test_distillation_resumes_and_runs_with_async_rollouts(tmp_path):
+    import json
+
+    from jaxrl_llm.train.loop import train
+
+    teacher_config, teacher_params, tokenizer = tiny_policy(seed=1)
+    models.save_hf(tmp_path / "teacher", teacher_config, teacher_params, tokenizer=tokenizer)
+    overrides = DISTILL_RUN + [f"distill.teacher={tmp_path / 'teacher'}", "distill.coef=0.5"]
+
+    def logged(out):
+        rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        return [r for r in rows if "distill_reverse_kl" in r]
+
+    # The teacher is rebuilt from the config: a finished run continues with --resume to more steps.
+    sync = overrides + [f"train.out_dir={tmp_path / 'sync'}"]
+    assert train(load_config(None, sync + ["train.steps=2"]), policy=tiny_policy())["status"] == "done"
+    assert train(load_config(None, sync + ["train.steps=3"]), resume=True, policy=tiny_policy())["status"] == "done"
+    assert [r["step"] for r in logged(tmp_path / "sync")] == [1, 2, 3]
+    # Asynchronous rollouts: the teacher scores the sampler's tokens, drawn one version behind the trainer.
+    run = overrides + [f"train.out_dir={tmp_path / 'async'}", "rollouts.mode=async", "train.steps=2"]
+    assert train(load_config(None, run), policy=tiny_policy())["status"] == "done"
+    rows = logged(tmp_path / "async")
+    assert [r["step"] for r in rows] == [1, 2] and [r["staleness"] for r in rows] == [0, 1]
+    assert all(r["teacher_logp"] < 0 for r in rows)
+
+
+def test_memory_estimate_counts_the_teacher():
+    from jaxrl_llm.capacity.memory import estimate_memory
+
+    config = tiny_policy()[0]
+    shapes = jax.eval_shape(lambda: models.init_params(config, jax.random.PRNGKey(0)))
+    elements = sum(leaf.size for leaf in jax.tree_util.tree_leaves(shapes))  # one device holds every parameter
+    projections = sum(leaf.size for path, leaf in jax.tree_util.tree_leaves_with_path(shapes)
+                      if str(path[-1].key).endswith("_proj"))
+    proj_out = {path[-1].key: leaf.shape for path, leaf in jax.tree_util.tree_leaves_with_path(shapes)
+                if str(path[-1].key).endswith("_proj")}
+    scales = sum(shape[0] * shape[-1] for shape in proj_out.values())  # one f32 scale per layer and output channel
+
+    def estimate(*overrides, **kwargs):
+        return estimate_memory(load_config(None, list(overrides)), config, {"data": 1, "fsdp": 1, "tensor": 1},
+                               **kwargs)
+
+    plain = estimate()
+    assert plain["teacher"] == 0
+    f32 = estimate("distill.teacher=some/folder")
+    assert f32["teacher"] == 4 * elements
+    assert f32["peak"] - plain["peak"] == 4 * elements
+    assert f32["programs"]["train_step"]["resident"] - plain["programs"]["train_step"]["resident"] == 4 * elements
+    assert estimate("distill.teacher=some/folder", "distill.teacher_dtype=bfloat16")["teacher"] == 2 * elements
+    int8 = estimate("distill.teacher=some/folder", "distill.teacher_dtype=int8")["teacher"]
+    assert int8 == 4 * (elements - projections) + projections + 4 * scales
+    assert estimate("distill.teacher=policy", "lora.rank=4")["teacher"] == 0  # the LoRA base itself
+    assert estimate("distill.teacher=policy", "lora.rank=4", "distill.teacher_dtype=bfloat16")["teacher"] == 2 * elements
+    bigger = config.replace(num_layers=4)
+    big = sum(leaf.size for leaf in jax.tree_util.tree_leaves(
+        jax.eval_shape(lambda: models.init_params(bigger, jax.random.PRNGKey(0)))))
+    assert estimate("distill.teacher=some/folder", teacher_config=bigger)["teacher"] == 4 * big
