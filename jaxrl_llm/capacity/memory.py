@@ -78,10 +78,11 @@ Every term counts what jaxrl_llm itself allocates, per device of a `data x fsdp 
               5.58 GiB beside a 5.47 GiB cache per chip, `jaxrl-llm compile`); plus two [rows, V] f32 logits
               buffers, and the policy cast to c where the sampler reads p != c weights (no sampling.dtype copy:
               XLA hoists the casts out of the loop). The term is the larger of its two phases:
-                prefill  + the keys and values of one prefill chunk of the call's prompts (min(call prompts,
-                         floor_pow2(4096 / P_bucket)), rounded up to data x fsdp) in every layer, gathered on
-                         every device by the merge into rows: chunk x P_bucket x layers x kv_heads_t x head_dim
-                         x 2 x c (split over tensor by prompts where tensor does not divide the KV heads)
+                prefill  + the keys and values of one prefill chunk of prompts (the plan's prompts per prefill,
+                         which every call of the step shares: min(the step's prompts' bucket, floor_pow2(4096 /
+                         P_bucket)), rounded up to data x fsdp) in every layer, gathered on every device by the
+                         merge into rows: chunk x P_bucket x layers x kv_heads_t x head_dim x 2 x c (split over
+                         tensor by prompts where tensor does not divide the KV heads)
                 decode   + the cache copy above; with a tiled response cache (`buckets.response_tile_size`) the
                          written tile of every full-attention layer, rows x tile x kv_heads_t x head_dim x 2 x c;
                          the logits are the larger of the two row buffers and the call's rows x V / tensor f32
@@ -161,7 +162,7 @@ from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.lora import adapter_shapes
 from jaxrl_llm.run.config import RunConfig, uses_critic
 from jaxrl_llm.run.shapes import ROW_SEQ_MULTIPLE, StepShapes, parse_mesh, step_shapes  # noqa: F401
-from jaxrl_llm.sampling.buckets import prefill_chunk, response_tile_size, round_up
+from jaxrl_llm.sampling.buckets import response_tile_size, round_up
 from jaxrl_llm.sampling.decoder import response_slots
 from jaxrl_llm.train.algorithms import needs_reference
 
@@ -284,7 +285,7 @@ def _static_sampling(x: _Inputs, c: int, weights_cast: int, layer_copy: int) -> 
     # (`engine.prefill_rows`' merge: a prompt's rows may sit on any device); a chunk of the call's prompts, split
     # over tensor by its KV heads or, where tensor cannot split them, by its prompts (XLA; `jaxrl-llm compile`,
     # Gemma 3 1B at tensor=4: [4, 1, 1024, 256] per layer of a 16-prompt chunk).
-    chunk = prefill_chunk(call.prompt_bucket, max(1, call.row_bucket // sh.sampler_samples), split)
+    chunk = call.prompts_per_prefill  # the plan's: every call of the step prefills as many prompts at a time
     gather_split = head_split if head_split > 1 or chunk % mesh["tensor"] else mesh["tensor"]
     prefill = kv_cache + chunk * call.prompt_bucket * len(slots) * kv_bytes // gather_split + logits + weights_cast
     # Decode: a tensor axis that cannot split the KV heads makes the loop copy the cache (XLA on TPU); a tiled
