@@ -27,10 +27,10 @@ import subprocess
 import sys
 
 from jaxrl_llm.capacity.aot import ProgramReport, refresh_estimates, usable_bytes
+from jaxrl_llm.capacity.chips import GIB, TARGETS
 from jaxrl_llm.capacity.gpu_targets import parse_gpu_topology
 from jaxrl_llm.capacity.known_models import model_config_for
 from jaxrl_llm.capacity.layouts import suggest_layout
-from jaxrl_llm.capacity.chips import GIB, TARGETS
 from jaxrl_llm.train import load_config
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]

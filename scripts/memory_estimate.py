@@ -18,9 +18,9 @@ import argparse
 import pathlib
 import sys
 
+from jaxrl_llm.capacity.chips import GIB, TARGETS
 from jaxrl_llm.capacity.known_models import model_config_for
 from jaxrl_llm.capacity.layouts import suggest_layout
-from jaxrl_llm.capacity.chips import GIB, TARGETS
 from jaxrl_llm.train import load_config
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]

@@ -7,7 +7,7 @@ import pathlib
 
 import pytest
 
-from jaxrl_llm.capacity import aot
+from jaxrl_llm.capacity import aot, report
 from jaxrl_llm.capacity.gpu_targets import GPUS, cuda_plugin_installed, parse_gpu_topology
 from jaxrl_llm.capacity.hlo_stats import attended_pairs, model_flops, program_stats
 from jaxrl_llm.models.config import ModelConfig
@@ -244,8 +244,8 @@ def test_paper_train_step_on_one_h200_runs_cudnn_attention_in_few_kernels():
                       ["train.mesh=fsdp=1", "optim.micro_batch_size=1", "sampling.prompts_per_step=2",
                        "optim.mini_batches=1"])
     texts = []
-    with pytest.MonkeyPatch.context() as patch:  # the compiled program's text, as `_report` reads it
-        patch.setattr(aot, "program_stats", lambda text: (texts.append(text), program_stats(text))[1])
+    with pytest.MonkeyPatch.context() as patch:  # the compiled program's text, as `report.program_report` reads it
+        patch.setattr(report, "program_stats", lambda text: (texts.append(text), program_stats(text))[1])
         result = aot.compile_run(cfg, "h200-1", model_config=KNOWN_MODELS["qwen2.5-math-1.5b"], only=("train_step",))
     (step,) = result["programs"]
     table = aot.format_report(result)

@@ -53,9 +53,9 @@ GPUS = {name: chip for name, chip in CHIPS.items() if isinstance(chip, Gpu)}
 
 def parse_gpu_topology(name: str):
     """`h100-8`, `h200-1`, `a100-8`: N GPUs of one host (N <= 8); `h100-8x2`: two such hosts. Returns the
-    `aot.Topology`, its `topology_name` get_topology_desc's "1x<hosts>x<gpus per host>" (one slice); None when
+    `topology.Topology`, its `topology_name` get_topology_desc's "1x<hosts>x<gpus per host>" (one slice); None when
     `name` is not a GPU name."""
-    from jaxrl_llm.capacity.aot import Topology
+    from jaxrl_llm.capacity.topology import Topology
 
     match = re.fullmatch(r"([a-z]\d+)-(\d+)(?:x(\d+))?", name.strip().lower())
     if not match or match.group(1) not in GPUS:

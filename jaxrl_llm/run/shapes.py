@@ -38,7 +38,7 @@ from jaxrl_llm.train.packing import bucket, length_bucket
 ROW_SEQ_MULTIPLE = 32  # packed rows are padded to a multiple of this (train.packing.pack_groups)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)  # eq=False: the call plan holds arrays
 class StepShapes:
     """One training step's shapes on a mesh (see the module docstring); sizes per step unless named per device."""
 
@@ -78,6 +78,7 @@ class StepShapes:
 
     @property
     def gvm_chunk_rows_per_device(self) -> int:
+        """Rows of one chunk of GVM's norm pass each data x fsdp device differentiates."""
         return self.gvm_chunk_rows // self.row_split
 
 
