@@ -100,7 +100,8 @@ def test_no_function_is_over_100_lines():
     body = "".join(f"    x{i} = {i}\n" for i in range(99))
     assert _long_functions(f"def ok():\n{body}") == []
     assert _long_functions(f"def long():\n{body}    return x0\n") == [("long", 101)]
-    nested = f"class A:\n    def outer(self):\n{textwrap.indent(f'def inner():{chr(10)}{body}    return 0{chr(10)}', '        ')}"
+    inner = textwrap.indent(f"def inner():\n{body}    return 0\n", " " * 8)
+    nested = f"class A:\n    def outer(self):\n{inner}"
     assert _long_functions(nested) == [("outer", 102), ("inner", 101)]
     root = pathlib.Path(jaxrl_llm.__file__).parent
     found = {f"{path.relative_to(root)}: {name}": lines for path in sorted(root.rglob("*.py"))

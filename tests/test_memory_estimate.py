@@ -16,7 +16,8 @@ import functools
 import pytest
 
 from jaxrl_llm.capacity.layouts import fit_rows_per_call, suggest_layout
-from jaxrl_llm.capacity.memory import KNOWN_MODELS, estimate_memory, model_config_for, parse_mesh, sharded_param_elements
+from jaxrl_llm.capacity.memory import (KNOWN_MODELS, estimate_memory, model_config_for, parse_mesh,
+                                       sharded_param_elements)
 from jaxrl_llm.models import ModelConfig, init_params
 from jaxrl_llm.train import load_config
 

@@ -41,7 +41,8 @@ def test_gvm_counts_its_per_prompt_budget():
     assert (s.samples_per_prompt, s.sampler_samples, s.varying_counts) == (3, 4, True)
     assert (s.responses_per_row, s.row_length) == (4, 64)
     assert (s.sampler_call.shapes.row_bucket, s.prompt_group) == (8, 1)
-    assert (s.gvm_chunk, s.gvm_chunk_rows, s.gvm_chunk_rows_per_device, s.gvm_rows, s.gvm_row_length) == (3, 4, 2, 8, 32)
+    assert (s.gvm_chunk, s.gvm_chunk_rows, s.gvm_chunk_rows_per_device) == (3, 4, 2)
+    assert (s.gvm_rows, s.gvm_row_length) == (8, 32)
 
 
 def test_rows_bounded_by_max_row_tokens_and_the_fill():
@@ -58,7 +59,8 @@ def test_where_the_sampler_runs_and_what_it_reads():
     versions there, on rollouts.sampler_mesh (or the mesh given)."""
     assert step_shapes(load_config(None, TINY + ["sampling.dtype=bfloat16"]), FSDP2).sampler_reads == "copy"
     assert step_shapes(load_config(None, TINY + ["rollouts.mode=async"]), FSDP2).sampler_reads == "copy"
-    own = load_config(None, TINY + ["rollouts.mode=async", "rollouts.sampler_devices=2", "rollouts.sampler_mesh=fsdp=2"])
+    own = load_config(None, TINY + ["rollouts.mode=async", "rollouts.sampler_devices=2",
+                                    "rollouts.sampler_mesh=fsdp=2"])
     s = step_shapes(own, {"data": 1, "fsdp": 1, "tensor": 2})
     assert (s.sampler_reads, s.sampler_devices, s.sampler_mesh, s.sampler_row_split) == ("own", 2, FSDP2, 2)
     given = step_shapes(own, {"data": 1, "fsdp": 1, "tensor": 2}, {"data": 2, "fsdp": 1, "tensor": 1})

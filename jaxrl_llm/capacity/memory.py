@@ -133,7 +133,8 @@ merged copy is still in p.
 
 H_t = heads / tensor when tensor divides the heads, else all heads; H_a, KV_a the heads a fused kernel runs per
 device (KV heads / tensor and their query heads when tensor divides the KV heads, else all). `platform` ("tpu",
-"gpu", "cpu") picks the attention path as `models.attention.resolve` does (a target's platform in `capacity.chips.TARGETS`).
+"gpu", "cpu") picks the attention path as `models.attention.resolve` does (a target's platform in
+`capacity.chips.TARGETS`).
 The XLA-specific terms (update temporaries, the embedding's f32 gradients, the prefill's gathered chunk, the
 decode's tile copies, logits and weight slices, the policy cast, the phases of the train step and of GVM's norm
 pass) were read from the compiled programs' buffer assignments and live ranges (`jaxrl-llm compile` for
@@ -413,7 +414,8 @@ def estimate_memory(config: RunConfig, model_config: ModelConfig, mesh: dict[str
     activations, logprob_residuals, train_step, kv_cache, sampling, gvm_norms, critic, critic_step, sampler_copy,
     sampler_version (one policy version an async sampler holds, 0 in sync), sampler_copies, sampler_peak (the
     sampler's own devices, 0 when it shares the trainer's), peak) plus param_count, row_length (packed training
-    row), sample_rows (rows of one sampler call's state), gvm_chunk_rows and "programs" (`program_memory`: each compiled program's resident and working bytes).
+    row), sample_rows (rows of one sampler call's state), gvm_chunk_rows and "programs" (`program_memory`: each
+    compiled program's resident and working bytes).
     """
     if isinstance(mesh, str):
         if devices is None:
