@@ -11,17 +11,19 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 NOTEBOOK = ROOT / "examples" / "colab_gvm_raft.ipynb"
 KERNEL = "jaxrl-llm-test"
 
-# The smallest setting that still exercises both GVM stages, the update, evaluation and the plots. 16 new tokens
-# fit the 3-shot prompt's answer ("2 - 7 = -5 \\boxed{-5}"), so stage 1 accepts samples and stage 2 runs. Evaluation
-# has the shape of a training step (2 prompts x 2 samples), so the sampler compiles once for both.
-TINY = """\
+# The smallest setting that still exercises both GVM stages, the update, evaluation and the plots: one prompt of 2
+# samples a step (the notebook's run is execution-bound: a step's time is its rows'). 16 new tokens fit the 3-shot
+# prompt's answer ("2 - 7 = -5 \\boxed{-5}"), so stage 1 accepts samples and stage 2 runs. Evaluation has the shape
+# of a training step (1 problem x 2 samples), so the sampler compiles once for both.
+PROMPTS, SAMPLES = 1, 2
+TINY = f"""\
 STEPS = 1
-PROMPTS_PER_STEP = 2
-SAMPLES_PER_PROMPT = 2
+PROMPTS_PER_STEP = {PROMPTS}
+SAMPLES_PER_PROMPT = {SAMPLES}
 MAX_NEW_TOKENS = 16
-EVAL_PROBLEMS = 2
+EVAL_PROBLEMS = {PROMPTS}
 EVAL_SAMPLES = 2
-OUT_DIR = {out_dir!r}
+OUT_DIR = {{out_dir!r}}
 """
 
 
@@ -86,16 +88,17 @@ def check_outputs(nb, runs: pathlib.Path) -> None:
                      for out in cell.get("outputs", []) if out.get("output_type") == "stream")
     assert "backend cpu" in text
     assert "GVM-RAFT++ 1 steps, RAFT++ 2 steps" in text
-    # The summary table: RAFT++ draws 2 steps x 2 prompts x 2 samples; GVM 2 x 2 in stage 1 plus a stage-2 budget
-    # of 2 x 2 (not drawn when no stage-1 sample was accepted).
+    # The summary table: RAFT++ draws 2 steps x prompts x samples; GVM prompts x samples in stage 1 plus a stage-2
+    # budget of as many (not drawn when no stage-1 sample was accepted).
+    drawn = PROMPTS * SAMPLES
     gvm_line = next(line for line in text.splitlines() if line.startswith("GVM-RAFT++ "))
     raftpp_line = next(line for line in text.splitlines() if line.startswith("RAFT++ "))
-    assert gvm_line.split()[1] == "1" and gvm_line.split()[2] in ("4", "8"), gvm_line
-    assert raftpp_line.split()[1:3] == ["2", "8"], raftpp_line
+    assert gvm_line.split()[1] == "1" and gvm_line.split()[2] in (str(drawn), str(2 * drawn)), gvm_line
+    assert raftpp_line.split()[1:3] == ["2", str(2 * drawn)], raftpp_line
     images = [out for cell in nb.cells for out in cell.get("outputs", []) if "image/png" in out.get("data", {})]
     assert len(images) == 2, "the allocation plot and the learning curves"
     assert (runs / "gvm_raftpp" / "metrics.jsonl").is_file()
     rows = [json.loads(line) for line in (runs / "gvm_raftpp" / "metrics.jsonl").read_text().splitlines()]
     allocation = [row for row in rows if "gvm_n" in row]
-    assert allocation and all(len(row["gvm_n"]) == 2 for row in allocation)
+    assert allocation and all(len(row["gvm_n"]) == PROMPTS for row in allocation)
     assert "log-prob of the rewarded response" in text
