@@ -76,6 +76,36 @@ def test_teacher_weights_check_the_vocabulary_and_cast():
                                   np.asarray(params["embed"].astype(jnp.bfloat16), np.float32))
 
 
+def test_teacher_adapter_is_merged_and_int8_quantizes_the_projections(tmp_path):
+    from jaxrl_llm.models import lora
+    from jaxrl_llm.models.peft_io import save_peft
+
+    config, params, _ = tiny_policy()
+    spec = lora.LoraSpec(rank=2, alpha=4.0, targets=("q_proj", "down_proj"))
+    adapters = lora.init_adapters(config, spec, jax.random.PRNGKey(3))
+    rng = np.random.default_rng(0)
+    adapters = {"layers": {k: (jnp.asarray(rng.normal(size=v.shape), jnp.float32) if k.endswith("_lora_b") else v)
+                           for k, v in adapters["layers"].items()}}
+    save_peft(tmp_path / "adapter", spec, adapters)
+    _, merged = teacher_weights(section(teacher="policy", adapter=tmp_path / "adapter"), config, params, load=None)
+    for name in ("q_proj", "down_proj"):  # W + (alpha / r) A B, layer by layer, in float64
+        a = np.asarray(adapters["layers"][f"{name}_lora_a"], np.float64)
+        b = np.asarray(adapters["layers"][f"{name}_lora_b"], np.float64)
+        want = np.asarray(params["layers"][name], np.float64) + 2.0 * np.einsum("lir,lro->lio", a, b)
+        np.testing.assert_allclose(np.asarray(merged["layers"][name], np.float64), want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(np.asarray(merged["layers"]["k_proj"]), np.asarray(params["layers"]["k_proj"]))
+    with pytest.raises(ConfigError, match="'distill.adapter'"):
+        teacher_weights(section(teacher="policy", adapter=tmp_path / "missing"), config, params, load=None)
+
+    _, codes = teacher_weights(section(teacher="policy", teacher_dtype="int8"), config, params, load=None)
+    weight = np.asarray(params["layers"]["up_proj"], np.float64)
+    scale = np.abs(weight).max(axis=1, keepdims=True) / 127  # per layer and output channel
+    assert codes["layers"]["up_proj"].dtype == jnp.int8
+    np.testing.assert_allclose(np.asarray(codes["layers"]["up_proj_scale"], np.float64), scale, rtol=1e-6)
+    np.testing.assert_array_equal(np.asarray(codes["layers"]["up_proj"]), np.round(weight / scale).astype(np.int8))
+    np.testing.assert_array_equal(np.asarray(codes["embed"]), np.asarray(params["embed"]))  # kept as it is
+
+
 def test_skipped_verifier_scores_nothing():
     correct, rewards = SkippedVerifier()(["4", "5"], ["4", "4"], np.array([1, 1]))
     assert correct.tolist() == [False, False] and rewards.tolist() == [0.0, 0.0]
