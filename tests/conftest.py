@@ -9,7 +9,6 @@ speed is measured by benchmarks/, which compile as users do. Set the variable to
 optimization."""
 
 import atexit
-import fcntl
 import os
 import pathlib
 import shutil
@@ -95,6 +94,8 @@ def once_per_run(tmp_path_factory):
     root = base.parent if "PYTEST_XDIST_WORKER" in os.environ else base  # the workers' folders share a parent
 
     def get(name: str, make) -> pathlib.Path:
+        import fcntl  # POSIX only: imported here, so that the rest of the suite does not need it
+
         folder = root / f"once-{name}"
         with open(root / f"once-{name}.lock", "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
