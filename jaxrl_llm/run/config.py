@@ -330,10 +330,17 @@ class ToolsSection:
 class RolloutsSection:
     """When rollouts are drawn against training (`train/async_rollouts.py`, docs/async_rollouts.md): "sync", each
     step's rollouts drawn with the current policy before its update; "async", a sampler thread draws step t's with
-    the policy of max(0, t - max_staleness) steps before, while the trainer trains the steps between."""
+    the policy of max(0, t - max_staleness) steps before, while the trainer trains the steps between; "partial", a
+    sampler that never stops decoding, whose unfinished responses continue under each new policy
+    (`train/partial_rollouts.py`)."""
 
-    mode: str = "sync"  # "sync" or "async"
-    max_staleness: int = 1  # async: k, the updates between the policy that drew a step's rollouts and the trainer's
+    mode: str = "sync"  # "sync", "async" or "partial"
+    # async: k, the updates between the policy that drew a step's rollouts and the trainer's; partial: the most
+    # versions any token of a group the trainer takes may lag behind it (older groups: `stale`)
+    max_staleness: int = 1
+    partial_lag: int = 1  # partial: a segment decodes with version max(0, r - lag), r the batch it fills
+    segment_iterations: int = 16  # partial: decode iterations per segment (versions change between segments)
+    stale: str = "drop"  # partial: a group over max_staleness is dropped (counted) or its prompt redrawn ("redraw")
     # async: the last n devices sample (on their own mesh, rollouts.sampler_mesh) and the others train (train.mesh);
     # the weights go to the sampler's devices after every update. 0: both share every device.
     sampler_devices: int = 0
@@ -404,7 +411,8 @@ _ALLOWED = {
     ("tools", "env"): {""} | set(ENVIRONMENTS),
     ("tools", "format"): {"markdown", "chat"},
     ("tools", "isolation"): set(ISOLATIONS),
-    ("rollouts", "mode"): {"sync", "async"},
+    ("rollouts", "mode"): {"sync", "async", "partial"},
+    ("rollouts", "stale"): {"drop", "redraw"},
     ("algorithm", "group_filter"): {"none", "mixed"},
     ("algorithm", "old_logp"): {"auto", "recompute", "sampler"},
     ("model", "param_dtype"): {"float32", "bfloat16"},
@@ -722,6 +730,15 @@ def _rollouts_checks(config: RunConfig) -> list[tuple[str, bool, str]]:
     return [
     ("rollouts.max_staleness", config.rollouts.max_staleness >= 0, "must be >= 0 (0: the synchronous schedule)"),
     ("rollouts.sampler_devices", config.rollouts.sampler_devices >= 0, "must be >= 0 (0: share every device)"),
+    ("rollouts.partial_lag", config.rollouts.partial_lag >= 0, "must be >= 0"),
+    ("rollouts.partial_lag", config.rollouts.mode != "partial"
+     or config.rollouts.partial_lag <= config.rollouts.max_staleness,
+     "must be at most rollouts.max_staleness (a group's newest tokens are partial_lag versions old)"),
+    ("rollouts.segment_iterations", config.rollouts.segment_iterations >= 1, "must be >= 1"),
+    ("rollouts.mode", config.rollouts.mode != "partial" or not config.tools.env,
+     "partial cannot be combined with tools.env yet (a conversation's turns end inside the sampler)"),
+    ("rollouts.mode", config.rollouts.mode != "partial" or not config.algorithm.dynamic_sampling,
+     "partial cannot be combined with algorithm.dynamic_sampling (a step takes the first prompts_per_step groups)"),
     ("rollouts.sampler_devices", config.rollouts.mode == "async" or config.rollouts.sampler_devices == 0,
      "applies to rollouts.mode=async (the synchronous loop samples on the trainer's devices)"),
     ("rollouts.sampler_mesh", config.rollouts.sampler_devices > 0 or not config.rollouts.sampler_mesh,

@@ -68,7 +68,7 @@ class PromptCache(NamedTuple):
 @functools.partial(jax.tree_util.register_dataclass,
                    data_fields=["tokens", "logprobs", "lengths", "stopped", "slot_sample", "slot_step", "logits",
                                 "next_sample", "iterations", "response_k", "response_v", "prompts", "entry_of",
-                                "entry_left", "prefilled", "given", "resume", "turn_ended"],
+                                "entry_left", "prefilled", "given", "resume", "turn_ended", "first_row"],
                    meta_fields=[])
 @dataclasses.dataclass(frozen=True)
 class SlotState:
@@ -83,6 +83,8 @@ class SlotState:
     The prompt cache (E entries): prompts (`PromptCache`), entry_of [Q] int32 (the entry holding prompt j,
     valid once j < prefilled), entry_left [E] int32 (samples of the entry's prompt not yet ended; 0: the
     entry is free), prefilled [] int32 (prompts prefilled so far, in queue order).
+    first_row [] int32: the number of sample k's random numbers is first_row + k (0 but for an endless queue,
+    `shift_slots`: a sample keeps its numbers when the samples before it leave the queue).
     """
 
     tokens: jax.Array
@@ -103,6 +105,7 @@ class SlotState:
     given: jax.Array
     resume: jax.Array
     turn_ended: jax.Array
+    first_row: jax.Array
 
 
 class SlotStats(NamedTuple):
@@ -166,7 +169,7 @@ def _empty_state(config: ModelConfig, prompts: PromptCache, queue_prompts: Promp
         entry_of=jnp.full(queue_prompts.tokens.shape[:1], entries, jnp.int32),
         entry_left=jnp.zeros((entries,), jnp.int32), prefilled=jnp.zeros((), jnp.int32),
         given=jnp.zeros((queue,), jnp.int32), resume=jnp.zeros((queue,), bool),
-        turn_ended=jnp.zeros((queue,), bool))
+        turn_ended=jnp.zeros((queue,), bool), first_row=jnp.zeros((), jnp.int32))
 
 
 def _prefill_on_demand(params, layers, config: ModelConfig, mesh: Mesh | None, queue_prompts: PromptQueue,
@@ -279,7 +282,7 @@ def _slot_loop(params, config: ModelConfig, mesh: Mesh | None, queue_prompts: Pr
         active = state.slot_sample >= 0
         sample = jnp.maximum(state.slot_sample, 0)
         t = state.slot_step
-        uniform = jnp.zeros((slots,), jnp.float32) if greedy else _uniforms(rng, sample, t)
+        uniform = jnp.zeros((slots,), jnp.float32) if greedy else _uniforms(rng, state.first_row + sample, t)
         tokens, logprobs = select_tokens(state.logits, uniform, temperature, top_p, greedy=greedy, top_k=top_k,
                                          use_top_p=use_top_p)
         forced = jnp.zeros((slots,), bool)
@@ -363,21 +366,26 @@ def start_slots(config: ModelConfig, prompts: PromptCache, queue_prompts: Prompt
 
 
 @functools.partial(jax.jit, static_argnames=("config", "mesh", "slots", "greedy", "top_k", "use_top_p",
-                                             "prefill_chunk", "paired_stops"),
+                                             "prefill_chunk", "paired_stops", "turns"),
                    donate_argnames=("state",))
 def run_slots(params, config: ModelConfig, mesh: Mesh | None, state: SlotState, queue_prompts: PromptQueue,
               sample_prompt: jax.Array, num_samples: jax.Array, rng: jax.Array, temperature: jax.Array,
               top_p: jax.Array, max_new_tokens: jax.Array, stop_ids: jax.Array, iterations: jax.Array, *, slots: int,
-              greedy: bool, top_k: int, use_top_p: bool, prefill_chunk: int, paired_stops: bool = False) -> SlotState:
-    """At most `iterations` more iterations of the slot loop in turns (`_slot_loop`'s `turns`), fewer when no slot
-    is busy and nothing waits for one: samples whose turn ended are flagged (`turn_ended`) and keep their prompt
-    entry; the host reads them, runs their tools while the slots decode the others, and gives the continued
-    ones back with `resume_slots`. The prompt cache must hold every prompt of the call (`plan.plan_calls(...,
-    every_prompt=True)`): an entry is never freed. Same random numbers as `decode_slots` (sample k's token t)."""
+              greedy: bool, top_k: int, use_top_p: bool, prefill_chunk: int, paired_stops: bool = False,
+              turns: bool = True) -> SlotState:
+    """At most `iterations` more iterations of the slot loop, fewer when no slot is busy and nothing waits for one.
+
+    In turns (`_slot_loop`'s `turns`, the default): samples whose turn ended are flagged (`turn_ended`) and keep
+    their prompt entry; the host reads them, runs their tools while the slots decode the others, and gives the
+    continued ones back with `resume_slots`. The prompt cache must hold every prompt of the call (`plan.plan_calls(
+    ..., every_prompt=True)`): an entry is never freed. With `turns` False a sample that ends is done, and its
+    prompt's entry frees with its last sample, as in `decode_slots`: the host reads the ended samples between
+    segments (the partial rollouts' endless queue, `shift_slots`). Same random numbers as `decode_slots` (sample k's
+    token t)."""
     constrain, busy, step = _slot_loop(params, config, mesh, queue_prompts, sample_prompt, num_samples, rng,
                                        temperature, top_p, max_new_tokens, stop_ids, slots=slots, greedy=greedy,
                                        top_k=top_k, use_top_p=use_top_p, prefill_chunk=prefill_chunk,
-                                       paired_stops=paired_stops, turns=True)
+                                       paired_stops=paired_stops, turns=turns)
     stop_at = state.iterations + iterations
     return jax.lax.while_loop(lambda s: busy(s) & (s.iterations < stop_at), step, constrain(state))
 
@@ -393,6 +401,30 @@ def resume_slots(state: SlotState, resume: jax.Array, tokens: jax.Array, logprob
         logprobs=jnp.where(resume[:, None], logprobs, state.logprobs),
         lengths=jnp.where(resume, given, state.lengths), given=jnp.where(resume, given, state.given),
         stopped=state.stopped & ~resume, resume=state.resume | resume, turn_ended=state.turn_ended & ~seen)
+
+
+@functools.partial(jax.jit, donate_argnames=("state",))
+def shift_slots(state: SlotState, prompts: jax.Array, rows: jax.Array, pad_id: jax.Array) -> SlotState:
+    """The queue without its first `prompts` prompts and their `rows` samples, every one of which has ended
+    (`run_slots(..., turns=False)`): the rows after them move to the front, the freed rows at the back are
+    empty, and the slots, the prompt entries and the random numbers (`first_row`) follow their samples. The host
+    then puts new prompts in the queue's free places (its `PromptQueue` and sample_prompt, rebuilt), so that one
+    queue of fixed size serves an endless stream of prompts."""
+    def shift(x, fill):
+        moved = jnp.roll(x, -rows, axis=0)
+        keep = jnp.arange(x.shape[0]) < x.shape[0] - rows
+        return jnp.where(keep.reshape((-1,) + (1,) * (x.ndim - 1)), moved, fill)
+
+    entries = state.entry_left.shape[0]
+    entry_of = jnp.roll(state.entry_of, -prompts)
+    entry_of = jnp.where(jnp.arange(entry_of.shape[0]) < entry_of.shape[0] - prompts, entry_of, entries)
+    return dataclasses.replace(
+        state, tokens=shift(state.tokens, pad_id), logprobs=shift(state.logprobs, 0.0),
+        lengths=shift(state.lengths, 0), stopped=shift(state.stopped, False), given=shift(state.given, 0),
+        resume=shift(state.resume, False), turn_ended=shift(state.turn_ended, False),
+        slot_sample=jnp.where(state.slot_sample >= 0, state.slot_sample - rows, -1),
+        next_sample=state.next_sample - rows, entry_of=entry_of, prefilled=state.prefilled - prompts,
+        first_row=state.first_row + rows)
 
 
 def slot_inputs(config: ModelConfig, prompts: list[np.ndarray], counts: np.ndarray, call: CallPlan, *,

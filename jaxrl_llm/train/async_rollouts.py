@@ -22,6 +22,9 @@ every step it can with the versions it has (`quiesce`: steps up to t + k - 1). T
 trained (steps t .. t + k - 1) are saved beside the checkpoint (`save_in_flight`), and the data position saved
 is the one after them; `--resume` hands them back to the trainer and the sampler goes on at step t + k, so a
 resumed run equals the uninterrupted one.
+
+`PartialRollouts` is the sampler thread of `rollouts.mode: partial` (a sampler that never stops decoding, its
+schedule and checkpoints in `train/partial_rollouts.py`), with the same protocol: take, publish, quiesce, close.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrl_llm.models.sharding import param_shardings
+from jaxrl_llm.train.partial_rollouts import batch_info, pack_groups_state, unpack_groups_state
 from jaxrl_llm.train.rollouts import ScoredRollouts
 
 # ScoredRollouts' array fields, saved per in-flight step (records and round info go to JSON)
@@ -168,6 +172,143 @@ class AsyncRollouts:
                 self.cond.notify_all()
 
 
+class PartialRollouts:
+    """The sampler thread of `rollouts.mode: partial` (train/partial_rollouts.py): segment after segment of a
+    `PartialSampler`, each with version max(0, r - lag) for the batch r it fills, every `batch_groups` groups
+    handed over (those older than `max_staleness` versions dropped, or redrawn) making one step's batch.
+
+    `make_batch(groups, step, info) -> (ScoredRollouts, info)` scores a step's groups in the trainer's thread;
+    `snapshot()` / `place(params)` as `AsyncRollouts`'; `in_flight`: what `quiesce` returned for a checkpoint at
+    `start` (the steps' groups and "sampler": the engine and its books), restored from `load_in_flight`."""
+
+    def __init__(self, sampler, make_batch: Callable, snapshot: Callable, place: Callable, *, start: int, steps: int,
+                 batch_groups: int, lag: int, max_staleness: int, redraw: bool = False, in_flight: dict | None = None):
+        self.sampler, self.make_batch, self.snapshot, self.place = sampler, make_batch, snapshot, place
+        self.steps, self.batch_groups, self.lag, self.max_staleness, self.redraw = (steps, batch_groups, lag,
+                                                                                    max_staleness, redraw)
+        in_flight = dict(in_flight or {})
+        saved = in_flight.pop("sampler", None)
+        self.results: dict[int, tuple[list, dict]] = in_flight
+        self.next_step, self.pending, self.dropped, self.drawn = start, [], 0, 0  # drawn: samples since the last batch
+        schedule = {"partial_lag": lag, "max_staleness": max_staleness, "redraw": redraw}
+        if saved is not None:
+            if saved.get("schedule", schedule) != schedule:
+                raise ValueError(f"cannot resume the partial sampler saved with {saved['schedule']} under "
+                                 f"{schedule}: resume with the checkpoint's rollouts settings")
+            sampler.load_state_dict(saved["arrays"], saved["books"])
+            self.next_step, self.pending = saved["next_step"], saved["pending"]
+            self.dropped, self.drawn = saved["dropped"], saved["drawn"]
+        if sorted(self.results) != list(range(start, self.next_step)):
+            raise ValueError(f"in-flight partial rollouts must be for steps {start} .. {self.next_step - 1}; got "
+                             f"{sorted(self.results)}")
+        self.schedule = schedule
+        self.versions: dict[int, Any] = {}
+        self.error: BaseException | None = None
+        self.stopped = False
+        self.waiting: int | None = None  # the version the sampler waits for (None: it is decoding)
+        self.marks = (sampler.slot_steps, sampler.useful, time.perf_counter())  # at the last batch
+        self.cond = threading.Condition()
+        self.thread = threading.Thread(target=self._run, name="jaxrl-partial-sampler", daemon=True)
+        self.publish(start)
+        self.thread.start()
+
+    # ---- the trainer's side ----------------------------------------------------------------------------------
+
+    def publish(self, version: int) -> None:
+        """The policy after `version` steps, for the sampler (only if a batch left to fill reads it)."""
+        if version and version + self.lag >= self.steps:
+            return
+        params = self.place(self.snapshot())
+        with self.cond:
+            self.versions[version] = params
+            self.cond.notify_all()
+
+    def take(self, step: int) -> tuple[Any, dict]:
+        """Step `step`'s batch (waiting for the sampler to fill it), scored."""
+        started = time.perf_counter()
+        with self.cond:
+            while step not in self.results and self.error is None:
+                self.cond.wait()
+            self._raise()
+            groups, info = self.results.pop(step)
+        waited = time.perf_counter() - started
+        scored, info = self.make_batch(groups, step, dict(info))
+        info["wait_s"] = waited
+        return scored, info
+
+    def quiesce(self, step: int) -> dict:
+        """Wait until the sampler stops at its first segment with version `step` or later (or has filled every
+        batch), then return what a checkpoint at `step` saves: the batches formed and not yet taken, and "sampler"
+        (the engine's state and books, the groups handed over for the next batch)."""
+        with self.cond:
+            while self.error is None and not (self.waiting is not None and
+                                              (self.waiting >= step or self.next_step >= self.steps)):
+                self.cond.wait()
+            self._raise()
+            arrays, books = self.sampler.state_dict()
+            return {**self.results, "sampler": {"arrays": arrays, "books": books, "next_step": self.next_step,
+                                                "pending": list(self.pending), "dropped": self.dropped,
+                                                "drawn": self.drawn, "schedule": self.schedule}}
+
+    def close(self) -> None:
+        with self.cond:
+            self.stopped = True
+            self.cond.notify_all()
+        self.thread.join()
+
+    def _raise(self) -> None:
+        if self.error is not None:
+            raise RuntimeError(f"the sampler thread failed filling step {self.next_step + 1}'s batch "
+                               f"(rollouts.mode partial)") from self.error
+
+    # ---- the sampler's side ----------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while True:
+                with self.cond:
+                    version = max(0, self.next_step - self.lag)
+                    self.waiting = version
+                    self.cond.notify_all()
+                    while not self.stopped and self.next_step < self.steps and version not in self.versions:
+                        self.cond.wait()
+                    if self.stopped or self.next_step >= self.steps:
+                        return
+                    self.waiting, params = None, self.versions[version]
+                groups = self.sampler.segment(params, version)
+                with self.cond:
+                    for group in groups:
+                        self._hand_over(group)
+                    for old in [v for v in self.versions if v < max(0, self.next_step - self.lag)]:
+                        del self.versions[old]  # no batch left to fill reads it
+                    self.cond.notify_all()
+        except BaseException as err:  # handed to the trainer, which raises it from take / quiesce
+            with self.cond:
+                self.error = err
+                self.cond.notify_all()
+
+    def _hand_over(self, group) -> None:
+        if self.next_step >= self.steps:
+            return
+        self.drawn += len(group.lengths)
+        if self.next_step - group.oldest > self.max_staleness:
+            self.dropped += 1
+            if self.redraw:
+                self.sampler.redraw(group.record)
+            return
+        self.pending.append(group)
+        if len(self.pending) < self.batch_groups:
+            return
+        slot_steps, useful, since = self.marks
+        now = time.perf_counter()
+        info = {"dropped_stale": self.dropped, "drawn": self.drawn, "sample_s": now - since,
+                "useful_slot_steps": self.sampler.useful - useful, "slot_steps": self.sampler.slot_steps - slot_steps,
+                "sample_start": since, "sample_end": now, **batch_info(self.pending, self.next_step)}
+        self.results[self.next_step] = (self.pending, info)
+        self.next_step, self.pending, self.dropped, self.drawn = self.next_step + 1, [], 0, 0
+        self.marks = (self.sampler.slot_steps, self.sampler.useful, now)
+
+
 def copy_params(params, mesh=None):
     """A copy of `params` that the train step's donation cannot free: onto `mesh` (the sampler's own devices,
     placed by the model's partition rules; a device-to-device transfer) or, on the same devices, a fresh buffer
@@ -183,15 +324,19 @@ def in_flight_path(out_dir: pathlib.Path, step: int) -> pathlib.Path:
     return pathlib.Path(out_dir) / "in_flight" / f"{step}.npz"
 
 
-def save_in_flight(out_dir: pathlib.Path, step: int, in_flight: dict[int, tuple[ScoredRollouts, dict]]) -> None:
-    """Write the rollouts drawn for steps step.. but not trained yet (atomically: a temporary file renamed)."""
+def save_in_flight(out_dir: pathlib.Path, step: int, in_flight: dict) -> None:
+    """Write the rollouts drawn for steps step.. but not trained yet (atomically: a temporary file renamed): per
+    step its `ScoredRollouts` (async) or its groups (partial, with "sampler": the engine's state and books)."""
     path = in_flight_path(out_dir, step)
     path.parent.mkdir(parents=True, exist_ok=True)
-    arrays, meta = {}, []
-    for t, (scored, info) in sorted(in_flight.items()):
-        for field in _ARRAYS:
-            arrays[f"{t}/{field}"] = getattr(scored, field)
-        meta.append({"step": t, "records": scored.records, "info": _json_info(info)})
+    if "sampler" in in_flight:
+        arrays, meta = _partial_arrays(in_flight)
+    else:
+        arrays, meta = {}, []
+        for t, (scored, info) in sorted(in_flight.items()):
+            for field in _ARRAYS:
+                arrays[f"{t}/{field}"] = getattr(scored, field)
+            meta.append({"step": t, "records": scored.records, "info": _json_info(info)})
     arrays["meta"] = np.frombuffer(json.dumps(meta).encode(), np.uint8)
     tmp = path.with_suffix(".tmp.npz")
     np.savez(tmp, **arrays)
@@ -212,16 +357,38 @@ def load_in_flight(out_dir: pathlib.Path, step: int, expected: int) -> dict[int,
     path = in_flight_path(out_dir, step)
     if not path.is_file():
         raise FileNotFoundError(f"{path} is missing: the checkpoint at step {step} was saved with {expected} steps of "
-                                f"rollouts drawn and not yet trained (rollouts.mode async), kept in that file")
+                                f"rollouts drawn and not yet trained (rollouts.mode async or partial), kept in that "
+                                f"file")
     with np.load(path) as data:
         meta = json.loads(bytes(data["meta"]).decode())
-        out = {}
-        for entry in meta:
+        out = _partial_in_flight(meta, data) if isinstance(meta, dict) else {}
+        for entry in meta if isinstance(meta, list) else []:
             t = entry["step"]
             scored = ScoredRollouts(records=entry["records"], **{f: data[f"{t}/{f}"] for f in _ARRAYS})
             out[t] = (scored, entry["info"])
     if len(out) != expected:
         raise ValueError(f"{path} holds {len(out)} steps of in-flight rollouts, the checkpoint expects {expected}")
+    return out
+
+
+def _partial_arrays(in_flight: dict) -> tuple[dict, dict]:
+    """A partial run's in-flight state as arrays and JSON meta (`PartialRollouts.quiesce`)."""
+    saved = in_flight["sampler"]
+    arrays = {f"sampler/{name}": value for name, value in saved["arrays"].items()}
+    steps = [{"step": t, "groups": pack_groups_state(f"{t}", groups, arrays), "info": _json_info(info)}
+             for t, (groups, info) in sorted((t, v) for t, v in in_flight.items() if t != "sampler")]
+    meta = {"steps": steps, "pending": pack_groups_state("pending", saved["pending"], arrays),
+            "books": saved["books"], **{k: saved[k] for k in ("next_step", "dropped", "drawn", "schedule")}}
+    return arrays, meta
+
+
+def _partial_in_flight(meta: dict, data) -> dict:
+    out: dict = {entry["step"]: (unpack_groups_state(f"{entry['step']}", entry["groups"], data), entry["info"])
+                 for entry in meta["steps"]}
+    out["sampler"] = {"arrays": {k[len("sampler/"):]: np.array(data[k]) for k in data.files
+                                 if k.startswith("sampler/")},
+                      "books": meta["books"], "pending": unpack_groups_state("pending", meta["pending"], data),
+                      **{k: meta[k] for k in ("next_step", "dropped", "drawn", "schedule")}}
     return out
 
 

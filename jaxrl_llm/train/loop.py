@@ -35,6 +35,7 @@ from jaxrl_llm.train.distill import distill_advantages
 from jaxrl_llm.train.gvm import gvm_rollouts
 from jaxrl_llm.train.gvm_history import GvmHistory
 from jaxrl_llm.train.packing import unpack
+from jaxrl_llm.train.partial_rollouts import make_partial_rollouts
 from jaxrl_llm.train.rollouts import (ScoredRollouts, build_train_batches, count_slot_use, count_tool_use,
                                       counting_generate, engine_options, packed_rollouts, sample_and_score,
                                       run_prompt_template, slot_occupancy, tool_generate, tool_metrics)
@@ -147,12 +148,18 @@ def _train(run: Run, resume: bool, log) -> dict[str, Any]:
 # ---- stages -----------------------------------------------------------------------------------------------
 
 def make_rollouts(run: Run, start: int, in_flight: dict, books: dict) -> SyncRollouts | AsyncRollouts:
-    """Where the loop's steps take their rollouts (`rollouts.mode`): drawn when asked, or by a sampler thread up
+    """Where the loop's steps take their rollouts (`rollouts.mode`): drawn when asked, by a sampler thread up
     to `rollouts.max_staleness` updates ahead (`train/async_rollouts.py`), with the policy copied to the sampler's
-    devices (`rollouts.sampler_devices`) or kept beside the trainer's."""
+    devices (`rollouts.sampler_devices`) or kept beside the trainer's, or by a sampler that never stops decoding
+    (`train/partial_rollouts.py`)."""
     section = run.config.rollouts
+    if "sampler" in in_flight and section.mode != "partial":
+        raise ValueError(f"cannot resume with another schedule of rollouts: the checkpoint was saved with "
+                         f"rollouts.mode='partial' (its sampler's state is in flight), this run has {section.mode!r}")
     if section.mode == "sync":
         return SyncRollouts(lambda step: collect_rollouts(run, step, books))
+    if section.mode == "partial":
+        return make_partial_rollouts(run, start, in_flight, filter_groups=lambda scored: filter_mixed(run, scored))
     return AsyncRollouts(lambda step, policy: collect_rollouts(run, step, policy=policy), run.sampler_params,
                          lambda params: copy_params(params, run.split_mesh), start=start,
                          steps=run.config.train.steps, max_staleness=section.max_staleness, in_flight=in_flight)
@@ -225,6 +232,14 @@ def collect_gvm_rollouts(run: Run, key: jax.Array, books: dict, step: int) -> tu
     return scored, info
 
 
+def filter_mixed(run: Run, scored: ScoredRollouts) -> tuple[ScoredRollouts, int]:
+    """With `algorithm.group_filter: mixed`, only the groups whose rewards differ; (rollouts, groups filtered)."""
+    if run.config.algorithm.group_filter != "mixed":
+        return scored, 0
+    keep = mixed_group_flags(scored.rewards, scored.prompt_index, num_groups=len(scored.records))
+    return scored.select_groups(keep), int((~keep).sum())
+
+
 def count_samples(books: dict, info: dict) -> None:
     """Add a step's draws to the run's counters (where the loop takes the step's rollouts)."""
     books["counters"]["samples_drawn"] += info["drawn"]
@@ -239,8 +254,8 @@ def update_policy(run: Run, scored: ScoredRollouts, step: int) -> dict[str, Any]
     cfg, algo = run.config, run.config.algorithm
     if scored.num_samples == 0:
         return {"finite": True, "updates": 0}
-    use_sampler = not algo.rollout_correction and (algo.old_logp == "sampler" or (
-        algo.old_logp == "auto" and cfg.optim.epochs * cfg.optim.mini_batches == 1))
+    use_sampler = not algo.rollout_correction and (algo.old_logp == "sampler" or (  # partial: the gap is logged
+        algo.old_logp == "auto" and cfg.optim.epochs * cfg.optim.mini_batches == 1 and cfg.rollouts.mode != "partial"))
     old_logp = scored.logprobs if use_sampler else token_logprobs(run, run.policy_params(), scored)
     ref_logp = token_logprobs(run, run.ref_params, scored) if needs_reference(algo) else np.zeros_like(old_logp)
     old_values = returns = None
@@ -409,6 +424,9 @@ def schedule_metrics(round_info: dict, clock: float, train_start: float, train_e
     times in seconds since the loop started (`benchmarks/async_sim.py` replays them)."""
     out = {"policy_version": round_info["policy_version"], "staleness": round_info["staleness"],
            "time_wait_s": round_info["wait_s"], "train_start_s": train_start - clock, "train_end_s": train_end - clock}
+    for key in ("staleness_mean", "staleness_max", "tokens_per_version", "dropped_stale"):  # partial rollouts
+        if key in round_info:
+            out[key] = round_info[key]
     if "sample_start" in round_info:  # not for rollouts drawn before a --resume (saved in flight)
         out.update(sample_start_s=round_info["sample_start"] - clock, sample_end_s=round_info["sample_end"] - clock)
     return out
