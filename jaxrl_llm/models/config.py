@@ -1,5 +1,5 @@
 """ModelConfig: one frozen description of the Llama 3 / SmolLM2, Qwen2 / Qwen2.5, Qwen3, Mistral, Gemma 2
-and Gemma 3 (text) decoders.
+and Gemma 3 (text) decoders, and of the Qwen3-MoE and Mixtral mixtures of experts.
 
 The fields mirror the `transformers` config.json keys of those families; `from_hf_dict` and
 `to_hf_dict` translate between the two so checkpoints round-trip through `transformers`.
@@ -10,7 +10,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3_text")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3_text", "qwen3_moe", "mixtral")
+# Families whose feed-forward block may be a mixture of experts (`models.moe`).
+MOE_MODEL_TYPES = ("qwen3_moe", "mixtral")
 # Gemma's layer: RMSNorm scaling by (1 + w), embeddings times sqrt(hidden), GeGLU (tanh GELU) MLP, and
 # norms after attention and after the MLP as well as before them.
 GEMMA_MODEL_TYPES = ("gemma2", "gemma3_text")
@@ -24,6 +26,8 @@ _DTYPES = ("float32", "bfloat16")
 REMAT_POLICIES = ("full", "dots", "qkv_attn_mlp")
 # How training rows attend (`models.attention`).
 ATTENTION_IMPLS = ("auto", "xla", "splash", "cudnn")
+# How the experts' grouped matmuls run (`models.moe.expert_mlp`).
+MOE_IMPLS = ("auto", "ragged_dot", "tiles")
 _ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
@@ -31,6 +35,8 @@ _ARCHITECTURES = {
     "mistral": "MistralForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "mixtral": "MixtralForCausalLM",
 }
 
 
@@ -41,6 +47,28 @@ _GEMMA3_TEXT_DEFAULTS = dict(vocab_size=262208, hidden_size=2304, intermediate_s
                              sliding_window=4096, max_position_embeddings=131072, rope_theta=1000000.0,
                              rope_local_base_freq=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=True,
                              hidden_activation="gelu_pytorch_tanh")
+
+
+# Families that read `sliding_window` from config.json, and those with Qwen3's q/k norms.
+_WINDOWED_MODEL_TYPES = ("mistral", "mixtral", *GEMMA_MODEL_TYPES)
+_QK_NORM_MODEL_TYPES = ("qwen3", "gemma3_text", "qwen3_moe")
+
+
+def _expert_fields(model_type: str, d: dict) -> dict:
+    """The ModelConfig expert fields of a config.json dict, with transformers' defaults for absent keys
+    (Qwen3MoeConfig: 128 experts, 8 per token, width 768, no renormalisation; MixtralConfig: 8 experts, 2 per
+    token, width `intermediate_size`, always renormalised)."""
+    if model_type == "qwen3_moe":
+        return dict(num_experts=d.get("num_experts", d.get("num_local_experts", 128)),
+                    num_experts_per_tok=d.get("num_experts_per_tok", 8),
+                    moe_intermediate_size=d.get("moe_intermediate_size", 768),
+                    norm_topk_prob=bool(d.get("norm_topk_prob", False)),
+                    decoder_sparse_step=d.get("decoder_sparse_step") or 1,
+                    mlp_only_layers=tuple(d.get("mlp_only_layers") or ()))
+    if model_type == "mixtral":
+        return dict(num_experts=d.get("num_local_experts", d.get("num_experts", 8)),
+                    num_experts_per_tok=d.get("num_experts_per_tok", 2))
+    return {}
 
 
 def _hashable(value: Any) -> Any:
@@ -70,6 +98,14 @@ class ModelConfig:
     "sliding_attention" in `layer_types` (one entry per layer), or every layer when `layer_types` is None
     (Mistral). `rope_local_theta` (Gemma 3) is the RoPE base of the sliding layers, which then take no
     `rope_scaling`; None: the sliding layers rotate as the full ones.
+
+    Mixtures of experts (`models.moe`; `num_experts` > 0, Qwen3-MoE and Mixtral): a sparse layer's feed-forward
+    block routes each token to its `num_experts_per_tok` best of `num_experts` experts (SwiGLU MLPs of width
+    `moe_intermediate_size`, None: `intermediate_size`), weighted by the softmax of the router's logits over all
+    experts at the chosen ones, renormalised over the chosen ones when `norm_topk_prob` (always for Mixtral).
+    Layer i is sparse unless i is in `mlp_only_layers` or (i + 1) is not a multiple of `decoder_sparse_step`
+    (Qwen3-MoE's rule); the other layers keep the dense MLP of width `intermediate_size`. `moe_impl` (one of
+    MOE_IMPLS, a runtime setting) picks how the experts' grouped matmuls run (`models.moe.expert_mlp`).
 
     `remat` recomputes each layer in the backward pass (`jax.checkpoint`); `remat_policy` (one of
     REMAT_POLICIES) says what the layer saves.
@@ -107,6 +143,12 @@ class ModelConfig:
     sliding_window: int | None = None
     layer_types: tuple[str, ...] | None = None
     rope_local_theta: float | None = None
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int | None = None
+    norm_topk_prob: bool = True
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
     bos_token_id: int | None = None
     eos_token_id: int | tuple[int, ...] | None = None
     param_dtype: str = "float32"
@@ -118,6 +160,7 @@ class ModelConfig:
     scan_layers: bool = True
     remat_logits: bool = False
     attention_impl: str = "auto"
+    moe_impl: str = "auto"
     max_prompt_tokens: int | None = None
 
     def __post_init__(self):
@@ -140,6 +183,9 @@ class ModelConfig:
             raise ValueError(f"scan_layers must be true or false, got {self.scan_layers!r}")
         if self.attention_impl not in ATTENTION_IMPLS:
             raise ValueError(f"attention_impl must be one of {ATTENTION_IMPLS}, got {self.attention_impl!r}")
+        if self.moe_impl not in MOE_IMPLS:
+            raise ValueError(f"moe_impl must be one of {MOE_IMPLS}, got {self.moe_impl!r}")
+        self._check_experts()
         bound = self.max_prompt_tokens
         if bound is not None and (isinstance(bound, bool) or not isinstance(bound, int) or bound < 1):
             raise ValueError(f"max_prompt_tokens must be a positive int or None, got {bound!r}")
@@ -173,6 +219,22 @@ class ModelConfig:
                 f"unsupported rope_scaling type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
             )
 
+    def _check_experts(self) -> None:
+        object.__setattr__(self, "mlp_only_layers", tuple(sorted(set(_hashable(self.mlp_only_layers or ())))))
+        for name in ("num_experts", "num_experts_per_tok", "decoder_sparse_step"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < (1 if name == "decoder_sparse_step" else 0):
+                raise ValueError(f"{name} must be an int >= {1 if name == 'decoder_sparse_step' else 0}, got {value!r}")
+        if self.num_experts and not 1 <= self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(f"num_experts_per_tok must be in [1, num_experts={self.num_experts}], "
+                             f"got {self.num_experts_per_tok!r}")
+        width = self.moe_intermediate_size
+        if width is not None and (isinstance(width, bool) or not isinstance(width, int) or width < 1):
+            raise ValueError(f"moe_intermediate_size must be a positive int or None, got {width!r}")
+        if any(not isinstance(i, int) or not 0 <= i < self.num_layers for i in self.mlp_only_layers):
+            raise ValueError(f"mlp_only_layers must list layer indices in [0, {self.num_layers}), "
+                             f"got {self.mlp_only_layers!r}")
+
     def replace(self, **changes) -> "ModelConfig":
         return dataclasses.replace(self, **changes)
 
@@ -192,6 +254,17 @@ class ModelConfig:
     def attention_scale(self) -> float:
         """The factor on q k^T: query_pre_attn_scalar^-1/2, else head_dim^-1/2."""
         return float(self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    @property
+    def expert_intermediate_size(self) -> int:
+        """The width of one expert's SwiGLU: `moe_intermediate_size`, else `intermediate_size`."""
+        return self.moe_intermediate_size or self.intermediate_size
+
+    def sparse_layers(self) -> tuple[bool, ...]:
+        """Per layer, whether its feed-forward block is the mixture of experts (else the dense MLP): every layer
+        i not in `mlp_only_layers` with (i + 1) a multiple of `decoder_sparse_step`, when `num_experts` > 0."""
+        return tuple(self.num_experts > 0 and i not in self.mlp_only_layers and (i + 1) % self.decoder_sparse_step == 0
+                     for i in range(self.num_layers))
 
     def sliding_layers(self) -> tuple[bool, ...]:
         """Per layer, whether it attends within `sliding_window` only."""
@@ -251,7 +324,7 @@ class ModelConfig:
         rope_local_theta = None
         if model_type == "gemma3_text":
             rope_local_theta = float(d.get("rope_local_base_freq", local_rope.get("rope_theta", 10000.0)))
-        sliding_window = d.get("sliding_window") if model_type in ("mistral", *GEMMA_MODEL_TYPES) else None
+        sliding_window = d.get("sliding_window") if model_type in _WINDOWED_MODEL_TYPES else None
         layer_types = d.get("layer_types")
         num_layers = d["num_hidden_layers"]
         if sliding_window is None:
@@ -278,7 +351,7 @@ class ModelConfig:
             # Qwen2 always has q/k/v biases and never an o_proj bias; Llama/Qwen3 put both behind one flag.
             attention_bias=True if model_type == "qwen2" else has_bias,
             attention_out_bias=False if model_type == "qwen2" else has_bias,
-            qk_norm=model_type in ("qwen3", "gemma3_text"),
+            qk_norm=model_type in _QK_NORM_MODEL_TYPES,
             max_position_embeddings=d.get("max_position_embeddings", 2048),
             query_pre_attn_scalar=d.get("query_pre_attn_scalar") if model_type in GEMMA_MODEL_TYPES else None,
             attn_logit_softcapping=d.get("attn_logit_softcapping"),
@@ -288,6 +361,7 @@ class ModelConfig:
             rope_local_theta=rope_local_theta,
             bos_token_id=d.get("bos_token_id"),
             eos_token_id=d.get("eos_token_id"),
+            **_expert_fields(model_type, d),
         )
         fields.update(overrides)
         return cls(**fields)
@@ -321,7 +395,7 @@ class ModelConfig:
         }
         if self.model_type == "qwen2":
             d["use_sliding_window"] = False
-        if self.model_type in ("mistral", *GEMMA_MODEL_TYPES):
+        if self.model_type in _WINDOWED_MODEL_TYPES:
             d["sliding_window"] = self.sliding_window
         if self.is_gemma:
             d["hidden_activation"] = d["hidden_act"]
@@ -331,9 +405,16 @@ class ModelConfig:
             d["layer_types"] = ["sliding_attention" if s else "full_attention" for s in self.sliding_layers()]
         if self.model_type == "gemma3_text":
             d["rope_local_base_freq"] = self.rope_local_theta or self.rope_theta
-        if self.model_type != "qwen2":
+        if self.model_type not in ("qwen2", "mixtral"):
             d["attention_bias"] = self.attention_out_bias
             d["mlp_bias"] = False
+        if self.model_type == "qwen3_moe":
+            d.update(num_experts=self.num_experts, num_experts_per_tok=self.num_experts_per_tok,
+                     moe_intermediate_size=self.expert_intermediate_size, norm_topk_prob=self.norm_topk_prob,
+                     decoder_sparse_step=self.decoder_sparse_step, mlp_only_layers=list(self.mlp_only_layers),
+                     use_sliding_window=False)
+        if self.model_type == "mixtral":
+            d.update(num_local_experts=self.num_experts, num_experts_per_tok=self.num_experts_per_tok)
         if self.bos_token_id is not None:
             d["bos_token_id"] = self.bos_token_id
         if self.eos_token_id is not None:
@@ -343,7 +424,7 @@ class ModelConfig:
 
     def _check_hf_representable(self) -> None:
         """transformers ties some options to the family; refuse combinations it cannot express."""
-        if self.qk_norm != (self.model_type in ("qwen3", "gemma3_text")):
+        if self.qk_norm != (self.model_type in _QK_NORM_MODEL_TYPES):
             raise ValueError(f"qk_norm={self.qk_norm} cannot be expressed for model_type {self.model_type!r}")
         if self.model_type == "qwen2":
             ok = self.attention_bias and not self.attention_out_bias
@@ -357,9 +438,28 @@ class ModelConfig:
         gemma_only = ("query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping")
         if not self.is_gemma and any(getattr(self, name) is not None for name in gemma_only):
             raise ValueError(f"{', '.join(gemma_only)} cannot be expressed for model_type {self.model_type!r}")
-        if self.model_type not in ("mistral", *GEMMA_MODEL_TYPES) and self.sliding_window is not None:
+        if self.model_type not in _WINDOWED_MODEL_TYPES and self.sliding_window is not None:
             raise ValueError(f"sliding_window cannot be expressed for model_type {self.model_type!r}")
-        if self.model_type == "mistral" and len(set(self.sliding_layers())) > 1:
-            raise ValueError("model_type 'mistral' slides the window on every layer or none; layer_types mixes them")
+        if self.model_type in ("mistral", "mixtral") and len(set(self.sliding_layers())) > 1:
+            raise ValueError(f"model_type {self.model_type!r} slides the window on every layer or none; "
+                             "layer_types mixes them")
+        self._check_experts_representable()
         if self.rope_local_theta is not None and self.model_type != "gemma3_text":
             raise ValueError(f"rope_local_theta cannot be expressed for model_type {self.model_type!r}")
+
+    def _check_experts_representable(self) -> None:
+        if self.num_experts and self.model_type not in MOE_MODEL_TYPES:
+            raise ValueError(f"experts (num_experts={self.num_experts}) cannot be expressed for model_type "
+                             f"{self.model_type!r}; families with experts: {', '.join(MOE_MODEL_TYPES)}")
+        if self.model_type != "mixtral":
+            return
+        if not self.num_experts:
+            raise ValueError("model_type 'mixtral' needs num_experts > 0")
+        if self.attention_bias:
+            raise ValueError("model_type 'mixtral' has no attention biases")
+        if not self.norm_topk_prob or self.decoder_sparse_step != 1 or self.mlp_only_layers:
+            raise ValueError("model_type 'mixtral' renormalises the chosen experts' weights (norm_topk_prob) and "
+                             "makes every layer sparse (decoder_sparse_step 1, no mlp_only_layers)")
+        if self.moe_intermediate_size not in (None, self.intermediate_size):
+            raise ValueError("model_type 'mixtral' has one MLP width: moe_intermediate_size must be None or "
+                             "intermediate_size")

@@ -40,6 +40,14 @@ LAYER_AXES = {
     "k_norm": ("head_dim",),
     "post_attn_norm": ("norm",),
     "post_mlp_norm": ("norm",),
+    "router": ("embed", "experts"),
+    "router_bias": ("experts",),
+    "expert_gate": ("experts", "embed", "expert_mlp"),  # the experts' width: named apart from the dense MLP's
+    "expert_up": ("experts", "embed", "expert_mlp"),
+    "expert_down": ("experts", "expert_mlp", "embed"),
+    "expert_gate_bias": ("experts", "expert_mlp"),
+    "expert_up_bias": ("experts", "expert_mlp"),
+    "expert_down_bias": ("experts", "embed_bias"),
 }
 TOP_AXES = {"embed": ("vocab", "embed"), "final_norm": ("norm",), "lm_head": ("embed", "vocab")}
 LAYER_AXIS = "layers"
@@ -73,9 +81,10 @@ def logical_axis_rules(rules: list[tuple[str, P]] | None = None) -> tuple[tuple[
     (default `sharding.partition_rules()`): every parameter's PartitionSpec is paired dimension by
     dimension with its logical names. Raises ValueError when the regex rules put one logical name on
     two different mesh axes, since no logical table could then reproduce them."""
-    # Every optional parameter present, so every name and rule is seen.
-    config = ModelConfig(vocab_size=2, hidden_size=2, intermediate_size=2, num_layers=1, num_heads=1,
-                         num_kv_heads=1, head_dim=2, attention_bias=True, attention_out_bias=True, qk_norm=True)
+    # Every optional parameter present (a dense and a sparse layer among them), so every name and rule is seen.
+    config = ModelConfig(vocab_size=2, hidden_size=2, intermediate_size=2, num_layers=2, num_heads=1,
+                         num_kv_heads=1, head_dim=2, attention_bias=True, attention_out_bias=True, qk_norm=True,
+                         num_experts=2, num_experts_per_tok=1, decoder_sparse_step=2)
     is_axes = lambda x: isinstance(x, tuple)  # noqa: E731
     shapes = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, jnp.float32), param_shapes(config), is_leaf=is_axes)
     specs = param_partition_specs(shapes, partition_rules(config) if rules is None else rules)

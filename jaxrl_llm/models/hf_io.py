@@ -2,6 +2,11 @@
 
 Only numpy and `safetensors` are used (no torch). HF stores linear weights as [out, in]; the
 parameter tree stores them as [in, out] (x @ W) and stacks layers on a leading axis.
+
+Experts (Qwen3-MoE, Mixtral) are stored one tensor per expert and projection, as transformers 5 writes them
+("mlp.experts.{e}.gate_proj.weight" [F, D]; Mixtral "block_sparse_moe.experts.{e}.w1.weight" for the gate, w3
+the up and w2 the down projection), and are read either so or fused, as transformers holds them in memory
+("mlp.experts.gate_up_proj" [E, 2F, D], the gate rows first, and "mlp.experts.down_proj" [E, D, F]).
 """
 
 from __future__ import annotations
@@ -9,6 +14,7 @@ from __future__ import annotations
 import json
 import pathlib
 from collections.abc import Mapping
+from typing import NamedTuple
 
 import jax.numpy as jnp
 import ml_dtypes
@@ -17,7 +23,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
 from jaxrl_llm.models.config import ModelConfig
-from jaxrl_llm.models.model import Params, param_shapes
+from jaxrl_llm.models.model import _DENSE_BLOCK, Params, param_shapes
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -49,6 +55,15 @@ _GEMMA_LAYER_NAMES = {
     "post_attn_norm": ("post_attention_layernorm.weight", False),
     "post_mlp_norm": ("post_feedforward_layernorm.weight", False),
 }
+# A sparse layer's router and experts, per family: (router, gate, up, down) inside "model.layers.{i}.", "{e}" the
+# expert; and the fused form transformers holds in memory (every family's "mlp."): (router, gate_up, down).
+_EXPERT_NAMES = {
+    "qwen3_moe": ("mlp.gate.weight", "mlp.experts.{e}.gate_proj.weight", "mlp.experts.{e}.up_proj.weight",
+                  "mlp.experts.{e}.down_proj.weight"),
+    "mixtral": ("block_sparse_moe.gate.weight", "block_sparse_moe.experts.{e}.w1.weight",
+                "block_sparse_moe.experts.{e}.w3.weight", "block_sparse_moe.experts.{e}.w2.weight"),
+}
+_FUSED_EXPERT_NAMES = ("mlp.gate.weight", "mlp.experts.gate_up_proj", "mlp.experts.down_proj")
 # Tensors some checkpoints carry that the model recomputes.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 # Image-text Gemma 3 checkpoints: the text model's tensors under this prefix (for "model."), beside the
@@ -82,32 +97,91 @@ def _np_dtype(name: str):
     return ml_dtypes.bfloat16 if name == "bfloat16" else np.float32
 
 
-def _hf_layout(config: ModelConfig) -> dict[str, tuple[tuple[str, ...], bool]]:
-    """HF tensor name -> (path in the parameter tree, stored transposed)."""
+class Slot(NamedTuple):
+    """Where (part of) an HF tensor lives in the parameter tree: `path` ("embed",) or ("layers", name, layer[,
+    expert]); `transposed`: HF stores the last two axes swapped ([out, in]); `part` (j, n): the parameter is the
+    j-th of n equal blocks of the HF tensor along the parameter's last axis (a fused gate_up holds the gate
+    first), None: the whole tensor."""
+
+    path: tuple
+    transposed: bool = False
+    part: tuple[int, int] | None = None
+
+
+def _hf_layout(config: ModelConfig, fused: bool = False) -> dict[str, tuple[Slot, ...]]:
+    """HF tensor name -> the slots of the parameter tree it fills; `fused`: a sparse layer's experts as
+    transformers holds them in memory (gate_up_proj, down_proj: all experts in one tensor each)."""
     shapes = param_shapes(config)
-    layout = {"model.embed_tokens.weight": (("embed",), False), "model.norm.weight": (("final_norm",), False)}
+    layout = {"model.embed_tokens.weight": (Slot(("embed",)),), "model.norm.weight": (Slot(("final_norm",)),)}
     if "lm_head" in shapes:
-        layout["lm_head.weight"] = (("lm_head",), True)
+        layout["lm_head.weight"] = (Slot(("lm_head",), True),)
     names = _GEMMA_LAYER_NAMES if config.is_gemma else _LAYER_NAMES
+    sparse = config.sparse_layers()
     for i in range(config.num_layers):
         for name in shapes["layers"]:
-            suffix, transposed = names[name]
-            layout[f"model.layers.{i}.{suffix}"] = (("layers", name, i), transposed)
+            if name in names and not (sparse[i] and name in _DENSE_BLOCK):
+                suffix, transposed = names[name]
+                layout[f"model.layers.{i}.{suffix}"] = (Slot(("layers", name, i), transposed),)
+        if sparse[i]:
+            layout.update(_expert_layout(config, f"model.layers.{i}.", i, fused))
     return layout
 
 
-def hf_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """The HF tensor names and shapes ([out, in] for linear weights) a checkpoint of `config` holds."""
+def _expert_layout(config: ModelConfig, prefix: str, layer: int, fused: bool) -> dict[str, tuple[Slot, ...]]:
+    """The HF tensors of sparse layer `layer`'s router and experts (`_hf_layout`)."""
+    if fused:
+        router, gate_up, down = _FUSED_EXPERT_NAMES
+        return {prefix + router: (Slot(("layers", "router", layer), True),),
+                prefix + gate_up: tuple(Slot(("layers", name, layer), True, (j, 2))
+                                        for j, name in enumerate(("expert_gate", "expert_up"))),
+                prefix + down: (Slot(("layers", "expert_down", layer), True),)}
+    router, *experts = _EXPERT_NAMES[config.model_type]
+    layout = {prefix + router: (Slot(("layers", "router", layer), True),)}
+    for e in range(config.num_experts):
+        for name, pattern in zip(("expert_gate", "expert_up", "expert_down"), experts):
+            layout[prefix + pattern.format(e=e)] = (Slot(("layers", name, layer, e), True),)
+    return layout
+
+
+def _is_fused(names) -> bool:
+    """Whether HF tensor `names` hold the experts fused (transformers' in-memory layout)."""
+    return any(name.endswith(_FUSED_EXPERT_NAMES[1]) for name in names)
+
+
+def hf_tensor_shapes(config: ModelConfig, fused: bool = False) -> dict[str, tuple[int, ...]]:
+    """The HF tensor names and shapes ([out, in] for linear weights) a checkpoint of `config` holds (`fused`:
+    its experts in transformers' in-memory layout)."""
     shapes = param_shapes(config)
     out = {}
-    for hf_name, (path, transposed) in _hf_layout(config).items():
-        shape = shapes["layers"][path[1]][1:] if path[0] == "layers" else shapes[path[0]]
-        out[hf_name] = tuple(reversed(shape)) if transposed else tuple(shape)
+    for hf_name, slots in _hf_layout(config, fused).items():
+        path, transposed, part = slots[0]
+        shape = list(shapes["layers"][path[1]][len(path) - 2:] if path[0] == "layers" else shapes[path[0]])
+        if part is not None:
+            shape[-1] *= part[1]
+        if transposed:
+            shape[-2:] = shape[:-3:-1]
+        out[hf_name] = tuple(shape)
     return out
 
 
+def _from_hf(array: np.ndarray, slot: Slot) -> np.ndarray:
+    """The parameter slice `slot` takes from HF tensor `array`."""
+    array = np.swapaxes(array, -1, -2) if slot.transposed else array
+    if slot.part is None:
+        return array
+    j, n = slot.part
+    width = array.shape[-1] // n
+    return array[..., j * width:(j + 1) * width]
+
+
+def _to_hf(parts: list[np.ndarray], slot: Slot) -> np.ndarray:
+    """`_from_hf`'s inverse: the HF tensor of the parameter slices `parts`, one per slot, in the slots' order."""
+    array = parts[0] if slot.part is None else np.concatenate(parts, axis=-1)
+    return np.ascontiguousarray(np.swapaxes(array, -1, -2) if slot.transposed else array)
+
+
 def _check_names(config: ModelConfig, names, where: str) -> None:
-    expected = hf_tensor_shapes(config)
+    expected = hf_tensor_shapes(config, _is_fused(names))
     missing = [n for n in expected if n not in names]
     if missing:
         raise ValueError(f"{where}: missing tensor {missing[0]!r} ({len(missing)} missing in all) "
@@ -119,10 +193,6 @@ def _check_names(config: ModelConfig, names, where: str) -> None:
                          f"the weights do not match the {config.model_type} config")
 
 
-def _check_shape(config: ModelConfig, name: str, shape, where: str) -> None:
-    expected = hf_tensor_shapes(config)[name]
-    if tuple(shape) != expected:
-        raise ValueError(f"{where}: tensor {name!r} has shape {tuple(shape)} but the config implies {expected}")
 
 
 def params_from_hf(config: ModelConfig, tensors: Mapping[str, np.ndarray], dtype=None) -> Params:
@@ -132,38 +202,47 @@ def params_from_hf(config: ModelConfig, tensors: Mapping[str, np.ndarray], dtype
     (default config.param_dtype). Raises ValueError naming a missing, unexpected or mis-shaped tensor."""
     np_dtype = _np_dtype(_dtype_name(dtype or config.param_dtype))
     _check_names(config, tensors.keys(), "tensors")
+    fused = _is_fused(tensors.keys())
+    expected = hf_tensor_shapes(config, fused)
     shapes = param_shapes(config)
     params: Params = {"layers": {}}
     stacked: dict[str, np.ndarray] = {}
+    layout = _hf_layout(config, fused)
+    remaining: dict[str, int] = {}  # slots left to fill of each stacked weight
+    for slot in (slot for slots in layout.values() for slot in slots if slot.path[0] == "layers"):
+        remaining[slot.path[1]] = remaining.get(slot.path[1], 0) + 1
     # One stacked weight at a time, layer by layer into its final buffer: host memory holds the parameters
-    # plus one weight's stack, not a second (transposed, cast) copy of the whole model.
-    layout = sorted(_hf_layout(config).items(), key=lambda item: (item[1][0][0] == "layers", item[1][0][1:]))
-    for hf_name, (path, transposed) in layout:
+    # plus one weight's stack, not a second (transposed, cast) copy of the whole model. Layers of a model mixing
+    # dense and sparse ones keep zeros in the block they do not use.
+    for hf_name, slots in sorted(layout.items(), key=lambda item: (item[1][0].path[0] == "layers",
+                                                                    item[1][0].path[1:])):
         array = np.asarray(tensors[hf_name])
-        _check_shape(config, hf_name, array.shape, "tensors")
-        array = array.T if transposed else array
-        if path[0] != "layers":
-            params[path[0]] = jnp.asarray(array.astype(np_dtype))
-            continue
-        name, layer = path[1], path[2]
-        if name not in stacked:
-            stacked[name] = np.empty(shapes["layers"][name], np_dtype)
-        stacked[name][layer] = array
-        if layer == config.num_layers - 1:
-            params["layers"][name] = jnp.asarray(stacked.pop(name))
+        if tuple(array.shape) != expected[hf_name]:
+            raise ValueError(f"tensors: tensor {hf_name!r} has shape {tuple(array.shape)} but the config implies "
+                             f"{expected[hf_name]}")
+        for slot in slots:
+            part, path = _from_hf(array, slot), slot.path
+            if path[0] != "layers":
+                params[path[0]] = jnp.asarray(part.astype(np_dtype))
+                continue
+            name = path[1]
+            if name not in stacked:
+                stacked[name] = np.zeros(shapes["layers"][name], np_dtype)
+            stacked[name][path[2:]] = part
+            remaining[name] -= 1
+            if not remaining[name]:
+                params["layers"][name] = jnp.asarray(stacked.pop(name))
     return params
 
 
 def params_to_hf(config: ModelConfig, params: Params) -> dict[str, np.ndarray]:
-    """Inverse of `params_from_hf`: HF-named numpy tensors in HF layout, in the params' dtype."""
-    out = {}
-    for hf_name, (path, transposed) in _hf_layout(config).items():
-        if path[0] == "layers":
-            array = np.asarray(params["layers"][path[1]][path[2]])
-        else:
-            array = np.asarray(params[path[0]])
-        out[hf_name] = np.ascontiguousarray(array.T if transposed else array)
-    return out
+    """Inverse of `params_from_hf`: HF-named numpy tensors in HF layout, in the params' dtype (experts one tensor
+    per expert and projection, as transformers writes them)."""
+    def value(path):
+        return np.asarray(params["layers"][path[1]][path[2:]] if path[0] == "layers" else params[path[0]])
+
+    return {hf_name: _to_hf([value(slot.path) for slot in slots], slots[0])
+            for hf_name, slots in _hf_layout(config).items()}
 
 
 def _read_config(directory: pathlib.Path, dtype) -> ModelConfig:
@@ -228,7 +307,7 @@ def load_hf(path, dtype=None) -> tuple[ModelConfig, Params]:
     config = _read_config(directory, dtype)
     files = _text_model_files(_weight_files(directory))
     _check_names(config, files.keys(), str(directory))
-    return config, params_from_hf(config, _read_tensors(files, hf_tensor_shapes(config)))
+    return config, params_from_hf(config, _read_tensors(files, hf_tensor_shapes(config, _is_fused(files))))
 
 
 def _read_tensors(files: dict[str, tuple[pathlib.Path, str]], shapes: dict[str, tuple[int, ...]]) -> dict:
@@ -326,7 +405,8 @@ def load_hf_value(path, dtype=None) -> tuple[ModelConfig, Params]:
     missing = [n for n in VALUE_HEAD_TENSORS if n not in files]
     if missing:
         raise ValueError(f"{directory}: missing tensor {missing[0]!r}: the value head of a token classifier")
-    shapes = {**hf_tensor_shapes(trunk_config), "score.weight": (1, config.hidden_size), "score.bias": (1,)}
+    shapes = {**hf_tensor_shapes(trunk_config, _is_fused(trunk_names)), "score.weight": (1, config.hidden_size),
+              "score.bias": (1,)}
     tensors = _read_tensors(files, shapes)
     head = {"kernel": jnp.asarray(np.asarray(tensors.pop("score.weight"), np.float32).T),
             "bias": jnp.asarray(np.asarray(tensors.pop("score.bias"), np.float32))}

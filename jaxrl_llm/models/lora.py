@@ -78,6 +78,11 @@ def resolve_targets(spec: str) -> tuple[str, ...]:
 def adapter_shapes(config: ModelConfig, spec: LoraSpec) -> Params:
     """{"layers": {"{p}_lora_a": (L, in, r), "{p}_lora_b": (L, r, out)}} for each target projection p."""
     layers = param_shapes(config)["layers"]
+    missing = [name for name in spec.targets if name not in layers]
+    if missing:
+        raise ValueError(f"LoRA targets {', '.join(missing)}: this {config.model_type} model has no such projection "
+                         "(every layer's MLP is a mixture of experts, which takes no adapters yet); target the "
+                         "attention (lora.targets: attention)")
     shapes = {}
     for name in spec.targets:
         num_layers, d_in, d_out = layers[name]

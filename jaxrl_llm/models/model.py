@@ -1,5 +1,5 @@
-"""Pure-functional decoder for the Llama / Qwen2 / Qwen3 / Mistral / Gemma 2 / Gemma 3 families, with a
-static KV cache.
+"""Pure-functional decoder for the Llama / Qwen2 / Qwen3 / Mistral / Gemma 2 / Gemma 3 families and the Qwen3-MoE
+and Mixtral mixtures of experts (`models.moe`), with a static KV cache.
 
 Parameters are a plain nested dict (see `init_params` for the key names). Transformer layers are
 stacked on a leading `num_layers` axis and run by `jax.lax.scan`, so one layer is compiled whatever
@@ -9,7 +9,11 @@ its projection outputs, q, k, v and the attention output with `checkpoint_name`)
 the config as a plain argument: jit with `static_argnums=1` (ModelConfig is hashable).
 
 Layers that differ (Gemma's sliding-window layers with their own RoPE base) stay one stacked, scanned
-layer: the differences are per-layer arrays (`layer_constants`) scanned alongside the parameters.
+layer: the differences are per-layer arrays (`layer_constants`) scanned alongside the parameters. A model that
+mixes dense and sparse (mixture-of-experts) layers (Qwen3-MoE's `decoder_sparse_step`, `mlp_only_layers`) stacks
+both blocks' parameters in every layer, the unused block's weights zeros (kept by training: no gradient reaches
+them), and each layer runs its own block under a `lax.cond` on its "sparse" constant; a model whose layers are
+all of one kind stores only that block.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.attention import self_attention
 from jaxrl_llm.models.layers import (adapted_dense, apply_rope, attention, attention_keep_mask, einsum_f32, gated_mlp,
                                     rms_norm, rope_inv_freq, soft_cap)
+from jaxrl_llm.models.moe import moe_block
 from jaxrl_llm.models.quant import layer_weight
 
 Params = dict
@@ -41,7 +46,8 @@ class KVCache(NamedTuple):
 
 
 def _layer_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Per-layer parameter shapes (without the stacked layer axis); matrices are [in, out]."""
+    """Per-layer parameter shapes (without the stacked layer axis); matrices are [in, out]. A sparse layer's
+    experts are [E, in, out] ("expert_gate", "expert_up", "expert_down") with the router [D, E]."""
     d, f, hd = config.hidden_size, config.intermediate_size, config.head_dim
     q_out, kv_out = config.num_heads * hd, config.num_kv_heads * hd
     shapes = {
@@ -51,10 +57,13 @@ def _layer_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         "v_proj": (d, kv_out),
         "o_proj": (q_out, d),
         "mlp_norm": (d,),
-        "gate_proj": (d, f),
-        "up_proj": (d, f),
-        "down_proj": (f, d),
     }
+    sparse = config.sparse_layers()
+    if not all(sparse):
+        shapes.update(gate_proj=(d, f), up_proj=(d, f), down_proj=(f, d))
+    if any(sparse):
+        e, fe = config.num_experts, config.expert_intermediate_size
+        shapes.update(router=(d, e), expert_gate=(e, d, fe), expert_up=(e, d, fe), expert_down=(e, fe, d))
     if config.attention_bias:
         shapes.update(q_bias=(q_out,), k_bias=(kv_out,), v_bias=(kv_out,))
     if config.attention_out_bias:
@@ -81,7 +90,9 @@ def param_shapes(config: ModelConfig) -> Params:
 
 def init_params(config: ModelConfig, rng: jax.Array) -> Params:
     """Random parameters as transformers initialises these models: weights ~ N(0, 0.02^2),
-    norm weights 1 (0 for Gemma, whose norms scale by 1 + w), biases 0; stored in `config.param_dtype`."""
+    norm weights 1 (0 for Gemma, whose norms scale by 1 + w), biases 0; stored in `config.param_dtype`. Where dense
+    and sparse layers mix, each layer's unused block (the dense MLP of a sparse layer, the experts and router of a
+    dense one) is zeros."""
     return _init_params_jit(config, rng)
 
 
@@ -103,7 +114,19 @@ def _init_params_jit(config: ModelConfig, rng: jax.Array) -> Params:
         else:
             leaves.append(noise[offset:offset + size].reshape(shape).astype(dtype))
         offset += size
-    return jax.tree_util.tree_unflatten(treedef, leaves)
+    params = jax.tree_util.tree_unflatten(treedef, leaves)
+    sparse = np.array(config.sparse_layers())
+    if len(set(sparse)) > 1:  # dense and sparse layers mixed: each layer's unused block is zeros
+        layers = params["layers"]
+        for names, used in ((_DENSE_BLOCK, ~sparse), (_SPARSE_BLOCK, sparse)):
+            for name in (n for n in names if n in layers):
+                layers[name] = layers[name] * jnp.asarray(used, dtype).reshape(-1, *(1,) * (layers[name].ndim - 1))
+    return params
+
+
+_DENSE_BLOCK = ("gate_proj", "up_proj", "down_proj")
+_SPARSE_BLOCK = ("router", "router_bias", "expert_gate", "expert_up", "expert_down", "expert_gate_bias",
+                 "expert_up_bias", "expert_down_bias")
 
 
 _NO_WINDOW = np.iinfo(np.int32).max  # the window of a full-attention layer among sliding ones
@@ -111,15 +134,18 @@ _NO_WINDOW = np.iinfo(np.int32).max  # the window of a full-attention layer amon
 
 def layer_constants(config: ModelConfig, layer: int | None = None) -> dict:
     """What distinguishes the layers besides their parameters. With `layer`, that layer's static values:
-    {"window": sliding window or None, "inv_freq": its RoPE inverse frequencies}. Without, the arrays to
-    scan with the stacked layers: "window" int32 [L] (a full layer's is int32 max) when some layer slides,
-    "inv_freq" [L, head_dim/2] when the sliding layers have their own RoPE base; absent keys mean the
-    config's defaults (no window, `rope_inv_freq(config)`)."""
+    {"window": sliding window or None, "inv_freq": its RoPE inverse frequencies, "sparse": whether its
+    feed-forward block is the mixture of experts}. Without, the arrays to scan with the stacked layers: "window"
+    int32 [L] (a full layer's is int32 max) when some layer slides, "inv_freq" [L, head_dim/2] when the sliding
+    layers have their own RoPE base, "sparse" bool [L] when dense and sparse layers mix; absent keys mean the
+    config's defaults (no window, `rope_inv_freq(config)`, every layer's block the same)."""
     sliding = config.sliding_layers()
     if layer is not None:
         return {"window": config.sliding_window if sliding[layer] else None,
-                "inv_freq": rope_inv_freq(config, local=sliding[layer])}
+                "inv_freq": rope_inv_freq(config, local=sliding[layer]), "sparse": config.sparse_layers()[layer]}
     out = {}
+    if len(set(config.sparse_layers())) > 1:
+        out["sparse"] = np.array(config.sparse_layers())
     if any(sliding):
         out["window"] = np.array([config.sliding_window if s else _NO_WINDOW for s in sliding], np.int32)
         if config.rope_local_theta is not None:
@@ -155,22 +181,42 @@ def _project_qkv(lp: Params, config: ModelConfig, h: jax.Array, positions: jax.A
     return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
 
 
-def _finish_layer(lp: Params, config: ModelConfig, x: jax.Array, attn: jax.Array) -> jax.Array:
-    """Output projection + residual, then the pre-norm gated MLP block + residual (SwiGLU; for Gemma
-    GeGLU, and each block's output normalised again before its residual)."""
+def _finish_layer(lp: Params, config: ModelConfig, x: jax.Array, attn: jax.Array, sparse=None) -> jax.Array:
+    """Output projection + residual, then the pre-norm feed-forward block + residual (`feed_forward`; for Gemma
+    each block's output is normalised again before its residual)."""
     out = checkpoint_name(_project(lp, "o_proj", attn.astype(x.dtype)), "o_proj")
     if config.attention_out_bias:
         out = out + lp["o_bias"].astype(x.dtype)
     if config.is_gemma:
         out = norm(out, lp["post_attn_norm"], config)
     x = x + out
-    h = norm(x, lp["mlp_norm"], config)
-    adapters = {n: _adapter(lp, f"{n}_proj") for n in ("gate", "up", "down")}
-    gate, up, down = (layer_weight(lp, f"{n}_proj", h.dtype) for n in ("gate", "up", "down"))
-    mlp = gated_mlp(h, gate, up, down, adapters, activation="gelu_tanh" if config.is_gemma else "silu")
+    mlp = feed_forward(lp, config, norm(x, lp["mlp_norm"], config), sparse)
     if config.is_gemma:
         mlp = norm(mlp, lp["post_mlp_norm"], config)
     return x + mlp
+
+
+def _dense_mlp(lp: Params, config: ModelConfig, h: jax.Array) -> jax.Array:
+    """The gated MLP (SwiGLU; GeGLU for Gemma), with the layer's LoRA adapters."""
+    adapters = {n: _adapter(lp, f"{n}_proj") for n in ("gate", "up", "down")}
+    gate, up, down = (layer_weight(lp, f"{n}_proj", h.dtype) for n in ("gate", "up", "down"))
+    return gated_mlp(h, gate, up, down, adapters, activation="gelu_tanh" if config.is_gemma else "silu")
+
+
+def feed_forward(lp: Params, config: ModelConfig, h: jax.Array, sparse=None) -> jax.Array:
+    """A layer's feed-forward block on h [B, T, D]: the dense gated MLP or, on a sparse layer, the mixture of
+    experts (`moe.moe_block`). `sparse` is the layer's "sparse" constant (`layer_constants`), a bool or, in a
+    scan over a model that mixes the two kinds, a traced one (both blocks are compiled, a `lax.cond` runs the
+    layer's); unneeded (None) when every layer is of one kind."""
+    kinds = set(config.sparse_layers())
+    if len(kinds) == 1:
+        sparse = kinds.pop()
+    elif sparse is None:
+        raise ValueError("this model mixes dense and sparse layers: pass the layer's `sparse` constant "
+                         "(layer_constants) to decoder_layer")
+    if isinstance(sparse, (bool, np.bool_)):
+        return moe_block(lp, config, h) if sparse else _dense_mlp(lp, config, h)
+    return jax.lax.cond(sparse, lambda h: moe_block(lp, config, h), lambda h: _dense_mlp(lp, config, h), h)
 
 
 def _adapter(lp: Params, name: str) -> tuple[jax.Array, jax.Array] | None:
@@ -188,12 +234,14 @@ def _project(lp: Params, name: str, h: jax.Array) -> jax.Array:
 
 
 def decoder_layer(lp: Params, config: ModelConfig, x: jax.Array, positions: jax.Array, attend_fn,
-                  inv_freq: jax.Array | None = None):
+                  inv_freq: jax.Array | None = None, sparse=None):
     """One decoder layer, the only place its arithmetic lives; every pass of the model (training forward,
     KV-cache forward, the sampler's prefill and decode steps) runs its layers through it.
 
     h = norm(x); q, k, v = RoPE(projections of h (+ biases, q/k norm)); a = attend_fn(q, k, v);
-    x += o_proj(a) (Gemma: normalised first); x += MLP(norm(x)) (Gemma: normalised first).
+    x += o_proj(a) (Gemma: normalised first); x += MLP(norm(x)) (Gemma: normalised first), the MLP a mixture of
+    experts on a sparse layer (`feed_forward`; `sparse` the layer's constant, needed where dense and sparse
+    layers mix).
 
     lp: one layer's parameters (no stacked axis); x [B, T, D]; positions int32 [B, T] (RoPE angles);
     `inv_freq` the layer's RoPE inverse frequencies (default the full layers' `rope_inv_freq(config)`).
@@ -204,7 +252,7 @@ def decoder_layer(lp: Params, config: ModelConfig, x: jax.Array, positions: jax.
     h = norm(x, lp["attn_norm"], config)
     q, k, v = (checkpoint_name(a, n) for a, n in zip(_project_qkv(lp, config, h, positions, inv_freq), "qkv"))
     attn, aux = attend_fn(q, k, v)
-    return _finish_layer(lp, config, x, checkpoint_name(attn.astype(x.dtype), "attn")), aux
+    return _finish_layer(lp, config, x, checkpoint_name(attn.astype(x.dtype), "attn"), sparse), aux
 
 
 _REMAT_SAVED = {
@@ -270,7 +318,7 @@ def hidden_states(params: Params, config: ModelConfig, tokens: jax.Array, positi
                                   window=const.get("window"), keep=keep, slots=slots,
                                   response_len=response_len), None
 
-        return decoder_layer(lp, config, x, positions, attend_fn, const.get("inv_freq"))
+        return decoder_layer(lp, config, x, positions, attend_fn, const.get("inv_freq"), const.get("sparse"))
 
     x = _run_layers(_maybe_remat(layer, config), embed_tokens(params, config, tokens),
                     (params["layers"], layer_constants(config)), config.scan_layers)
@@ -342,7 +390,7 @@ def forward_cached(params: Params, config: ModelConfig, tokens: jax.Array, posit
                 layer_keep = keep & (positions[:, :, None] - jnp.arange(max_len)[None, None, :] < const["window"])
             return attend(q, k_all.astype(q.dtype), v_all.astype(q.dtype), layer_keep, config), (k_all, v_all)
 
-        return decoder_layer(lp, config, x, positions, attend_fn, const.get("inv_freq"))
+        return decoder_layer(lp, config, x, positions, attend_fn, const.get("inv_freq"), const.get("sparse"))
 
     x, (k_new, v_new) = jax.lax.scan(
         _maybe_remat(layer, config), embed_tokens(params, config, tokens),

@@ -79,6 +79,12 @@ def partition_rules(config: ModelConfig | None = None) -> list[tuple[str, P]]:
         (r"^layers/(q|k|v|gate|up)_proj$", P(None, "fsdp", "tensor")),  # [L, D, out]
         (r"^layers/(o|down)_proj$", P(None, "tensor", "fsdp")),         # [L, in, D]
         (r"^layers/(q|k|v)_bias$", P(None, "tensor")),                  # [L, out]
+        # experts (models/moe.py) split as the dense MLP's matrices, the expert axis replicated; the router's
+        # input dimension as a projection's
+        (r"^layers/expert_(gate|up)$", P(None, None, "fsdp", "tensor")),  # [L, E, D, F]
+        (r"^layers/expert_down$", P(None, None, "tensor", "fsdp")),       # [L, E, F, D]
+        (r"^layers/expert_(gate|up)_bias$", P(None, None, "tensor")),     # [L, E, F]
+        (r"^layers/router$", P(None, "fsdp", None)),                      # [L, D, E]
         # LoRA adapters (models/lora.py): A [L, in, r] and B [L, r, out] split like their weight's in / out
         # dimension, the rank replicated, so x A and (x A) B need no more communication than x W.
         (r"^layers/(q|k|v|gate|up)_proj_lora_a$", P(None, "fsdp", None)),
@@ -88,7 +94,7 @@ def partition_rules(config: ModelConfig | None = None) -> list[tuple[str, P]]:
         # a quantized base's per-output-channel scales [L, 1, out] (models/quant.py), split as their codes' outputs
         (r"^layers/(q|k|v|gate|up)_proj_scale$", P(None, None, "tensor")),
         (r"^layers/(o|down)_proj_scale$", P(None, None, "fsdp")),
-        (r"(norm|o_bias)$", P()),                                       # small vectors: replicate
+        (r"(norm|o_bias|router_bias|expert_down_bias)$", P()),          # small vectors: replicate
     ]
 
 

@@ -124,7 +124,7 @@ def _prefill_layer(config: ModelConfig, tokens: jax.Array, cache_dtype, constrai
             return prompt_attention(q, k, v, keep, config, window=window), (constrain(jnp.transpose(k, (0, 2, 3, 1)).astype(cache_dtype)),
                                                    constrain(jnp.transpose(v, (0, 2, 1, 3)).astype(cache_dtype)))
 
-        x, kv = decoder_layer(lp, config, constrain(x), positions, attend_fn, const.get("inv_freq"))
+        x, kv = decoder_layer(lp, config, constrain(x), positions, attend_fn, const.get("inv_freq"), const.get("sparse"))
         return constrain(x), kv
 
     return layer
@@ -358,7 +358,8 @@ def decode_step(params, layers: list, config: ModelConfig, tokens: jax.Array, pr
             attn = _attend(q[:, 0], prompt_k, prompt_v, response_k, response_v, prompt_lengths, step, config, window)
             return attn[:, None], (response_k, response_v)
 
-        x, (response_k, response_v) = decoder_layer(lp, config, x, positions, attend_fn, const["inv_freq"])
+        x, (response_k, response_v) = decoder_layer(lp, config, x, positions, attend_fn, const["inv_freq"],
+                                                     const["sparse"])
         new["response_k"].append(response_k)
         new["response_v"].append(response_v)
     hidden = norm(x[:, 0], params["final_norm"], config)
