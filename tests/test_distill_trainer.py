@@ -235,3 +235,145 @@ def test_memory_estimate_counts_the_teacher():
     big = sum(leaf.size for leaf in jax.tree_util.tree_leaves(
         jax.eval_shape(lambda: models.init_params(bigger, jax.random.PRNGKey(0)))))
     assert estimate("distill.teacher=some/folder", teacher_config=bigger)["teacher"] == 4 * big
+
+
+# --- distill.mode topk: the teacher's top-K pass and the student's top-K loss inside the train step ---
+
+TOPK_K = 4
+
+
+def topk_batch(seed: int = 0, groups=((0, 1), (2,), (3, 4)), micro_batch_size: int = 2):
+    """A packed batch of 5 samples of 3 prompts (rows padded to 4), advantages 0, and its samples unpacked."""
+    from jaxrl_llm.train.packing import pack_groups
+
+    rng = np.random.default_rng(seed)
+    prompts = [rng.integers(5, 400, n).tolist() for n in (5, 3, 4)]
+    lengths = np.array([4, 2, 5, 3, 5])
+    responses = rng.integers(5, 400, (5, 5)).astype(np.int32)
+    batch = pack_groups(prompts, [np.array(g) for g in groups], responses, lengths, row_multiple=micro_batch_size,
+                        seq_multiple=8)
+    return batch, prompts, responses, lengths, [p for p, g in zip(range(3), groups) for _ in g]
+
+
+def unpacked_logits(params, config, prompts, responses, lengths, owners):
+    """[N, R, V] full logits of each sample's response positions, one unpacked row per sample."""
+    out = []
+    for i, owner in enumerate(owners):
+        tokens = jnp.asarray([prompts[owner] + responses[i, :lengths[i]].tolist()], jnp.int32)
+        positions = jnp.arange(tokens.shape[1], dtype=jnp.int32)[None]
+        hidden = gather_response_hidden(models.hidden_states(params, config, tokens, positions),
+                                        jnp.asarray([len(prompts[owner])]), responses.shape[1])
+        out.append((hidden @ output_matrix(params, config).T)[0])
+    return jnp.stack(out)
+
+
+def with_teacher(batch, ids, logp):
+    return batch._replace(teacher_ids=np.asarray(ids, np.int32), teacher_topk_logp=np.asarray(logp, np.float32))
+
+
+def test_teacher_topk_pass_is_the_top_k_of_full_logits():
+    from jaxrl_llm.train.logprobs import response_topk
+    from jaxrl_llm.train.packing import unpack
+
+    config, params, _ = tiny_policy(seed=1)
+    batch, prompts, responses, lengths, owners = topk_batch()
+    log_probs = jax.nn.log_softmax(unpacked_logits(params, config, prompts, responses, lengths, owners), axis=-1)
+    want_logp, want_ids = jax.lax.top_k(log_probs, TOPK_K)
+    mask = np.arange(responses.shape[1])[None] < lengths[:, None]
+    groups = [np.array(g) for g in ((0, 1), (2,), (3, 4))]
+    # chunks of 5000 ids: 9 whole ones and a shorter last one; both layouts of the scored positions
+    topk = jax.jit(lambda p, b, compact: response_topk(p, config, b, TOPK_K, chunk=5000, compact=compact),
+                   static_argnums=2)
+    for compact in (False, True):
+        ids, logp = topk(params, batch, compact)
+        assert ids.shape == (*batch.mask.shape, TOPK_K) and ids.dtype == jnp.int32
+        ids, logp = unpack(np.asarray(ids), groups, 5), unpack(np.asarray(logp), groups, 5)
+        np.testing.assert_array_equal(ids[mask], np.asarray(want_ids)[mask])
+        np.testing.assert_allclose(logp[mask], np.asarray(want_logp)[mask], atol=2e-5)
+        assert not ids[~mask].any() and not logp[~mask].any()
+
+
+def topk_step(config, optimizer, micro_batch_size: int, coef: float = 0.5):
+    from jaxrl_llm.train.step import make_train_step
+
+    algo = load_config(None, ["algorithm.entropy_coef=0.0"]).algorithm
+    return make_train_step(config, algo, optimizer, micro_batch_size=micro_batch_size, distill_coef=coef)
+
+
+def test_topk_step_loss_and_gradient_equal_the_objective_on_full_logits():
+    import optax
+
+    from jaxrl_llm.objectives import topk_distill_loss
+    from jaxrl_llm.run.state import init_state
+    from jaxrl_llm.train.step import loss_fn
+
+    config, params, _ = tiny_policy()
+    batch, prompts, responses, lengths, owners = topk_batch()
+    rng = np.random.default_rng(3)
+    ids = rng.integers(0, config.vocab_size, (*batch.mask.shape, TOPK_K))
+    ids[..., 0] = batch.response_tokens  # the sampled token among them, as a teacher's top K often holds it
+    teacher = np.log(rng.dirichlet(np.ones(TOPK_K), batch.mask.shape) * 0.8)  # top-K mass 0.8
+    batch = with_teacher(batch, ids, teacher)
+    denom = np.float32(lengths.sum())
+    algo = load_config(None, ["algorithm.entropy_coef=0.0"]).algorithm
+    # advantages 0: the policy loss is 0 and the loss is coef x the top-K term
+    (loss, metrics), grads = jax.jit(jax.value_and_grad(
+        lambda p, b: loss_fn(p, config, algo, b, denom, None, 0.5), has_aux=True))(params, batch)
+
+    from jaxrl_llm.train.packing import unpack
+
+    groups = [np.array(g) for g in ((0, 1), (2,), (3, 4))]
+    ids_n, teacher_n = unpack(ids.astype(np.int32), groups, 5), unpack(teacher, groups, 5)
+    mask = (np.arange(responses.shape[1])[None] < lengths[:, None]).astype(np.float32)
+
+    def by_hand(p):
+        logits = unpacked_logits(p, config, prompts, responses, lengths, owners)
+        return topk_distill_loss(logits, ids_n, teacher_n, mask)
+
+    (want, want_metrics), want_grads = jax.jit(jax.value_and_grad(by_hand, has_aux=True))(params)
+    assert float(loss) == pytest.approx(0.5 * float(want), rel=1e-5)
+    assert float(metrics["distill_topk_loss"]) == pytest.approx(float(want), rel=1e-5)
+    assert float(metrics["topk_coverage"]) / lengths.sum() == pytest.approx(float(want_metrics["topk_coverage"]),
+                                                                            rel=1e-5)
+    for got, ref in zip(jax.tree_util.tree_leaves(grads), jax.tree_util.tree_leaves(want_grads)):
+        np.testing.assert_allclose(got, 0.5 * np.asarray(ref), rtol=1e-4, atol=1e-7)
+
+    # micro-batches of 2 rows (the scan, a padding micro-batch skipped) equal one batch of 4: loss, metrics, update
+    sgd = optax.sgd(0.1)
+    placed = jax.tree_util.tree_map(jnp.asarray, batch)
+    results = [topk_step(config, sgd, m)(init_state(jax.tree_util.tree_map(jnp.copy, params), sgd), placed, denom)
+               for m in (4, 2)]
+    (one, one_metrics), (micro, micro_metrics) = results
+    assert float(one_metrics["loss"]) == pytest.approx(0.5 * float(want), rel=1e-5)
+    for key in ("loss", "distill_topk_loss", "topk_coverage", "grad_norm"):
+        assert float(micro_metrics[key]) == pytest.approx(float(one_metrics[key]), rel=1e-5), key
+    assert float(one_metrics["topk_coverage"]) == pytest.approx(float(want_metrics["topk_coverage"]), rel=1e-5)
+    for a, b in zip(jax.tree_util.tree_leaves(one.params), jax.tree_util.tree_leaves(micro.params)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_topk_teacher_equal_to_student_leaves_the_renormalisation_term():
+    # teacher = student: log p~_k = log p_k - log M with M = sum_k p_k (the top-K mass), so
+    # loss_t = sum_k p~_k (log p_k - log M - log p_k) = -log M_t: only the renormalisation is left, and its
+    # gradient moves mass into the top K.
+    import optax
+
+    from jaxrl_llm.run.state import init_state
+    from jaxrl_llm.train.logprobs import response_topk
+
+    config, params, _ = tiny_policy()
+    batch, *_ = topk_batch()
+    ids, logp = jax.jit(lambda p, b: response_topk(p, config, b, TOPK_K))(params, batch)
+    batch = with_teacher(batch, ids, logp)
+    on = batch.mask > 0
+    mass = np.exp(np.asarray(logp, np.float64)).sum(-1)
+    renormalisation = float(-np.log(mass[on]).sum() / on.sum())
+    sgd = optax.sgd(1.0)
+    step = topk_step(config, sgd, 2, coef=1.0)
+    state, metrics = step(init_state(params, sgd), batch, np.float32(on.sum()))
+    assert float(metrics["distill_topk_loss"]) == pytest.approx(renormalisation, rel=1e-5)
+    assert float(metrics["topk_coverage"]) == pytest.approx(float(mass[on].mean()), rel=1e-5)
+    assert float(metrics["grad_norm"]) > 0
+    _, after = step(state, batch, np.float32(on.sum()))  # the same batch, teacher fixed: lower
+    assert float(after["distill_topk_loss"]) < renormalisation
+    assert float(after["topk_coverage"]) > float(metrics["topk_coverage"])

@@ -29,7 +29,8 @@ from jaxrl_llm.objectives.correction import (
 )
 from jaxrl_llm.objectives.cov import COV_LOSS_KINDS, cov_selection, token_covariance
 from jaxrl_llm.objectives.dapo import overlong_penalty
-from jaxrl_llm.objectives.distill import reverse_kl_advantages, topk_distill_loss, topk_distill_terms
+from jaxrl_llm.objectives.distill import (reverse_kl_advantages, topk_distill_loss, topk_distill_terms,
+                                         topk_terms_at_ids)
 from jaxrl_llm.objectives.gvm import gvm_allocate
 from jaxrl_llm.objectives.kl import KL_KINDS, entropy_from_logits, kl_penalty
 from jaxrl_llm.objectives.mstep import (
@@ -95,6 +96,7 @@ __all__ = [
     "token_covariance",
     "topk_distill_loss",
     "topk_distill_terms",
+    "topk_terms_at_ids",
     "value_loss",
     "value_loss_terms",
 ]

@@ -159,13 +159,26 @@ def topk_distill_terms(student_logits, teacher_ids, teacher_logp, mask, *, agg: 
     teacher_logp, mask = jnp.asarray(teacher_logp), jnp.asarray(mask)
     _check_topk(student_logits, teacher_ids, teacher_logp, mask, agg, max_len, chunk)
     batch, length, vocab = student_logits.shape
+    student = _log_softmax_at(student_logits.reshape(-1, vocab), teacher_ids.reshape(batch * length, -1), chunk)
+    return topk_terms_at_ids(student.reshape(teacher_ids.shape), teacher_logp, mask, agg=agg, max_len=max_len)
+
+
+def topk_terms_at_ids(student_logp, teacher_logp, mask, *, agg: str = "token-mean",
+                      max_len: int | None = None) -> tuple[LossTerms, dict[str, jax.Array]]:
+    """`topk_distill_terms` from the student's full-vocabulary log-probs of the teacher's ids, `student_logp`
+    [B, T, K] (the trainer's pass gives them from its hidden states, `train.logprobs.ids_logprobs`), with
+    `teacher_logp` [B, T, K] and `mask` [B, T]: loss_t = sum_k p~_k (log p~_k - student_logp_k)."""
+    student_logp, teacher_logp, mask = jnp.asarray(student_logp), jnp.asarray(teacher_logp), jnp.asarray(mask)
+    if student_logp.shape != teacher_logp.shape or student_logp.shape[:-1] != mask.shape:
+        raise ValueError(f"topk_terms_at_ids: student_logp and teacher_logp must be [B, T, K] over mask [B, T], got "
+                         f"{student_logp.shape}, {teacher_logp.shape} and {mask.shape}")
+    check_mode(agg, max_len, "topk_terms_at_ids")
     on = (mask != 0)[..., None]
     # The teacher is a fixed target; padding positions may hold anything (-inf included).
     teacher = jnp.where(on, jax.lax.stop_gradient(teacher_logp).astype(jnp.float32), 0.0)
     log_q = teacher - jax.nn.logsumexp(teacher, axis=-1, keepdims=True)
     q = jnp.exp(log_q)
-    student = _log_softmax_at(student_logits.reshape(-1, vocab), teacher_ids.reshape(batch * length, -1), chunk)
-    student = student.reshape(teacher_ids.shape)
+    student = jnp.where(on, student_logp.astype(jnp.float32), 0.0)
     per_token = jnp.sum(jnp.where(q > 0, q * (log_q - student), 0.0), axis=-1)
     terms = aggregate_terms(per_token, mask, agg, max_len=max_len)
     float_mask = mask.astype(jnp.float32)

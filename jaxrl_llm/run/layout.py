@@ -48,10 +48,23 @@ def check_mesh_fits(mesh, cfg: RunConfig) -> None:
                           f"those devices")
 
 
-def batch_shardings(mesh) -> TrainBatch:
+def batch_shardings(mesh, *, topk: bool = False) -> TrainBatch:
     """NamedShardings of a packed TrainBatch on `mesh`: every field's rows split over data x fsdp
-    (`BATCH_SPEC`), replicated over tensor."""
-    return TrainBatch(*[NamedSharding(mesh, BATCH_SPEC)] * len(TrainBatch._fields))
+    (`BATCH_SPEC`), replicated over tensor. The teacher's top-K fields are None unless `topk` (a batch of
+    `distill.mode` topk's train step: `sharding_of` picks the one that matches a batch)."""
+    rows = NamedSharding(mesh, BATCH_SPEC)
+    out = TrainBatch(*[rows] * len(TrainBatch._fields))
+    return out if topk else out._replace(teacher_ids=None, teacher_topk_logp=None)
+
+
+def sharding_of(batch: TrainBatch, shardings: TrainBatch | None) -> TrainBatch | None:
+    """`shardings` (a `batch_shardings` tree, or None) with the teacher's top-K fields where `batch` has them and
+    None where it does not."""
+    if shardings is None:
+        return None
+    rows = shardings.tokens
+    topk = batch.teacher_ids is not None
+    return shardings._replace(teacher_ids=rows if topk else None, teacher_topk_logp=rows if topk else None)
 
 
 def place(tree, shardings):

@@ -38,7 +38,7 @@ from jaxrl_llm.models.peft_io import load_peft
 from jaxrl_llm.models.sharding import BATCH_SPEC, make_mesh, param_shardings
 from jaxrl_llm.run.checkpoint import Checkpointer
 from jaxrl_llm.run.config import ConfigError, RunConfig, uses_critic
-from jaxrl_llm.run.layout import batch_shardings, check_mesh_fits, place, split_devices
+from jaxrl_llm.run.layout import batch_shardings, check_mesh_fits, place, sharding_of, split_devices
 from jaxrl_llm.run.metrics import MetricsWriter
 from jaxrl_llm.run.shapes import StepShapes, step_shapes
 from jaxrl_llm.run.shapes import lora_spec as config_lora_spec
@@ -110,7 +110,7 @@ class Run:
 
     def place_batch(self, batch: TrainBatch) -> TrainBatch:
         """A host-side packed batch (the same on every process) as arrays on the run's batch sharding."""
-        return place(batch, self.batch_sharding)
+        return place(batch, sharding_of(batch, self.batch_sharding))
 
     def close(self) -> None:
         self.scorer.close()

@@ -197,7 +197,7 @@ _logprobs_entropy.defvjp(_logprobs_entropy_fwd, _logprobs_entropy_bwd)
 
 
 def response_logprobs(params, config, batch, *, chunk: int = 8192, with_entropy: bool = False,
-                      entropy_grad: bool = True, compact: bool | None = None):
+                      entropy_grad: bool = True, compact: bool | None = None, topk_ids: jax.Array | None = None):
     """Per-token log pi(y_r | x, y_<r) [G, S, R] of the responses of a packed batch (`train.packing`).
 
     One decoder pass over the packed rows (segment-aware attention), then the hidden states that
@@ -212,17 +212,88 @@ def response_logprobs(params, config, batch, *, chunk: int = 8192, with_entropy:
     tokens whose responses average a third of that score 24,576 positions per row, of which ~8,200 are
     tokens). `compact=None` picks it when L < S x R. The generated tokens' values are the same either way
     (one position's log-softmax does not depend on the others); slots past a response's end (mask 0) hold
-    0 in the compact layout and the log-prob of their padding token in the slot layout."""
-    hidden = models.hidden_states(params, config, batch.tokens, batch.positions, segment_ids=batch.segments,
-                                  slots=batch.pred_index.shape[1], response_len=batch.pred_index.shape[2])
+    0 in the compact layout and the log-prob of their padding token in the slot layout.
+
+    With `topk_ids` [G, S, R, K] (a teacher's top-K ids, `distill.mode` topk) the log-probs of those ids are
+    returned last, [G, S, R, K] (`ids_logprobs`: from the same pass, no other vocabulary sweep)."""
+    full = models.hidden_states(params, config, batch.tokens, batch.positions, segment_ids=batch.segments,
+                                slots=batch.pred_index.shape[1], response_len=batch.pred_index.shape[2])
     pred, targets, back = scored_positions(batch, compact)
-    hidden = jnp.take_along_axis(hidden, pred[..., None], axis=1)
-    out = chunked_logprobs(hidden, output_matrix(params, config), targets,
+    hidden = jnp.take_along_axis(full, pred[..., None], axis=1)
+    head = output_matrix(params, config)
+    out = chunked_logprobs(hidden, head, targets,
                            chunk=chunk, with_entropy=with_entropy, entropy_grad=entropy_grad,
                            keep_logits=not config.remat_logits, softcap=config.final_logit_softcapping)
     out = out if with_entropy else (out,)
     out = tuple(to_slots(x, back, batch.pred_index.shape) for x in out)
-    return out if with_entropy else out[0]
+    if topk_ids is not None:
+        out = (*out, ids_logprobs(full, head, batch, out[0], topk_ids, config.final_logit_softcapping))
+    return out if with_entropy or topk_ids is not None else out[0]
+
+
+def ids_logprobs(hidden, head, batch, logp, ids, softcap: float | None = None) -> jax.Array:
+    """log softmax(l)[ids] [G, S, R, K] at each response position, from the log-prob of its response token:
+    log p(v) = l_v - l_y + log p(y), with l = hidden @ head^T (soft-capped like the pass) at K + 1 rows of the
+    head only, one id per position at a time. `hidden` [G, L, D] is the decoder's output, `logp` [G, S, R] the pass's log-probs of the response
+    tokens y (their gradient carries the log-sum-exp's), `ids` [G, S, R, K] int. Slots past a response's end
+    hold finite values of no meaning (their mask is 0)."""
+    rows, slots, resp_len = batch.pred_index.shape
+    k = ids.shape[-1]
+    at = jnp.take_along_axis(hidden, batch.pred_index.reshape(rows, -1, 1), axis=1).astype(head.dtype)
+    wanted = jnp.concatenate([batch.response_tokens.reshape(rows, -1, 1), ids.reshape(rows, -1, k)], axis=-1)
+
+    def logit_of(index):  # one id per position: [G, S R] -> [G, S R]; rematerialised, so the backward pass keeps
+        return einsum_f32("gpd,gpd->gp", at, head[index])  # no [G, S R, K, D] stack of gathered head rows
+
+    logits = jax.lax.map(jax.checkpoint(logit_of), jnp.moveaxis(wanted, -1, 0))  # [K + 1, G, S R]
+    logits = jnp.moveaxis(soft_cap(logits, softcap), 0, -1).reshape(rows, slots, resp_len, k + 1)
+    return logits[..., 1:] - logits[..., :1] + logp[..., None]
+
+
+def response_topk(params, config, batch, k: int, *, chunk: int = 8192,
+                  compact: bool | None = None) -> tuple[jax.Array, jax.Array]:
+    """(ids [G, S, R, K] int32, log-probs [G, S, R, K] f32): the K most likely next tokens at each response
+    position of a packed batch and their full-vocabulary log-probs, most likely first (the teacher's pass of
+    `distill.mode` topk). One decoder pass, then per vocabulary chunk of `chunk` ids an online log-sum-exp and a
+    running top-K merged with the chunk's own (a `lax.fori_loop`: one [positions, chunk] f32 block at a time).
+    Positions as `response_logprobs` scores them (`scored_positions`); slots past a response's end hold 0."""
+    full = models.hidden_states(params, config, batch.tokens, batch.positions, segment_ids=batch.segments,
+                                slots=batch.pred_index.shape[1], response_len=batch.pred_index.shape[2])
+    pred, _, back = scored_positions(batch, compact)
+    head = output_matrix(params, config)
+    hidden = jnp.take_along_axis(full, pred[..., None], axis=1).astype(head.dtype)
+    shape = pred.shape
+
+    def update(carry, block, start):
+        m, s, top_v, top_i = carry
+        logits = soft_cap(einsum_f32("gpd,vd->gpv", hidden, block), config.final_logit_softcapping)
+        m_new = jnp.maximum(m, logits.max(-1))
+        s = s * jnp.exp(m - m_new) + jnp.exp(logits - m_new[..., None]).sum(-1)
+        v, i = jax.lax.top_k(logits, min(k, block.shape[0]))
+        merged_v = jnp.concatenate([top_v, v], axis=-1)
+        merged_i = jnp.concatenate([top_i, i.astype(jnp.int32) + start], axis=-1)
+        top_v, pick = jax.lax.top_k(merged_v, k)
+        return m_new, s, top_v, jnp.take_along_axis(merged_i, pick, axis=-1)
+
+    carry = (jnp.full(shape, _FLOOR, jnp.float32), jnp.zeros(shape, jnp.float32),
+             jnp.full((*shape, k), -jnp.inf, jnp.float32), jnp.zeros((*shape, k), jnp.int32))
+    whole, tail = _split_chunks(head.shape[0], chunk)
+    if whole:
+        carry = jax.lax.fori_loop(
+            0, whole, lambda i, c: update(c, jax.lax.dynamic_slice_in_dim(head, i * chunk, chunk), i * chunk), carry)
+    if tail:
+        carry = update(carry, head[whole * chunk:], whole * chunk)
+    m, s, top_v, top_i = carry
+    logp = top_v - (m + jnp.log(s))[..., None]
+    return tuple(_topk_to_slots(x, back, batch.mask) for x in (top_i, logp))
+
+
+def _topk_to_slots(values: jax.Array, back, mask: jax.Array) -> jax.Array:
+    """`to_slots` for [G, P, K] values -> [G, S, R, K], 0 where `mask` [G, S, R] is."""
+    if back is not None:
+        values = jnp.take_along_axis(values, back[0][..., None], axis=1)
+    values = values.reshape(*mask.shape, values.shape[-1])
+    return jnp.where(mask[..., None] > 0, values, 0)
 
 
 def scored_positions(batch, compact: bool | None = None):

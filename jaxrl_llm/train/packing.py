@@ -28,6 +28,10 @@ class TrainBatch(NamedTuple):
     ref_logp: np.ndarray  # [G, S, R] float32: reference-policy log-probs (zeros when unused)
     old_values: np.ndarray  # [G, S, R] float32: the critic's values at scoring time (zeros without a critic)
     returns: np.ndarray  # [G, S, R] float32: the critic's regression targets (zeros without a critic)
+    # distill.mode topk only (else None, so other runs' programs take no such inputs): the teacher's K most likely
+    # ids at each response position and its full-vocabulary log-probs of them
+    teacher_ids: np.ndarray | None = None  # [G, S, R, K] int32
+    teacher_topk_logp: np.ndarray | None = None  # [G, S, R, K] float32
 
 
 def round_up(n: int, multiple: int) -> int:
@@ -54,11 +58,14 @@ def pack_groups(prompts: Sequence[Sequence[int]], groups: Sequence[np.ndarray], 
                 lengths: np.ndarray, *, advantages: np.ndarray | None = None, old_logp: np.ndarray | None = None,
                 ref_logp: np.ndarray | None = None, old_values: np.ndarray | None = None,
                 returns: np.ndarray | None = None, masks: np.ndarray | None = None, pad_id: int = 0,
-                row_multiple: int = 1, seq_multiple: int = 32) -> TrainBatch:
+                row_multiple: int = 1, seq_multiple: int = 32, teacher_ids: np.ndarray | None = None,
+                teacher_topk_logp: np.ndarray | None = None) -> TrainBatch:
     """Pack samples into rows: row g holds prompts[g] then the responses `groups[g]` (indices into
     `responses` [N, R] with `lengths` [N]). Per-token arrays [N, R] (advantages, old/ref log-probs, the
     critic's old values and returns) are laid out like the responses; absent ones are zeros. `masks` [N, R]:
-    the loss mask of each response's tokens (a multi-turn sample's tool output is 0); None: 1 on all n tokens. Empty groups
+    the loss mask of each response's tokens (a multi-turn sample's tool output is 0); None: 1 on all n tokens.
+    `teacher_ids` / `teacher_topk_logp` [N, R, K] (top-K distillation, both or neither) are laid out the same way,
+    [G, S, R, K]; absent, the batch's fields are None. Empty groups
     are skipped. The row count is padded to `bucket(., row_multiple)`, the response slots to a power of
     two, the length to
     `length_bucket(., seq_multiple)`.
@@ -81,6 +88,12 @@ def pack_groups(prompts: Sequence[Sequence[int]], groups: Sequence[np.ndarray], 
     pred_index = np.zeros((n_rows, slots, resp_len), np.int32)
     out = {k: np.zeros((n_rows, slots, resp_len), np.float32) for k in ("mask", *per_token)}
     response_tokens = np.zeros((n_rows, slots, resp_len), np.int32)
+    topk = {}
+    if teacher_ids is not None:
+        k = teacher_ids.shape[-1]
+        topk = {"teacher_ids": (np.asarray(teacher_ids, np.int32), np.zeros((n_rows, slots, resp_len, k), np.int32)),
+                "teacher_topk_logp": (np.asarray(teacher_topk_logp, np.float32),
+                                      np.zeros((n_rows, slots, resp_len, k), np.float32))}
     for row, (prompt, members) in enumerate(rows):
         start = len(prompt)
         tokens[row, :start] = prompt
@@ -96,10 +109,12 @@ def pack_groups(prompts: Sequence[Sequence[int]], groups: Sequence[np.ndarray], 
             out["mask"][row, slot, :n] = 1.0 if masks is None else masks[i, :n]
             for key, values in per_token.items():
                 out[key][row, slot, :n] = values[i, :n]
+            for values, packed in topk.values():
+                packed[row, slot, :n] = values[i, :n]
             start += n
         positions[row, start:] = len(prompt)  # padding: harmless positions inside its own segment
     return TrainBatch(tokens=tokens, positions=positions, segments=segments, pred_index=pred_index,
-                      response_tokens=response_tokens, **out)
+                      response_tokens=response_tokens, **out, **{k: packed for k, (_, packed) in topk.items()})
 
 
 def micro_batch_order(rows: int, micro_batch_size: int) -> np.ndarray:
@@ -116,9 +131,9 @@ def micro_batch_order(rows: int, micro_batch_size: int) -> np.ndarray:
 
 
 def unpack(values: np.ndarray, groups: Sequence[np.ndarray], num_samples: int) -> np.ndarray:
-    """Inverse of the packing layout: [G, S, R] per-slot values -> [N, R] per sample (zeros for samples
+    """Inverse of the packing layout: [G, S, R, ...] per-slot values -> [N, R, ...] per sample (zeros for samples
     in no group)."""
-    out = np.zeros((num_samples, values.shape[2]), values.dtype)
+    out = np.zeros((num_samples, *values.shape[2:]), values.dtype)
     row = 0
     for members in groups:
         if len(members):

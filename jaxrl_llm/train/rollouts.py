@@ -341,7 +341,7 @@ def _pack_prompts(scored: ScoredRollouts, prompt_indices, groups: list[np.ndarra
     batch = pack_groups(prompts, rows, scored.tokens, scored.lengths, masks=scored.mask, pad_id=pad_id,
                         row_multiple=micro_batch_size, seq_multiple=seq_multiple, **per_token)
     order = micro_batch_order(len(batch.tokens), micro_batch_size)
-    return TrainBatch(*(x[order] for x in batch)), rows, order
+    return TrainBatch(*(None if x is None else x[order] for x in batch)), rows, order
 
 
 def build_train_batches(scored: ScoredRollouts, advantages: np.ndarray, old_logp: np.ndarray, ref_logp: np.ndarray,

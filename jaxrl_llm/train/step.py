@@ -27,6 +27,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxrl_llm import objectives
 from jaxrl_llm.models import lora
+from jaxrl_llm.objectives.aggregate import safe_divide
 from jaxrl_llm.run.config import AlgorithmSection
 from jaxrl_llm.run.state import TrainState
 from jaxrl_llm.train.logprobs import response_logprobs
@@ -71,11 +72,17 @@ def cov_tokens(algo: AlgorithmSection, batch: TrainBatch, rng: jax.Array) -> jax
 
 
 def loss_fn(params, model_config, algo: AlgorithmSection, micro: TrainBatch, denom: jax.Array,
-            cov_selected: jax.Array | None = None):
-    """Loss of one micro-batch, normalised by the whole mini-batch's `denom`; returns (loss, metrics)."""
+            cov_selected: jax.Array | None = None, distill_coef: float = 1.0):
+    """Loss of one micro-batch, normalised by the whole mini-batch's `denom`; returns (loss, metrics).
+
+    A batch with the teacher's top-K fields (`distill.mode` topk) adds distill_coef x the top-K distillation loss
+    (`objectives.topk_terms_at_ids`, aggregated like the policy loss over the same `denom`), the student's
+    log-probs of the teacher's ids taken from the pass's hidden states (`logprobs.ids_logprobs`)."""
     # Without an entropy bonus the entropy is a metric: its gradient term is skipped.
-    logp, entropy = response_logprobs(params, model_config, micro, with_entropy=True,
-                                      entropy_grad=algo.entropy_coef != 0)
+    topk = micro.teacher_ids is not None
+    logp, entropy, *at_ids = response_logprobs(params, model_config, micro, with_entropy=True,
+                                               entropy_grad=algo.entropy_coef != 0,
+                                               topk_ids=micro.teacher_ids if topk else None)
     # Each response slot of a packed row is one sequence of the loss: [G, S, R] -> [G * S, R].
     flat = lambda x: x.reshape(-1, x.shape[-1])  # noqa: E731
     logp, entropy = flat(logp), flat(entropy)
@@ -97,7 +104,21 @@ def loss_fn(params, model_config, algo: AlgorithmSection, micro: TrainBatch, den
     tokens = micro.mask.sum()
     metrics = {"policy_loss": loss, "kl": kl, "entropy": ent,
                "clip_fraction": pg_metrics["clip_fraction"] * tokens, "tokens": tokens}
+    if topk:
+        distill, coverage = topk_distill(at_ids[0], micro.teacher_topk_logp, micro.mask, mode, algo.agg_max_len,
+                                         denom)
+        total = total + distill_coef * distill
+        metrics.update(distill_topk_loss=distill, topk_coverage=coverage)
     return total, metrics
+
+
+def topk_distill(student_logp, teacher_logp, mask, mode: str, max_len, denom) -> tuple[jax.Array, jax.Array]:
+    """(the top-K distillation loss of a micro-batch over the mini-batch's `denom`, the sum over its response
+    tokens of the student's probability mass on the teacher's top K); [G, S, R, K] log-probs, [G * S, R] mask."""
+    flat = lambda x: x.reshape(-1, *x.shape[2:])  # noqa: E731  [G, S, R, K] -> [G * S, R, K]
+    terms, _ = objectives.topk_terms_at_ids(flat(student_logp), flat(teacher_logp), mask, agg=mode, max_len=max_len)
+    mass = jnp.exp(jax.lax.stop_gradient(flat(student_logp))).sum(-1)
+    return safe_divide(terms.total, denom), jnp.sum(jnp.where(mask != 0, mass, 0.0) * mask)
 
 
 def micro_shardings(batch_sharding: Any) -> Any:
@@ -110,6 +131,7 @@ def micro_shardings(batch_sharding: Any) -> Any:
 
 
 METRIC_SUMS = ("policy_loss", "kl", "entropy", "clip_fraction", "tokens")  # loss_fn's metrics, summed
+TOPK_SUMS = ("distill_topk_loss", "topk_coverage")  # and with the teacher's top K
 
 
 def summed_grads(grad_fn, params, micro, metric_keys, active: jax.Array, grad_sharding: Any = None):
@@ -159,7 +181,8 @@ def apply_if_finite(optimizer: optax.GradientTransformation, state: TrainState, 
 
 def make_train_step(model_config, algo: AlgorithmSection, optimizer: optax.GradientTransformation, *,
                     micro_batch_size: int, state_sharding: Any = None, batch_sharding: Any = None, seed: int = 0,
-                    frozen: Any = None, frozen_sharding: Any = None, lora_scale: float = 1.0):
+                    frozen: Any = None, frozen_sharding: Any = None, lora_scale: float = 1.0,
+                    distill_coef: float = 1.0):
     """Build `step(state, batch, denom) -> (state, metrics)`: one optimizer update on a mini-batch.
 
     Clip-Cov draws its tokens with `fold_in(PRNGKey(seed), state.step)`: a new draw each update.
@@ -178,6 +201,10 @@ def make_train_step(model_config, algo: AlgorithmSection, optimizer: optax.Gradi
     adapters (`models.lora`) and the loss reads the policy `lora.attach(frozen, adapters, lora_scale)`:
     gradients, their clipping and the optimizer state cover the adapters alone, and the base is only read
     (never donated, so it can also serve as the reference policy).
+
+    A batch with the teacher's top-K fields (and its `batch_sharding` with them, `layout.sharding_of`) adds
+    `distill_coef` x the top-K distillation loss (`loss_fn`) and the metrics distill_topk_loss and topk_coverage
+    (the mean over response tokens of the student's mass on the teacher's top K).
     """
     replicated = _replicated(state_sharding, batch_sharding)
     micro_sharding = micro_shardings(batch_sharding)
@@ -196,16 +223,20 @@ def make_train_step(model_config, algo: AlgorithmSection, optimizer: optax.Gradi
 
         def trained_loss(params, mb, mb_selected):  # differentiated in the state's params only (LoRA: adapters)
             policy = params if base is None else lora.attach(base, params, lora_scale)
-            return loss_fn(policy, model_config, algo, mb, denom, mb_selected)
+            return loss_fn(policy, model_config, algo, mb, denom, mb_selected, distill_coef)
 
         grad_fn = jax.value_and_grad(trained_loss, has_aux=True)
-        loss, msum, grads = summed_grads(grad_fn, state.params, (micro, micro_selected), METRIC_SUMS,
+        topk = batch.teacher_ids is not None
+        loss, msum, grads = summed_grads(grad_fn, state.params, (micro, micro_selected),
+                                         METRIC_SUMS + TOPK_SUMS if topk else METRIC_SUMS,
                                          has_tokens(micro), None if state_sharding is None else state_sharding.params)
         new_state, grad_norm, finite = apply_if_finite(optimizer, state, grads, loss)
         tokens = jnp.maximum(msum["tokens"], 1.0)
         metrics = {"loss": loss, "policy_loss": msum["policy_loss"], "kl": msum["kl"], "entropy": msum["entropy"],
                    "clip_fraction": msum["clip_fraction"] / tokens, "grad_norm": grad_norm,
                    "finite": finite.astype(jnp.float32)}
+        if topk:
+            metrics.update(distill_topk_loss=msum["distill_topk_loss"], topk_coverage=msum["topk_coverage"] / tokens)
         return new_state, metrics
 
     if frozen is None:
@@ -242,7 +273,7 @@ def make_logprob_fn(model_config, *, micro_batch_size: int | None = None, param_
 
 def jit_packed_pass(fn, *, micro_batch_size: int | None = None, param_sharding: Any = None,
                     batch_sharding: Any = None):
-    """`fn(params, batch) -> [G, ...]` jitted. With `micro_batch_size` (smaller than the batch) it runs on
+    """`fn(params, batch) -> [G, ...]` (or a tuple of them) jitted. With `micro_batch_size` (smaller than the batch) it runs on
     `split_micro`'s micro-batches one after another (`lax.map`: the memory of one micro-batch's pass, as in the
     train step), a micro-batch without a response token is skipped (its rows get 0), and the rows come back in
     the batch's order. With shardings, params and batch are taken as placed and the result comes back
@@ -263,13 +294,16 @@ def jit_packed_pass(fn, *, micro_batch_size: int | None = None, param_sharding: 
             micro = jax.lax.with_sharding_constraint(micro, micro_sharding)
         out_shape = jax.eval_shape(fn, params, jax.tree_util.tree_map(lambda x: x[0], micro))
 
+        def zeros(_):
+            return jax.tree_util.tree_map(lambda o: jnp.zeros(o.shape, o.dtype), out_shape)
+
         def each(inputs):
             mb, on = inputs
-            return jax.lax.cond(on, lambda b: fn(params, b), lambda _: jnp.zeros(out_shape.shape, out_shape.dtype),
-                                mb)
+            return jax.lax.cond(on, lambda b: fn(params, b), zeros, mb)
 
         out = jax.lax.map(each, (micro, has_tokens(micro)))  # [micro-batches, micro_batch_size, ...]
-        return jnp.swapaxes(out, 0, 1).reshape(rows, *out.shape[2:])  # split_micro's inverse
+        return jax.tree_util.tree_map(  # split_micro's inverse
+            lambda x: jnp.swapaxes(x, 0, 1).reshape(rows, *x.shape[2:]), out)
 
     if replicated is None:
         return jax.jit(run)
