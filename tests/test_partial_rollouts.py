@@ -260,3 +260,48 @@ def test_config_errors_name_the_key():
     with pytest.raises(ConfigError, match="rollouts.mode.*dynamic_sampling"):
         load_config(None, ["rollouts.mode=partial", "algorithm.dynamic_sampling=true"])
     assert load_config(None, ["rollouts.mode=partial"]).rollouts.partial_lag == 1
+
+
+class _Tokenizer:
+    def decode(self, ids, skip_special_tokens=True):
+        return " ".join(str(i) for i in ids)
+
+
+def test_score_groups_lays_out_a_steps_batch():
+    from jaxrl_llm.train.partial_rollouts import score_groups
+
+    groups = [Group(record={"answer": str(a)}, index=a, tokens=np.array([[7, 8, 0], [9, 0, 0]], np.int32) + a,
+                    logprobs=np.array([[-0.5, -1.0, 0.0], [-2.0, 0.0, 0.0]], np.float32),
+                    lengths=np.array([2, 1]), stopped=np.ones(2, bool), versions=np.zeros((2, 3), np.int32))
+              for a in (0, 1)]
+    seen = []
+
+    def scorer(texts, golds, lengths):
+        seen.append((texts, golds, list(lengths)))
+        return np.array([t.startswith("7") for t in texts]), np.array([float(len(t)) for t in texts], np.float32)
+
+    scored = score_groups(groups, _Tokenizer(), scorer)
+    assert seen == [(["7 8", "9", "8 9", "10"], ["0", "0", "1", "1"], [2, 1, 2, 1])]
+    np.testing.assert_array_equal(scored.prompt_index, [0, 0, 1, 1])
+    np.testing.assert_array_equal(scored.mask, [[1, 1, 0], [1, 0, 0]] * 2)
+    np.testing.assert_array_equal(scored.rewards, [3, 1, 3, 2])
+    np.testing.assert_array_equal(scored.correct, [True, False, False, False])
+    assert scored.records == [{"answer": "0"}, {"answer": "1"}] and scored.logprobs[1, 0] == -2.0
+
+
+def test_mixed_filter_keeps_groups_whose_rewards_differ():
+    from types import SimpleNamespace
+
+    from jaxrl_llm.train.loop import filter_mixed
+    from jaxrl_llm.train.rollouts import ScoredRollouts
+
+    scored = ScoredRollouts(records=[{"a": 0}, {"a": 1}, {"a": 2}], prompt_index=np.repeat(np.arange(3), 2),
+                            tokens=np.zeros((6, 2), np.int32), mask=np.ones((6, 2), np.float32),
+                            logprobs=np.zeros((6, 2), np.float32), lengths=np.full(6, 2),
+                            rewards=np.array([1, 1, 0, 1, 0, 0], np.float32), correct=np.zeros(6, bool))
+    run = SimpleNamespace(config=SimpleNamespace(algorithm=SimpleNamespace(group_filter="mixed")))
+    kept, filtered = filter_mixed(run, scored)
+    assert filtered == 2 and kept.records == [{"a": 1}]
+    np.testing.assert_array_equal(kept.rewards, [0, 1])
+    run.config.algorithm.group_filter = "none"
+    assert filter_mixed(run, scored) == (scored, 0)
