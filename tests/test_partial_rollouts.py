@@ -305,3 +305,11 @@ def test_mixed_filter_keeps_groups_whose_rewards_differ():
     np.testing.assert_array_equal(kept.rewards, [0, 1])
     run.config.algorithm.group_filter = "none"
     assert filter_mixed(run, scored) == (scored, 0)
+
+
+def test_prompts_that_do_not_fit_are_refused(scripted):
+    config, versions = scripted
+    with pytest.raises(ValueError, match="prompt of 17 tokens does not fit.*prompt bucket of 16"):
+        _sampler(config, next_records=lambda: [{"prompt_ids": [1] * 17}] * 3, prompt_bucket=16).segment(versions[0], 0)
+    with pytest.raises(ValueError, match="prompt of 9 tokens \\+ max_new_tokens \\(60\\) exceeds max_position_embeddings"):
+        _sampler(config, next_records=lambda: [{"prompt_ids": [1] * 9}] * 3, max_new_tokens=60).segment(versions[0], 0)

@@ -123,7 +123,11 @@ class PartialSampler:
             ids = np.asarray(record["prompt_ids"], np.int32)
             if not 0 < ids.size <= self.prompt_bucket:
                 raise ValueError(f"partial rollouts: a prompt of {ids.size} tokens does not fit the sampler's "
-                                 f"prompt bucket of {self.prompt_bucket} tokens")
+                                 f"prompt bucket of {self.prompt_bucket} tokens (data.max_prompt_tokens)")
+            if ids.size + self.max_new_tokens > self.config.max_position_embeddings:
+                raise ValueError(f"partial rollouts: a prompt of {ids.size} tokens + max_new_tokens "
+                                 f"({self.max_new_tokens}) exceeds max_position_embeddings "
+                                 f"({self.config.max_position_embeddings})")
             tokens[j, :ids.size], lengths[j], counts[j] = ids, ids.size, self.n
         starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
         return continuous.PromptQueue(jnp.asarray(tokens), jnp.asarray(lengths), jnp.asarray(counts),
