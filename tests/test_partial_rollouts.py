@@ -75,6 +75,27 @@ def test_endless_queue_draws_what_one_continuous_call_draws(tiny):
     assert sampler.admitted - len(sampler.records) >= 4  # the queue shifted: its front is past the first prompts
 
 
+def test_refresh_with_the_same_weights_recomputes_the_same_caches(tiny):
+    """`refresh_slots` recomputes the prompt entries and the busy slots' next logits: with unchanged weights, what
+    the decode loop had computed (to f32 rounding: the prefill and the decode step are different programs)."""
+    config, params = tiny
+    sampler = _sampler(config, stop_ids=(5,))
+    for _ in range(3):
+        sampler.segment(params, 0)
+    state = sampler.state
+    keep = {name: np.array(getattr(state, name)) for name in ("logits", "slot_sample", "entry_left")}
+    keep["last_logits"] = np.array(state.prompts.last_logits)
+    keep["keys"] = np.array(state.prompts.keys[0])
+    refreshed = continuous.refresh_slots(params, config, None, state, sampler._queue(sampler.records),
+                                         sampler.arguments[0], prefill_chunk=sampler.chunk)
+    busy, live = keep["slot_sample"] >= 0, keep["entry_left"] > 0
+    assert busy.any() and live.any()
+    np.testing.assert_allclose(np.array(refreshed.logits)[busy], keep["logits"][busy], atol=1e-4, rtol=0)
+    np.testing.assert_allclose(np.array(refreshed.prompts.last_logits)[live], keep["last_logits"][live], atol=1e-4,
+                               rtol=0)
+    np.testing.assert_allclose(np.array(refreshed.prompts.keys[0])[live], keep["keys"][live], atol=1e-4, rtol=0)
+
+
 def test_shift_slots_moves_rows_entries_and_numbers():
     config = ModelConfig(vocab_size=16, hidden_size=8, intermediate_size=8, num_layers=1, num_heads=2,
                          num_kv_heads=1, head_dim=4)
@@ -158,9 +179,9 @@ def _token_versions(groups: list[Group]) -> tuple[np.ndarray, np.ndarray]:
     return np.concatenate([g.tokens for g in groups])[on], np.concatenate([g.versions for g in groups])[on]
 
 
-@pytest.mark.parametrize("lag", [0, 1, 2])
-def test_every_token_records_the_version_that_wrote_it(scripted, lag):
-    batches, infos, segments, _ = _schedule(scripted, lag=lag, max_staleness=6)
+@pytest.mark.parametrize("lag,recompute", [(0, False), (1, False), (2, False), (1, True)])
+def test_every_token_records_the_version_that_wrote_it(scripted, lag, recompute):
+    batches, infos, segments, _ = _schedule(scripted, lag=lag, max_staleness=6, recompute=recompute)
     # the schedule: segment s decodes with version max(0, r(s) - lag), r(s) the batch it fills
     assert all(version == max(0, filling - lag) for version, filling in segments)
     versions_used = {v for v, _ in segments}
@@ -194,6 +215,16 @@ def test_staleness_never_exceeds_the_bound(scripted, redraw):
         taken = [g.record["answer"] for gs in batches.values() for g in gs]
         indices = [g.index for gs in batches.values() for g in gs]
         assert len(taken) == len(set(taken)) and max(indices) >= len(set(taken))
+
+
+def test_recomputed_caches_draw_the_next_token_with_the_new_version(scripted):
+    kept, _, _, _ = _schedule(scripted, lag=1, max_staleness=6)
+    recomputed, _, _, _ = _schedule(scripted, lag=1, max_staleness=6, recompute=True)
+    for step in kept:  # a row's first token after a version change: the old version's, or with recompute the new
+        old = [v for g in kept[step] for v in g.versions.ravel() if v >= 0]
+        new = [v for g in recomputed[step] for v in g.versions.ravel() if v >= 0]
+        assert len(old) == len(new) and sum(new) >= sum(old)
+    assert any(sum(g.versions.sum() for g in recomputed[t]) > sum(g.versions.sum() for g in kept[t]) for t in kept)
 
 
 def test_the_schedule_does_not_depend_on_the_threads_timing(scripted):
@@ -311,5 +342,6 @@ def test_prompts_that_do_not_fit_are_refused(scripted):
     config, versions = scripted
     with pytest.raises(ValueError, match="prompt of 17 tokens does not fit.*prompt bucket of 16"):
         _sampler(config, next_records=lambda: [{"prompt_ids": [1] * 17}] * 3, prompt_bucket=16).segment(versions[0], 0)
-    with pytest.raises(ValueError, match="prompt of 9 tokens \\+ max_new_tokens \\(60\\) exceeds max_position_embeddings"):
+    too_long = "prompt of 9 tokens \\+ max_new_tokens \\(60\\) exceeds max_position_embeddings"
+    with pytest.raises(ValueError, match=too_long):
         _sampler(config, next_records=lambda: [{"prompt_ids": [1] * 9}] * 3, max_new_tokens=60).segment(versions[0], 0)

@@ -341,6 +341,9 @@ class RolloutsSection:
     partial_lag: int = 1  # partial: a segment decodes with version max(0, r - lag), r the batch it fills
     segment_iterations: int = 16  # partial: decode iterations per segment (versions change between segments)
     stale: str = "drop"  # partial: a group over max_staleness is dropped (counted) or its prompt redrawn ("redraw")
+    # partial: at a version change, the KV caches of the prompts and responses in flight recomputed under the new
+    # weights (a prefill of the live prompts and one decode step per token so far); false keeps them
+    recompute_cache: bool = False
     # async: the last n devices sample (on their own mesh, rollouts.sampler_mesh) and the others train (train.mesh);
     # the weights go to the sampler's devices after every update. 0: both share every device.
     sampler_devices: int = 0

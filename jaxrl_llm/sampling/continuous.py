@@ -427,6 +427,52 @@ def shift_slots(state: SlotState, prompts: jax.Array, rows: jax.Array, pad_id: j
         first_row=state.first_row + rows)
 
 
+@functools.partial(jax.jit, static_argnames=("config", "mesh", "prefill_chunk"), donate_argnames=("state",))
+def refresh_slots(params, config: ModelConfig, mesh: Mesh | None, state: SlotState, queue_prompts: PromptQueue,
+                  sample_prompt: jax.Array, *, prefill_chunk: int) -> SlotState:
+    """The caches recomputed with `params` (new weights for the samples in flight): every prompt entry prefilled
+    again from the queue prompt it holds, `prefill_chunk` at a time, and every busy slot's tokens so far fed again,
+    one decode step per position for all slots together, so its response cache and its next token's logits are
+    those `params` compute. Tokens, log-probs and random numbers stay. Costs a prefill of the entries and
+    max(slot_step) decode steps."""
+    layers = unstack_layers(params)
+    entries, queue = state.entry_left.shape[0], queue_prompts.tokens.shape[0]
+    index = jnp.arange(queue, dtype=jnp.int32)
+    # the newest prefilled prompt of each entry (a freed entry keeps an ended prompt: recomputed, never read)
+    holder = jnp.zeros((entries,), jnp.int32).at[jnp.where(index < state.prefilled, state.entry_of, entries)].max(
+        index, mode="drop")
+
+    def prefill(c, cache: PromptCache) -> PromptCache:
+        rows = jax.lax.dynamic_slice_in_dim(holder, c * prefill_chunk, prefill_chunk)
+        logits, keys, values = prefill_layers(params, layers, config, _constrain(queue_prompts.tokens[rows], mesh),
+                                              queue_prompts.lengths[rows], cache.keys[0].dtype,
+                                              prefill_constraint(mesh))
+
+        def put(old, new):
+            return jax.lax.dynamic_update_slice_in_dim(old, new.astype(old.dtype), c * prefill_chunk, axis=0)
+
+        return PromptCache(tuple(put(o, n) for o, n in zip(cache.keys, keys)),
+                           tuple(put(o, n) for o, n in zip(cache.values, values)),
+                           put(cache.lengths, queue_prompts.lengths[rows]), put(cache.last_logits, logits))
+
+    prompts = jax.lax.fori_loop(0, entries // prefill_chunk, prefill, state.prompts)
+    active = state.slot_sample >= 0
+    sample = jnp.maximum(state.slot_sample, 0)
+    entry = state.entry_of[sample_prompt[sample]]
+    steps = jnp.where(active, state.slot_step, 0)
+
+    def feed(j, carry):
+        logits, response_k, response_v = carry
+        out, cache = decode_step(params, layers, config, state.tokens[sample, j], prompts.lengths[entry],
+                                 jnp.full_like(steps, j), RowCache(prompts.keys, prompts.values, response_k,
+                                                                   response_v), prompt_rows=entry)
+        return jnp.where((j == steps - 1)[:, None], out, logits), cache.response_k, cache.response_v
+
+    logits, response_k, response_v = jax.lax.fori_loop(0, jnp.max(steps), feed, (state.logits, state.response_k,
+                                                                                 state.response_v))
+    return dataclasses.replace(state, prompts=prompts, logits=logits, response_k=response_k, response_v=response_v)
+
+
 def slot_inputs(config: ModelConfig, prompts: list[np.ndarray], counts: np.ndarray, call: CallPlan, *,
                 pad_id: int):
     """((prompt cache, queue, sample_prompt, num_samples), static keywords of `decode_slots`) of the continuous

@@ -82,10 +82,10 @@ class PartialSampler:
     def __init__(self, model_config, *, next_records: Callable[[], list], group_size: int, batch_groups: int,
                  prompt_bucket: int, max_new_tokens: int, segment_iterations: int, temperature: float, top_p: float,
                  top_k: int, stop_ids, pad_id: int, key: jax.Array, slots: int = 0, window: int = 0, mesh=None,
-                 prefill_tokens_per_call: int = 4096):
+                 prefill_tokens_per_call: int = 4096, recompute: bool = False):
         self.config, self.mesh, self.next_records = model_config, mesh, next_records
         self.n, self.max_new_tokens, self.pad_id = group_size, max_new_tokens, pad_id
-        self.segment_iterations = segment_iterations
+        self.segment_iterations, self.recompute = segment_iterations, recompute
         multiple = row_multiple(mesh)
         self.prompt_bucket = bucket_size(prompt_bucket, minimum=16)
         self.slots = slot_count(default_slots(batch_groups * group_size, slots or None), batch_groups * group_size,
@@ -104,14 +104,15 @@ class PartialSampler:
         self.state = continuous.start_slots(model_config, cache, self._queue([]), self.arguments[0],
                                             jnp.int32(pad_id), slots=self.slots, new_token_bucket=self.width)
         # host books, one entry per queue place / row: the prompts, the version that prefilled each, whether its
-        # group was handed over; per row the tokens so far and the version of the segment that picked each
+        # group was handed over; per row the tokens so far and the version of the logits each was drawn from
         self.records: list[dict] = []
         self.admitted = 0  # prompts admitted since the start (the first queued prompt is admitted - len(records))
         self.buffer: deque = deque()  # prompts read from the stream and not yet admitted (redrawn ones first)
         self.prefill_version = np.full(self.window, -1, np.int32)
         self.handed = np.zeros(self.window, bool)
         self.lengths = np.zeros(rows, np.int32)
-        self.picked = np.full((rows, self.width), -1, np.int32)
+        self.drawn = np.full((rows, self.width), -1, np.int32)
+        self.version = -1  # the version of the last segment
         self.segments = 0
         self.slot_steps = self.useful = 0  # slot-steps decoded and tokens picked, since the start
 
@@ -149,15 +150,19 @@ class PartialSampler:
         self._admit()
         queue = self._queue(self.records)
         before, prefilled = self.lengths, int(self.state.prefilled)
+        refreshed = self.recompute and 0 <= self.version != version
+        if refreshed:  # the caches and the slots' next logits recomputed under the new weights
+            self.state = continuous.refresh_slots(params, self.config, self.mesh, self.state, queue,
+                                                  self.arguments[0], prefill_chunk=self.chunk)
+            self.prefill_version[:prefilled] = version
         iterations = int(self.state.iterations)
         self.state = continuous.run_slots(params, self.config, self.mesh, self.state, queue, *self.arguments,
                                           slots=self.slots, **self.selection, prefill_chunk=self.chunk,
                                           paired_stops=False, turns=False)
         self.segments += 1
         self.lengths = _host(self.state.lengths)
-        columns = np.arange(self.width)
-        self.picked[(columns >= before[:, None]) & (columns < self.lengths[:, None])] = version
         self.prefill_version[prefilled:int(self.state.prefilled)] = version
+        self._book_versions(before, version, refreshed)
         self.slot_steps += (int(self.state.iterations) - iterations) * self.slots
         self.useful += int((self.lengths - before).sum())
         busy = _host(self.state.slot_sample)
@@ -169,6 +174,18 @@ class PartialSampler:
         self._shift()
         return groups
 
+    def _book_versions(self, before: np.ndarray, version: int, refreshed: bool) -> None:
+        """The version of the logits each token of the segment was drawn from: the segment's own, but for a row's
+        first token of the segment, drawn from logits computed before it (the last segment's, unless recomputed;
+        token 0: its prompt's prefill)."""
+        columns = np.arange(self.width)
+        self.drawn[(columns > before[:, None]) & (columns < self.lengths[:, None])] = version
+        rows = np.flatnonzero(self.lengths > before)
+        prompt_version = self.prefill_version[rows // self.n]
+        self.drawn[rows, before[rows]] = np.where(before[rows] > 0, version if refreshed else self.version,
+                                                  prompt_version)
+        self.version = version
+
     def _hand_over(self, places: np.ndarray) -> list[Group]:
         tokens, logprobs, stopped = (_host(x) for x in (self.state.tokens, self.state.logprobs, self.state.stopped))
         out, first = [], self.admitted - len(self.records)
@@ -176,8 +193,7 @@ class PartialSampler:
             rows = slice(p * self.n, (p + 1) * self.n)
             lengths = self.lengths[rows]
             on = np.arange(self.width)[None, :] < lengths[:, None]
-            versions = np.concatenate([np.full((self.n, 1), self.prefill_version[p], np.int32),
-                                       self.picked[rows, :-1]], axis=1)
+            versions = self.drawn[rows]
             n = self.max_new_tokens
             out.append(Group(record=self.records[p], index=first + int(p), tokens=tokens[rows, :n],
                              logprobs=np.where(on, logprobs[rows], 0.0)[:, :n], lengths=lengths.copy(),
@@ -193,7 +209,7 @@ class PartialSampler:
         rows = d * self.n
         self.state = continuous.shift_slots(self.state, jnp.int32(d), jnp.int32(rows), jnp.int32(self.pad_id))
         self.records = self.records[d:]
-        for name, fill in (("prefill_version", -1), ("handed", False), ("lengths", 0), ("picked", -1)):
+        for name, fill in (("prefill_version", -1), ("handed", False), ("lengths", 0), ("drawn", -1)):
             old = getattr(self, name)
             moved = np.roll(old, -(d if name in ("prefill_version", "handed") else rows), axis=0)
             moved[len(moved) - (d if name in ("prefill_version", "handed") else rows):] = fill
@@ -201,7 +217,7 @@ class PartialSampler:
 
     # ---- saved beside a checkpoint ---------------------------------------------------------------------------
 
-    _HOST = ("prefill_version", "handed", "lengths", "picked")
+    _HOST = ("prefill_version", "handed", "lengths", "drawn")
 
     def state_dict(self) -> tuple[dict[str, np.ndarray], dict]:
         """(arrays, JSON-able books) that `load_state_dict` restores exactly."""
@@ -210,24 +226,27 @@ class PartialSampler:
         arrays.update({name: getattr(self, name).copy() for name in self._HOST})  # the sampler goes on after this
         books = {"records": list(self.records), "buffer": list(self.buffer), "admitted": self.admitted,
                  "segments": self.segments, "slot_steps": self.slot_steps, "useful": self.useful,
+                 "version": self.version,
                  "shape": self._shape()}
         return arrays, books
 
     def _shape(self) -> list[int]:
-        return [self.window, self.n, self.slots, self.width, self.prompt_bucket, self.segment_iterations]
+        return [self.window, self.n, self.slots, self.width, self.prompt_bucket, self.segment_iterations,
+                int(self.recompute)]
 
     def load_state_dict(self, arrays: dict[str, np.ndarray], books: dict) -> None:
         shape = self._shape()
         if books["shape"] != shape:
-            raise ValueError(f"the saved partial sampler has queue, group, slots, width, prompt bucket and segment "
-                             f"{books['shape']}, this run's has {shape}: resume with the checkpoint's settings")
+            raise ValueError(f"the saved partial sampler has queue, group, slots, width, prompt bucket, segment and "
+                             f"recompute {books['shape']}, this run's has {shape}: resume with the checkpoint's "
+                             f"settings")
         leaves, treedef = jax.tree_util.tree_flatten(self.state)
         self.state = jax.tree_util.tree_unflatten(treedef, [jnp.asarray(arrays[f"leaf{i}"], x.dtype)
                                                             for i, x in enumerate(leaves)])
         for name in self._HOST:
             setattr(self, name, np.array(arrays[name]))
         self.records, self.buffer = books["records"], deque(books["buffer"])
-        self.admitted, self.segments = books["admitted"], books["segments"]
+        self.admitted, self.segments, self.version = books["admitted"], books["segments"], books["version"]
         self.slot_steps, self.useful = books["slot_steps"], books["useful"]
 
 
@@ -282,7 +301,7 @@ def make_partial_rollouts(run, start: int, in_flight: dict, *, filter_groups: Ca
                              top_p=sampling.top_p, top_k=sampling.top_k, stop_ids=run.tokenizer.stop_ids,
                              pad_id=run.tokenizer.pad_token_id, key=jax.random.fold_in(
                                  jax.random.PRNGKey(cfg.train.seed), 1 << 30),
-                             slots=sampling.max_slots, mesh=run.sampler_mesh)
+                             slots=sampling.max_slots, mesh=run.sampler_mesh, recompute=section.recompute_cache)
 
     def make_batch(groups, step, info):
         started = time.perf_counter()
