@@ -361,10 +361,12 @@ class DistillSection:
     # "bundled", an HF folder (a run's final/) or a .gguf file. Its vocabulary must be the policy's.
     teacher: str = ""
     adapter: str = ""  # a PEFT adapter folder merged into the teacher's weights (e.g. a LoRA run's final_adapter/)
-    # sampled: the reverse KL of each sampled token as its advantage (top-K distillation,
-    # objectives.topk_distill_loss, is not in the trainer yet)
+    # sampled: the reverse KL of each sampled token as its advantage; topk: the teacher's top_k most likely tokens
+    # at each position, renormalised, against the student's log-softmax there (objectives.topk_distill_loss), a
+    # loss added to the policy loss
     mode: str = "sampled"
-    coef: float = 1.0  # weight of the distillation advantage
+    top_k: int = 16  # topk: the teacher's ids per response position (at most the vocabulary)
+    coef: float = 1.0  # weight of the distillation advantage (sampled) or loss (topk)
     reward: str = "none"  # none: distillation alone, no verifier; add: the algorithm's advantages plus it
     teacher_dtype: str = "float32"  # the teacher's weights: float32, bfloat16 or int8 (projections per channel)
 
@@ -425,7 +427,7 @@ _ALLOWED = {
     ("model", "attention_impl"): set(ATTENTION_IMPLS),
     ("algorithm", "rollout_correction"): {""} | set(objectives.ROLLOUT_CORRECTION_LEVELS),
     ("algorithm", "rollout_correction_mode"): set(objectives.ROLLOUT_CORRECTION_MODES),
-    ("distill", "mode"): {"sampled"},
+    ("distill", "mode"): {"sampled", "topk"},
     ("distill", "reward"): {"none", "add"},
     ("distill", "teacher_dtype"): {"float32", "bfloat16", "int8"},
 }
@@ -763,6 +765,8 @@ def _distill_checks(config: RunConfig) -> list[tuple[str, bool, str]]:
     return [
     ("distill.coef", d.coef > 0, "must be > 0"),
     ("distill.adapter", bool(d.teacher) or not d.adapter, "applies with a distill.teacher"),
+    ("distill.top_k", d.top_k >= 1, "must be >= 1 (the teacher's ids per position of distill.mode topk)"),
+    ("distill.mode", bool(d.teacher) or d.mode == "sampled", "topk applies with a distill.teacher"),
     ("distill.reward", not alone or (algo.group_filter == "none" and not algo.dynamic_sampling),
      "none gives every sample reward 0: it cannot be combined with algorithm.group_filter mixed or "
      "dynamic_sampling (use reward add)"),

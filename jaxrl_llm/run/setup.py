@@ -252,8 +252,9 @@ def setup_run(config: RunConfig, *, policy=None) -> Run:
         config=cfg, model_config=model_config, tokenizer=tokenizer, state=state, ref_params=ref_params,
         optimizer=optimizer,
         train_step=make_train_step(model_config, cfg.algorithm, optimizer, micro_batch_size=cfg.optim.micro_batch_size,
-                                   state_sharding=state_sharding, batch_sharding=batch_sharding,
-                                   seed=cfg.train.seed, **lora_kwargs),
+                                   state_sharding=state_sharding, seed=cfg.train.seed, distill_coef=cfg.distill.coef,
+                                   batch_sharding=batch_sharding if mesh is None or cfg.distill.mode != "topk"
+                                   else batch_shardings(mesh, topk=True), **lora_kwargs),
         logprob_fn=make_logprob_fn(model_config, micro_batch_size=cfg.optim.micro_batch_size,
                                    param_sharding=param_sharding, batch_sharding=batch_sharding),
         data=data_lib.RecordBatches(train_records, loader), eval_records=eval_records,

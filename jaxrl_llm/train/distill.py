@@ -21,7 +21,8 @@ from jaxrl_llm.models.peft_io import load_peft
 from jaxrl_llm.models.sharding import param_shardings
 from jaxrl_llm.run.config import ConfigError, DistillSection
 from jaxrl_llm.run.layout import place
-from jaxrl_llm.train.step import make_logprob_fn
+from jaxrl_llm.train.logprobs import response_topk
+from jaxrl_llm.train.step import jit_packed_pass, make_logprob_fn
 
 
 @dataclasses.dataclass
@@ -31,6 +32,8 @@ class Teacher:
     params: Any
     model_config: Any
     logprob_fn: Callable  # (params, packed TrainBatch) -> log-probs [G, S, R] of the batch's response tokens
+    # distill.mode topk: (params, packed TrainBatch) -> (ids, log-probs) [G, S, R, top_k] (logprobs.response_topk)
+    topk_fn: Callable | None = None
 
 
 def teacher_weights(section: DistillSection, policy_config, policy_params, *, load: Callable,
@@ -82,19 +85,35 @@ def make_teacher(section: DistillSection, policy_config, policy_params, *, load:
         params = place(params, sharding)
     fn = make_logprob_fn(config, micro_batch_size=micro_batch_size, param_sharding=sharding,
                          batch_sharding=batch_sharding)
-    return Teacher(params=params, model_config=config, logprob_fn=fn)
+    topk_fn = None
+    if section.mode == "topk":
+        topk_fn = make_topk_fn(section, config, micro_batch_size=micro_batch_size, param_sharding=sharding,
+                               batch_sharding=batch_sharding)
+    return Teacher(params=params, model_config=config, logprob_fn=fn, topk_fn=topk_fn)
+
+
+def make_topk_fn(section: DistillSection, config, *, micro_batch_size: int | None = None, param_sharding=None,
+                 batch_sharding=None) -> Callable:
+    """The teacher's jitted packed top-K pass `(params, batch) -> (ids, log-probs)` [G, S, R, top_k], in
+    micro-batches like its log-prob pass. A top_k above the vocabulary is a ConfigError naming both."""
+    if section.top_k > config.vocab_size:
+        raise ConfigError(f"config key 'distill.top_k'={section.top_k} must be at most the vocabulary's "
+                          f"{config.vocab_size} tokens")
+    return jit_packed_pass(lambda params, batch: response_topk(params, config, batch, section.top_k),
+                           micro_batch_size=micro_batch_size, param_sharding=param_sharding,
+                           batch_sharding=batch_sharding)
 
 
 def distill_advantages(section: DistillSection, advantages: np.ndarray, sampler_logp: np.ndarray,
                        teacher_logp: np.ndarray, mask: np.ndarray) -> tuple[np.ndarray, dict[str, float]]:
     """([R, N] advantages, metrics) of a rollout batch: coef x (teacher_logp - sampler_logp) on each response
-    token, plus the algorithm's `advantages` with `reward: add` (alone with `none`). Metrics over the response
-    tokens: distill_reverse_kl, the mean of log pi_S - log pi_T (a one-sample estimate of KL(pi_S || pi_T) per
-    token), and teacher_logp, the mean of log pi_T."""
+    token (mode sampled; 0 with topk, whose signal is a loss), plus the algorithm's `advantages` with `reward: add`
+    (alone with `none`). Metrics over the response tokens: distill_reverse_kl, the mean of log pi_S - log pi_T (a
+    one-sample estimate of KL(pi_S || pi_T) per token), and teacher_logp, the mean of log pi_T."""
     term = np.asarray(objectives.reverse_kl_advantages(sampler_logp, teacher_logp, mask), np.float32)
     on = mask != 0
     tokens = max(int(on.sum()), 1)
-    out = np.float32(section.coef) * term
+    out = np.float32(section.coef if section.mode == "sampled" else 0.0) * term
     if section.reward == "add":
         out = out + np.asarray(advantages, np.float32)
     metrics = {"distill_reverse_kl": float(-term[on].sum() / tokens),

@@ -275,6 +275,10 @@ def update_policy(run: Run, scored: ScoredRollouts, step: int) -> dict[str, Any]
         teacher_logp = per_sample_pass(run, run.teacher.logprob_fn, run.teacher.params, scored)
         advantages, distilled = distill_advantages(cfg.distill, advantages, scored.logprobs, teacher_logp, scored.mask)
         out.update(distilled)
+    topk = {}
+    if run.teacher is not None and run.teacher.topk_fn is not None:  # top-K: the teacher's ids, a loss in the step
+        topk = dict(zip(("teacher_ids", "teacher_topk_logp"),
+                        per_sample_pass(run, run.teacher.topk_fn, run.teacher.params, scored)))
     if not use_sampler:  # the trainer's and the sampler's log-probs of the same tokens: their gap, and its correction
         weights, correction = rollout_weights(algo, old_logp, scored.logprobs, scored.mask)
         advantages = advantages if weights is None else advantages * weights
@@ -286,7 +290,7 @@ def update_policy(run: Run, scored: ScoredRollouts, step: int) -> dict[str, Any]
         for batch, denom, _rows in build_train_batches(
                 scored, advantages, old_logp, ref_logp, algo, mini_batches=cfg.optim.mini_batches,
                 micro_batch_size=cfg.optim.micro_batch_size, pad_id=run.tokenizer.pad_token_id, rng=rng,
-                max_row_tokens=cfg.optim.max_row_tokens, old_values=old_values, returns=returns):
+                max_row_tokens=cfg.optim.max_row_tokens, old_values=old_values, returns=returns, **topk):
             placed = run.place_batch(batch)
             run.state, metrics = run.train_step(run.state, placed, np.float32(denom))
             if run.critic is not None:  # the value loss is a token-mean over the mini-batch's response tokens
@@ -314,13 +318,19 @@ def token_logprobs(run: Run, params, scored: ScoredRollouts) -> np.ndarray:
 
 
 def per_sample_pass(run: Run, pass_fn, params, scored: ScoredRollouts) -> np.ndarray:
-    """`pass_fn(params, batch) -> [G, S, R]` over every sample packed by prompt, back per sample [R, N] (0 off the
-    mask)."""
+    """`pass_fn(params, batch) -> [G, S, R, ...]` (or a tuple of them) over every sample packed by prompt, back per
+    sample [N, R, ...] (0 off the mask)."""
     optim = run.config.optim
     batch, groups, order = packed_rollouts(scored, optim.micro_batch_size, run.tokenizer.pad_token_id,
                                            optim.max_row_tokens)
-    out = np.asarray(pass_fn(params, run.place_batch(batch)))
-    return unpack(out[np.argsort(order)], groups, scored.num_samples) * scored.mask
+    out = jax.device_get(pass_fn(params, run.place_batch(batch)))
+    back = np.argsort(order)
+
+    def per_sample(x):
+        x = unpack(np.asarray(x)[back], groups, scored.num_samples)
+        return x * scored.mask.reshape(*scored.mask.shape, *[1] * (x.ndim - 2)).astype(x.dtype)
+
+    return tuple(per_sample(x) for x in out) if isinstance(out, tuple) else per_sample(out)
 
 
 def evaluate_policy(run: Run, label: str, log) -> dict[str, Any]:
@@ -409,7 +419,7 @@ def step_metrics(run: Run, scored: ScoredRollouts, round_info: dict, update: dic
                                   "value_loss", "value_clip_fraction", "value_grad_norm", "explained_variance",
                                   "value_mean", "return_mean", "rollout_mismatch_kl", "rollout_corrected_fraction",
                                   "rollout_weight_mean", "rollout_ratio_min", "rollout_ratio_max", "distill_reverse_kl",
-                                  "teacher_logp") if k in update},
+                                  "teacher_logp", "distill_topk_loss", "topk_coverage") if k in update},
         "updates": update["updates"], "skipped_update": 0 if update["finite"] else 1,
         **{f"time_{k}": v for k, v in times.items()},
         **slot_occupancy(round_info),  # continuous engine: useful / decoded slot-steps of the step's sampler calls

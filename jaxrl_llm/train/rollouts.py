@@ -347,20 +347,23 @@ def _pack_prompts(scored: ScoredRollouts, prompt_indices, groups: list[np.ndarra
 def build_train_batches(scored: ScoredRollouts, advantages: np.ndarray, old_logp: np.ndarray, ref_logp: np.ndarray,
                         algo: AlgorithmSection, *, mini_batches: int, micro_batch_size: int, pad_id: int,
                         rng: np.random.Generator, seq_multiple: int = 32, max_row_tokens: int = 0,
-                        old_values: np.ndarray | None = None,
-                        returns: np.ndarray | None = None) -> list[tuple[TrainBatch, float, int]]:
+                        old_values: np.ndarray | None = None, returns: np.ndarray | None = None,
+                        teacher_ids: np.ndarray | None = None,
+                        teacher_topk_logp: np.ndarray | None = None) -> list[tuple[TrainBatch, float, int]]:
     """Split the prompts into `mini_batches` shuffled mini-batches of packed rows (one row per prompt
     holding its responses, large groups split by `row_groups`) -> [(TrainBatch, denom, samples)].
 
     `denom` is the aggregation denominator of the whole mini-batch, computed before samples whose every
     advantage is 0 are dropped (they add nothing to the policy gradient when the KL and entropy terms
     are off: RAFT's rejected samples, groups that all agree), so dropping them leaves the update exact.
-    With a critic (`old_values` and `returns` [R, N], PPO) every sample is kept: the value loss needs them all.
+    With a critic (`old_values` and `returns` [R, N], PPO) every sample is kept: the value loss needs them all, and
+    so with the teacher's top-K ids and log-probs [N, R, K] (`distill.mode` topk), whose loss needs every token.
     The rows are ordered for the train step's micro-batches of `micro_batch_size` rows (`packing.micro_batch_order`):
     the packer's padding rows (up to the power-of-two row count) fill whole micro-batches, which the step skips.
     """
     groups = prompt_groups(scored)
-    drop_zero = algo.kl_coef == 0 and algo.entropy_coef == 0 and returns is None
+    drop_zero = algo.kl_coef == 0 and algo.entropy_coef == 0 and returns is None and teacher_ids is None
+    topk = {} if teacher_ids is None else dict(teacher_ids=teacher_ids, teacher_topk_logp=teacher_topk_logp)
     mstep = algo.agg in objectives.PROMPT_MEAN_MODES
     out = []
     for part in np.array_split(rng.permutation(len(groups)), mini_batches):
@@ -379,7 +382,7 @@ def build_train_batches(scored: ScoredRollouts, advantages: np.ndarray, old_logp
         batch, _, _ = _pack_prompts(scored, part, members, micro_batch_size=micro_batch_size, pad_id=pad_id,
                                     seq_multiple=seq_multiple, max_row_tokens=max_row_tokens,
                                     advantages=advantages, old_logp=old_logp, ref_logp=ref_logp,
-                                    old_values=old_values, returns=returns)
+                                    old_values=old_values, returns=returns, **topk)
         out.append((batch, denom, kept))
     return out
 
