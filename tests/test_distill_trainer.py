@@ -25,7 +25,7 @@ def test_distill_is_off_by_default_and_its_keys_are_checked():
         (["distill.teacher=policy", "algorithm.dynamic_sampling=true"], "'distill.reward' none gives every sample"),
         (["distill.teacher=policy", "sampling.allocation=gvm"], "'distill.reward' none cannot be combined with sampl"),
         (["distill.teacher=policy", "algorithm.advantage=gae"], "'distill.reward' none cannot be combined with algo"),
-        (["distill.mode=topk"], r"'distill.mode' must be one of \['sampled'\], got 'topk'"),
+        (["distill.mode=greedy"], r"'distill.mode' must be one of \['sampled', 'topk'\], got 'greedy'"),
         (["distill.coef=0"], "'distill.coef' must be > 0, got 0.0"),
         (["distill.adapter=some/folder"], "'distill.adapter' applies with a distill.teacher"),
         (["distill.teacher_dtype=int8", "train.mesh=fsdp=1"], "'distill.teacher_dtype' int8"),
