@@ -1,4 +1,5 @@
 import json
+import os
 
 import jax
 import jax.numpy as jnp
@@ -101,6 +102,38 @@ def test_metrics_jsonl_and_tensorboard(tmp_path):
     (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 0}) + "\n{oops\n")
     with pytest.raises(ValueError, match=r"metrics.jsonl:2"):
         read_metrics(tmp_path)
+
+
+def test_metrics_writer_writes_tensorboard_scalars_without_importing_torch(tmp_path):
+    """A training process on a machine with torch installed (the test extra) does not pay torch's import for
+    TensorBoard scalars; the events hold the value written, and torch stays importable afterwards."""
+    import subprocess
+    import sys
+
+    code = f"""
+import struct, sys
+from jaxrl_llm.run.metrics import MetricsWriter
+writer = MetricsWriter({str(tmp_path)!r})
+writer.write(7, {{"reward": 0.625}})
+writer.close()
+print("torch" in sys.modules)
+from tensorboardX.proto.event_pb2 import Event
+import pathlib
+data = next(pathlib.Path({str(tmp_path)!r}, "tensorboard").iterdir()).read_bytes()
+values = []
+while data:
+    (length,) = struct.unpack("<Q", data[:8])
+    event = Event.FromString(data[12:12 + length])
+    values += [(event.step, v.tag, v.simple_value) for v in event.summary.value]
+    data = data[12 + length + 4:]
+print(values)
+import importlib.util
+print(importlib.util.find_spec("torch") is None or __import__("torch").__name__ == "torch")
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split("\n")[:3] == ["False", "[(7, 'reward', 0.625)]", "True"], out.stdout
 
 
 def test_sampling_sd_by_hand():

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import pathlib
+import sys
 from typing import Any
 
 import jax
@@ -21,9 +22,7 @@ class MetricsWriter:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self._jsonl = open(self.run_dir / "metrics.jsonl", "a", encoding="utf-8")
         if tensorboard:
-            from tensorboardX import SummaryWriter
-
-            self._tb = SummaryWriter(str(self.run_dir / "tensorboard"))
+            self._tb = _summary_writer_class()(str(self.run_dir / "tensorboard"))
 
     def write(self, step: int, metrics: dict[str, Any]) -> None:
         if not self.enabled:
@@ -42,6 +41,23 @@ class MetricsWriter:
             self._jsonl.close()
             if self._tb is not None:
                 self._tb.close()
+
+
+def _summary_writer_class():
+    """tensorboardX's SummaryWriter, imported without torch: tensorboardX imports torch whenever it is installed
+    (2.5-4 s, in every training process of a machine with the test extra) only to accept torch tensors, and this
+    writer passes Python floats. A `None` entry in `sys.modules` makes that `import torch` fail as if torch were
+    absent; the entry is removed again, so torch stays importable by anything else. Where torch is already
+    imported, tensorboardX takes it as it is."""
+    hide = "torch" not in sys.modules
+    if hide:
+        sys.modules["torch"] = None
+    try:
+        from tensorboardX import SummaryWriter
+    finally:
+        if hide:
+            del sys.modules["torch"]
+    return SummaryWriter
 
 
 def _plain(value: Any) -> Any:
