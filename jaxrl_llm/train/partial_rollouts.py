@@ -15,8 +15,10 @@ stream draws token t with the numbers fold_in(fold_in(key, k), t), wherever it s
 Versions. Segment s decodes with exactly version w(s) = max(0, r(s) - L), where r(s) is the step whose batch the
 sampler fills when s starts (batches completed before it) and L = `rollouts.partial_lag`; it waits until that version
 is published. A token's version is that of the weights that computed the logits it was drawn from: the segment that
-fed the token before it, or for token 0 the segment that prefilled its prompt. So the versions used, the tokens and
-the batches are functions of the seed alone, whatever the threads' timing: a rerun reproduces every batch bitwise.
+fed the token before it, or for token 0 the segment that prefilled its prompt. With `rollouts.recompute_cache` the
+caches in flight are recomputed under each new version (`continuous.refresh_slots`) before the segment that first
+reads it, and a row's next token is that version's. So the versions used, the tokens and the batches are functions
+of the seed alone, whatever the threads' timing: a rerun reproduces every batch bitwise.
 A batch of step t has staleness t - v >= L on its newest tokens; a group whose oldest token is more than
 `rollouts.max_staleness` versions old when it is handed over is dropped (counted in `dropped_stale`) or, with
 `rollouts.stale: redraw`, its prompt goes back to the queue's next free place and is drawn again.
