@@ -261,7 +261,8 @@ def build_parser() -> argparse.ArgumentParser:
     compile_.add_argument("--json", metavar="OUT", default=None, help="write the table as JSON here")
     compile_.add_argument("--programs", metavar="NAMES", default=None,
                           help="only these of the run's programs, comma-separated (train_step, logprob_pass, "
-                               "critic_step, gvm_grad_norms, sampler_prefill, sampler_decode, sampler_continuous)")
+                               "teacher_pass, critic_step, gvm_grad_norms, sampler_prefill, sampler_decode, "
+                               "sampler_continuous)")
     compile_.add_argument("overrides", nargs="*", metavar="section.key=value")
     compile_.set_defaults(run=_cmd_compile)
     evaluation = commands.add_parser("eval", help="avg@k / pass@k / maj@k of a model on benchmark sets")

@@ -370,3 +370,43 @@ def test_gpu_decode_reads_every_response_tile_in_fewer_kernels():
     assert decoder.GPU_DECODE_READS == "every"
     assert decode["every"].conditionals == 0 and decode["reached"].conditionals == TINY.num_layers, decode
     assert decode["every"].kernels < decode["reached"].kernels, decode
+
+
+@needs_plugin
+def test_distillation_teacher_pass_and_topk_step_compile():
+    """`jaxrl-llm compile` of a distillation run: the teacher's pass (distill.mode topk: its top-K pass) with the
+    teacher's weights in bfloat16 (its arguments: 2 bytes a parameter and the packed rollouts), and the train step
+    on mini-batches that carry the teacher's top_k ids and log-probs [rows, S, R, K] (absent without topk)."""
+    import jax
+
+    from jaxrl_llm.models.model import init_params
+    from jaxrl_llm.run.config import load_config
+    from jaxrl_llm.run.shapes import step_shapes
+
+    base = ["sampling.max_new_tokens=8", "data.max_prompt_tokens=16", "optim.micro_batch_size=2",
+            "sampling.prompts_per_step=4", "train.mesh=fsdp=1", "distill.teacher=some/folder"]
+    cfg = load_config(CONFIGS / "grpo.yaml", base + ["distill.mode=topk", "distill.top_k=8",
+                                                     "distill.teacher_dtype=bfloat16"])
+    result = aot.compile_run(cfg, "h200-1", model_config=TINY, only=("train_step", "teacher_pass"))
+    table = aot.format_report(result)
+    assert [p.name for p in result["programs"]] == ["train_step", "teacher_pass"], table
+    assert all(p.fits and not p.error for p in result["programs"]), table
+    shapes = step_shapes(cfg, {"data": 1, "fsdp": 1, "tensor": 1})
+    batch = aot.batch_shapes(cfg, shapes)
+    rows, slots = result["rows"], shapes.responses_per_row
+    assert batch.teacher_ids.shape == batch.teacher_topk_logp.shape == (rows, slots, 8, 8)
+    assert result["programs"][0].argument_bytes > 8 * rows * slots * 8 * 8, table  # the top-K fields are read
+    # mode sampled, a float32 teacher: the teacher's weights at 4 bytes a parameter, and the packed rollouts with the
+    # response tokens (the top-K pass reads no target): [rows, S, R] int32 more
+    cfg = load_config(CONFIGS / "grpo.yaml", base)
+    (sampled,) = aot.compile_run(cfg, "h200-1", model_config=TINY, only=("teacher_pass",))["programs"]
+    elements = sum(leaf.size for leaf in jax.tree_util.tree_leaves(
+        jax.eval_shape(lambda: init_params(TINY, jax.random.PRNGKey(0)))))
+    topk_pass = result["programs"][1]
+    assert sampled.argument_bytes - topk_pass.argument_bytes == 2 * elements + 4 * rows * slots * 8, table
+    assert topk_pass.output_bytes >= 8 * rows * slots * 8 * 8 > sampled.output_bytes, table  # ids + log-probs
+    assert (topk_pass.estimate_bytes, sampled.estimate_bytes) == (2 * elements, 4 * elements), table  # the teacher
+    est = result["estimate"]  # beside it: the trainer's state and the KL reference (grpo.yaml's kl_coef)
+    assert est["reference"] > 0 and topk_pass.resident_bytes == est["params"] + est["optimizer"] + est["reference"]
+    no_topk = aot.batch_shapes(cfg, shapes)
+    assert no_topk.teacher_ids is None and no_topk.teacher_topk_logp is None

@@ -8,6 +8,7 @@ Programs compiled (the ones a run's step spends its memory in, built by the same
   train_step      the policy update on one mini-batch of packed rows (LoRA: adapters over the frozen, possibly
                   quantized base)
   logprob_pass    the old/reference log-prob pass over the same rows
+  teacher_pass    on-policy distillation's teacher pass over them (distill.teacher; its top-K pass with mode topk)
   sampler_prefill the static engine's prefill of one sampler call (the worst case: every prompt at
   sampler_decode  data.max_prompt_tokens, every sample to max_new_tokens) and its decode loop
   sampler_continuous  the continuous engine's decode loop (its prefill inside), instead of the two above
@@ -43,7 +44,7 @@ from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.model import init_params
 from jaxrl_llm.models.sharding import make_mesh, param_shardings
 from jaxrl_llm.run.config import RunConfig, uses_critic
-from jaxrl_llm.run.layout import batch_shardings, check_mesh_fits, split_devices
+from jaxrl_llm.run.layout import batch_shardings, check_mesh_fits, sharding_of, split_devices
 from jaxrl_llm.run.setup import runtime_model_config, sampler_weights
 from jaxrl_llm.run.shapes import StepShapes, step_shapes
 from jaxrl_llm.run.state import init_state, make_optimizer, state_shardings
@@ -57,19 +58,24 @@ def _abstract(tree, shardings):
 
 def batch_shapes(cfg: RunConfig, shapes: StepShapes) -> TrainBatch:
     """ShapeDtypeStructs of a train-step mini-batch of `shapes.mini_batch_rows` packed rows of `shapes.row_length`
-    tokens, each a prompt and its responses in `shapes.responses_per_row` slots of max_new_tokens."""
+    tokens, each a prompt and its responses in `shapes.responses_per_row` slots of max_new_tokens (with
+    `distill.mode` topk also the teacher's top_k ids and log-probs at each response position)."""
     rows = shapes.mini_batch_rows
     per_row = (rows, shapes.row_length)
     per_slot = (rows, shapes.responses_per_row, cfg.sampling.max_new_tokens)
     i32, f32 = jnp.int32, jnp.float32
+    topk = {}
+    if cfg.distill.teacher and cfg.distill.mode == "topk":  # the teacher's top-K ids and log-probs
+        per_id = (*per_slot, cfg.distill.top_k)
+        topk = dict(teacher_ids=jax.ShapeDtypeStruct(per_id, i32), teacher_topk_logp=jax.ShapeDtypeStruct(per_id, f32))
     return TrainBatch(tokens=jax.ShapeDtypeStruct(per_row, i32), positions=jax.ShapeDtypeStruct(per_row, i32),
                       segments=jax.ShapeDtypeStruct(per_row, i32), pred_index=jax.ShapeDtypeStruct(per_slot, i32),
                       response_tokens=jax.ShapeDtypeStruct(per_slot, i32),
-                      **{name: jax.ShapeDtypeStruct(per_slot, f32) for name in TrainBatch._fields[5:]})
+                      **{name: jax.ShapeDtypeStruct(per_slot, f32) for name in TrainBatch._fields[5:11]}, **topk)
 
 
-PROGRAMS = ("train_step", "logprob_pass", "critic_step", "gvm_grad_norms", "sampler_prefill", "sampler_decode",
-            "sampler_continuous")
+PROGRAMS = ("train_step", "logprob_pass", "teacher_pass", "critic_step", "gvm_grad_norms", "sampler_prefill",
+            "sampler_decode", "sampler_continuous")
 
 
 def compile_run(cfg: RunConfig, topology: str | Topology, *, model_config: ModelConfig | None = None,
@@ -93,9 +99,11 @@ def compile_run(cfg: RunConfig, topology: str | Topology, *, model_config: Model
     shapes = step_shapes(cfg, mesh, sampler_mesh)
     estimate = run_estimate(cfg, shapes.mesh, model_config=model_config, platform=_estimate_platform(topo))
     rows = shapes.mini_batch_rows
-    batch = batch_shapes(cfg, shapes)
-    batch_sharding = batch_shardings(mesh)
-    batch = _abstract(batch, batch_sharding)
+    step_batch = batch_shapes(cfg, shapes)  # distill.mode topk: with the teacher's top-K fields
+    step_sharding = sharding_of(step_batch, batch_shardings(mesh))
+    step_batch = _abstract(step_batch, step_sharding)
+    batch_sharding = batch_shardings(mesh)  # the passes' batch: the rollouts packed, no teacher fields
+    batch = step_batch._replace(teacher_ids=None, teacher_topk_logp=None)
 
     optimizer = make_optimizer(cfg.optim)
     params = jax.eval_shape(lambda: init_params(mc, jax.random.PRNGKey(0)))
@@ -116,8 +124,8 @@ def compile_run(cfg: RunConfig, topology: str | Topology, *, model_config: Model
     denom = jax.ShapeDtypeStruct((), jnp.float32, sharding=NamedSharding(mesh, P()))
 
     step = make_train_step(mc, cfg.algorithm, optimizer, micro_batch_size=cfg.optim.micro_batch_size,
-                           state_sharding=state_sharding, batch_sharding=batch_sharding, seed=cfg.train.seed,
-                           **lora_kwargs)
+                           state_sharding=state_sharding, batch_sharding=step_sharding, seed=cfg.train.seed,
+                           distill_coef=cfg.distill.coef, **lora_kwargs)
     hbm = topo.chip.usable_bytes  # what each program is held to
     # the model's FLOPs per device (the rows split over data x fsdp, the matrices over tensor): each row's prompt and
     # its responses, not the padding slots of the bucket; full fine-tuning's count (LoRA's step needs less)
@@ -127,13 +135,17 @@ def compile_run(cfg: RunConfig, topology: str | Topology, *, model_config: Model
     per_device = shapes.row_split * shapes.mesh["tensor"]
     programs = []
     if "train_step" in wanted:
-        lowered = (step.jitted.lower(state, batch, denom, base) if lora_kwargs else step.lower(state, batch, denom))
+        lowered = (step.jitted.lower(state, step_batch, denom, base) if lora_kwargs
+                   else step.lower(state, step_batch, denom))
         programs.append(program_report("train_step", lowered, hbm, model_flops(**work) / per_device))
     if "logprob_pass" in wanted:
         logprob = make_logprob_fn(mc, micro_batch_size=cfg.optim.micro_batch_size, param_sharding=param_sharding,
                                   batch_sharding=batch_sharding)
         programs.append(program_report("logprob_pass", logprob.lower(base, batch), hbm,
                                model_flops(**work, backward=False) / per_device))
+    if cfg.distill.teacher and "teacher_pass" in wanted:
+        programs.append(_teacher_program(cfg, mc, batch, batch_sharding, hbm,
+                                         model_flops(**work, backward=False) / per_device))
     if uses_critic(cfg) and "critic_step" in wanted:
         programs.append(_critic_program(cfg, mc, base, batch, batch_sharding, denom, hbm))
     policy = None if lora_kwargs else base  # LoRA: the sampler and GVM read the merged copy (unquantized)
@@ -197,6 +209,33 @@ def _critic_program(cfg: RunConfig, mc: ModelConfig, trunk, batch: TrainBatch, b
     step = make_critic_step(mc, cfg.critic, optimizer, micro_batch_size=cfg.optim.micro_batch_size,
                             state_sharding=state_sharding, batch_sharding=batch_sharding)
     return program_report("critic_step", step.lower(_abstract(shapes, state_sharding), batch, denom), hbm)
+
+
+def _teacher_program(cfg: RunConfig, mc: ModelConfig, batch: TrainBatch, batch_sharding, hbm: int,
+                     flops: float) -> ProgramReport:
+    """On-policy distillation's teacher pass over the rollouts packed as the log-prob pass reads them, as
+    `train.distill.make_teacher` builds it: the log-probs of the sampled tokens (mode sampled) or the top_k ids and
+    log-probs (topk), in micro-batches, with the teacher's weights in distill.teacher_dtype laid out on the
+    trainer's mesh. The teacher has the policy's shape (as `estimate_memory` counts it without a teacher_config)."""
+    from jaxrl_llm.train.distill import make_topk_fn, teacher_weights
+
+    section = dataclasses.replace(cfg.distill, teacher="policy", adapter="")  # the policy's shape, no files read
+    configs = []
+
+    def weights(params):
+        config, out = teacher_weights(section, mc, params, load=None)
+        configs.append(config)
+        return out
+
+    params = jax.eval_shape(weights, jax.eval_shape(lambda: init_params(mc, jax.random.PRNGKey(0))))
+    mesh = batch_sharding.tokens.mesh
+    sharding = param_shardings(params, mesh)
+    passes = dict(micro_batch_size=cfg.optim.micro_batch_size, param_sharding=sharding, batch_sharding=batch_sharding)
+    if cfg.distill.mode == "topk":
+        fn = make_topk_fn(cfg.distill, configs[0], **passes)
+    else:
+        fn = make_logprob_fn(configs[0], **passes)
+    return program_report("teacher_pass", fn.lower(_abstract(params, sharding), batch), hbm, flops)
 
 
 def _gvm_program(cfg: RunConfig, shapes: StepShapes, mc: ModelConfig, mesh, policy, hbm: int) -> ProgramReport:

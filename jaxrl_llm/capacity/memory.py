@@ -375,7 +375,8 @@ def program_memory(est: dict[str, Any], shapes: StepShapes) -> dict[str, dict[st
     policy as those do ("policy"), or its own copy ("copy": one async version, the others and the trainer's state
     resident beside it; or sampling.dtype's copy, counted in the sampling terms, the trainer's state beside it), or
     one of its versions on its own devices ("own", the other versions beside it). The log-prob pass has no working
-    term of its own (a forward pass, bounded by the train step's): 0."""
+    term of its own (a forward pass, bounded by the train step's): 0; the teacher's pass (distill.teacher) holds the
+    teacher's weights, the trainer's state and the other models beside it."""
     lora = shapes.lora is not None
     other = est["reference"] + est["critic"] + est.get("teacher", 0)
     reader = est["params"] + est["optimizer"] + other if lora else est["optimizer"] + other  # reads the policy
@@ -389,11 +390,13 @@ def program_memory(est: dict[str, Any], shapes: StepShapes) -> dict[str, dict[st
     else:
         sampler_resident, sampler_reads = reader, policy
     resident = {"train_step": other, "logprob_pass": est["optimizer"] + other,
+                "teacher_pass": est["params"] + est["optimizer"] + est["reference"] + est["critic"],
                 "critic_step": est["params"] + est["optimizer"] + est["reference"] + est.get("teacher", 0),
                 "gvm_grad_norms": reader,
                 "sampler_prefill": sampler_resident, "sampler_decode": sampler_resident,
                 "sampler_continuous": sampler_resident}
     working = {"train_step": est["params"] + est["optimizer"] + est["train_step"], "logprob_pass": 0,
+               "teacher_pass": est.get("teacher", 0),
                "critic_step": est["critic"] + est["critic_step"], "gvm_grad_norms": policy + est["gvm_norms"],
                "sampler_prefill": sampler_reads + est["sampling_prefill"],
                "sampler_decode": sampler_reads + est["sampling_decode"],
