@@ -355,7 +355,8 @@ class DistillSection:
     """On-policy distillation (docs/distillation.md): a teacher scores every token the student samples, and the
     student is pushed towards the teacher's distribution on its own states (reverse KL). With a teacher set, the
     advantages are coef x (log pi_teacher - log pi_sampler) per token (objectives.reverse_kl_advantages), alone
-    (reward none: the verifier is not called) or added to the algorithm's (reward add: GRPO + distillation)."""
+    (reward none: the verifier is not called) or added to the algorithm's (reward add: GRPO + distillation); with
+    mode topk the train step adds coef x the top-K loss on the teacher's top_k ids instead."""
 
     # The teacher's weights: "" (no distillation), "policy" (the student's starting weights; under LoRA the base),
     # "bundled", an HF folder (a run's final/) or a .gguf file. Its vocabulary must be the policy's.
