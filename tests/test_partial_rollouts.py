@@ -290,6 +290,8 @@ def test_config_errors_name_the_key():
         load_config(None, ["rollouts.mode=partial", "rollouts.stale=keep"])
     with pytest.raises(ConfigError, match="rollouts.mode.*dynamic_sampling"):
         load_config(None, ["rollouts.mode=partial", "algorithm.dynamic_sampling=true"])
+    with pytest.raises(ConfigError, match="rollouts.recompute_cache.*applies to rollouts.mode=partial"):
+        load_config(None, ["rollouts.mode=async", "rollouts.recompute_cache=true"])
     assert load_config(None, ["rollouts.mode=partial"]).rollouts.partial_lag == 1
 
 

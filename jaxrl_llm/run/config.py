@@ -741,6 +741,8 @@ def _rollouts_checks(config: RunConfig) -> list[tuple[str, bool, str]]:
      or config.rollouts.partial_lag <= config.rollouts.max_staleness,
      "must be at most rollouts.max_staleness (a group's newest tokens are partial_lag versions old)"),
     ("rollouts.segment_iterations", config.rollouts.segment_iterations >= 1, "must be >= 1"),
+    ("rollouts.recompute_cache", config.rollouts.mode == "partial" or not config.rollouts.recompute_cache,
+     "applies to rollouts.mode=partial (the KV caches of responses continued under new weights)"),
     ("rollouts.mode", config.rollouts.mode != "partial" or not config.tools.env,
      "partial cannot be combined with tools.env yet (a conversation's turns end inside the sampler)"),
     ("rollouts.mode", config.rollouts.mode != "partial" or not config.algorithm.dynamic_sampling,
