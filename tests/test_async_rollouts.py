@@ -117,6 +117,25 @@ def test_quiesce_returns_the_steps_a_checkpoint_saves_and_resume_continues_them(
     assert [t for t, _ in resumed_trainer.drawn] == [5, 6, 7]
 
 
+@pytest.mark.parametrize("k", [1, 2])
+def test_a_finished_run_resumed_with_more_steps_draws_with_its_newest_version(k):
+    """A run of 4 steps that finished saved no in-flight rollouts and no older versions: resumed to 7 steps, the
+    sampler draws steps 4 .. 4 + k - 1 with version 4 (not 4 - k, which no one publishes: it waited for ever), then
+    t - k again."""
+    trainer = FakeTrainer()
+    trainer.version = 4
+    rollouts = AsyncRollouts(trainer.draw, trainer.snapshot, lambda v: v, start=4, steps=7, max_staleness=k)
+    done = []
+    worker = threading.Thread(target=lambda: done.append(_train(rollouts, trainer, 4, 7)), daemon=True)
+    worker.start()
+    worker.join(timeout=120)  # the mechanism, with wide slack: each fake draw returns at once
+    assert done, "the resumed sampler is still waiting for a version"
+    taken, _ = done[0]
+    want = [(t, max(4, t - k)) for t in range(4, 7)]
+    assert [(t, v) for t, v, _, _ in taken] == want
+    assert [s for _, _, s, _ in taken] == [t - v for t, v in want]
+
+
 def test_a_failing_draw_reaches_the_trainer():
     trainer = FakeTrainer(fail_at=2)
     rollouts = AsyncRollouts(trainer.draw, trainer.snapshot, lambda v: v, start=0, steps=5, max_staleness=1)

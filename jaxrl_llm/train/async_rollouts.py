@@ -22,6 +22,10 @@ every step it can with the versions it has (`quiesce`: steps up to t + k - 1). T
 trained (steps t .. t + k - 1) are saved beside the checkpoint (`save_in_flight`), and the data position saved
 is the one after them; `--resume` hands them back to the trainer and the sampler goes on at step t + k, so a
 resumed run equals the uninterrupted one.
+A run that finished at step t and is resumed with more `train.steps` has no such rollouts (a finished run
+draws no step past its end), and the versions t - k .. t - 1 they would have read are gone: the resumed sampler
+draws steps t .. t + k - 1 with version t, its oldest (a version never precedes the step a run resumed at,
+v(t) = max(start, t - k)), and goes on as above from there.
 
 `PartialRollouts` is the sampler thread of `rollouts.mode: partial` (a sampler that never stops decoding, its
 schedule and checkpoints in `train/partial_rollouts.py`), with the same protocol: take, publish, quiesce, close.
@@ -80,7 +84,7 @@ class AsyncRollouts:
     def __init__(self, draw: Callable, snapshot: Callable, place: Callable, *, start: int, steps: int,
                  max_staleness: int, in_flight: dict[int, tuple[ScoredRollouts, dict]] | None = None):
         self.draw, self.snapshot, self.place = draw, snapshot, place
-        self.k, self.steps = max_staleness, steps
+        self.k, self.steps, self.start = max_staleness, steps, start
         self.results: dict[int, tuple[ScoredRollouts, dict]] = dict(in_flight or {})
         self.next_step = start + len(self.results)  # the next step the sampler draws
         if sorted(self.results) != list(range(start, self.next_step)):
@@ -94,15 +98,15 @@ class AsyncRollouts:
         self.publish(start)
         self.thread.start()
 
-    @staticmethod
-    def version_for(step: int, max_staleness: int) -> int:
-        return max(0, step - max_staleness)
+    def version_for(self, step: int) -> int:
+        """The version step `step` is drawn with: max(start, step - k), start being the step the run (re)started at."""
+        return max(self.start, step - self.k)
 
     # ---- the trainer's side ----------------------------------------------------------------------------------
 
     def publish(self, version: int) -> None:
         """The policy after `version` steps, for the sampler (only if a step left to draw needs it)."""
-        if version and version + self.k >= self.steps:  # version v is read by step v + k alone (v > 0)
+        if version > self.start and version + self.k >= self.steps:  # v > start is read by step v + k alone
             return
         params = self.place(self.snapshot())
         with self.cond:
@@ -149,7 +153,7 @@ class AsyncRollouts:
             while True:
                 with self.cond:
                     step = self.next_step
-                    version = self.version_for(step, self.k)
+                    version = self.version_for(step)
                     while not self.stopped and step < self.steps and version not in self.versions:
                         self.cond.wait()
                     if self.stopped or step >= self.steps:
@@ -162,7 +166,7 @@ class AsyncRollouts:
                 with self.cond:
                     self.results[step] = (scored, info)
                     self.next_step = step + 1
-                    needed = self.version_for(self.next_step, self.k)
+                    needed = self.version_for(self.next_step)
                     for old in [v for v in self.versions if v < needed]:
                         del self.versions[old]  # no step left to draw reads it
                     self.cond.notify_all()
