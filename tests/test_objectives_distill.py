@@ -15,6 +15,7 @@ from jaxrl_llm.objectives import (
     reverse_kl_advantages,
     topk_distill_loss,
     topk_distill_terms,
+    topk_terms_at_ids,
 )
 
 
@@ -206,3 +207,24 @@ def test_topk_bad_input_names_the_problem(change, message):
     with pytest.raises(ValueError, match=message):
         topk_distill_loss(args["logits"], args["ids"], args["teacher"], args["mask"], agg=args["agg"],
                           chunk=args["chunk"])
+
+
+def test_topk_terms_at_ids_from_the_students_log_probs_of_the_ids():
+    # the loss and its gradient in the student's log-probs of the ids: d loss / d log p_S(id_k) = -w_t p~_k
+    logits, ids, teacher, mask = random_case(2)
+    log_p = np.asarray(jax.nn.log_softmax(jnp.asarray(logits, jnp.float32), axis=-1))
+    at_ids = np.take_along_axis(log_p, ids, axis=-1)
+    want_loss, _ = numpy_topk(logits, ids, teacher, mask, "token-mean")
+
+    def loss(x):
+        terms, metrics = topk_terms_at_ids(x, teacher, mask)
+        return terms.total / terms.denom, metrics
+
+    (value, metrics), grad = jax.value_and_grad(loss, has_aux=True)(jnp.asarray(at_ids))
+    np.testing.assert_allclose(float(value), want_loss, rtol=1e-5)
+    q = np.exp(teacher.astype(np.float64)) / np.exp(teacher.astype(np.float64)).sum(-1, keepdims=True)
+    np.testing.assert_allclose(np.asarray(grad), -q * (mask / mask.sum())[..., None], rtol=1e-5, atol=1e-8)
+    on = mask > 0
+    assert float(metrics["topk_coverage"]) == pytest.approx(np.exp(at_ids).sum(-1)[on].mean(), rel=1e-5)
+    with pytest.raises(ValueError, match=r"topk_terms_at_ids: student_logp and teacher_logp must be \[B, T, K\]"):
+        topk_terms_at_ids(at_ids[..., :2], teacher, mask)
