@@ -20,7 +20,8 @@ sample(t+k+1) spans k+1 steps, so in general max(S, T + X, (S + T + X) / (k + 1)
 
 `predict` takes S, T and X at the paper's shape from benchmarks/async_costs.py (its inputs say which are measured and
 which assumed), sweeps the device splits and k and prints README's tables; `replay` checks a real run's metrics.jsonl
-against the schedule (`compare`). Pure Python: no JAX.
+against the schedule (`compare`). Pure Python: no JAX. The partial schedule (`rollouts.mode: partial`) is
+benchmarks/partial_sim.py's, on the same costs and lengths.
 """
 
 from __future__ import annotations
