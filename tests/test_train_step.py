@@ -237,7 +237,7 @@ def test_logprob_pass_in_micro_batches_equals_one_pass_and_skips_padding(micro):
     prompts, members, responses, lengths, _, mask = _samples(groups=5, seed=4)
     packed = pack_groups(prompts, members, responses, lengths, row_multiple=2)
     order = micro_batch_order(8, micro)
-    batch = type(packed)(*(x[order] for x in packed))
+    batch = jax.tree_util.tree_map(lambda x: x[order], packed)
     whole = np.asarray(make_logprob_fn(TINY)(params, batch))
     got = np.asarray(make_logprob_fn(TINY, micro_batch_size=micro)(params, batch))
     on = np.asarray(batch.mask)
@@ -263,7 +263,7 @@ def test_micro_batches_of_padding_rows_are_skipped_and_change_nothing():
     old = -np.abs(np.random.default_rng(6).normal(size=mask.shape)).astype(np.float32) * mask
     packed = pack_groups(prompts, members, responses, lengths, advantages=adv, old_logp=old, row_multiple=2)
     assert packed.tokens.shape[0] == 8
-    batch = jax.tree_util.tree_map(jnp.asarray, type(packed)(*(x[micro_batch_order(8, 2)] for x in packed)))
+    batch = jax.tree_util.tree_map(lambda x: jnp.asarray(x[micro_batch_order(8, 2)]), packed)
     assert np.asarray(has_tokens(split_micro(batch, 2))).tolist() == [True, True, True, False]
     algo = AlgorithmSection(loss="clip", entropy_coef=0.01)
     denom = aggregate_denominator(jnp.asarray(mask), algo.agg)
