@@ -73,8 +73,8 @@ def test_from_hf_dict_rejects_unsupported_settings():
             "num_attention_heads": 2}
     with pytest.raises(ValueError, match=r"'gpt2'.*supported: llama, qwen2, qwen3"):
         ModelConfig.from_hf_dict({**base, "model_type": "gpt2"})
-    with pytest.raises(ValueError, match="rope_scaling type 'yarn'"):
-        ModelConfig.from_hf_dict({**base, "model_type": "llama", "rope_scaling": {"rope_type": "yarn"}})
+    with pytest.raises(ValueError, match="rope_scaling type 'dynamic'"):
+        ModelConfig.from_hf_dict({**base, "model_type": "llama", "rope_scaling": {"rope_type": "dynamic"}})
     with pytest.raises(ValueError, match="missing required keys: hidden_size"):
         ModelConfig.from_hf_dict({k: v for k, v in {**base, "model_type": "llama"}.items() if k != "hidden_size"})
 

@@ -195,3 +195,33 @@ def test_lora_on_an_all_sparse_model_names_the_missing_projections():
         adapter_shapes(config, LoraSpec(rank=2, alpha=4.0))
     assert set(adapter_shapes(config, LoraSpec(rank=2, alpha=4.0, targets=("q_proj", "o_proj")))["layers"]) == {
         "q_proj_lora_a", "q_proj_lora_b", "o_proj_lora_a", "o_proj_lora_b"}
+
+
+def test_gpt_oss_config_json_as_released_and_round_trip():
+    """The keys of openai/gpt-oss-20b's config.json that differ from GptOssConfig's names (experts_per_token, an
+    old-style rope_scaling), and the defaults transformers gives the absent ones (alternating layers from a sliding
+    one, attention biases)."""
+    released = dict(model_type="gpt_oss", vocab_size=16, hidden_size=8, intermediate_size=8, num_hidden_layers=4,
+                    num_attention_heads=2, num_key_value_heads=1, head_dim=4, num_local_experts=4,
+                    experts_per_token=2, sliding_window=128, rope_theta=150000,
+                    rope_scaling=dict(rope_type="yarn", factor=32.0, beta_fast=32.0, beta_slow=1.0, truncate=False,
+                                      original_max_position_embeddings=4096))
+    config = ModelConfig.from_hf_dict(released)
+    assert (config.num_experts, config.num_experts_per_tok, config.swiglu_limit, config.norm_topk_prob) == (4, 2, 7.0,
+                                                                                                          True)
+    assert config.sliding_layers() == (True, False, True, False) and config.attention_bias and config.attention_out_bias
+    assert config.attention_sinks and config.expert_biases
+    shapes = init_params(config, jax.random.key(0))["layers"]
+    assert shapes["attn_sinks"].shape == (4, 2) and shapes["expert_gate_bias"].shape == (4, 4, 8)
+    assert shapes["router_bias"].shape == (4, 4) and shapes["expert_down_bias"].shape == (4, 4, 8)
+    assert ModelConfig.from_hf_dict(config.to_hf_dict()) == config
+    with pytest.raises(ValueError, match="swiglu_limit"):
+        config.replace(model_type="mixtral", attention_bias=False, attention_out_bias=False, sliding_window=None,
+                       layer_types=None).to_hf_dict()
+
+
+def test_mxfp4_experts_are_refused_by_name():
+    from jaxrl_llm.models.hf_io import params_from_hf
+
+    with pytest.raises(ValueError, match="MXFP4-quantized"):
+        params_from_hf(_config(), {"model.layers.0.mlp.experts.gate_up_proj_blocks": np.zeros(1, np.uint8)})

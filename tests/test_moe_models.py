@@ -5,8 +5,10 @@ them, and the fused layout it holds in memory).
 
 The checkpoints differ in what they exercise: Qwen3-MoE with 8 experts, 2 per token, no renormalisation
 (norm_topk_prob false), q/k norms, a dense layer between two sparse ones (mlp_only_layers [1]) and an untied
-head; Mixtral with 4 experts, 3 per token, renormalised, a sliding window of 5, tied embeddings. One compiled
-program per pass and family, shared by the tests (module-scoped fixtures)."""
+head; Mixtral with 4 experts, 3 per token, renormalised, a sliding window of 5, tied embeddings; gpt-oss with 6
+experts, 4 per token, router and expert biases, its clamped SwiGLU (gate/up weights drawn wide enough that a fifth
+of the values pass the clamp at 7), attention sinks and biases, sliding (window 4) and full layers alternating, and
+YaRN RoPE scaling. One compiled program per pass and family, shared by the tests (module-scoped fixtures)."""
 
 import functools
 
@@ -42,6 +44,13 @@ def hf_config(family: str):
         return transformers.MixtralConfig(**common, num_hidden_layers=2, intermediate_size=24, num_local_experts=4,
                                           num_experts_per_tok=3, sliding_window=5, rope_theta=1e4,
                                           tie_word_embeddings=True)
+    if family == "gpt_oss":
+        return transformers.GptOssConfig(**common, num_hidden_layers=3, head_dim=8, intermediate_size=16,
+                                         num_local_experts=6, num_experts_per_tok=4, sliding_window=4,
+                                         rope_parameters=dict(rope_type="yarn", factor=8.0, beta_fast=32.0,
+                                                              beta_slow=1.0, truncate=False, rope_theta=150000.0,
+                                                              original_max_position_embeddings=32),
+                                         tie_word_embeddings=False)
     raise ValueError(family)
 
 
@@ -58,13 +67,14 @@ def make_checkpoint(root, family: str, seed: int = 0):
     with torch.no_grad():
         for name, param in model.named_parameters():
             noise = torch.randn(param.shape, generator=generator)
-            param.copy_(1.0 + 0.2 * noise if "norm" in name else 0.15 * noise)
+            wide = name.endswith("experts.gate_up_proj")  # gpt-oss: values past its SwiGLU's clamp
+            param.copy_(1.0 + 0.2 * noise if "norm" in name else (1.0 if wide else 0.15) * noise)
     path = root / family
     model.save_pretrained(path)
     return path
 
 
-@pytest.fixture(scope="module", params=["qwen3_moe", "mixtral"])
+@pytest.fixture(scope="module", params=["qwen3_moe", "mixtral", "gpt_oss"])
 def family_model(request, tmp_path_factory):
     path = make_checkpoint(tmp_path_factory.mktemp("moe"), request.param)
     config, params = load_hf(path)
@@ -88,19 +98,43 @@ def test_checkpoint_holds_what_the_family_writes(family_model):
         assert config.sparse_layers() == (True, False, True) and not config.norm_topk_prob
         assert "model.layers.0.mlp.experts.7.down_proj.weight" in names and "model.layers.1.mlp.up_proj.weight" in names
         assert "model.layers.0.mlp.gate.weight" in names and not any(".layers.1.mlp.experts" in n for n in names)
-    else:
+    elif family == "mixtral":
         assert config.sliding_window == 5 and config.num_experts_per_tok == 3 and config.tie_word_embeddings
         assert "model.layers.1.block_sparse_moe.experts.3.w2.weight" in names
+    else:
+        assert config.sliding_layers() == (True, False, True) and config.swiglu_limit == 7.0
+        assert dict(config.rope_scaling)["rope_type"] == "yarn" and config.attention_sinks
+        assert {"model.layers.2.mlp.experts.gate_up_proj", "model.layers.2.mlp.experts.down_proj_bias",
+                "model.layers.0.mlp.router.bias", "model.layers.0.self_attn.sinks"} <= names
 
 
 def test_logits_match_transformers(family_model):
-    _, _, config, params, reference = family_model
+    family, _, config, params, reference = family_model
     tokens = tokens_of(2, 13)
     positions = np.tile(np.arange(13, dtype=np.int32), (2, 1))
     ours = np.asarray(forward_jit(params, config, tokens, positions))
     ref = torch_logits(reference, tokens)
     assert np.abs(ref).max() > 1.0
     assert np.abs(ours - ref).max() <= TOL
+    if family == "gpt_oss":  # the clamp is reached, and attention in tiles of 4 (the sinks start each row's sums)
+        h = reference.model.layers[0].post_attention_layernorm(reference.model.embed_tokens(torch.as_tensor(tokens)))
+        assert (torch.abs(h @ reference.model.layers[0].mlp.experts.gate_up_proj[0]) > 7).float().mean() > 0.1
+        tiled = forward(params, config.replace(attention_block_size=4), tokens, positions)
+        assert np.abs(np.asarray(tiled) - ref).max() <= TOL
+
+
+def test_yarn_frequencies_and_attention_factor_equal_transformers(family_model):
+    family, _, config, _, reference = family_model
+    if family != "gpt_oss":
+        pytest.skip("YaRN: gpt-oss's RoPE")
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from jaxrl_llm.models.layers import rope_attention_factor, rope_inv_freq
+
+    inv_freq, factor = ROPE_INIT_FUNCTIONS["yarn"](reference.config)
+    np.testing.assert_allclose(rope_inv_freq(config), inv_freq.numpy(), rtol=1e-6)
+    assert rope_attention_factor(config) == pytest.approx(factor) == pytest.approx(0.1 * np.log(8.0) + 1)
+    assert np.abs(rope_inv_freq(config) - rope_inv_freq(config.replace(rope_scaling=None))).max() > 0.01
 
 
 @functools.lru_cache(maxsize=None)

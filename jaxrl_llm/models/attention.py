@@ -19,6 +19,11 @@ compiled on a CPU host for a TPU slice or a GPU node is the program that runs th
   cudnn   cuDNN on regrouped rows and the prefill's prompts on a GPU (the regrouped XLA rows where cuDNN
           refuses); elsewhere the same call with implementation="xla", so the layout is testable on a CPU.
 
+Attention sinks (gpt-oss: a learned logit per head in the softmax's denominator) are exact on the XLA paths
+(`layers.attention`, `layers.blocked_attention`, the regrouped XLA rows) and in splash (its `sinks` argument).
+`jax.nn.dot_product_attention` takes none: `resolve` refuses "cudnn" for such a model, and "auto" on a GPU takes the
+regrouped XLA rows (the prefill XLA attention) instead.
+
 The fused kernels take plain causal rows, not packed ones: a packed row ([prompt | response 1 | ... | response S |
 padding], `train.packing`: segment 0 the prompt at the row's start, segment s + 1 response slot s, each response
 restarting its positions where the prompt ends) is regrouped into S causal rows [prompt | response s | padding]
@@ -121,9 +126,9 @@ def _scatter_back(out: jax.Array, groups: Groups, batch: int) -> jax.Array:
     return jnp.where(groups.back_real[:, :, None], got, 0).astype(out.dtype)
 
 
-def _splash_rows(q, k, v, real, *, window: int | None, softcap: float | None, interpret: bool):
+def _splash_rows(q, k, v, real, *, window: int | None, softcap: float | None, interpret: bool, sinks=None):
     """Causal splash attention on rows q [N, W, H, d], k, v [N, W, KV, d] (q already scaled), real [N, W]
-    (splash segment 1 = real, 0 = padding): [N, W, H * d]."""
+    (splash segment 1 = real, 0 = padding), with attention `sinks` [H] when given: [N, W, H * d]."""
     from jax.experimental.pallas.ops.tpu import splash_attention as splash
 
     rows, width, heads, dim = q.shape
@@ -141,9 +146,13 @@ def _splash_rows(q, k, v, real, *, window: int | None, softcap: float | None, in
     qh = q.reshape(rows, width, num_kv, group, dim).transpose(0, 2, 3, 1, 4)  # [N, KV, G, W, d]
     kh, vh = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [N, KV, W, d]
 
+    head_sinks = None if sinks is None else sinks.astype(jnp.float32).reshape(num_kv, group)  # one MQA call per row
+
     def one_row(qr, kr, vr, seg):
         segments = splash.SegmentIds(q=seg, kv=seg)
-        return jax.vmap(lambda a, b, c: kernel(a, b, c, segment_ids=segments))(qr, kr, vr)
+        if head_sinks is None:
+            return jax.vmap(lambda a, b, c: kernel(a, b, c, segment_ids=segments))(qr, kr, vr)
+        return jax.vmap(lambda a, b, c, s: kernel(a, b, c, segment_ids=segments, sinks=s))(qr, kr, vr, head_sinks)
 
     out = jax.vmap(one_row)(qh, kh, vh, ids)  # [N, KV, G, W, d]
     return out.transpose(0, 3, 1, 2, 4).reshape(rows, width, heads * dim)
@@ -159,7 +168,7 @@ def _cudnn_rows(q, k, v, real, *, window: int | None, implementation: str):
     return out.reshape(*q.shape[:2], -1)
 
 
-def _dense_rows(q, k, v, real, *, window, config: ModelConfig):
+def _dense_rows(q, k, v, real, *, window, config: ModelConfig, sinks=None):
     """XLA attention on regrouped rows, one dense causal block per row (`layers.attention`): query i of a row sees
     key j <= i that is real and, with a `window` w (static or traced), i - j < w. q [N, W, H, d], k, v [N, W, KV,
     d] (q unscaled): [N, W, H * d]. The GPU path where cuDNN cannot serve the case: a handful of large kernels
@@ -168,7 +177,7 @@ def _dense_rows(q, k, v, real, *, window, config: ModelConfig):
     keep = (index[None, :, None] >= index[None, None, :]) & real[:, None, :]
     if window is not None:
         keep = keep & (index[None, :, None] - index[None, None, :] < window)
-    return attention(q, k, v, keep, scale=config.attention_scale, softcap=config.attn_logit_softcapping)
+    return attention(q, k, v, keep, scale=config.attention_scale, softcap=config.attn_logit_softcapping, sinks=sinks)
 
 
 def cudnn_refusal(config: ModelConfig, dtype, shape: tuple[int, int, int, int], num_kv: int) -> str | None:
@@ -198,49 +207,57 @@ def _cudnn_trace_refusal(dtype: str, shape: tuple, num_kv: int, windowed: bool) 
     return None
 
 
-def _kernel_rows(impl: str, q, k, v, real, config: ModelConfig, window, platform: str):
+def _kernel_rows(impl: str, q, k, v, real, config: ModelConfig, window, platform: str, sinks=None):
     """Kernel `impl` on regrouped rows; `platform` the one the program is lowered for; `window` static or None
-    (the dense rows also take a traced one)."""
+    (the dense rows also take a traced one); `sinks` [H] a layer's attention sinks."""
     scale = config.attention_scale
     if impl == "xla_rows":
-        return _dense_rows(q, k, v, real, window=window, config=config)
+        return _dense_rows(q, k, v, real, window=window, config=config, sinks=sinks)
     if impl == "splash":
         q = q * jnp.asarray(scale, q.dtype)
         return _splash_rows(q, k, v, real, window=window, softcap=config.attn_logit_softcapping,
-                            interpret=platform != "tpu")
+                            interpret=platform != "tpu", sinks=sinks)
     if impl == "cudnn":
         if config.attn_logit_softcapping is not None:
             raise ValueError("attention_impl='cudnn' takes no attention soft-cap (Gemma 2): use 'xla' or 'auto'")
+        if sinks is not None:
+            raise ValueError(_SINK_REFUSAL)
         q = q * jnp.asarray(scale * q.shape[-1] ** 0.5, q.dtype)  # the call scales by 1/sqrt(d)
         return _cudnn_rows(q, k, v, real, window=window, implementation="cudnn" if platform == "cuda" else "xla")
     raise ValueError(f"unknown fused attention {impl!r}")
 
 
-def _fused(impl: str, q, k, v, groups: Groups, config: ModelConfig, window, platform: str):
+def _fused(impl: str, q, k, v, groups: Groups, config: ModelConfig, window, platform: str, sinks=None):
     """Kernel `impl` over the regrouped rows of q, k, v, back in the packed layout."""
     rows = [_gather(x, groups) for x in (q, k, v)]
     real = groups.real.reshape(-1, groups.real.shape[-1])
-    out = _on_rows(impl, *rows, real, config, window, platform)
+    out = _on_rows(impl, *rows, real, config, window, platform, sinks)
     return _scatter_back(out.astype(v.dtype), groups, q.shape[0])
 
 
-def _on_rows(impl: str, q, k, v, real, config: ModelConfig, window, platform: str):
+def _on_rows(impl: str, q, k, v, real, config: ModelConfig, window, platform: str, sinks=None):
     """Kernel `impl` on rows q [N, W, H, d], k, v [N, W, KV, d], real [N, W]: [N, W, H * d]; `window` a layer's
-    (possibly traced) window or None. Under a mesh (`jax.set_mesh`, as the train step and the sampler set it) a
-    fused kernel runs per device in a shard_map: a Mosaic kernel or a cuDNN call cannot be partitioned by the
-    compiler. Rows split over data x fsdp, heads over tensor when it divides the KV heads."""
-    def kernel(q, k, v, real):
+    (possibly traced) window or None; `sinks` [H] its attention sinks or None. Under a mesh (`jax.set_mesh`, as the
+    train step and the sampler set it) a fused kernel runs per device in a shard_map: a Mosaic kernel or a cuDNN
+    call cannot be partitioned by the compiler. Rows split over data x fsdp, heads over tensor when it divides the
+    KV heads."""
+    def kernel(q, k, v, real, *sink):
+        sink = sink[0] if sink else None
+
+        def run(q, k, v, real, window):
+            return _kernel_rows(impl, q, k, v, real, config, window, platform, sink)
+
         if window is None or config.sliding_window is None:
-            return _kernel_rows(impl, q, k, v, real, config, None, platform)
+            return run(q, k, v, real, None)
         if isinstance(window, (int, np.integer)):
-            return _kernel_rows(impl, q, k, v, real, config, None if window >= _NO_WINDOW else int(window), platform)
+            return run(q, k, v, real, None if window >= _NO_WINDOW else int(window))
         if impl == "xla_rows":  # a traced window is one more term of the dense mask
-            return _kernel_rows(impl, q, k, v, real, config, window, platform)
+            return run(q, k, v, real, window)
         # a scanned layer's window: the kernels' masks are static, so both are compiled and one runs
-        return jax.lax.cond(window >= _NO_WINDOW,
-                            lambda *a: _kernel_rows(impl, *a, config, None, platform),
-                            lambda *a: _kernel_rows(impl, *a, config, config.sliding_window, platform),
-                            q, k, v, real)
+        return jax.lax.cond(window >= _NO_WINDOW, lambda *a: run(*a, None),
+                            lambda *a: run(*a, config.sliding_window), q, k, v, real)
+
+    args = (q, k, v, real) + (() if sinks is None else (sinks,))
 
     mesh = jax.sharding.get_abstract_mesh()
     if impl != "xla_rows" and not mesh.empty and {"data", "fsdp", "tensor"} <= set(mesh.axis_names):
@@ -254,9 +271,9 @@ def _on_rows(impl: str, q, k, v, real, config: ModelConfig, window, platform: st
             split = None
         heads = "tensor" if config.num_kv_heads % mesh.shape["tensor"] == 0 else None
         per_head = P(split, None, heads, None)
-        kernel = jax.shard_map(kernel, mesh=mesh, in_specs=(per_head, per_head, per_head, P(split, None)),
-                               out_specs=P(split, None, heads), check_vma=False)
-    return kernel(q, k, v, real)
+        specs = (per_head, per_head, per_head, P(split, None)) + (() if sinks is None else (P(heads),))
+        kernel = jax.shard_map(kernel, mesh=mesh, in_specs=specs, out_specs=P(split, None, heads), check_vma=False)
+    return kernel(*args)
 
 
 # What each `model.attention_impl` means where a program is lowered: platform -> (training rows, prompts' prefill).
@@ -272,16 +289,23 @@ _CHOICES = {
     "cudnn": {"cuda": ("cudnn", "cudnn"), "cpu": ("cudnn", "xla")},
 }
 PLATFORMS = ("cpu", "cuda", "tpu")  # the lowering targets the dispatch knows ("gpu" is read as "cuda")
+_SINK_REFUSAL = ("attention_impl='cudnn' takes no attention sinks (gpt-oss's learned logit per head in the softmax's "
+                 "denominator: jax.nn.dot_product_attention has no such term); use 'auto', 'xla' or 'splash'")
 
 
 def resolve(config: ModelConfig, platform: str, *, prefill: bool = False) -> str:
     """The kernel `config.attention_impl` means where a program is lowered for `platform` ("cpu", "cuda" or
     "gpu", "tpu"), for training rows or (`prefill`) the sampler's prompts. Before tracing, from the config alone:
-    on a GPU cuDNN also needs bf16/fp16 operands and no soft-cap, else the regrouped XLA rows ("xla_rows";
-    `self_attention` checks the operands once more when traced, with cuDNN's own checks)."""
+    on a GPU cuDNN also needs bf16/fp16 operands, no soft-cap and no attention sinks, else the regrouped XLA rows
+    ("xla_rows"; `self_attention` checks the operands once more when traced, with cuDNN's own checks). cuDNN asked
+    for by name for a model with attention sinks (gpt-oss) is refused: ValueError."""
     platform = "cuda" if platform == "gpu" else platform
     choices = _CHOICES[config.attention_impl]
     kernel = choices.get(platform, choices.get("cpu", ("xla", "xla")))[1 if prefill else 0]
+    if kernel == "cudnn" and config.attention_sinks:
+        if config.attention_impl != "auto":
+            raise ValueError(_SINK_REFUSAL)
+        return "xla" if prefill else "xla_rows"
     if kernel == "cudnn" and platform == "cuda" and config.attention_impl == "auto" and (
             config.attn_logit_softcapping is not None or config.compute_dtype not in ("bfloat16", "float16")):
         return "xla" if prefill else "xla_rows"
@@ -325,7 +349,8 @@ def _dispatch(config: ModelConfig, what: str, on) -> jax.Array:
 
 def self_attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array, config: ModelConfig, *,
                    segment_ids: jax.Array | None = None, key_mask: jax.Array | None = None, window=None,
-                   keep: jax.Array | None = None, slots: int | None = None, response_len: int | None = None):
+                   keep: jax.Array | None = None, slots: int | None = None, response_len: int | None = None,
+                   sinks: jax.Array | None = None):
     """Attention of a full-sequence training pass, [B, T, H * d]: query i sees key j iff positions[j] <=
     positions[i], key_mask[j] != 0, segment j is segment i or 0 (with `segment_ids`) and, with a `window` w,
     positions[i] - positions[j] < w (see `layers.attention_keep_mask`).
@@ -335,13 +360,14 @@ def self_attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Arra
     the regrouped rows (without `slots`, packed rows take the xla path). The regrouped kernels assume packing's
     layout (see the module docstring) and give the same values on every prompt and response token; padding
     tokens' outputs are 0 there. The kernel is `resolve`'s for the platform the program is lowered for, taken by
-    `lax.platform_dependent` inside the program (only the target's branch is compiled).
+    `lax.platform_dependent` inside the program (only the target's branch is compiled). `sinks` [H]: the layer's
+    attention sinks (gpt-oss), None without.
     """
     length = q.shape[1]
     fusable = segment_ids is None or slots is not None
 
     def packed():
-        return _xla(q, k, v, positions, config, segment_ids, key_mask, window, keep)
+        return _xla(q, k, v, positions, config, segment_ids, key_mask, window, keep, sinks)
 
     if config.attention_impl == "xla":
         return packed()
@@ -357,7 +383,7 @@ def self_attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Arra
                 chosen[platform] = "xla" + ("" if fusable else " (packed rows without their slot count)")
                 return packed()
             kernel = _checked(kernel, platform, config, q, k, chosen)
-            return _fused(kernel, q, k, v, groups, config, window, platform)
+            return _fused(kernel, q, k, v, groups, config, window, platform, sinks)
         return run
 
     return _dispatch(config, "training rows" + (f" (regrouped rows of {groups.source.shape[-1]} tokens)"
@@ -365,31 +391,33 @@ def self_attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Arra
 
 
 def prompt_attention(q: jax.Array, k: jax.Array, v: jax.Array, keep: jax.Array, config: ModelConfig, *,
-                     window=None) -> jax.Array:
+                     window=None, sinks: jax.Array | None = None) -> jax.Array:
     """Causal attention of the sampler's prefill over right-padded prompts q [C, P, H, d], k, v [C, P, KV, d]
     (positions 0..P-1); `keep` the [C, P, P] causal mask with the layer's window in it, for the XLA path. On a GPU
     where `resolve` gives cuDNN, its causal call on the prompt rows (padding keys follow every real query, so
-    no lengths are needed); elsewhere `layers.attention` on `keep`."""
+    no lengths are needed); elsewhere `layers.attention` on `keep`. `sinks` [H]: the layer's attention sinks."""
     def on(platform, chosen):
         def run():
             kernel = _checked(resolve(config, platform, prefill=True), platform, config, q, k, chosen, "xla")
             if kernel != "cudnn":
-                return attention(q, k, v, keep, scale=config.attention_scale, softcap=config.attn_logit_softcapping)
+                return attention(q, k, v, keep, scale=config.attention_scale, softcap=config.attn_logit_softcapping,
+                                 sinks=sinks)
             real = jnp.ones(q.shape[:2], bool)
-            return _on_rows(kernel, q, k, v, real, config, window, platform).astype(v.dtype)
+            return _on_rows(kernel, q, k, v, real, config, window, platform, sinks).astype(v.dtype)
         return run
 
     return _dispatch(config, "the prefill's prompts", on)
 
 
-def _xla(q, k, v, positions, config: ModelConfig, segment_ids, key_mask, window, keep):
+def _xla(q, k, v, positions, config: ModelConfig, segment_ids, key_mask, window, keep, sinks=None):
     block_size = config.attention_block_for(q.shape[1])
     if block_size is not None:
         return blocked_attention(q, k, v, positions, block_size, segment_ids=segment_ids, key_mask=key_mask,
-                                 window=window, scale=config.attention_scale, softcap=config.attn_logit_softcapping)
+                                 window=window, scale=config.attention_scale, softcap=config.attn_logit_softcapping,
+                                 sinks=sinks)
     if keep is None:
         keep = attention_keep_mask(positions, positions, q_segments=segment_ids, k_segments=segment_ids,
                                    key_mask=key_mask)
     if window is not None:
         keep = keep & (positions[:, :, None] - positions[:, None, :] < window)
-    return attention(q, k, v, keep, scale=config.attention_scale, softcap=config.attn_logit_softcapping)
+    return attention(q, k, v, keep, scale=config.attention_scale, softcap=config.attn_logit_softcapping, sinks=sinks)

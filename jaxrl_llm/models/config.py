@@ -1,5 +1,5 @@
 """ModelConfig: one frozen description of the Llama 3 / SmolLM2, Qwen2 / Qwen2.5, Qwen3, Mistral, Gemma 2
-and Gemma 3 (text) decoders, and of the Qwen3-MoE and Mixtral mixtures of experts.
+and Gemma 3 (text) decoders, and of the Qwen3-MoE, Mixtral and gpt-oss mixtures of experts.
 
 The fields mirror the `transformers` config.json keys of those families; `from_hf_dict` and
 `to_hf_dict` translate between the two so checkpoints round-trip through `transformers`.
@@ -10,13 +10,14 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3_text", "qwen3_moe", "mixtral")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3_text", "qwen3_moe", "mixtral",
+                         "gpt_oss")
 # Families whose feed-forward block may be a mixture of experts (`models.moe`).
-MOE_MODEL_TYPES = ("qwen3_moe", "mixtral")
+MOE_MODEL_TYPES = ("qwen3_moe", "mixtral", "gpt_oss")
 # Gemma's layer: RMSNorm scaling by (1 + w), embeddings times sqrt(hidden), GeGLU (tanh GELU) MLP, and
 # norms after attention and after the MLP as well as before them.
 GEMMA_MODEL_TYPES = ("gemma2", "gemma3_text")
-SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
+SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear", "yarn")
 LAYER_TYPES = ("full_attention", "sliding_attention")
 _DTYPES = ("float32", "bfloat16")
 # What a rematerialised layer keeps for the backward pass: "full" keeps only its input (recomputes
@@ -37,6 +38,7 @@ _ARCHITECTURES = {
     "gemma3_text": "Gemma3ForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "mixtral": "MixtralForCausalLM",
+    "gpt_oss": "GptOssForCausalLM",
 }
 
 
@@ -50,7 +52,7 @@ _GEMMA3_TEXT_DEFAULTS = dict(vocab_size=262208, hidden_size=2304, intermediate_s
 
 
 # Families that read `sliding_window` from config.json, and those with Qwen3's q/k norms.
-_WINDOWED_MODEL_TYPES = ("mistral", "mixtral", *GEMMA_MODEL_TYPES)
+_WINDOWED_MODEL_TYPES = ("mistral", "mixtral", "gpt_oss", *GEMMA_MODEL_TYPES)
 _QK_NORM_MODEL_TYPES = ("qwen3", "gemma3_text", "qwen3_moe")
 
 
@@ -68,7 +70,17 @@ def _expert_fields(model_type: str, d: dict) -> dict:
     if model_type == "mixtral":
         return dict(num_experts=d.get("num_local_experts", d.get("num_experts", 8)),
                     num_experts_per_tok=d.get("num_experts_per_tok", 2))
+    if model_type == "gpt_oss":  # GptOssConfig: 128 experts, 4 per token (the released files say experts_per_token)
+        return dict(num_experts=d.get("num_local_experts", d.get("num_experts", 128)),
+                    num_experts_per_tok=d.get("num_experts_per_tok", d.get("experts_per_token", 4)),
+                    swiglu_limit=float(d.get("swiglu_limit", 7.0)), swiglu_alpha=float(d.get("swiglu_alpha", 1.702)))
     return {}
+
+
+# GptOssConfig's defaults where a config.json leaves them out: RoPE base 150000 with YaRN scaling 32 from 4096,
+# sliding (128) and full layers alternating from layer 0.
+_GPT_OSS_ROPE = dict(rope_type="yarn", factor=32.0, beta_fast=32.0, beta_slow=1.0, truncate=False,
+                     original_max_position_embeddings=4096)
 
 
 def _hashable(value: Any) -> Any:
@@ -106,6 +118,11 @@ class ModelConfig:
     Layer i is sparse unless i is in `mlp_only_layers` or (i + 1) is not a multiple of `decoder_sparse_step`
     (Qwen3-MoE's rule); the other layers keep the dense MLP of width `intermediate_size`. `moe_impl` (one of
     MOE_IMPLS, a runtime setting) picks how the experts' grouped matmuls run (`models.moe.expert_mlp`).
+
+    gpt-oss (`model_type` "gpt_oss") adds biases to the router and the experts, clamps the experts' SwiGLU
+    (`swiglu_limit`, `swiglu_alpha`: `models.moe.swiglu`), and gives every attention head a learned sink logit
+    in its softmax's denominator (`attention_sinks`); its layers alternate sliding and full attention
+    (`layer_types`) and its RoPE is YaRN-scaled (`rope_scaling` rope_type "yarn").
 
     `remat` recomputes each layer in the backward pass (`jax.checkpoint`); `remat_policy` (one of
     REMAT_POLICIES) says what the layer saves.
@@ -149,6 +166,8 @@ class ModelConfig:
     norm_topk_prob: bool = True
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
+    swiglu_limit: float | None = None
+    swiglu_alpha: float = 1.702
     bos_token_id: int | None = None
     eos_token_id: int | tuple[int, ...] | None = None
     param_dtype: str = "float32"
@@ -256,6 +275,16 @@ class ModelConfig:
         return float(self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
     @property
+    def attention_sinks(self) -> bool:
+        """Whether every attention head has a learned sink logit in its softmax's denominator (gpt-oss)."""
+        return self.model_type == "gpt_oss"
+
+    @property
+    def expert_biases(self) -> bool:
+        """Whether the router and the experts' projections carry biases (gpt-oss)."""
+        return self.model_type == "gpt_oss" and self.num_experts > 0
+
+    @property
     def expert_intermediate_size(self) -> int:
         """The width of one expert's SwiGLU: `moe_intermediate_size`, else `intermediate_size`."""
         return self.moe_intermediate_size or self.intermediate_size
@@ -311,8 +340,10 @@ class ModelConfig:
         if "full_attention" in rope_params:  # Gemma 3 in newer transformers: one entry per layer type
             local_rope = rope_params.get("sliding_attention") or {}
             rope_params = rope_params["full_attention"] or {}
-        rope_theta = d.get("rope_theta", rope_params.get("rope_theta", 10000.0))
+        rope_theta = d.get("rope_theta", rope_params.get("rope_theta", 150000.0 if model_type == "gpt_oss" else 10000.0))
         rope_scaling = d.get("rope_scaling")
+        if model_type == "gpt_oss" and rope_scaling is None and not rope_params:
+            rope_scaling = dict(_GPT_OSS_ROPE)
         if rope_scaling is None and rope_params.get("rope_type", "default") != "default":
             rope_scaling = {k: v for k, v in rope_params.items() if k != "rope_theta"}
         if rope_scaling is not None:
@@ -324,17 +355,20 @@ class ModelConfig:
         rope_local_theta = None
         if model_type == "gemma3_text":
             rope_local_theta = float(d.get("rope_local_base_freq", local_rope.get("rope_theta", 10000.0)))
-        sliding_window = d.get("sliding_window") if model_type in _WINDOWED_MODEL_TYPES else None
+        sliding_window = d.get("sliding_window", 128 if model_type == "gpt_oss" else None) \
+            if model_type in _WINDOWED_MODEL_TYPES else None
         layer_types = d.get("layer_types")
         num_layers = d["num_hidden_layers"]
         if sliding_window is None:
             layer_types = None
         elif layer_types is None and model_type == "gemma2":  # older config.json: every other layer, from 0
             layer_types = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)]
+        elif layer_types is None and model_type == "gpt_oss":  # GptOssConfig's default: sliding from layer 0
+            layer_types = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)]
         elif layer_types is None and model_type == "gemma3_text":  # older config.json: a global layer every n
             pattern = d.get("sliding_window_pattern", d.get("_sliding_window_pattern", 6))
             layer_types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers)]
-        has_bias = bool(d.get("attention_bias", False))
+        has_bias = bool(d.get("attention_bias", model_type == "gpt_oss"))
         fields = dict(
             model_type=model_type,
             vocab_size=d["vocab_size"],
@@ -415,6 +449,10 @@ class ModelConfig:
                      use_sliding_window=False)
         if self.model_type == "mixtral":
             d.update(num_local_experts=self.num_experts, num_experts_per_tok=self.num_experts_per_tok)
+        if self.model_type == "gpt_oss":
+            d.update(num_local_experts=self.num_experts, num_experts_per_tok=self.num_experts_per_tok,
+                     swiglu_limit=self.swiglu_limit, swiglu_alpha=self.swiglu_alpha,
+                     layer_types=["sliding_attention" if s else "full_attention" for s in self.sliding_layers()])
         if self.bos_token_id is not None:
             d["bos_token_id"] = self.bos_token_id
         if self.eos_token_id is not None:
@@ -451,6 +489,15 @@ class ModelConfig:
         if self.num_experts and self.model_type not in MOE_MODEL_TYPES:
             raise ValueError(f"experts (num_experts={self.num_experts}) cannot be expressed for model_type "
                              f"{self.model_type!r}; families with experts: {', '.join(MOE_MODEL_TYPES)}")
+        if (self.swiglu_limit is not None) != (self.model_type == "gpt_oss"):
+            raise ValueError(f"swiglu_limit={self.swiglu_limit} cannot be expressed for model_type {self.model_type!r}: "
+                             "gpt-oss always clamps its experts' SwiGLU, the other families never")
+        if self.model_type == "gpt_oss":
+            if not (self.num_experts and self.norm_topk_prob and all(self.sparse_layers())
+                    and self.attention_bias and self.moe_intermediate_size in (None, self.intermediate_size)):
+                raise ValueError("model_type 'gpt_oss' has experts on every layer, renormalised over the chosen ones, "
+                                 "of width intermediate_size, and attention biases")
+            return
         if self.model_type != "mixtral":
             return
         if not self.num_experts:

@@ -40,6 +40,7 @@ LAYER_AXES = {
     "k_norm": ("head_dim",),
     "post_attn_norm": ("norm",),
     "post_mlp_norm": ("norm",),
+    "attn_sinks": ("heads",),
     "router": ("embed", "experts"),
     "router_bias": ("experts",),
     "expert_gate": ("experts", "embed", "expert_mlp"),  # the experts' width: named apart from the dense MLP's
@@ -84,7 +85,7 @@ def logical_axis_rules(rules: list[tuple[str, P]] | None = None) -> tuple[tuple[
     # Every optional parameter present (a dense and a sparse layer among them), so every name and rule is seen.
     config = ModelConfig(vocab_size=2, hidden_size=2, intermediate_size=2, num_layers=2, num_heads=1,
                          num_kv_heads=1, head_dim=2, attention_bias=True, attention_out_bias=True, qk_norm=True,
-                         num_experts=2, num_experts_per_tok=1, decoder_sparse_step=2)
+                         num_experts=2, num_experts_per_tok=1, decoder_sparse_step=2, model_type="gpt_oss")
     is_axes = lambda x: isinstance(x, tuple)  # noqa: E731
     shapes = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, jnp.float32), param_shapes(config), is_leaf=is_axes)
     specs = param_partition_specs(shapes, partition_rules(config) if rules is None else rules)

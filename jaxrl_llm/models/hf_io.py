@@ -6,7 +6,10 @@ parameter tree stores them as [in, out] (x @ W) and stacks layers on a leading a
 Experts (Qwen3-MoE, Mixtral) are stored one tensor per expert and projection, as transformers 5 writes them
 ("mlp.experts.{e}.gate_proj.weight" [F, D]; Mixtral "block_sparse_moe.experts.{e}.w1.weight" for the gate, w3
 the up and w2 the down projection), and are read either so or fused, as transformers holds them in memory
-("mlp.experts.gate_up_proj" [E, 2F, D], the gate rows first, and "mlp.experts.down_proj" [E, D, F]).
+("mlp.experts.gate_up_proj" [E, 2F, D], the gate rows first, and "mlp.experts.down_proj" [E, D, F]). gpt-oss
+stores them fused, [in, out] and with biases: "mlp.experts.gate_up_proj" [E, D, 2F] with gate and up columns
+interleaved (gate the even ones), "gate_up_proj_bias" [E, 2F] likewise, "down_proj" [E, F, D], "down_proj_bias"
+[E, D], the router "mlp.router.weight" [E, D] and "mlp.router.bias" [E]; its attention sinks "self_attn.sinks" [H].
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ _LAYER_NAMES = {
     "k_bias": ("self_attn.k_proj.bias", False),
     "v_bias": ("self_attn.v_proj.bias", False),
     "o_bias": ("self_attn.o_proj.bias", False),
+    "attn_sinks": ("self_attn.sinks", False),
     "q_norm": ("self_attn.q_norm.weight", False),
     "k_norm": ("self_attn.k_norm.weight", False),
     "mlp_norm": ("post_attention_layernorm.weight", False),
@@ -64,6 +68,8 @@ _EXPERT_NAMES = {
                 "block_sparse_moe.experts.{e}.w3.weight", "block_sparse_moe.experts.{e}.w2.weight"),
 }
 _FUSED_EXPERT_NAMES = ("mlp.gate.weight", "mlp.experts.gate_up_proj", "mlp.experts.down_proj")
+# gpt-oss's quantized release: each expert matrix as MXFP4 blocks and scales ("mlp.experts.gate_up_proj_blocks", ...)
+_MXFP4_SUFFIXES = ("_blocks", "_scales")
 # Tensors some checkpoints carry that the model recomputes.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 # Image-text Gemma 3 checkpoints: the text model's tensors under this prefix (for "model."), beside the
@@ -101,11 +107,12 @@ class Slot(NamedTuple):
     """Where (part of) an HF tensor lives in the parameter tree: `path` ("embed",) or ("layers", name, layer[,
     expert]); `transposed`: HF stores the last two axes swapped ([out, in]); `part` (j, n): the parameter is the
     j-th of n equal blocks of the HF tensor along the parameter's last axis (a fused gate_up holds the gate
-    first), None: the whole tensor."""
+    first) or, `interleaved`, every n-th entry from the j-th (gpt-oss's gate_up); None: the whole tensor."""
 
     path: tuple
     transposed: bool = False
     part: tuple[int, int] | None = None
+    interleaved: bool = False
 
 
 def _hf_layout(config: ModelConfig, fused: bool = False) -> dict[str, tuple[Slot, ...]]:
@@ -129,6 +136,16 @@ def _hf_layout(config: ModelConfig, fused: bool = False) -> dict[str, tuple[Slot
 
 def _expert_layout(config: ModelConfig, prefix: str, layer: int, fused: bool) -> dict[str, tuple[Slot, ...]]:
     """The HF tensors of sparse layer `layer`'s router and experts (`_hf_layout`)."""
+    if config.model_type == "gpt_oss":
+        def slot(name, *part):
+            return Slot(("layers", name, layer), False, part or None, bool(part))
+
+        return {prefix + "mlp.router.weight": (Slot(("layers", "router", layer), True),),
+                prefix + "mlp.router.bias": (slot("router_bias"),),
+                prefix + "mlp.experts.gate_up_proj": (slot("expert_gate", 0, 2), slot("expert_up", 1, 2)),
+                prefix + "mlp.experts.gate_up_proj_bias": (slot("expert_gate_bias", 0, 2), slot("expert_up_bias", 1, 2)),
+                prefix + "mlp.experts.down_proj": (slot("expert_down"),),
+                prefix + "mlp.experts.down_proj_bias": (slot("expert_down_bias"),)}
     if fused:
         router, gate_up, down = _FUSED_EXPERT_NAMES
         return {prefix + router: (Slot(("layers", "router", layer), True),),
@@ -154,7 +171,7 @@ def hf_tensor_shapes(config: ModelConfig, fused: bool = False) -> dict[str, tupl
     shapes = param_shapes(config)
     out = {}
     for hf_name, slots in _hf_layout(config, fused).items():
-        path, transposed, part = slots[0]
+        path, transposed, part, _ = slots[0]
         shape = list(shapes["layers"][path[1]][len(path) - 2:] if path[0] == "layers" else shapes[path[0]])
         if part is not None:
             shape[-1] *= part[1]
@@ -170,17 +187,29 @@ def _from_hf(array: np.ndarray, slot: Slot) -> np.ndarray:
     if slot.part is None:
         return array
     j, n = slot.part
+    if slot.interleaved:
+        return array[..., j::n]
     width = array.shape[-1] // n
     return array[..., j * width:(j + 1) * width]
 
 
 def _to_hf(parts: list[np.ndarray], slot: Slot) -> np.ndarray:
     """`_from_hf`'s inverse: the HF tensor of the parameter slices `parts`, one per slot, in the slots' order."""
-    array = parts[0] if slot.part is None else np.concatenate(parts, axis=-1)
+    if slot.part is None:
+        array = parts[0]
+    elif slot.interleaved:
+        array = np.stack(parts, axis=-1).reshape(*parts[0].shape[:-1], -1)
+    else:
+        array = np.concatenate(parts, axis=-1)
     return np.ascontiguousarray(np.swapaxes(array, -1, -2) if slot.transposed else array)
 
 
 def _check_names(config: ModelConfig, names, where: str) -> None:
+    quantized = [n for n in names if ".mlp.experts." in n and n.endswith(_MXFP4_SUFFIXES)]
+    if quantized:
+        raise ValueError(f"{where}: tensor {quantized[0]!r}: the experts are MXFP4-quantized (gpt-oss's release), "
+                         "which load_hf does not read yet; load the bf16 checkpoint, or dequantize with transformers "
+                         "(Mxfp4Config(dequantize=True)) and save_pretrained")
     expected = hf_tensor_shapes(config, _is_fused(names))
     missing = [n for n in expected if n not in names]
     if missing:
@@ -299,8 +328,8 @@ def _get_tensor(handle, path: pathlib.Path, name: str) -> np.ndarray:
 
 
 def load_hf(path, dtype=None) -> tuple[ModelConfig, Params]:
-    """Load a Llama / Qwen2 / Qwen3 / Mistral / Gemma 2 / Gemma 3 checkpoint directory (of an image-text
-    Gemma 3, its text model): config.json plus model.safetensors or
+    """Load a Llama / Qwen2 / Qwen3 / Mistral / Gemma 2 / Gemma 3 / Qwen3-MoE / Mixtral / gpt-oss checkpoint directory
+    (of an image-text Gemma 3, its text model): config.json plus model.safetensors or
     model.safetensors.index.json with its shards. `dtype` ("float32" | "bfloat16") sets both
     param_dtype and compute_dtype (default float32). Errors name the file and tensor at fault."""
     directory = pathlib.Path(path)

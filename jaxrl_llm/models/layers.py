@@ -17,17 +17,21 @@ import numpy as np
 from jaxrl_llm.models.config import ModelConfig
 
 
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float, *, unit_offset: bool = False) -> jax.Array:
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float, *, unit_offset: bool = False,
+             float32_product: bool = False) -> jax.Array:
     """RMSNorm (Zhang & Sennrich 2019): y = w * x / sqrt(mean(x^2) + eps), statistics in float32.
 
     As in transformers' LlamaRMSNorm, the normalised value is cast back to x's dtype before the
     weight multiplies it. With `unit_offset` (Gemma) the scale is (1 + w) and, as in GemmaRMSNorm,
-    the product is taken in float32 and cast afterwards.
+    the product is taken in float32 and cast afterwards; `float32_product` (gpt-oss) takes w's product in
+    float32 too.
     """
     x32 = x.astype(jnp.float32)
     normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
     if unit_offset:
         return (normed * (1.0 + weight.astype(jnp.float32))).astype(x.dtype)
+    if float32_product:
+        return (normed * weight.astype(jnp.float32)).astype(x.dtype)
     return weight.astype(x.dtype) * normed.astype(x.dtype)
 
 
@@ -43,6 +47,11 @@ def rope_inv_freq(config: ModelConfig, local: bool = False) -> np.ndarray:
     L/high_freq_factor are kept, and those in between are interpolated with
     s = (L/wavelen - low) / (high - low): (1 - s) * inv_freq/factor + s * inv_freq,
     where L = original_max_position_embeddings. Computed in float32 like the reference.
+
+    With YaRN (rope_type "yarn", Peng et al. 2023, as transformers' `_compute_yarn_parameters`): frequency i is
+    inv_freq_i / factor (interpolated) or inv_freq_i (extrapolated), blended by a ramp over the dimensions between
+    the ones that turn beta_fast and beta_slow times over the original length L: inv_freq_i ((1 - r_i) / factor +
+    r_i), r_i = 1 - clip((i - low) / (high - low), 0, 1); `rope_attention_factor` scales cos and sin.
     """
     dim = config.head_dim
     local = local and config.rope_local_theta is not None
@@ -52,6 +61,8 @@ def rope_inv_freq(config: ModelConfig, local: bool = False) -> np.ndarray:
     scaling = {} if local else config.rope_scaling_dict()
     if scaling.get("rope_type", "default") == "linear":
         return (inv_freq / np.float32(scaling["factor"])).astype(np.float32)
+    if scaling.get("rope_type", "default") == "yarn":
+        return _yarn_inv_freq(inv_freq, scaling, dim, float(theta), config.max_position_embeddings)
     if scaling.get("rope_type", "default") != "llama3":
         return inv_freq
     factor = float(scaling["factor"])
@@ -68,12 +79,55 @@ def rope_inv_freq(config: ModelConfig, local: bool = False) -> np.ndarray:
     return np.where(is_medium, smoothed, scaled).astype(np.float32)
 
 
-def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray | jax.Array) -> jax.Array:
+def _yarn_inv_freq(inv_freq: np.ndarray, scaling: dict, dim: int, theta: float, max_positions: int) -> np.ndarray:
+    factor = scaling.get("factor")
+    old_len = float(scaling["original_max_position_embeddings"])
+    factor = float(max_positions / old_len if factor is None else factor)
+    beta_fast, beta_slow = float(scaling.get("beta_fast") or 32), float(scaling.get("beta_slow") or 1)
+
+    def correction_dim(rotations):  # the dimension that turns `rotations` times over the original length
+        return dim * math.log(old_len / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    high = high + 0.001 if low == high else high  # as the reference: no zero-width ramp
+    ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - np.float32(low)) / np.float32(high - low), 0, 1)
+    extrapolate = (1 - ramp).astype(np.float32)
+    interpolated = (np.float32(1.0) / (np.float32(factor) / inv_freq)).astype(np.float32)
+    return (interpolated * (1 - extrapolate) + inv_freq * extrapolate).astype(np.float32)
+
+
+def rope_attention_factor(config: ModelConfig) -> float:
+    """The factor on RoPE's cos and sin (YaRN's attention temperature; 1 otherwise): `attention_factor` when the
+    scaling names it, else 0.1 ln(factor) + 1 (mscale / mscale_all_dim: their ratio of that form), 1 at factor <= 1."""
+    scaling = config.rope_scaling_dict()
+    if scaling.get("rope_type") != "yarn":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    factor = scaling.get("factor")
+    factor = float(config.max_position_embeddings / scaling["original_max_position_embeddings"]
+                   if factor is None else factor)
+
+    def mscale(scale, m=1.0):
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    if scaling.get("mscale") and scaling.get("mscale_all_dim"):
+        return float(mscale(factor, scaling["mscale"]) / mscale(factor, scaling["mscale_all_dim"]))
+    return mscale(factor)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray | jax.Array, scale: float = 1.0) -> jax.Array:
     """Rotate x [B, T, heads, d] by angle positions * inv_freq, rotate-half layout as in HF:
-    x * cos + concat(-x2, x1) * sin, where x1, x2 are the two halves of the head dimension."""
+    x * cos + concat(-x2, x1) * sin, where x1, x2 are the two halves of the head dimension; cos and sin times
+    `scale` (YaRN's `rope_attention_factor`)."""
     angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)  # [B, T, d/2]
     angles = jnp.concatenate([angles, angles], axis=-1)[:, :, None, :]
     cos, sin = jnp.cos(angles), jnp.sin(angles)
+    if scale != 1.0:
+        cos, sin = cos * scale, sin * scale
     x32 = x.astype(jnp.float32)
     x1, x2 = jnp.split(x32, 2, axis=-1)
     rotated = jnp.concatenate([-x2, x1], axis=-1)
@@ -81,13 +135,15 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray | jax.Ar
 
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, *, scale: float | None = None,
-              softcap: float | None = None) -> jax.Array:
+              softcap: float | None = None, sinks: jax.Array | None = None) -> jax.Array:
     """Grouped-query attention softmax(cap(scale q k^T) + mask) v (Ainslie et al. 2023).
 
     q [B, T, H, d]; k, v [B, S, KV, d] with H a multiple of KV; query head h reads KV head
     h // (H / KV), as transformers' repeat_kv. mask [B, T, S] bool (True = may attend).
     scale defaults to 1/sqrt(d); cap(s) = softcap tanh(s / softcap) with `softcap` set (Gemma 2), else s.
-    Scores and softmax run in float32. Returns [B, T, H * d].
+    `sinks` [H] (gpt-oss's attention sinks; Xiao et al. 2024): head h's softmax gains one more logit, sinks[h],
+    in its denominator only: p_j = e^{s_j} / (sum_j' e^{s_j'} + e^{sinks[h]}). A query that keeps no key then
+    gets 0. Scores and softmax run in float32. Returns [B, T, H * d].
     """
     batch, length, num_heads, head_dim = q.shape
     num_kv, keys = k.shape[2], k.shape[1]
@@ -102,10 +158,21 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, *, scal
     scores = soft_cap(scores.reshape(batch, num_kv, group, length, keys), softcap)
     # A finite floor keeps fully-masked rows (padding queries) NaN-free.
     scores = jnp.where(mask[:, None, None, :, :], scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype).reshape(batch, num_kv, group * length, keys)
+    probs = sink_softmax(scores, sinks, num_kv).astype(v.dtype).reshape(batch, num_kv, group * length, keys)
     out = jnp.einsum("bkqs,bksd->bkqd", probs, v.transpose(0, 2, 1, 3)).reshape(batch, num_kv, group, length,
                                                                                  head_dim)
     return out.transpose(0, 3, 1, 2, 4).reshape(batch, length, num_heads * head_dim)
+
+
+def sink_softmax(scores: jax.Array, sinks: jax.Array | None, num_kv: int) -> jax.Array:
+    """softmax over the last axis of scores [B, KV, G, T, S], with head (k, g)'s sink logit sinks[k G + g] in the
+    denominator when `sinks` [H] is given (`attention`), float32."""
+    if sinks is None:
+        return jax.nn.softmax(scores, axis=-1)
+    sink = sinks.astype(jnp.float32).reshape(1, num_kv, -1, 1, 1)
+    top = jax.lax.stop_gradient(jnp.maximum(scores.max(axis=-1, keepdims=True), sink))
+    weights = jnp.exp(scores - top)
+    return weights / (weights.sum(axis=-1, keepdims=True) + jnp.exp(sink - top))
 
 
 def einsum_f32(spec: str, a: jax.Array, b: jax.Array) -> jax.Array:
@@ -164,16 +231,17 @@ TILE_SCOPE = "attention_tile"  # the name scope of `blocked_attention`'s conditi
 def blocked_attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array, block_size: int, *,
                       segment_ids: jax.Array | None = None, key_mask: jax.Array | None = None,
                       window: jax.Array | int | None = None, scale: float | None = None,
-                      softcap: float | None = None) -> jax.Array:
+                      softcap: float | None = None, sinks: jax.Array | None = None) -> jax.Array:
     """Self-attention equal to `attention(q, k, v, attention_keep_mask(positions, positions, ...), scale=...,
-    softcap=...)`
+    softcap=..., sinks=...)`
     without materialising the [B, H, T, T] scores: FlashAttention's online softmax (Dao et al. 2022;
     Milakov & Gimelshein 2018) over tiles of `block_size` queries x `block_size` keys.
 
     Per query block, for key blocks j = 1..n with tile scores s_j (masked entries = the same finite
     floor as `attention`): m_j = max(m_{j-1}, max s_j), l_j = l_{j-1} e^(m_{j-1} - m_j) + sum e^(s_j - m_j),
     acc_j = acc_{j-1} e^(m_{j-1} - m_j) + e^(s_j - m_j) v_j; out = acc_n / l_n. The result does not
-    depend on m, so m is held constant under differentiation. Both the query-block and the key-tile
+    depend on m, so m is held constant under differentiation. Attention sinks start the sums at the sink:
+    m_0 = sink, l_0 = e^(sink - m_0) = 1, acc_0 = 0. Both the query-block and the key-tile
     computations are rematerialised (jax.checkpoint), so the backward pass keeps one query block's
     running sums per key block and one tile of scores at a time.
 
@@ -247,6 +315,10 @@ def blocked_attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.A
 
         rows = (batch, num_kv, group * block)
         init = (jnp.full(rows, floor), jnp.zeros(rows, jnp.float32), jnp.zeros((*rows, head_dim), jnp.float32))
+        if sinks is not None:  # heads in the tiles' layout: [KV, G] repeated over the block's queries
+            sink = jnp.broadcast_to(jnp.repeat(sinks.astype(jnp.float32).reshape(num_kv, group), block, axis=1),
+                                    rows)
+            init = (jax.lax.stop_gradient(sink), jnp.exp(sink - jax.lax.stop_gradient(sink)), init[2])
         (_, denom, acc), _ = jax.lax.scan(jax.checkpoint(key_tile, prevent_cse=False), init, (key_inputs, read))
         return (acc / denom[..., None]).astype(v.dtype)
 

@@ -1,5 +1,5 @@
-"""Pure-functional decoder for the Llama / Qwen2 / Qwen3 / Mistral / Gemma 2 / Gemma 3 families and the Qwen3-MoE
-and Mixtral mixtures of experts (`models.moe`), with a static KV cache.
+"""Pure-functional decoder for the Llama / Qwen2 / Qwen3 / Mistral / Gemma 2 / Gemma 3 families and the Qwen3-MoE,
+Mixtral and gpt-oss mixtures of experts (`models.moe`), with a static KV cache.
 
 Parameters are a plain nested dict (see `init_params` for the key names). Transformer layers are
 stacked on a leading `num_layers` axis and run by `jax.lax.scan`, so one layer is compiled whatever
@@ -30,7 +30,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.attention import self_attention
 from jaxrl_llm.models.layers import (adapted_dense, apply_rope, attention, attention_keep_mask, einsum_f32, gated_mlp,
-                                    rms_norm, rope_inv_freq, soft_cap)
+                                    rms_norm, rope_attention_factor, rope_inv_freq, soft_cap)
 from jaxrl_llm.models.moe import moe_block
 from jaxrl_llm.models.quant import layer_weight
 
@@ -64,6 +64,8 @@ def _layer_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     if any(sparse):
         e, fe = config.num_experts, config.expert_intermediate_size
         shapes.update(router=(d, e), expert_gate=(e, d, fe), expert_up=(e, d, fe), expert_down=(e, fe, d))
+        if config.expert_biases:  # gpt-oss
+            shapes.update(router_bias=(e,), expert_gate_bias=(e, fe), expert_up_bias=(e, fe), expert_down_bias=(e, d))
     if config.attention_bias:
         shapes.update(q_bias=(q_out,), k_bias=(kv_out,), v_bias=(kv_out,))
     if config.attention_out_bias:
@@ -72,6 +74,8 @@ def _layer_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         shapes.update(q_norm=(hd,), k_norm=(hd,))
     if config.is_gemma:  # sandwich norms: on the attention output and on the MLP output
         shapes.update(post_attn_norm=(d,), post_mlp_norm=(d,))
+    if config.attention_sinks:  # gpt-oss: one logit per query head in its softmax's denominator
+        shapes["attn_sinks"] = (config.num_heads,)
     return shapes
 
 
@@ -154,13 +158,16 @@ def layer_constants(config: ModelConfig, layer: int | None = None) -> dict:
 
 
 def norm(x: jax.Array, weight: jax.Array, config: ModelConfig) -> jax.Array:
-    """The family's RMSNorm: w * x / rms(x), or (1 + w) * x / rms(x) for Gemma (`layers.rms_norm`)."""
-    return rms_norm(x, weight, config.rms_norm_eps, unit_offset=config.is_gemma)
+    """The family's RMSNorm: w * x / rms(x), or (1 + w) * x / rms(x) for Gemma (`layers.rms_norm`; gpt-oss and
+    Gemma take the weight's product in float32)."""
+    return rms_norm(x, weight, config.rms_norm_eps, unit_offset=config.is_gemma,
+                    float32_product=config.model_type == "gpt_oss")
 
 
-def attend(q: jax.Array, k: jax.Array, v: jax.Array, keep: jax.Array, config: ModelConfig) -> jax.Array:
-    """`layers.attention` with the family's score scale and soft-cap."""
-    return attention(q, k, v, keep, scale=config.attention_scale, softcap=config.attn_logit_softcapping)
+def attend(q: jax.Array, k: jax.Array, v: jax.Array, keep: jax.Array, config: ModelConfig,
+           sinks: jax.Array | None = None) -> jax.Array:
+    """`layers.attention` with the family's score scale and soft-cap, and a layer's attention `sinks` [H]."""
+    return attention(q, k, v, keep, scale=config.attention_scale, softcap=config.attn_logit_softcapping, sinks=sinks)
 
 
 def _project_qkv(lp: Params, config: ModelConfig, h: jax.Array, positions: jax.Array, inv_freq=None):
@@ -178,7 +185,8 @@ def _project_qkv(lp: Params, config: ModelConfig, h: jax.Array, positions: jax.A
         q = norm(q, lp["q_norm"], config)
         k = norm(k, lp["k_norm"], config)
     inv_freq = rope_inv_freq(config) if inv_freq is None else inv_freq
-    return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
+    scale = rope_attention_factor(config)
+    return apply_rope(q, positions, inv_freq, scale), apply_rope(k, positions, inv_freq, scale), v
 
 
 def _finish_layer(lp: Params, config: ModelConfig, x: jax.Array, attn: jax.Array, sparse=None) -> jax.Array:
@@ -246,8 +254,9 @@ def decoder_layer(lp: Params, config: ModelConfig, x: jax.Array, positions: jax.
     lp: one layer's parameters (no stacked axis); x [B, T, D]; positions int32 [B, T] (RoPE angles);
     `inv_freq` the layer's RoPE inverse frequencies (default the full layers' `rope_inv_freq(config)`).
     `attend_fn(q [B,T,H,hd], k [B,T,KV,hd], v [B,T,KV,hd]) -> (attention [B, T, H*hd], aux)` decides
-    what the queries see (a causal mask, a KV cache it writes k and v into, ...); its `aux` (updated
-    caches, keys to store) is returned beside the layer's output: (x [B, T, D], aux).
+    what the queries see (a causal mask, a KV cache it writes k and v into, ...) and, for gpt-oss, applies the
+    layer's attention sinks lp["attn_sinks"]; its `aux` (updated caches, keys to store) is returned beside the
+    layer's output: (x [B, T, D], aux).
     The forward pass's remat policies read the `checkpoint_name` tags q, k, v and attn set here."""
     h = norm(x, lp["attn_norm"], config)
     q, k, v = (checkpoint_name(a, n) for a, n in zip(_project_qkv(lp, config, h, positions, inv_freq), "qkv"))
@@ -315,8 +324,8 @@ def hidden_states(params: Params, config: ModelConfig, tokens: jax.Array, positi
 
         def attend_fn(q, k, v):
             return self_attention(q, k, v, positions, config, segment_ids=segment_ids, key_mask=attention_mask,
-                                  window=const.get("window"), keep=keep, slots=slots,
-                                  response_len=response_len), None
+                                  window=const.get("window"), keep=keep, slots=slots, response_len=response_len,
+                                  sinks=lp.get("attn_sinks")), None
 
         return decoder_layer(lp, config, x, positions, attend_fn, const.get("inv_freq"), const.get("sparse"))
 
@@ -388,7 +397,8 @@ def forward_cached(params: Params, config: ModelConfig, tokens: jax.Array, posit
             layer_keep = keep
             if "window" in const:
                 layer_keep = keep & (positions[:, :, None] - jnp.arange(max_len)[None, None, :] < const["window"])
-            return attend(q, k_all.astype(q.dtype), v_all.astype(q.dtype), layer_keep, config), (k_all, v_all)
+            return attend(q, k_all.astype(q.dtype), v_all.astype(q.dtype), layer_keep, config,
+                          lp.get("attn_sinks")), (k_all, v_all)
 
         return decoder_layer(lp, config, x, positions, attend_fn, const.get("inv_freq"), const.get("sparse"))
 

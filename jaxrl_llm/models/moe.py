@@ -212,7 +212,7 @@ def layer_experts(lp: dict, config: ModelConfig, dtype) -> Experts:
     """The experts of one sparse layer's parameter dict, weights in `dtype` (a quantized one dequantized)."""
     weights = (layer_weight(lp, name, dtype) for name in EXPERT_WEIGHTS)
     biases = (lp.get(name) for name in EXPERT_BIASES)
-    return Experts(*weights, *biases)
+    return Experts(*weights, *biases, limit=config.swiglu_limit, alpha=config.swiglu_alpha)
 
 
 def moe_block(lp: dict, config: ModelConfig, h: jax.Array) -> jax.Array:

@@ -79,6 +79,7 @@ def partition_rules(config: ModelConfig | None = None) -> list[tuple[str, P]]:
         (r"^layers/(q|k|v|gate|up)_proj$", P(None, "fsdp", "tensor")),  # [L, D, out]
         (r"^layers/(o|down)_proj$", P(None, "tensor", "fsdp")),         # [L, in, D]
         (r"^layers/(q|k|v)_bias$", P(None, "tensor")),                  # [L, out]
+        (r"^layers/attn_sinks$", P(None, "tensor")),                    # [L, H]: with the heads
         # experts (models/moe.py) split as the dense MLP's matrices, the expert axis replicated; the router's
         # input dimension as a projection's
         (r"^layers/expert_(gate|up)$", P(None, None, "fsdp", "tensor")),  # [L, E, D, F]

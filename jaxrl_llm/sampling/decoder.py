@@ -121,7 +121,7 @@ def _prefill_layer(config: ModelConfig, tokens: jax.Array, cache_dtype, constrai
 
         def attend_fn(q, k, v):  # k, v [C, P, KV, d]
             keep = causal if window is None else causal & (distance < window)
-            return prompt_attention(q, k, v, keep, config, window=window), (constrain(jnp.transpose(k, (0, 2, 3, 1)).astype(cache_dtype)),
+            return prompt_attention(q, k, v, keep, config, window=window, sinks=lp.get("attn_sinks")), (constrain(jnp.transpose(k, (0, 2, 3, 1)).astype(cache_dtype)),
                                                    constrain(jnp.transpose(v, (0, 2, 1, 3)).astype(cache_dtype)))
 
         x, kv = decoder_layer(lp, config, constrain(x), positions, attend_fn, const.get("inv_freq"), const.get("sparse"))
@@ -199,13 +199,14 @@ def _to_rows(x: jax.Array, batch: int) -> jax.Array:
 
 
 def _attend(q, prompt_k, prompt_v, response_k, response_v, prompt_lengths, step, config: ModelConfig,
-            window: int | None = None):
+            window: int | None = None, sinks=None):
     """softmax(cap(scale q k^T)) v (scale and cap as `models.attend`) of one query per row over prompt
     slots s < prompt_length and response slots j <= step; with a sliding `window` w, only keys fewer than
     w positions back (prompt slot s: prompt_length + step - s < w; response slot j, holding generated token
     step - ((step - j) mod n) of a ring of n slots: (step - j) mod n < w). step is [] or one per row [B].
     response_k / response_v are one buffer each or a list of consecutive tiles (slots 0..T-1, T..2T-1, ...),
-    read one dot per tile. q [B, H, d] (head h reads KV head h // (H / KV)); returns [B, H*d].
+    read one dot per tile. q [B, H, d] (head h reads KV head h // (H / KV)); returns [B, H*d]. `sinks` [H] (gpt-oss):
+    head h's softmax gains sinks[h] in its denominator (`layers.attention`).
 
     The prompt part may hold one entry per group of g consecutive rows (prompt_k [B / g, KV, d, P]: the g samples
     of one prompt, `empty_row_cache`'s `prompt_group`): the group's queries then meet their prompt's keys in one
@@ -241,9 +242,14 @@ def _attend(q, prompt_k, prompt_v, response_k, response_v, prompt_lengths, step,
     response_ok = response_ok[:, None, None, :] if step.ndim else response_ok
     response_scores = jnp.where(response_ok, response_scores, -jnp.inf)
     top = jnp.maximum(_to_rows(prompt_scores.max(-1, keepdims=True), batch), response_scores.max(-1, keepdims=True))
+    if sinks is not None:
+        sink = sinks.astype(f32).reshape(1, num_kv, num_heads // num_kv, 1)
+        top = jnp.maximum(top, sink)
     prompt_w, response_w = jnp.exp(prompt_scores - _to_groups(top, entries)), jnp.exp(response_scores - top)
     dtype = prompt_v.dtype
     total = _to_rows(prompt_w.sum(-1, keepdims=True), batch)
+    if sinks is not None:
+        total = total + jnp.exp(sink - top)
     out = _to_rows(jnp.einsum("ckms,cksd->ckmd", prompt_w.astype(dtype), prompt_v, preferred_element_type=f32), batch)
     # Tile by tile, in order: a tile past a row's step adds exact zeros, so reading more tiles than a row needs
     # (the continuous engine reads up to its deepest slot's) changes no bit of that row's result.
@@ -266,7 +272,8 @@ def _attend(q, prompt_k, prompt_v, response_k, response_v, prompt_lengths, step,
 GPU_DECODE_READS = "every"
 
 
-def _attend_reached(q, prompt_k, prompt_v, tiles_k: tuple, tiles_v: tuple, prompt_lengths, step, config: ModelConfig):
+def _attend_reached(q, prompt_k, prompt_v, tiles_k: tuple, tiles_v: tuple, prompt_lengths, step, config: ModelConfig,
+                    sinks=None):
     """`_attend` over the response tiles that hold a token so far (tiles 0..step // T; with one step per row,
     up to the deepest row's tile, the other rows masked as in `_attend`): a `lax.switch` with one branch per
     count of tiles, each reading only its tiles.
@@ -280,7 +287,7 @@ def _attend_reached(q, prompt_k, prompt_v, tiles_k: tuple, tiles_v: tuple, promp
 
     def over(count):
         return lambda q, prompt_k, prompt_v, tiles_k, tiles_v: _attend(
-            q, prompt_k, prompt_v, tiles_k[:count], tiles_v[:count], prompt_lengths, step, config)
+            q, prompt_k, prompt_v, tiles_k[:count], tiles_v[:count], prompt_lengths, step, config, sinks=sinks)
 
     branches = [over(count) for count in range(1, len(tiles_k) + 1)]
 
@@ -348,14 +355,15 @@ def decode_step(params, layers: list, config: ModelConfig, tokens: jax.Array, pr
                 response_k = _write_tiles(cache.response_k[i], jnp.transpose(k, (0, 2, 3, 1)), step, axis=3)
                 response_v = _write_tiles(cache.response_v[i], jnp.transpose(v, (0, 2, 1, 3)), step, axis=2)
                 attn = _attend_reached(q[:, 0], prompt_k, prompt_v, response_k, response_v, prompt_lengths, step,
-                                       config)
+                                       config, lp.get("attn_sinks"))
                 return attn[:, None], (response_k, response_v)
             slot = step % cache.response_k[i].shape[-1]  # = step, except on a sliding layer's ring
             response_k = _write_slot(cache.response_k[i],
                                      jnp.transpose(k, (0, 2, 3, 1)).astype(cache.response_k[i].dtype), slot, axis=3)
             response_v = _write_slot(cache.response_v[i],
                                      jnp.transpose(v, (0, 2, 1, 3)).astype(cache.response_v[i].dtype), slot, axis=2)
-            attn = _attend(q[:, 0], prompt_k, prompt_v, response_k, response_v, prompt_lengths, step, config, window)
+            attn = _attend(q[:, 0], prompt_k, prompt_v, response_k, response_v, prompt_lengths, step, config, window,
+                           lp.get("attn_sinks"))
             return attn[:, None], (response_k, response_v)
 
         x, (response_k, response_v) = decoder_layer(lp, config, x, positions, attend_fn, const["inv_freq"],
