@@ -294,8 +294,9 @@ def update_policy(run: Run, scored: ScoredRollouts, step: int) -> dict[str, Any]
             placed = run.place_batch(batch)
             run.state, metrics = run.train_step(run.state, placed, np.float32(denom))
             if run.critic is not None:  # the value loss is a token-mean over the mini-batch's response tokens
-                run.critic.state, critic_metrics = run.critic.train_step(run.critic.state, placed,
-                                                                         np.float32(batch.mask.sum()))
+                run.critic.state, critic_metrics = run.critic.train_step(  # (the critic reads no teacher top K)
+                    run.critic.state, placed._replace(teacher_ids=None, teacher_topk_logp=None),
+                    np.float32(batch.mask.sum()))
                 metrics = {**metrics, **critic_metrics}
             metrics = jax.device_get(metrics)
             finite = finite and bool(metrics["finite"]) and bool(metrics.get("value_finite", True))
