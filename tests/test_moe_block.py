@@ -225,3 +225,23 @@ def test_mxfp4_experts_are_refused_by_name():
 
     with pytest.raises(ValueError, match="MXFP4-quantized"):
         params_from_hf(_config(), {"model.layers.0.mlp.experts.gate_up_proj_blocks": np.zeros(1, np.uint8)})
+
+
+def test_flax_declarations_give_the_init_params_tree_of_a_mixed_gpt_oss_model():
+    """The Flax modules declare every expert, bias and sink parameter as `init_params` lays them out (shapes only:
+    `jax.eval_shape`, nothing compiled), with their logical axes."""
+    import flax.linen as nn
+
+    from jaxrl_llm.models.flax_modules import Decoder
+
+    config = ModelConfig(vocab_size=16, hidden_size=8, intermediate_size=12, num_layers=2, num_heads=2, num_kv_heads=1,
+                         head_dim=4, model_type="gpt_oss", attention_bias=True, attention_out_bias=True, num_experts=4,
+                         num_experts_per_tok=2, decoder_sparse_step=2, swiglu_limit=7.0, sliding_window=3,
+                         layer_types=("sliding_attention", "full_attention"))
+    tokens = jnp.zeros((1, 5), jnp.int32)
+    boxed = jax.eval_shape(Decoder(config).init, jax.random.key(0), tokens, tokens)["params"]
+    ours = jax.eval_shape(lambda: init_params(config, jax.random.key(0)))
+    assert jax.tree.map(lambda x: x.shape, nn.unbox(boxed)) == jax.tree.map(lambda x: x.shape, ours)
+    axes = nn.get_partition_spec(boxed)["layers"]
+    assert tuple(axes["expert_down"]) == ("layers", "experts", "expert_mlp", "embed")
+    assert tuple(axes["attn_sinks"]) == ("layers", "heads")

@@ -146,7 +146,7 @@ def _splash_rows(q, k, v, real, *, window: int | None, softcap: float | None, in
     qh = q.reshape(rows, width, num_kv, group, dim).transpose(0, 2, 3, 1, 4)  # [N, KV, G, W, d]
     kh, vh = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [N, KV, W, d]
 
-    head_sinks = None if sinks is None else sinks.astype(jnp.float32).reshape(num_kv, group)  # one MQA call per row
+    head_sinks = None if sinks is None else sinks.astype(jnp.float32).reshape(num_kv, group)  # [KV, G]: per MQA call
 
     def one_row(qr, kr, vr, seg):
         segments = splash.SegmentIds(q=seg, kv=seg)
