@@ -45,11 +45,8 @@ def prompt_group_size(counts, rows_per_device: int) -> int:
     the largest g that divides every positive sample count and a device's rows, so that with rows ordered by
     prompt every run of g consecutive rows continues one prompt and no group straddles two devices. E.g. 8 samples
     of every prompt on 64 rows -> 8; counts (8, 4) -> 4; (6, 6) on 64 rows -> 2; (3, 5) -> 1."""
-    group = int(rows_per_device)
-    for count in np.asarray(counts).ravel():
-        if count > 0:
-            group = math.gcd(group, int(count))
-    return max(group, 1)
+    counts = np.asarray(counts, dtype=np.int64).ravel()
+    return max(math.gcd(int(rows_per_device), int(np.gcd.reduce(counts[counts > 0]))), 1)  # gcd(g, 0) = g
 
 
 @dataclasses.dataclass(frozen=True)
