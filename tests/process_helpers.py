@@ -1,9 +1,12 @@
 """Helpers of the multi-process tests: a free localhost port for `jax.distributed.initialize`, the environment of
-their processes, and waiting for a set of worker processes (each must exit 0)."""
+their processes, waiting for a set of worker processes (each must exit 0), and the loop runner's runs and metrics."""
 
+import json
 import os
+import pathlib
 import socket
 import subprocess
+import sys
 
 # The suite's persistent compilation cache (conftest) stays out of `jax.distributed` processes: with it, a resumed
 # two-process run once differed from the straight one in the last bits of a gradient norm, and a pair whose
@@ -38,3 +41,23 @@ def finish(procs: list[subprocess.Popen], timeout: float) -> list[tuple[str, str
     for proc, (out, err) in zip(procs, outputs):
         assert proc.returncode == 0, out[-3000:] + err[-5000:]
     return outputs
+
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+LOOP_RUNNER = [sys.executable, str(ROOT / "tests" / "loop_runner.py")]
+
+
+def run_loop(out_dir, *extra) -> subprocess.CompletedProcess:
+    """tests/loop_runner.py into `out_dir` with config overrides `extra`; fails the test with its output's tail."""
+    proc = subprocess.run(LOOP_RUNNER + [f"train.out_dir={out_dir}", *extra], capture_output=True, text=True,
+                          timeout=900, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+def accuracy_rows(out_dir) -> list[dict]:
+    """The step rows of a run's metrics.jsonl (those with an accuracy); [] before the first is written."""
+    path = pathlib.Path(out_dir) / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [r for r in map(json.loads, path.read_text().splitlines()) if "accuracy" in r]

@@ -19,6 +19,7 @@ from jaxrl_llm.run.config import ConfigError
 from jaxrl_llm.train import load_config
 from jaxrl_llm.train.async_rollouts import (AsyncRollouts, load_in_flight, prune_in_flight, save_in_flight)
 from jaxrl_llm.train.rollouts import ScoredRollouts
+from process_helpers import accuracy_rows, run_loop
 from simulated_mesh import run_on_devices
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -204,18 +205,7 @@ def test_asynchronous_runs_verify_in_a_process_pool():
 
 # ---- the loop ---------------------------------------------------------------------------------------------------
 
-def _run(out_dir, *extra):
-    proc = subprocess.run(RUNNER + [f"train.out_dir={out_dir}", *extra], capture_output=True, text=True,
-                          timeout=900, cwd=ROOT)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return proc
-
-
-def _rows(out_dir) -> list[dict]:
-    path = pathlib.Path(out_dir) / "metrics.jsonl"
-    if not path.exists():
-        return []
-    return [r for r in map(json.loads, path.read_text().splitlines()) if "accuracy" in r]
+_run, _rows = run_loop, accuracy_rows  # the loop runner and its metrics (process_helpers)
 
 
 def _weights(out_dir) -> dict:

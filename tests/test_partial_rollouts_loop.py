@@ -12,23 +12,14 @@ import time
 import numpy as np
 from safetensors.numpy import load_file
 
+from process_helpers import accuracy_rows, run_loop
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 RUNNER = [sys.executable, str(ROOT / "tests" / "loop_runner.py")]
 PARTIAL = ["rollouts.mode=partial", "rollouts.max_staleness=3", "rollouts.segment_iterations=4", "train.steps=6"]
 
 
-def _run(out_dir, *extra):
-    proc = subprocess.run(RUNNER + [f"train.out_dir={out_dir}", *extra], capture_output=True, text=True,
-                          timeout=900, cwd=ROOT)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return proc
-
-
-def _rows(out_dir) -> list[dict]:
-    path = pathlib.Path(out_dir) / "metrics.jsonl"
-    if not path.exists():
-        return []
-    return [r for r in map(json.loads, path.read_text().splitlines()) if "accuracy" in r]
+_run, _rows = run_loop, accuracy_rows  # the loop runner and its metrics (process_helpers)
 
 
 def test_partial_kill9_then_resume_equals_the_uninterrupted_run(tmp_path):
