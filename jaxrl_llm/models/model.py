@@ -31,7 +31,7 @@ from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.attention import self_attention
 from jaxrl_llm.models.layers import (adapted_dense, apply_rope, attention, attention_keep_mask, einsum_f32, gated_mlp,
                                     rms_norm, rope_attention_factor, rope_inv_freq, soft_cap)
-from jaxrl_llm.models.moe import moe_block
+from jaxrl_llm.models.moe import LayerRoutes, empty_routes, moe_block
 from jaxrl_llm.models.quant import layer_weight
 
 Params = dict
@@ -189,19 +189,23 @@ def _project_qkv(lp: Params, config: ModelConfig, h: jax.Array, positions: jax.A
     return apply_rope(q, positions, inv_freq, scale), apply_rope(k, positions, inv_freq, scale), v
 
 
-def _finish_layer(lp: Params, config: ModelConfig, x: jax.Array, attn: jax.Array, sparse=None) -> jax.Array:
+def _finish_layer(lp: Params, config: ModelConfig, x: jax.Array, attn: jax.Array, sparse=None, moe=None):
     """Output projection + residual, then the pre-norm feed-forward block + residual (`feed_forward`; for Gemma
-    each block's output is normalised again before its residual)."""
+    each block's output is normalised again before its residual). With `moe` (`feed_forward`'s routing
+    options) returns (x, `LayerRoutes`)."""
     out = checkpoint_name(_project(lp, "o_proj", attn.astype(x.dtype)), "o_proj")
     if config.attention_out_bias:
         out = out + lp["o_bias"].astype(x.dtype)
     if config.is_gemma:
         out = norm(out, lp["post_attn_norm"], config)
     x = x + out
-    mlp = feed_forward(lp, config, norm(x, lp["mlp_norm"], config), sparse)
+    mlp = feed_forward(lp, config, norm(x, lp["mlp_norm"], config), sparse, moe)
+    routes = None
+    if moe is not None:
+        mlp, routes = mlp
     if config.is_gemma:
         mlp = norm(mlp, lp["post_mlp_norm"], config)
-    return x + mlp
+    return x + mlp if moe is None else (x + mlp, routes)
 
 
 def _dense_mlp(lp: Params, config: ModelConfig, h: jax.Array) -> jax.Array:
@@ -211,11 +215,16 @@ def _dense_mlp(lp: Params, config: ModelConfig, h: jax.Array) -> jax.Array:
     return gated_mlp(h, gate, up, down, adapters, activation="gelu_tanh" if config.is_gemma else "silu")
 
 
-def feed_forward(lp: Params, config: ModelConfig, h: jax.Array, sparse=None) -> jax.Array:
+def feed_forward(lp: Params, config: ModelConfig, h: jax.Array, sparse=None, moe: dict | None = None):
     """A layer's feed-forward block on h [B, T, D]: the dense gated MLP or, on a sparse layer, the mixture of
     experts (`moe.moe_block`). `sparse` is the layer's "sparse" constant (`layer_constants`), a bool or, in a
     scan over a model that mixes the two kinds, a traced one (both blocks are compiled, a `lax.cond` runs the
-    layer's); unneeded (None) when every layer is of one kind."""
+    layer's); unneeded (None) when every layer is of one kind.
+
+    `moe` (routing replay and its metrics): a dict of `moe.moe_block`'s `replay` and `token_weight` ([B, T, k]
+    and [B, T], either None); given, returns (out, `moe.LayerRoutes`), a dense layer's `moe.empty_routes`."""
+    if moe is not None:
+        return _feed_forward_routes(lp, config, h, sparse, moe)
     kinds = set(config.sparse_layers())
     if len(kinds) == 1:
         sparse = kinds.pop()
@@ -225,6 +234,22 @@ def feed_forward(lp: Params, config: ModelConfig, h: jax.Array, sparse=None) -> 
     if isinstance(sparse, (bool, np.bool_)):
         return moe_block(lp, config, h) if sparse else _dense_mlp(lp, config, h)
     return jax.lax.cond(sparse, lambda h: moe_block(lp, config, h), lambda h: _dense_mlp(lp, config, h), h)
+
+
+def _feed_forward_routes(lp: Params, config: ModelConfig, h: jax.Array, sparse, moe: dict):
+    """`feed_forward` with `moe`'s routing options: (out, `LayerRoutes`)."""
+    kinds = set(config.sparse_layers())
+    sparse = kinds.pop() if len(kinds) == 1 else sparse
+
+    def sparse_block(h):
+        return moe_block(lp, config, h, moe.get("replay"), token_weight=moe.get("token_weight"), with_routes=True)
+
+    def dense_block(h):
+        return _dense_mlp(lp, config, h), empty_routes(config, h.shape[:-1])
+
+    if isinstance(sparse, (bool, np.bool_)):
+        return sparse_block(h) if sparse else dense_block(h)
+    return jax.lax.cond(sparse, sparse_block, dense_block, h)
 
 
 def _adapter(lp: Params, name: str) -> tuple[jax.Array, jax.Array] | None:
@@ -242,7 +267,7 @@ def _project(lp: Params, name: str, h: jax.Array) -> jax.Array:
 
 
 def decoder_layer(lp: Params, config: ModelConfig, x: jax.Array, positions: jax.Array, attend_fn,
-                  inv_freq: jax.Array | None = None, sparse=None):
+                  inv_freq: jax.Array | None = None, sparse=None, moe: dict | None = None):
     """One decoder layer, the only place its arithmetic lives; every pass of the model (training forward,
     KV-cache forward, the sampler's prefill and decode steps) runs its layers through it.
 
@@ -257,11 +282,14 @@ def decoder_layer(lp: Params, config: ModelConfig, x: jax.Array, positions: jax.
     what the queries see (a causal mask, a KV cache it writes k and v into, ...) and, for gpt-oss, applies the
     layer's attention sinks lp["attn_sinks"]; its `aux` (updated caches, keys to store) is returned beside the
     layer's output: (x [B, T, D], aux).
-    The forward pass's remat policies read the `checkpoint_name` tags q, k, v and attn set here."""
+    The forward pass's remat policies read the `checkpoint_name` tags q, k, v and attn set here.
+    With `moe` (`feed_forward`'s routing options: replayed experts, token weights) it returns
+    (x, aux, `moe.LayerRoutes`)."""
     h = norm(x, lp["attn_norm"], config)
     q, k, v = (checkpoint_name(a, n) for a, n in zip(_project_qkv(lp, config, h, positions, inv_freq), "qkv"))
     attn, aux = attend_fn(q, k, v)
-    return _finish_layer(lp, config, x, checkpoint_name(attn.astype(x.dtype), "attn"), sparse), aux
+    out = _finish_layer(lp, config, x, checkpoint_name(attn.astype(x.dtype), "attn"), sparse, moe)
+    return (out, aux) if moe is None else (out[0], aux, out[1])
 
 
 _REMAT_SAVED = {
@@ -294,7 +322,8 @@ def embed_tokens(params: Params, config: ModelConfig, tokens: jax.Array) -> jax.
 
 def hidden_states(params: Params, config: ModelConfig, tokens: jax.Array, positions: jax.Array,
                   *, attention_mask: jax.Array | None = None, segment_ids: jax.Array | None = None,
-                  slots: int | None = None, response_len: int | None = None) -> jax.Array:
+                  slots: int | None = None, response_len: int | None = None, replay: jax.Array | None = None,
+                  token_weight: jax.Array | None = None, with_routes: bool = False):
     """Final-norm hidden states [B, T, D] of the pre-norm decoder (Llama / Qwen2 / Qwen3 / Mistral):
     x_0 = embed[tokens]; per layer x += Attn(RMSNorm(x)); x += SwiGLU(RMSNorm(x)); out = RMSNorm(x).
     Gemma: x_0 = sqrt(D) embed[tokens]; x += RMSNorm(Attn(RMSNorm(x))); x += RMSNorm(GeGLU(RMSNorm(x))).
@@ -311,6 +340,11 @@ def hidden_states(params: Params, config: ModelConfig, tokens: jax.Array, positi
     (`layers.blocked_attention`) for rows of at least `config.attention_block_min_length` tokens, else full
     attention; the fused kernels (splash on TPU) take packed rows regrouped per response, sized by `slots`
     (responses per packed row) and `response_len` (their token slots).
+
+    Routing replay (a mixture of experts): `replay` [B, T, L_sparse, k] sends each token with a record (entries
+    >= 0) to those experts in each sparse layer (`moe.route`), -1 entries take the layer's own top k. With
+    `with_routes` (or `replay`) returns (hidden, `moe.LayerRoutes` of the sparse layers: own and chosen
+    [B, T, L_sparse, k], load and prob_sum [L_sparse, E] weighted by `token_weight` [B, T]).
     """
     length = tokens.shape[1]
     keep = None
@@ -319,29 +353,65 @@ def hidden_states(params: Params, config: ModelConfig, tokens: jax.Array, positi
         keep = attention_keep_mask(positions, positions, q_segments=segment_ids, k_segments=segment_ids,
                                    key_mask=attention_mask)  # [B, T(query), T(key)], once for every layer
 
+    routed = (replay is not None or with_routes) and any(config.sparse_layers())
+
     def layer(x, layer_in):
-        lp, const = layer_in
+        lp, const, *replayed = layer_in
 
         def attend_fn(q, k, v):
             return self_attention(q, k, v, positions, config, segment_ids=segment_ids, key_mask=attention_mask,
                                   window=const.get("window"), keep=keep, slots=slots, response_len=response_len,
                                   sinks=lp.get("attn_sinks")), None
 
-        return decoder_layer(lp, config, x, positions, attend_fn, const.get("inv_freq"), const.get("sparse"))
+        args = (lp, config, x, positions, attend_fn, const.get("inv_freq"), const.get("sparse"))
+        if not routed:
+            return decoder_layer(*args)
+        x, _, routes = decoder_layer(*args, {"replay": replayed[0], "token_weight": token_weight})
+        return x, routes
 
-    x = _run_layers(_maybe_remat(layer, config), embed_tokens(params, config, tokens),
-                    (params["layers"], layer_constants(config)), config.scan_layers)
-    return norm(x, params["final_norm"], config)
+    layers = (params["layers"], layer_constants(config))
+    if routed:
+        layers = (*layers, _replay_per_layer(config, replay))
+    out = _run_layers(_maybe_remat(layer, config), embed_tokens(params, config, tokens), layers,
+                      config.scan_layers, collect=routed)
+    if not routed:
+        hidden = norm(out, params["final_norm"], config)
+        return (hidden, None) if with_routes else hidden
+    return norm(out[0], params["final_norm"], config), _sparse_routes(config, out[1])
 
 
-def _run_layers(layer, x: jax.Array, layers, scan: bool = True) -> jax.Array:
+def _replay_per_layer(config: ModelConfig, replay: jax.Array | None):
+    """Recorded experts [B, T, L_sparse, k] laid out per stacked layer [L, B, T, k] (-1 on dense layers), or None."""
+    if replay is None:
+        return None
+    per_sparse = jnp.moveaxis(replay, 2, 0)
+    sparse = np.flatnonzero(config.sparse_layers())
+    if len(sparse) == config.num_layers:
+        return per_sparse
+    return jnp.full((config.num_layers, *per_sparse.shape[1:]), -1, replay.dtype).at[sparse].set(per_sparse)
+
+
+def _sparse_routes(config: ModelConfig, routes: LayerRoutes) -> LayerRoutes:
+    """Per-layer routes stacked [L, ...] -> the sparse layers' only: experts [B, T, L_sparse, k], sums
+    [L_sparse, E]."""
+    sparse = np.flatnonzero(config.sparse_layers())
+    pick = (lambda a: a) if len(sparse) == config.num_layers else (lambda a: a[sparse])
+    return LayerRoutes(*(jnp.moveaxis(pick(a), 0, 2) for a in routes[:2]), *(pick(a) for a in routes[2:]))
+
+
+def _run_layers(layer, x: jax.Array, layers, scan: bool = True, collect: bool = False):
     """x after every stacked layer in turn: a `lax.scan` (one compiled layer) or unrolled (each layer
     compiled on its own: longer compiles; on CPU about as fast at 12 layers and 10% slower at SmolLM2's 30,
-    measured on the train step, benchmarks/README.md)."""
+    measured on the train step, benchmarks/README.md). With `collect`, (x, each layer's second output stacked)."""
     if scan:
-        return jax.lax.scan(layer, x, layers)[0]
+        x, ys = jax.lax.scan(layer, x, layers)
+        return (x, ys) if collect else x
+    outs = []
     for i in range(jax.tree_util.tree_leaves(layers)[0].shape[0]):
-        x, _ = layer(x, jax.tree_util.tree_map(lambda w: w[i], layers))
+        x, y = layer(x, jax.tree_util.tree_map(lambda w: w[i], layers))
+        outs.append(y)
+    if collect:
+        return x, jax.tree_util.tree_map(lambda *ys: jnp.stack(ys), *outs)
     return x
 
 

@@ -56,19 +56,37 @@ class Routing(NamedTuple):
 
 
 def route(h: jax.Array, router: jax.Array, router_bias: jax.Array | None = None, *, top_k: int,
-          normalize: bool) -> Routing:
+          normalize: bool, experts: jax.Array | None = None) -> Routing:
     """Top-k routing of tokens h [N, D] by logits l = h W_router (+ b) (products summed in float32): the k largest
     logits' experts, weighted softmax(l[chosen]) when `normalize` (= softmax(l)[chosen] / sum of those, Mixtral,
-    Qwen3-MoE's norm_topk_prob), else softmax(l)[chosen] (Qwen3-MoE's default)."""
+    Qwen3-MoE's norm_topk_prob), else softmax(l)[chosen] (Qwen3-MoE's default).
+
+    With recorded `experts` [N, k] (routing replay, R3: the experts the sampler chose), a token whose row holds
+    them (entries >= 0) is sent to those experts instead of its own top k, weighted by the same rule from this
+    pass's logits at them, so the router still gets a gradient; a row of -1 (not recorded) takes its own top k."""
     logits = einsum_f32("nd,de->ne", h, router.astype(h.dtype))
     if router_bias is not None:
         logits = logits + router_bias.astype(jnp.float32)
-    top, experts = jax.lax.top_k(logits, top_k)
+    top, chosen = jax.lax.top_k(logits, top_k)
+    chosen = chosen.astype(jnp.int32)
+    if experts is not None:
+        recorded = experts[:, :1] >= 0
+        chosen = jnp.where(recorded, experts.astype(jnp.int32), chosen)
+        top = jnp.where(recorded, jnp.take_along_axis(logits, chosen, axis=-1), top)
     if normalize:
         weights = jax.nn.softmax(top, axis=-1)
     else:
         weights = jnp.exp(top - jax.nn.logsumexp(logits, axis=-1, keepdims=True))
-    return Routing(experts.astype(jnp.int32), weights, logits)
+    return Routing(chosen, weights, logits)
+
+
+def route_dtype(num_experts: int):
+    """The smallest signed integer type that holds expert ids 0..num_experts - 1 and the -1 of a token without a
+    record: int8 up to 128 experts, else int16 (int32 past 32,768)."""
+    for dtype in (jnp.int8, jnp.int16):
+        if num_experts - 1 <= jnp.iinfo(dtype).max:
+            return dtype
+    return jnp.int32
 
 
 def swiglu(gate: jax.Array, up: jax.Array, limit: float | None = None, alpha: float = 1.702) -> jax.Array:
@@ -215,12 +233,57 @@ def layer_experts(lp: dict, config: ModelConfig, dtype) -> Experts:
     return Experts(*weights, *biases, limit=config.swiglu_limit, alpha=config.swiglu_alpha)
 
 
-def moe_block(lp: dict, config: ModelConfig, h: jax.Array) -> jax.Array:
+class LayerRoutes(NamedTuple):
+    """What a sparse layer's routing did, for routing replay and its metrics (`moe_block(with_routes=True)`):
+    own [..., k] this pass's own top-k experts, best first, and chosen [..., k] the experts the tokens went to
+    (the recorded ones where replayed, else own), both in `route_dtype`; load [E] f32 the token-weighted count of
+    (token, expert) assignments per expert, sum_n w_n [e in chosen_n]; prob_sum [E] f32 the token-weighted sum of
+    the router's probabilities, sum_n w_n softmax(l_n) (differentiable: the load-balancing loss's P_e)."""
+
+    own: jax.Array
+    chosen: jax.Array
+    load: jax.Array
+    prob_sum: jax.Array
+
+
+def moe_block(lp: dict, config: ModelConfig, h: jax.Array, replay: jax.Array | None = None, *,
+              token_weight: jax.Array | None = None, with_routes: bool = False):
     """A sparse layer's feed-forward block on h [..., D] (the post-attention norm's output), with the layer's
     "router" (and "router_bias") and experts: `route` then `expert_mlp` (`config.moe_impl`) over the flattened
-    tokens. Returns [..., D] in h's dtype."""
+    tokens. Returns [..., D] in h's dtype.
+
+    `replay` [..., k] (routing replay): recorded experts per token, -1 where none (`route`'s `experts`). With
+    `with_routes` it returns (out, `LayerRoutes`), the load and probability sums weighted by `token_weight` [...]
+    (default 1 per token)."""
     tokens = h.reshape(-1, h.shape[-1])
-    routing = route(tokens, lp["router"], lp.get("router_bias"), top_k=config.num_experts_per_tok,
-                    normalize=config.norm_topk_prob)
-    out = expert_mlp(tokens, routing, layer_experts(lp, config, h.dtype), impl=config.moe_impl)
-    return out.reshape(h.shape)
+    top_k = config.num_experts_per_tok
+    recorded = None if replay is None else replay.reshape(-1, top_k)
+    routing = route(tokens, lp["router"], lp.get("router_bias"), top_k=top_k, normalize=config.norm_topk_prob,
+                    experts=recorded)
+    out = expert_mlp(tokens, routing, layer_experts(lp, config, h.dtype), impl=config.moe_impl).reshape(h.shape)
+    if not with_routes:
+        return out
+    return out, layer_routes(routing, config, h.shape[:-1], token_weight)
+
+
+def layer_routes(routing: Routing, config: ModelConfig, shape: tuple[int, ...],
+                 token_weight: jax.Array | None = None) -> LayerRoutes:
+    """`LayerRoutes` of one layer's `routing` over tokens of `shape` (see there)."""
+    num_experts, top_k = config.num_experts, config.num_experts_per_tok
+    dtype = route_dtype(num_experts)
+    weight = jnp.ones(routing.experts.shape[:1], jnp.float32) if token_weight is None else (
+        token_weight.reshape(-1).astype(jnp.float32))
+    own = jax.lax.top_k(jax.lax.stop_gradient(routing.logits), top_k)[1]
+    load = jnp.zeros((num_experts,), jnp.float32).at[routing.experts].add(
+        jnp.broadcast_to(weight[:, None], routing.experts.shape))
+    prob_sum = jnp.einsum("n,ne->e", weight, jax.nn.softmax(routing.logits, axis=-1))
+    return LayerRoutes(own.astype(dtype).reshape(*shape, top_k), routing.experts.astype(dtype).reshape(*shape, top_k),
+                       load, prob_sum)
+
+
+def empty_routes(config: ModelConfig, shape: tuple[int, ...]) -> LayerRoutes:
+    """A dense layer's `LayerRoutes` in a model that mixes dense and sparse layers: -1 experts, zero sums."""
+    dtype = route_dtype(config.num_experts)
+    experts = jnp.full((*shape, config.num_experts_per_tok), -1, dtype)
+    zeros = jnp.zeros((config.num_experts,), jnp.float32)
+    return LayerRoutes(experts, experts, zeros, zeros)
