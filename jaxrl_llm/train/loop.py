@@ -177,7 +177,7 @@ def collect_rollouts(run: Run, step: int, books: dict | None = None, *, policy=N
     gvm = cfg.sampling.allocation == "gvm"
     if gvm and step % cfg.sampling.gvm_refresh_every == 0:
         return collect_gvm_rollouts(run, key, books or {}, step)
-    per_prompt = cfg.sampling.gvm_samples_per_prompt if gvm else cfg.sampling.samples_per_prompt
+    per_prompt = run.shapes.samples_per_prompt  # GVM's later-step count under GVM (run.shapes)
     kept_parts, info = [], {"rounds": 0, "drawn": 0, "prompts": 0, "filtered": 0, "sample_s": 0.0, "score_s": 0.0}
     need = cfg.sampling.prompts_per_step
     if policy is None:  # under LoRA: the adapters merged once for all rounds; in sampling.dtype
@@ -222,7 +222,7 @@ def collect_gvm_rollouts(run: Run, key: jax.Array, books: dict, step: int) -> tu
         history = books.setdefault("gvm_history", GvmHistory(decay=cfg.sampling.gvm_history_decay))
     policy = run.policy_params()
     scored, info = gvm_rollouts(policy, run.model_config, run.tokenizer, next(run.data), cfg.sampling,
-                                run.scorer, key, rows_per_chunk=cfg.optim.micro_batch_size, mesh=run.mesh,
+                                run.scorer, key, rows_per_chunk=run.shapes.gvm_chunk, mesh=run.mesh,
                                 history=history, visit=step, tools=run.tools,
                                 sampler=(run.sampler_params(policy), run.sampler_model_config))
     if cfg.algorithm.group_filter == "mixed" and not info.get("skip_update"):
