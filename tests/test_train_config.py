@@ -66,16 +66,16 @@ def test_runtime_model_keys_apply_to_a_policy_passed_in(tmp_path):
     from jaxrl_llm.run.setup import runtime_model_config, setup_run
 
     runtime = ["model.remat=true", "model.remat_policy=dots", "model.attention_block_size=64",
-               "model.attention_block_min_length=128", "model.remat_logits=true", "model.compute_dtype=bfloat16"]
+               "model.attention_block_min_length=128", "model.remat_logits=true", "model.compute_dtype=bfloat16", "model.moe_impl=tiles"]
     cfg = load_config(None, TINY_RUN + runtime + [f"train.out_dir={tmp_path}", "train.eval_problems=0"])
     policy = tiny_policy()
-    expected = (True, "dots", 64, 128, True, "bfloat16")
+    expected = (True, "dots", 64, 128, True, "bfloat16", "tiles")
     keys = lambda c: (c.remat, c.remat_policy, c.attention_block_size, c.attention_block_min_length,  # noqa: E731
-                      c.remat_logits, c.compute_dtype)
+                      c.remat_logits, c.compute_dtype, c.moe_impl)
     got = runtime_model_config(policy[0], cfg.model)
     assert keys(got) == expected
     assert got.replace(remat=False, remat_policy="full", attention_block_size=None, attention_block_min_length=0,
-                       remat_logits=False, compute_dtype="float32") == policy[0]
+                       remat_logits=False, compute_dtype="float32", moe_impl="auto") == policy[0]
     run = setup_run(cfg, policy=policy)
     try:
         assert keys(run.model_config) == expected
@@ -104,6 +104,9 @@ def test_allowed_values_are_built_from_the_registries():
     assert allowed[("algorithm", "rollout_correction")] == {""} | set(objectives.ROLLOUT_CORRECTION_LEVELS)
     assert allowed[("algorithm", "rollout_correction_mode")] == set(objectives.ROLLOUT_CORRECTION_MODES)
     assert allowed[("sampling", "engine")] == set(ENGINES) == {"static", "continuous"}
+    assert allowed[("model", "moe_impl")] == {"auto", "ragged_dot", "tiles"}
+    with pytest.raises(ConfigError, match="model.moe_impl"):
+        load_config(None, ["model.moe_impl=dense"])
     for name in objectives.ADVANTAGE_ESTIMATORS:
         assert load_config(None, [f"algorithm.advantage={name}"]).algorithm.advantage == name
     for kind in objectives.POLICY_LOSSES:

@@ -17,7 +17,7 @@ from typing import Any
 import yaml
 
 from jaxrl_llm import objectives
-from jaxrl_llm.models.config import ATTENTION_IMPLS, REMAT_POLICIES
+from jaxrl_llm.models.config import ATTENTION_IMPLS, MOE_IMPLS, REMAT_POLICIES
 from jaxrl_llm.models.lora import resolve_targets
 from jaxrl_llm.models.quant import KINDS as QUANT_KINDS
 from jaxrl_llm.sampling import ENGINES
@@ -70,6 +70,11 @@ class ModelSection:
     # kernels per tile with attention_block_size), "splash" (interpret mode off a TPU: slow, for tests) or
     # "cudnn" (GPU, bf16/fp16; XLA's attention elsewhere) force one.
     attention_impl: str = "auto"
+    # How a mixture-of-experts model's experts compute their grouped matmuls (jaxrl_llm/models/moe.py): "auto"
+    # takes jax.lax.ragged_dot where the program is compiled for a TPU or a GPU and the per-expert tiles on a CPU
+    # (whose ragged_dot is a masked product over every expert); "ragged_dot" or "tiles" force one. Dense models
+    # ignore it.
+    moe_impl: str = "auto"
 
 
 @dataclass(frozen=True)
@@ -426,6 +431,7 @@ _ALLOWED = {
     ("model", "compute_dtype"): {"float32", "bfloat16"},
     ("model", "remat_policy"): set(REMAT_POLICIES),
     ("model", "attention_impl"): set(ATTENTION_IMPLS),
+    ("model", "moe_impl"): set(MOE_IMPLS),
     ("algorithm", "rollout_correction"): {""} | set(objectives.ROLLOUT_CORRECTION_LEVELS),
     ("algorithm", "rollout_correction_mode"): set(objectives.ROLLOUT_CORRECTION_MODES),
     ("distill", "mode"): {"sampled", "topk"},

@@ -182,13 +182,14 @@ def load_prompts(spec: Any, tokenizer, config: RunConfig) -> list[dict]:
 
 def runtime_model_config(model_config, section, max_prompt_tokens: int | None = None) -> Any:
     """`model_config` with the run config's runtime model keys (`model.compute_dtype`, `remat`, `remat_policy`,
-    `attention_block_size`, `attention_block_min_length`, `remat_logits`, `attention_impl`): how the policy is
-    computed, not what it is. `max_prompt_tokens` (the data's bound on prompts) sizes the fused attention
+    `attention_block_size`, `attention_block_min_length`, `remat_logits`, `attention_impl`, `moe_impl`): how the
+    policy is computed, not what it is. `max_prompt_tokens` (the data's bound on prompts) sizes the fused attention
     kernels' regrouped rows."""
     return model_config.replace(compute_dtype=section.compute_dtype, remat=section.remat,
                                 remat_policy=section.remat_policy, attention_block_size=section.attention_block_size,
                                 attention_block_min_length=section.attention_block_min_length,
                                 remat_logits=section.remat_logits, attention_impl=section.attention_impl,
+                                moe_impl=section.moe_impl,
                                 max_prompt_tokens=max_prompt_tokens)
 
 
