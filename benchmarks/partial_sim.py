@@ -18,6 +18,12 @@ the sampler has its own devices (the split, predicted for when partial allows it
 trainer's thread (the implementation's limit), so it is added to the update.
 
     python benchmarks/partial_sim.py [--json benchmarks/results/partial_sim.json]
+    python benchmarks/partial_sim.py --replay RUN_DIR [--about TEXT] [--json OUT]
+
+`--replay` checks the schedule against a partial run (its segments.jsonl and metrics.jsonl): the simulator's sampler
+and trainer driven by the run's sample lengths and measured durations (every segment's, every step's scoring and
+update, every hand-over of the weights), its events compared with the run's; results/partial_sim.json's
+"validation" is results/partial_sim_validation.json, the replay of a CPU run on 8 fake devices.
 
 Pure Python: no JAX.
 """
@@ -59,10 +65,11 @@ class PartialStep:
 class Sampler:
     """The continuous engine's slots over the prompt stream (module docstring). `length(k)`: sample k's tokens."""
 
-    def __init__(self, length, *, slots: int, group_size: int, window: int, iteration_s, prefill_s: float):
-        self.length, self.slots, self.n, self.window = length, slots, group_size, window
+    def __init__(self, length, *, slots: int, group_size: int, window: int, iteration_s, prefill_s: float,
+                 chunk: int = 1):
+        self.length, self.slots, self.n, self.window, self.chunk = length, slots, group_size, window, chunk
         self.iteration_s, self.prefill_s = iteration_s, prefill_s
-        self.now, self.iteration, self.next_sample, self.front = 0.0, 0, 0, 0
+        self.now, self.iteration, self.next_sample, self.front, self.prefilled = 0.0, 0, 0, 0, 0
         self.ends: list = []  # (iteration it ends, sample, iteration it started)
         self.start_sum = 0  # of the busy samples
         self.ended, self.oldest, self.handed = {}, {}, set()
@@ -71,9 +78,12 @@ class Sampler:
     def _admit(self, version: int) -> None:
         while len(self.ends) < self.slots and self.next_sample // self.n < self.front + self.window:
             k, prompt = self.next_sample, self.next_sample // self.n
-            if k % self.n == 0:
-                self.now += self.prefill_s
-                self.oldest[prompt], self.ended[prompt] = version, 0
+            if prompt == self.prefilled:  # the engine prefills `chunk` prompts of the queue at once
+                upto = min(prompt + self.chunk, self.front + self.window)
+                self.now += self.prefill_s * (upto - prompt)
+                self.oldest.update(dict.fromkeys(range(prompt, upto), version))
+                self.ended.update(dict.fromkeys(range(prompt, upto), 0))
+                self.prefilled = upto
             heapq.heappush(self.ends, (self.iteration + self.length(k), k, self.iteration))
             self.start_sum += self.iteration
             self.next_sample += 1
@@ -101,9 +111,13 @@ class Sampler:
 
 
 def simulate_partial(sampler: Sampler, train_s, *, steps: int, batch_groups: int, lag: int, max_staleness: int,
-                     segment_iterations: int, transfer_s: float = 0.0, shared: bool = False) -> list[PartialStep]:
-    """The schedule's steps (module docstring). train_s(prompts) -> seconds of the update on those groups."""
-    publish, trainer_free, pending, dropped, events = {0: 0.0}, 0.0, [], 0, []
+                     segment_iterations: int, transfer_s=0.0, shared: bool = False,
+                     start_s: float = 0.0) -> list[PartialStep]:
+    """The schedule's steps (module docstring). train_s(prompts) -> seconds of the update on those groups;
+    transfer_s: X, or X(step) for a replay; start_s: when version 0 is published."""
+    hand_off = transfer_s if callable(transfer_s) else lambda step: transfer_s
+    publish, trainer_free, pending, dropped, events = {0: start_s}, start_s, [], 0, []
+    sampler.now = max(sampler.now, start_s)
     while len(events) < steps:
         r = len(events)
         sampler.now = max(sampler.now, publish[max(0, r - lag)])
@@ -119,7 +133,7 @@ def simulate_partial(sampler: Sampler, train_s, *, steps: int, batch_groups: int
                 continue
             start = max(sampler.now, trainer_free)
             end = start + train_s(pending)
-            publish[r + 1] = trainer_free = end + transfer_s
+            publish[r + 1] = trainer_free = end + hand_off(r)
             events.append(PartialStep(r, sampler.now, start, end, publish[r + 1],
                                       r - min(sampler.oldest[p] for p in pending), dropped))
             pending, dropped = [], 0
@@ -136,6 +150,100 @@ def summarize(events: list[PartialStep], sampler: Sampler, *, warmup: int) -> di
             "dropped_groups": sum(e.dropped for e in events),
             "trainer_wait_s": async_sim._mean(max(0.0, e.ready_s - p.publish_s)
                                               for p, e in zip(events[warmup - 1:], events[warmup:]))}
+
+
+# ---- replay of a run ----------------------------------------------------------------------------------------------
+
+class MeasuredSampler(Sampler):
+    """`Sampler` on a run's measured segment durations (its decode and prefill costs replaced by them); records
+    each segment's (start, end, version, iterations, prompts handed over)."""
+
+    def __init__(self, length, durations: list[float], **shape):
+        super().__init__(length, iteration_s=lambda busy, tokens: 0.0, prefill_s=0.0, **shape)
+        self.durations, self.events = durations, []
+
+    def segment(self, version: int, iterations: int) -> list[int]:
+        start, before, s = self.now, self.iterations, len(self.events)
+        if s == len(self.durations):
+            raise ValueError(f"the schedule needs more segments than the run's {s}: it handed over fewer groups")
+        done = super().segment(version, iterations)
+        self.now = start + self.durations[s]
+        self.events.append((start, self.now, version, self.iterations - before, done))
+        return done
+
+
+def read_run(run) -> tuple[dict, list[dict], dict[int, float], list[dict]]:
+    """(header, segment lines, {step: sample_end in the sampler's clock}, metrics.jsonl's step rows) of a partial run's
+    one uninterrupted stretch (RUN/segments.jsonl, `partial_rollouts.SegmentLog`)."""
+    run = pathlib.Path(run)
+    lines = [json.loads(x) for x in (run / "segments.jsonl").read_text(encoding="utf-8").splitlines() if x.strip()]
+    headers = [x for x in lines if "schedule" in x]
+    if len(headers) != 1 or headers[0]["start"] != 0:
+        raise ValueError(f"{run}: {len(headers)} stretches in segments.jsonl: replay a run that was not resumed")
+    batches = {x["batch"]: x["sample_end"] for x in lines if "batch" in x}
+    return headers[0], [x for x in lines if "segment" in x], batches, async_sim.read_step_rows(run)
+
+
+def replay(header: dict, segments: list[dict], rows: list[dict], offset: float) -> tuple[MeasuredSampler, list]:
+    """The schedule on a run's measured durations: each segment's, each step's scoring + update, and each
+    publish_s - train_end_s (an evaluation, a checkpoint, the copy); sample lengths as drawn. offset: metrics.jsonl's
+    clock minus the sampler's. The sampler runs beside the trainer (on a CPU both threads share the cores; their
+    contention is in the measured durations)."""
+    lengths = {}
+    for line in segments:
+        for index, *drawn in line["groups"]:
+            lengths.update({index * len(drawn) + j: n for j, n in enumerate(drawn)})
+    shape, schedule = header["sampler"], header["schedule"]
+    cap = shape["max_new_tokens"]  # a sample still decoding when the run ended: to the cap, past the replay
+    sampler = MeasuredSampler(lambda k: lengths.get(k, cap), [x["end"] - x["start"] for x in segments],
+                              slots=shape["slots"], group_size=shape["group_size"], window=shape["window"],
+                              chunk=shape.get("prefill_chunk", 1))
+    updates = iter([r["time_score_s"] + r["train_end_s"] - r["train_start_s"] for r in rows])
+    events = simulate_partial(sampler, lambda prompts: next(updates), steps=len(rows),
+                              batch_groups=schedule["batch_groups"], lag=schedule["partial_lag"],
+                              max_staleness=schedule["max_staleness"], segment_iterations=shape["segment_iterations"],
+                              transfer_s=lambda step: rows[step]["publish_s"] - rows[step]["train_end_s"],
+                              start_s=segments[0]["start"] + offset)
+    return sampler, events
+
+
+def compare(run) -> dict:
+    """A partial run's events against the schedule replayed on its measured durations (free-running from its first
+    segment: each error accumulates every wait the schedule does not know). Checks: the segments' versions, the
+    groups each handed over, each step's staleness_max and dropped groups as the schedule gives them."""
+    header, segments, batches, rows = read_run(run)
+    offsets = [rows[t]["sample_end_s"] - batches[t] for t in range(len(rows)) if t in batches]
+    offset = offsets[0]
+    sampler, events = replay(header, segments, rows, offset)
+    simulated = sampler.events
+    measured = segments[:len(simulated)]
+    errors = {"segment_start_s": [e[0] - (m["start"] + offset) for e, m in zip(simulated, measured)],
+              "segment_end_s": [e[1] - (m["end"] + offset) for e, m in zip(simulated, measured)],
+              "batch_ready_s": [e.ready_s - r["sample_end_s"] for e, r in zip(events, rows)],
+              "train_start_s": [e.train_start_s + r["time_score_s"] - r["train_start_s"] for e, r in zip(events, rows)],
+              "train_end_s": [e.train_end_s - r["train_end_s"] for e, r in zip(events, rows)],
+              "publish_s": [e.publish_s - r["publish_s"] for e, r in zip(events, rows)]}
+    start = segments[0]["start"] + offset
+    wall = {"measured": rows[-1]["train_end_s"] - start, "predicted": events[-1].train_end_s - start}
+    handed = [sorted(g[0] for g in m["groups"]) == e[4] for e, m in zip(simulated, measured)]
+    checks = {
+        "clocks_tied": max(offsets) - min(offsets) < 1e-6,
+        "segment_versions_as_scheduled": [e[2] for e in simulated] == [m["version"] for m in measured],
+        "segment_iterations_as_simulated": [e[3] for e in simulated] == [m["iterations"] for m in measured],
+        "groups_handed_over_as_simulated": all(handed),
+        "staleness_max_as_simulated": [e.staleness_max for e in events] == [r["staleness_max"] for r in rows],
+        "dropped_as_simulated": [e.dropped for e in events] == [r.get("dropped_stale", 0) for r in rows]}
+    worst = max(abs(x) for v in errors.values() for x in v)
+    return {"ok": all(checks.values()), "checks": checks, "steps": len(rows), "segments": len(simulated),
+            "header": header, "mean_abs_error_s": {k: math.fsum(map(abs, v)) / len(v) for k, v in errors.items()},
+            "max_abs_error_s": worst, "max_abs_error_of_wall": worst / wall["measured"], "wall_s": wall,
+            "wall_relative_error": wall["predicted"] / wall["measured"] - 1.0,
+            "step_s": {"measured": _steps([r["train_end_s"] for r in rows]),
+                       "predicted": _steps([e.train_end_s for e in events])}}
+
+
+def _steps(ends: list[float]) -> list[float]:
+    return [b - a for a, b in zip(ends, ends[1:])]
 
 
 # ---- the paper's shape --------------------------------------------------------------------------------------------
@@ -189,9 +297,16 @@ def run_layout(machine, sampler_devices: int, mfu: float, *, steps: int, warmup:
 
 
 MACHINES = {"h200x8": (costs.h200, range(1, 8)), "v5e-64": (lambda: costs.V5E, range(8, 64, 8))}
-VALIDATION_NOT_RUN = ("not run: no CPU run of the partial schedule on 8 fake devices "
-                      "(XLA_FLAGS=--xla_force_host_platform_device_count=8) has been replayed against this simulator "
-                      "yet, and partial rollouts record no per-segment events to replay")
+VALIDATION = pathlib.Path(__file__).resolve().parent / "results" / "partial_sim_validation.json"
+
+
+def validation(path=VALIDATION) -> dict | None:
+    """The replay of a CPU run on 8 fake devices (`--replay RUN --json results/partial_sim_validation.json`), its
+    step times left out."""
+    path = pathlib.Path(path)
+    if not path.is_file():
+        return None
+    return {k: v for k, v in json.loads(path.read_text(encoding="utf-8")).items() if k != "step_s"}
 
 
 def machine_entry(machine, splits, *, steps: int, warmup: int, seed: int) -> dict:
@@ -224,7 +339,7 @@ def record(*, steps: int = 40, warmup: int = 8, seed: int = 0, machines=None) ->
     out = {key: machine_entry(make(), splits, steps=steps, warmup=warmup, seed=seed)
            for key, (make, splits) in (machines or MACHINES).items()}
     return async_sim._rounded({
-        **out, "validation": None, "validation_not_run": VALIDATION_NOT_RUN, "predicted": True,
+        **out, "validation": validation(), "predicted": True,
         "schedule": SCHEDULE, "lengths": LENGTHS, "steps": steps, "warmup": warmup, "seed": seed,
         "layouts": "partial_shared: sampler and trainer take turns on every device (what rollouts.mode partial runs "
                    "today); a split [sampler, trainer devices] is predicted for when partial allows "
@@ -235,7 +350,16 @@ def record(*, steps: int = 40, warmup: int = 8, seed: int = 0, machines=None) ->
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", help="write the results here (benchmarks/results/partial_sim.json)")
+    parser.add_argument("--replay", metavar="RUN_DIR", help="compare a partial run's events with the schedule instead")
+    parser.add_argument("--about", default="", help="with --replay: what the run was (its command, the machine)")
     args = parser.parse_args(argv)
+    if args.replay:
+        result = {"run": args.about, **compare(args.replay)}
+        if args.json:
+            pathlib.Path(args.json).write_text(json.dumps(async_sim._rounded(result), indent=1) + "\n",
+                                               encoding="utf-8")
+        print(json.dumps({k: v for k, v in result.items() if k != "step_s"}, indent=1))
+        return 0 if result["ok"] else 1
     results = record()
     text = async_sim.to_json(results)
     if args.json:

@@ -3,6 +3,7 @@ call draws, a scripted policy whose versions show in its tokens checks the versi
 schedule, staleness stays within its bound (dropped or redrawn beyond), the schedule is the same whatever the
 threads' timing, and a run saved at a checkpoint and restored continues exactly."""
 
+import json
 import threading
 import time
 
@@ -19,7 +20,7 @@ from jaxrl_llm.sampling import generate
 from jaxrl_llm.sampling import continuous
 from jaxrl_llm.train import load_config
 from jaxrl_llm.train.async_rollouts import PartialRollouts, load_in_flight, save_in_flight
-from jaxrl_llm.train.partial_rollouts import Group, PartialSampler, batch_info
+from jaxrl_llm.train.partial_rollouts import Group, PartialSampler, SegmentLog, batch_info
 
 BASE = 40  # version v of the scripted policy writes token BASE + v
 
@@ -73,6 +74,23 @@ def test_endless_queue_draws_what_one_continuous_call_draws(tiny):
     np.testing.assert_array_equal(tokens * want.mask, want.tokens * want.mask)
     np.testing.assert_allclose(np.concatenate([g.logprobs for g in groups]), want.logprobs, atol=1e-5, rtol=0)
     assert sampler.admitted - len(sampler.records) >= 4  # the queue shifted: its front is past the first prompts
+
+
+def test_the_segment_log_holds_every_segment_and_the_groups_it_handed_over(tiny, tmp_path):
+    """SegmentLog: a header, then per segment its version, times, iterations (3: the endless queue keeps 4 slots
+    busy) and the groups handed over with their lengths, the same as the groups `segment` returned."""
+    config, params = tiny
+    sampler = _sampler(config, stop_ids=(5,))
+    log = SegmentLog(tmp_path / "segments.jsonl", {"start": 0, "schedule": {}})
+    sampler.log = log.write
+    returned = [[(g.index, *map(int, g.lengths)) for g in sampler.segment(params, v)] for v in (0, 0, 1, 1, 2)]
+    lines = [json.loads(x) for x in (tmp_path / "segments.jsonl").read_text().splitlines()]
+    assert lines[0] == {"start": 0, "schedule": {}} and len(lines) == 6
+    segments = lines[1:]
+    assert [x["segment"] for x in segments] == [0, 1, 2, 3, 4] and [x["version"] for x in segments] == [0, 0, 1, 1, 2]
+    assert [x["iterations"] for x in segments] == [3] * 5
+    assert [[tuple(g) for g in x["groups"]] for x in segments] == returned and any(returned)
+    assert all(a["start"] < a["end"] <= b["start"] for a, b in zip(segments, segments[1:]))
 
 
 def test_refresh_with_the_same_weights_recomputes_the_same_caches(tiny):

@@ -74,6 +74,15 @@ def test_the_window_holds_admissions_back():
     assert sampler.next_sample == 4  # 2 and 3 admitted once the front moved
 
 
+def test_prompts_prefilled_a_chunk_at_a_time_keep_the_version_of_their_prefill():
+    # 1 slot, 2-token samples, prompts prefilled 2 at a time (0.5 s each): prompt 1 is prefilled with prompt 0 under
+    # version 0, so its group's oldest token is version 0 though it decodes in the segment of version 1.
+    sampler = sim.Sampler(lambda k: 2, slots=1, group_size=1, window=100, iteration_s=lambda busy, tokens: 1.0,
+                          prefill_s=0.5, chunk=2)
+    assert [sampler.segment(v, 2) for v in (0, 1, 2)] == [[0], [1], [2]]
+    assert sampler.oldest == {0: 0, 1: 0, 2: 2, 3: 2} and sampler.now == 1 + 2 + 2 + 1 + 2
+
+
 def test_iteration_cost_by_hand():
     # 1,000 parameters (2,000 B of weights), 4 B of cache and 4 attention FLOPs per context token; 8-token prompts,
     # one sample each; 2 devices, 4 busy slots with 400 tokens so far: 2 slots a device, 200 tokens + half a tile
@@ -114,3 +123,44 @@ def test_results_are_what_the_script_gives():
     for name, s in entry["seconds_per_step"].items():  # sync and async k = 1 are async_sim's, the same lengths
         assert s["sync"] == baseline["machines"]["8 x H200"]["scenarios"][name]["sync"]["seconds_per_step"]
         assert s["async_k1"] == baseline["machines"]["8 x H200"]["scenarios"][name]["best"]["1"]["seconds_per_step"]
+
+
+# ---- the replay of a run ------------------------------------------------------------------------------------------
+
+def _write_run(path, late: float = 0.0):
+    """test_two_slots_by_hand's schedule (not shared) as a run would log it, the sampler's clock 100 s ahead of the
+    loop's; updates of 0.5 s scoring + 2 s; segment 2 (v1, published at 4.5 s) starting `late` s after that."""
+    path.mkdir()
+    header = {"start": 0, "schedule": {"partial_lag": 1, "max_staleness": 1, "batch_groups": 1, "steps": 3},
+              "sampler": {"window": 100, "group_size": 1, "slots": 2, "segment_iterations": 2, "max_new_tokens": 8}}
+    segments = [(0, 2, 0, [[1, 1]]), (2, 4, 0, [[0, 3], [2, 2], [4, 1]]),
+                (4.5 + late, 6.5 + late, 1, [[3, 2], [5, 1], [6, 1], [7, 1]])]
+    lines = [header] + [{"segment": s, "version": v, "start": a + 100, "end": b + 100, "iterations": 2, "groups": g}
+                        for s, (a, b, v, g) in enumerate(segments)]
+    ready, start = [2, 4, 6.5 + late], [2, 4.5, 7]
+    lines += [{"batch": t, "sample_end": ready[t] + 100} for t in range(3)]
+    (path / "segments.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines), encoding="utf-8")
+    rows = [{"step": t + 1, "sample_start_s": 0.0, "sample_end_s": ready[t], "train_start_s": start[t] + 0.5,
+             "train_end_s": start[t] + 2.5, "publish_s": start[t] + 2.5, "time_score_s": 0.5,
+             "staleness_max": [0, 1, 1][t], "dropped_stale": [0, 0, 3][t]} for t in range(3)]
+    (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+
+
+def test_replay_of_a_run_that_kept_to_the_schedule(tmp_path):
+    _write_run(tmp_path / "run")
+    result = sim.compare(tmp_path / "run")
+    assert result["ok"] and all(result["checks"].values())
+    assert result["max_abs_error_s"] == 0 and result["wall_s"] == {"measured": 9.5, "predicted": 9.5}
+    assert result["step_s"]["predicted"] == [2.5, 2.5]
+
+
+def test_replay_counts_a_wait_the_schedule_does_not_know(tmp_path):
+    # Segment 2 started 0.25 s after version 1 was published: the replay starts it at 4.5 s, so it ends, and batch 2
+    # is ready, 0.25 s earlier than measured; the update still starts at 7 s, when update 1 ends.
+    _write_run(tmp_path / "run", late=0.25)
+    result = sim.compare(tmp_path / "run")
+    assert result["ok"]  # the same versions, groups, staleness and drops
+    errors = result["mean_abs_error_s"]
+    assert errors["segment_start_s"] == pytest.approx(0.25 / 3) and errors["batch_ready_s"] == pytest.approx(0.25 / 3)
+    assert errors["train_end_s"] == 0 and result["max_abs_error_s"] == pytest.approx(0.25)
+    assert result["max_abs_error_of_wall"] == pytest.approx(0.25 / 9.5)

@@ -28,6 +28,10 @@ Checkpoints. A checkpoint at step t waits until the sampler stops at the first s
 handed over for the next batch and the whole engine state: the slots' tokens, log-probs and token versions, the KV
 caches, the queue and the prompts read from the stream (`save_in_flight`). `--resume` restores all of it, so a
 resumed run equals the uninterrupted one bitwise.
+
+Events. RUN_DIR/segments.jsonl logs the schedule for `benchmarks/partial_sim.py replay` (`SegmentLog`): the sampler's
+shape, every segment's version, start and end and the groups it handed over with their lengths, and when each batch
+was complete; one line per segment, so the lengths of every sample drawn once.
 """
 
 from __future__ import annotations
@@ -117,6 +121,7 @@ class PartialSampler:
         self.version = -1  # the version of the last segment
         self.segments = 0
         self.slot_steps = self.useful = 0  # slot-steps decoded and tokens picked, since the start
+        self.log: Callable[[dict], None] | None = None  # given each segment's events (SegmentLog.segment)
 
     def _queue(self, records: list[dict]) -> continuous.PromptQueue:
         tokens = np.full((self.window + self.chunk, self.prompt_bucket), self.pad_id, np.int32)
@@ -149,6 +154,7 @@ class PartialSampler:
 
     def segment(self, params, version: int) -> list[Group]:
         """Decode one segment with `params` (policy version `version`); the groups that ended in it, in prompt order."""
+        started = time.perf_counter()
         self._admit()
         queue = self._queue(self.records)
         before, prefilled = self.lengths, int(self.state.prefilled)
@@ -174,6 +180,10 @@ class PartialSampler:
         done[len(self.records):] = False
         groups = self._hand_over(np.flatnonzero(done)) if done.any() else []
         self._shift()
+        if self.log is not None:
+            self.log({"segment": self.segments - 1, "version": version, "start": started, "end": time.perf_counter(),
+                      "iterations": int(self.state.iterations) - iterations,
+                      "groups": [[g.index, *map(int, g.lengths)] for g in groups]})
         return groups
 
     def _book_versions(self, before: np.ndarray, version: int, refreshed: bool) -> None:
@@ -285,6 +295,41 @@ def score_groups(groups: list[Group], tokenizer, scorer) -> "ScoredRollouts":
                           lengths=lengths, rewards=np.asarray(rewards, np.float32), correct=np.asarray(correct))
 
 
+class SegmentLog:
+    """RUN_DIR/segments.jsonl, appended from the sampler's and the trainer's threads: a header line {"start": step,
+    "schedule": {...}, "sampler": {"window", "group_size", "slots", "segment_iterations", "max_new_tokens",
+    "prefill_chunk"}}, then per segment
+    {"segment", "version", "start", "end", "iterations", "groups": [[index, *lengths]]} and per batch taken
+    {"batch": step, "sample_end"}; times are time.perf_counter() seconds, the batch lines tie them to metrics.jsonl's
+    sample_end_s."""
+
+    def __init__(self, path, header: dict):
+        self.path, self.lock = path, threading.Lock()
+        self.write(header)
+
+    def write(self, event: dict) -> None:
+        line = json.dumps(event) + "\n"
+        with self.lock, open(self.path, "a", encoding="utf-8") as file:  # no file left open between segments
+            file.write(line)
+
+
+def segment_log(run, sampler: PartialSampler, start: int) -> SegmentLog | None:
+    """The run's SegmentLog (process 0 only), given to `sampler`."""
+    if jax.process_index() != 0:
+        return None
+    section = run.config.rollouts
+    run.out_dir.mkdir(parents=True, exist_ok=True)
+    log = SegmentLog(run.out_dir / "segments.jsonl", {
+        "start": start, "schedule": {"partial_lag": section.partial_lag, "max_staleness": section.max_staleness,
+                                     "batch_groups": run.config.sampling.prompts_per_step,
+                                     "steps": run.config.train.steps, "redraw": section.stale == "redraw"},
+        "sampler": {"window": sampler.window, "group_size": sampler.n, "slots": sampler.slots,
+                    "segment_iterations": sampler.segment_iterations, "max_new_tokens": sampler.max_new_tokens,
+                    "prefill_chunk": sampler.chunk}})
+    sampler.log = log.write
+    return log
+
+
 def make_partial_rollouts(run, start: int, in_flight: dict, *, filter_groups: Callable | None = None):
     """The loop's `rollouts.mode: partial` (`async_rollouts.PartialRollouts` over a `PartialSampler` on the run's
     sampler mesh): the stream `run.data`, the key fold_in(seed, 2^30) (no step's key of the other modes), and a
@@ -304,9 +349,12 @@ def make_partial_rollouts(run, start: int, in_flight: dict, *, filter_groups: Ca
                              pad_id=run.tokenizer.pad_token_id, key=jax.random.fold_in(
                                  jax.random.PRNGKey(cfg.train.seed), 1 << 30),
                              slots=sampling.max_slots, mesh=run.sampler_mesh, recompute=section.recompute_cache)
+    log = segment_log(run, sampler, start)
 
     def make_batch(groups, step, info):
         started = time.perf_counter()
+        if log is not None and "sample_end" in info:
+            log.write({"batch": step, "sample_end": info["sample_end"]})
         scored = score_groups(groups, run.tokenizer, run.scorer)
         filtered = 0
         if filter_groups is not None:
