@@ -226,9 +226,21 @@ def expert_mlp_dense(h: jax.Array, routing: Routing, experts: Experts) -> jax.Ar
     return jnp.einsum("ne,end->nd", combine, out.astype(jnp.float32)).astype(dtype)
 
 
+def adapted_weight(lp: dict, name: str, dtype) -> jax.Array:
+    """Expert matrix `name` [E, in, out] of one layer's dict in `dtype` (a quantized one dequantized), plus its LoRA
+    adapters when the dict holds them (`models.lora.attach`: A [E, in, r], B [E, r, out] with the scale s folded
+    into B): W_e + A_e B_e, the product in float32 and the sum rounded once to `dtype`."""
+    weight = layer_weight(lp, name, dtype)
+    if f"{name}_lora_a" not in lp:
+        return weight
+    delta = einsum_f32("eir,ero->eio", lp[f"{name}_lora_a"], lp[f"{name}_lora_b"])
+    return (weight.astype(jnp.float32) + delta).astype(dtype)
+
+
 def layer_experts(lp: dict, config: ModelConfig, dtype) -> Experts:
-    """The experts of one sparse layer's parameter dict, weights in `dtype` (a quantized one dequantized)."""
-    weights = (layer_weight(lp, name, dtype) for name in EXPERT_WEIGHTS)
+    """The experts of one sparse layer's parameter dict, weights in `dtype` (a quantized one dequantized, LoRA
+    adapters added: `adapted_weight`)."""
+    weights = (adapted_weight(lp, name, dtype) for name in EXPERT_WEIGHTS)
     biases = (lp.get(name) for name in EXPERT_BIASES)
     return Experts(*weights, *biases, limit=config.swiglu_limit, alpha=config.swiglu_alpha)
 

@@ -17,7 +17,7 @@ from safetensors.numpy import load_file, save_file
 
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.hf_io import _LAYER_NAMES
-from jaxrl_llm.models.lora import PROJECTIONS, LoraSpec, adapter_shapes
+from jaxrl_llm.models.lora import EXPERT_PROJECTIONS, PROJECTIONS, LoraSpec, adapter_shapes
 from jaxrl_llm.models.model import Params
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -44,6 +44,10 @@ def adapters_to_peft(adapters: Params) -> dict[str, np.ndarray]:
 def save_peft(path, spec: LoraSpec, adapters: Params, *, base_model: str = "") -> pathlib.Path:
     """Write `adapters` (of `spec`) as a PEFT LoRA adapter folder; `base_model` is recorded as
     base_model_name_or_path. Returns the directory."""
+    experts = [name for name in spec.targets if name in EXPERT_PROJECTIONS]
+    if experts:
+        raise ValueError(f"adapters on a mixture's experts ({', '.join(experts)}) have no PEFT module layout here: "
+                         "export the merged model (models.save_hf of lora.merge) instead")
     directory = pathlib.Path(path)
     directory.mkdir(parents=True, exist_ok=True)
     config = {

@@ -23,6 +23,7 @@ from tqdm.auto import tqdm
 
 from jaxrl_llm import models
 from jaxrl_llm.eval import evaluate
+from jaxrl_llm.models.lora import EXPERT_PROJECTIONS
 from jaxrl_llm.models.peft_io import save_peft
 from jaxrl_llm.run.config import RunConfig
 from jaxrl_llm.run.resume import any_process, host_values, new_books, preemption_guard, restore, save
@@ -137,7 +138,11 @@ def _train(run: Run, resume: bool, log) -> dict[str, Any]:
         if critic is not None:  # a token classifier with one label; critic.source takes it to continue
             models.save_hf_value(run.out_dir / "final_critic", run.critic.model_config, critic)
             summary["critic_dir"] = str(run.out_dir / "final_critic")
-        if adapters is not None:  # beside, not inside, final/: transformers would apply an adapter it finds there
+        experts = adapters is not None and set(run.lora_spec.targets) & set(EXPERT_PROJECTIONS)
+        if experts:
+            log("final_adapter/ not written: PEFT has no layout here for adapters on experts; final/ holds the "
+                "merged model")
+        elif adapters is not None:  # beside, not inside, final/: transformers would apply an adapter it finds there
             save_peft(run.out_dir / "final_adapter", run.lora_spec, adapters, base_model=cfg.model.source)
             summary["adapter_dir"] = str(run.out_dir / "final_adapter")
     summary.update(status="done", export_dir=str(export_dir), **books["counters"])
