@@ -87,8 +87,10 @@ class LoraSection:
 
     rank: int = 0  # adapter rank; 0: no adapters, every parameter is trained
     alpha: float = 16.0  # adapter scale numerator: the low-rank term is multiplied by alpha / rank
-    # Projections that get adapters, comma-separated: names (q_proj or q, k, v, o, gate, up, down), groups
-    # (all, attention = q/k/v/o, mlp = gate/up/down) or regexes matched against the names.
+    # Projections that get adapters, comma-separated: names (q_proj or q, k, v, o, gate, up, down, and a mixture's
+    # expert_gate, expert_up, expert_down), groups (all = the dense q/k/v/o/gate/up/down, attention = q/k/v/o,
+    # mlp = gate/up/down, experts = a mixture of experts' per-expert matrices) or regexes matched against the names.
+    # A mixture of experts whose every layer is sparse takes attention,experts.
     targets: str = "all"
     seed: int = 0  # seed of the adapters' random A (B starts at zero, so training starts from the base)
     # A PEFT adapter folder (adapter_config.json + adapter_model.safetensors) to continue training from; its r,
