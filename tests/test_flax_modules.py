@@ -119,7 +119,8 @@ def test_logical_axes_map_to_the_regex_rules_specs():
     rules = logical_axis_rules()
     assert dict(rules) == {"vocab": "tensor", "embed": "fsdp", "heads": "tensor", "kv_heads": "tensor",
                            "mlp": "tensor", "layers": None, "norm": None, "head_dim": None, "embed_bias": None,
-                           "experts": None, "expert_mlp": "tensor"}  # a sparse layer's expert axis and widths
+                           "experts": "expert", "expert_mlp": "tensor",  # a sparse layer's expert axis and widths
+                           "router_logits": None}
     ours = nn.logical_to_mesh(nn.get_partition_spec(boxed), rules)
     ref = param_partition_specs(nn.unbox(boxed), partition_rules(config))
     shapes = jax.tree.map(lambda x: x.shape, nn.unbox(boxed))

@@ -179,12 +179,12 @@ def test_parameter_layout_and_partition_rules():
     assert not np.asarray(layers["expert_up"][0]).any() and np.asarray(layers["expert_up"][1]).any()
     assert np.asarray(layers["up_proj"][0]).any() and not np.asarray(layers["up_proj"][1]).any()
     specs = param_partition_specs(params, partition_rules(config))["layers"]
-    assert specs["expert_gate"] == P(None, None, "fsdp", "tensor")
-    assert specs["expert_down"] == P(None, None, "tensor", "fsdp")
+    assert specs["expert_gate"] == P(None, "expert", "fsdp", "tensor")
+    assert specs["expert_down"] == P(None, "expert", "tensor", "fsdp")
     assert specs["router"] == P(None, "fsdp", None)
     from jaxrl_llm.models.flax_modules import logical_axis_rules
 
-    assert dict(logical_axis_rules())["experts"] is None
+    assert dict(logical_axis_rules())["experts"] == "expert"
 
 
 def test_lora_on_an_all_sparse_model_names_the_missing_projections():

@@ -48,8 +48,8 @@ def test_unmatched_parameter_is_named():
 
 def test_make_mesh_on_one_device():
     mesh = make_mesh("")
-    assert mesh.axis_names == ("data", "fsdp", "tensor")
-    assert dict(mesh.shape) == {"data": 1, "fsdp": jax.device_count(), "tensor": 1}
+    assert mesh.axis_names == ("data", "fsdp", "expert", "tensor")
+    assert dict(mesh.shape) == {"data": 1, "fsdp": jax.device_count(), "expert": 1, "tensor": 1}
     with pytest.raises(ValueError, match=r"do not multiply to the 1 available devices"):
         make_mesh("data=2,tensor=2", devices=jax.devices()[:1])
     with pytest.raises(ValueError, match=r"expected comma-separated axis=size"):
@@ -77,9 +77,9 @@ def test_mesh_strings_and_uneven_dimensions_on_8_devices():
                           "embed_shard": params["embed"].addressable_shards[0].data.shape,
                           "head_shard": params["lm_head"].addressable_shards[0].data.shape}))
     """)
-    assert result["shapes"]["data=2,fsdp=2,tensor=2"] == {"data": 2, "fsdp": 2, "tensor": 2}
-    assert result["shapes"]["fsdp=-1,tensor=2"] == {"data": 1, "fsdp": 4, "tensor": 2}
-    assert result["shapes"][""] == {"data": 1, "fsdp": 8, "tensor": 1}
+    assert result["shapes"]["data=2,fsdp=2,tensor=2"] == {"data": 2, "fsdp": 2, "expert": 1, "tensor": 2}
+    assert result["shapes"]["fsdp=-1,tensor=2"] == {"data": 1, "fsdp": 4, "expert": 1, "tensor": 2}
+    assert result["shapes"][""] == {"data": 1, "fsdp": 8, "expert": 1, "tensor": 1}
     assert result["embed_shard"] == [5, 2]  # vocab 5 does not divide by tensor=2: replicated; D split by fsdp
     assert result["head_shard"] == [2, 3]
 

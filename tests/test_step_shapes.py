@@ -8,7 +8,7 @@ from jaxrl_llm.run.shapes import mesh_sizes, parse_mesh, step_shapes
 
 TINY = ["data.max_prompt_tokens=8", "sampling.max_new_tokens=8", "sampling.samples_per_prompt=2",
         "sampling.prompts_per_step=2", "optim.micro_batch_size=2", "optim.mini_batches=1", "algorithm.kl_coef=0"]
-FSDP2 = {"data": 1, "fsdp": 2, "tensor": 1}
+FSDP2 = {"data": 1, "fsdp": 2, "expert": 1, "tensor": 1}
 
 
 def test_a_plain_step_by_hand():
@@ -64,7 +64,7 @@ def test_where_the_sampler_runs_and_what_it_reads():
     s = step_shapes(own, {"data": 1, "fsdp": 1, "tensor": 2})
     assert (s.sampler_reads, s.sampler_devices, s.sampler_mesh, s.sampler_row_split) == ("own", 2, FSDP2, 2)
     given = step_shapes(own, {"data": 1, "fsdp": 1, "tensor": 2}, {"data": 2, "fsdp": 1, "tensor": 1})
-    assert given.sampler_mesh == {"data": 2, "fsdp": 1, "tensor": 1}
+    assert given.sampler_mesh == {"data": 2, "fsdp": 1, "expert": 1, "tensor": 1}
 
 
 def test_lora_spec_from_the_config():
@@ -75,8 +75,8 @@ def test_lora_spec_from_the_config():
 
 
 def test_meshes_and_bad_input():
-    assert mesh_sizes(None) == {"data": 1, "fsdp": 1, "tensor": 1}
-    assert parse_mesh("data=2,fsdp=-1", 8) == {"data": 2, "fsdp": 4, "tensor": 1}  # -1: the rest
+    assert mesh_sizes(None) == {"data": 1, "fsdp": 1, "expert": 1, "tensor": 1}
+    assert parse_mesh("data=2,fsdp=-1", 8) == {"data": 2, "fsdp": 4, "expert": 1, "tensor": 1}  # -1: the rest
     with pytest.raises(ValueError, match="mesh must give a size >= 1 for each of"):
         step_shapes(load_config(None, TINY), {"data": 1, "fsdp": 2})
     with pytest.raises(ValueError, match=r"response_fill must be in \(0, 1\], got 0"):

@@ -47,6 +47,7 @@ import numpy as np
 
 from jaxrl_llm.models.config import ATTENTION_IMPLS, ModelConfig  # noqa: F401 (re-exported)
 from jaxrl_llm.models.layers import attention, attention_keep_mask, blocked_attention
+from jaxrl_llm.models.sharding import BATCH_AXES, batch_devices
 
 log = logging.getLogger(__name__)
 
@@ -239,8 +240,8 @@ def _on_rows(impl: str, q, k, v, real, config: ModelConfig, window, platform: st
     """Kernel `impl` on rows q [N, W, H, d], k, v [N, W, KV, d], real [N, W]: [N, W, H * d]; `window` a layer's
     (possibly traced) window or None; `sinks` [H] its attention sinks or None. Under a mesh (`jax.set_mesh`, as the
     train step and the sampler set it) a fused kernel runs per device in a shard_map: a Mosaic kernel or a cuDNN
-    call cannot be partitioned by the compiler. Rows split over data x fsdp, heads over tensor when it divides the
-    KV heads."""
+    call cannot be partitioned by the compiler. Rows split over data x fsdp x expert, heads over tensor when it
+    divides the KV heads."""
     def kernel(q, k, v, real, *sink):
         sink = sink[0] if sink else None
 
@@ -263,8 +264,8 @@ def _on_rows(impl: str, q, k, v, real, config: ModelConfig, window, platform: st
     if impl != "xla_rows" and not mesh.empty and {"data", "fsdp", "tensor"} <= set(mesh.axis_names):
         from jax.sharding import PartitionSpec as P
 
-        split = ("data", "fsdp")
-        row_devices = mesh.shape["data"] * mesh.shape["fsdp"]
+        split = tuple(a for a in BATCH_AXES if a in mesh.axis_names)
+        row_devices = batch_devices(mesh)
         # nothing to split over one device; naming the axes anyway breaks GVM's per-row vmap, whose
         # spmd_axis_name is these axes ("vmap spmd_axis_name cannot appear in shard_map in_specs": GVM on one chip)
         if row_devices == 1 or q.shape[0] % row_devices:

@@ -41,8 +41,8 @@ LAYER_AXES = {
     "post_attn_norm": ("norm",),
     "post_mlp_norm": ("norm",),
     "attn_sinks": ("heads",),
-    "router": ("embed", "experts"),
-    "router_bias": ("experts",),
+    "router": ("embed", "router_logits"),  # the router's E replicated: named apart from the experts' split E
+    "router_bias": ("router_logits",),
     "expert_gate": ("experts", "embed", "expert_mlp"),  # the experts' width: named apart from the dense MLP's
     "expert_up": ("experts", "embed", "expert_mlp"),
     "expert_down": ("experts", "expert_mlp", "embed"),

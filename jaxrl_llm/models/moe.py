@@ -28,12 +28,14 @@ How the grouped matmuls run (`ModelConfig.moe_impl`, `resolve`):
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from jaxrl_llm.models.config import ModelConfig
+from jaxrl_llm.models.expert_parallel import expert_parallel_mlp, expert_shards
 from jaxrl_llm.models.layers import einsum_f32
 from jaxrl_llm.models.quant import layer_weight
 
@@ -114,12 +116,16 @@ class Experts(NamedTuple):
 
 
 def _plus(y: jax.Array, bias: jax.Array | None, expert: jax.Array) -> jax.Array:
-    """y [..., M, F] + bias[expert] ([E, F] gathered per row) when there is a bias."""
-    return y if bias is None else y + jnp.take(bias, expert, axis=0).astype(y.dtype)
+    """y [..., M, F] + bias[expert] ([E, F] gathered per row) when there is a bias (a padding row's id E clipped:
+    its output is discarded)."""
+    return y if bias is None else y + jnp.take(bias, expert, axis=0, mode="clip").astype(y.dtype)
 
 
-def _ragged_mlp(rows: jax.Array, row_expert: jax.Array, group_sizes: jax.Array, ex: Experts) -> jax.Array:
-    """The experts' SwiGLU over rows [M, D] sorted by expert (groups of `group_sizes` rows): three ragged_dots."""
+def _ragged_mlp(rows: jax.Array, row_expert: jax.Array, group_sizes: jax.Array, ex: Experts,
+                expected_rows: int | None = None) -> jax.Array:
+    """The experts' SwiGLU over rows [M, D] sorted by expert (groups of `group_sizes` rows): three ragged_dots.
+    Rows past sum(group_sizes) (expert parallelism's padding) are in no group: ragged_dot gives them 0."""
+    del expected_rows
     dtype = rows.dtype
     gate = _plus(jax.lax.ragged_dot(rows, ex.gate.astype(dtype), group_sizes), ex.gate_bias, row_expert)
     up = _plus(jax.lax.ragged_dot(rows, ex.up.astype(dtype), group_sizes), ex.up_bias, row_expert)
@@ -134,20 +140,25 @@ def tile_rows(rows: int, experts: int) -> int:
     return int(min(MAX_TILE, max(8, 1 << (mean - 1).bit_length())))
 
 
-def _tiled_mlp(rows: jax.Array, row_expert: jax.Array, group_sizes: jax.Array, ex: Experts) -> jax.Array:
+def _tiled_mlp(rows: jax.Array, row_expert: jax.Array, group_sizes: jax.Array, ex: Experts,
+               expected_rows: int | None = None) -> jax.Array:
     """`_ragged_mlp` as a scan over tiles: expert e's n_e rows go to ceil(n_e / t) tiles of t rows (zeros after
     them), tile i runs through its expert's matrices, and each row's output is read back from its place. At most
-    ceil(M / t) + min(E, M) tiles; those past the last used one are skipped."""
+    ceil(M / t) + min(E, M) tiles; those past the last used one are skipped. Rows past sum(group_sizes) (expert
+    parallelism's padding, id E) get places past the tiles: never computed, read back as 0. The tile is sized for
+    `expected_rows` (default M) rows."""
     count, width = rows.shape
     num_experts = ex.gate.shape[0]
-    tile = tile_rows(count, num_experts)
+    tile = tile_rows(expected_rows or count, num_experts)
     num_tiles = -(-count // tile) + min(num_experts, count)
     tiles_per_group = -(-group_sizes // tile)
     tile_end = jnp.cumsum(tiles_per_group)
     row_start = jnp.cumsum(group_sizes) - group_sizes
     index = jnp.arange(count, dtype=jnp.int32)
-    place = (tile_end - tiles_per_group)[row_expert] * tile + index - row_start[row_expert]
-    padded = jnp.zeros((num_tiles * tile, width), rows.dtype).at[place].set(rows, unique_indices=True)
+    expert = jnp.minimum(row_expert, num_experts - 1)
+    place = (tile_end - tiles_per_group)[expert] * tile + index - row_start[expert]
+    place = jnp.where(row_expert < num_experts, place, num_tiles * tile + index)  # distinct, out of range
+    padded = jnp.zeros((num_tiles * tile, width), rows.dtype).at[place].set(rows, mode="drop", unique_indices=True)
     tile_expert = jnp.searchsorted(tile_end, jnp.arange(num_tiles, dtype=jnp.int32), side="right")
     dtype = rows.dtype
 
@@ -165,7 +176,7 @@ def _tiled_mlp(rows: jax.Array, row_expert: jax.Array, group_sizes: jax.Array, e
         return None, out
 
     _, out = jax.lax.scan(one_tile, None, (padded.reshape(num_tiles, tile, width), tile_expert))
-    return out.reshape(num_tiles * tile, width)[place]
+    return jnp.take(out.reshape(num_tiles * tile, width), place, axis=0, mode="fill", fill_value=0)
 
 
 _IMPLS = {"ragged_dot": _ragged_mlp, "tiles": _tiled_mlp}
@@ -178,12 +189,34 @@ def resolve(impl: str, platform: str) -> str:
     return _CHOICES.get(impl, {}).get(platform, impl)
 
 
+def grouped_mlp(rows: jax.Array, row_expert: jax.Array, group_sizes: jax.Array, experts: Experts,
+                expected_rows: int | None = None, *, impl: str = "auto") -> jax.Array:
+    """The experts' SwiGLU over rows [M, D] sorted by expert (`row_expert`, groups of `group_sizes` rows; rows past
+    the groups, id E, come back finite and are to be discarded) by the grouped matmul `impl` (module docstring;
+    "auto" decided inside the program for the platform it is lowered for)."""
+    def run(kind):
+        return lambda rows: _IMPLS[kind](rows, row_expert, group_sizes, experts, expected_rows)
+
+    if impl == "auto":
+        return jax.lax.platform_dependent(rows, **{p: run(resolve(impl, p)) for p in ("tpu", "cuda")},
+                                          default=run(resolve(impl, "cpu")))
+    if impl in _IMPLS:
+        return run(impl)(rows)
+    raise ValueError(f"unknown moe_impl {impl!r}; expected one of auto, {', '.join(_IMPLS)}")
+
+
 def expert_mlp(h: jax.Array, routing: Routing, experts: Experts, *, impl: str = "auto") -> jax.Array:
     """sum_j w_j SwiGLU_{e_j}(h) for tokens h [N, D] routed by `routing` (experts e, weights w [N, k]): the N k
     (token, expert) pairs sorted by expert (stable: a token's pairs keep their order within an expert), the
-    experts' grouped matmuls over them (`impl`, see the module docstring; "auto" decided inside the program for
-    the platform it is lowered for), and each token's k outputs summed in float32 in the order of its choices.
-    Returns [N, D] in h's dtype."""
+    experts' grouped matmuls over them (`grouped_mlp` with `impl`), and each token's k outputs summed in float32
+    in the order of its choices. Returns [N, D] in h's dtype.
+
+    Traced under a mesh whose `expert` axis has more than one device (the train step's), the experts run split
+    over that axis with the pairs exchanged by all-to-all (`models.expert_parallel`): the same values."""
+    if impl != "auto" and impl not in _IMPLS:
+        raise ValueError(f"unknown moe_impl {impl!r}; expected one of auto, {', '.join(_IMPLS)}")
+    if expert_shards() > 1:
+        return expert_parallel_mlp(h, routing, experts, functools.partial(grouped_mlp, impl=impl))
     num_tokens, top_k = routing.experts.shape
     num_experts = experts.gate.shape[0]
     flat = routing.experts.reshape(-1)
@@ -191,17 +224,7 @@ def expert_mlp(h: jax.Array, routing: Routing, experts: Experts, *, impl: str = 
     row_expert = flat[order]
     rows = jnp.take(h, order // top_k, axis=0)
     group_sizes = jnp.zeros((num_experts,), jnp.int32).at[flat].add(1)
-
-    def run(kind):
-        return lambda rows: _IMPLS[kind](rows, row_expert, group_sizes, experts)
-
-    if impl == "auto":
-        out = jax.lax.platform_dependent(rows, **{p: run(resolve(impl, p)) for p in ("tpu", "cuda")},
-                                         default=run(resolve(impl, "cpu")))
-    elif impl in _IMPLS:
-        out = run(impl)(rows)
-    else:
-        raise ValueError(f"unknown moe_impl {impl!r}; expected one of auto, {', '.join(_IMPLS)}")
+    out = grouped_mlp(rows, row_expert, group_sizes, experts, impl=impl)
     inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
     per_choice = jnp.take(out, inverse, axis=0).reshape(num_tokens, top_k, -1).astype(jnp.float32)
     return jnp.einsum("nk,nkd->nd", routing.weights, per_choice).astype(h.dtype)

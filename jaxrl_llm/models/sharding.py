@@ -1,9 +1,13 @@
 """Sharding rules beside the model: regex over parameter paths -> PartitionSpec over the mesh axes
-("data", "fsdp", "tensor"), in the style of EasyLM's `get_partition_rules`.
+("data", "fsdp", "expert", "tensor"), in the style of EasyLM's `get_partition_rules`.
 
 Parameters are replicated over `data`, split over `fsdp` on their model dimension (ZeRO-3 style),
 and split over `tensor` Megatron-style: column-parallel q/k/v/gate/up (output dim), row-parallel
-o/down (input dim), vocabulary-parallel embedding and output head.
+o/down (input dim), vocabulary-parallel embedding and output head. A mixture of experts' expert
+weights [L, E, ...] are also split over `expert` on E (expert parallelism, `models.moe`); every other
+parameter is replicated over `expert`, and outside the sparse blocks `expert` is one more data-parallel
+axis: a batch's rows are split over data x fsdp x expert (`BATCH_AXES`), as MaxText does. With
+expert = 1 (every mesh string without it) the meshes and shardings are those of the dense layout.
 """
 
 from __future__ import annotations
@@ -20,19 +24,37 @@ from jaxrl_llm.models.config import ModelConfig
 try:  # JAX >= 0.5 types mesh axes; sharding here is propagated by the compiler ("Auto")
     from jax.sharding import AxisType
 
-    _AUTO_AXES = {"axis_types": (AxisType.Auto,) * 3}
+    _AUTO_AXES = {"axis_types": (AxisType.Auto,) * 4}
 except ImportError:
     _AUTO_AXES = {}
 
-MESH_AXES = ("data", "fsdp", "tensor")
+# "expert" sits between fsdp and tensor: its all-to-all wants the nearer devices, after tensor's all-reduces.
+MESH_AXES = ("data", "fsdp", "expert", "tensor")
+# The data-parallel axes: a batch's rows (and the tokens entering a sparse block) are split over their product.
+BATCH_AXES = ("data", "fsdp", "expert")
 # Batch dimension of activations: split over every data-parallel axis.
-BATCH_SPEC = P(("data", "fsdp"))
+BATCH_SPEC = P(BATCH_AXES)
 # KVCache k / v [layers, batch, slots, kv_heads, head_dim]: rows like the batch, heads like attention.
-KV_CACHE_SPEC = P(None, ("data", "fsdp"), None, "tensor", None)
+KV_CACHE_SPEC = P(None, BATCH_AXES, None, "tensor", None)
+
+
+def axis_size(mesh, name: str) -> int:
+    """Size of mesh axis `name` of `mesh` (a Mesh, an AbstractMesh or a dict of sizes); 1 where the mesh lacks
+    it (a mesh made before the `expert` axis, a sampler's own mesh) or there is no mesh (None)."""
+    if mesh is None:
+        return 1
+    shape = dict(mesh.shape) if hasattr(mesh, "shape") else dict(mesh)
+    return int(shape.get(name, 1))
+
+
+def batch_devices(mesh) -> int:
+    """Devices a batch's rows are split over: data x fsdp x expert of `mesh` (see `axis_size`)."""
+    return math.prod(axis_size(mesh, name) for name in BATCH_AXES)
 
 
 def make_mesh(spec: str = "", devices=None) -> Mesh:
-    """Mesh with axes ("data", "fsdp", "tensor") from a string such as "data=2,fsdp=2,tensor=2".
+    """Mesh with axes ("data", "fsdp", "expert", "tensor") from a string such as "data=2,fsdp=2,tensor=2"
+    or "data=2,expert=2,fsdp=2".
 
     Axes left out have size 1; one axis may be -1 to take the remaining devices; an empty string
     puts every device on "fsdp". The product must equal the number of devices (default: all).
@@ -80,12 +102,13 @@ def partition_rules(config: ModelConfig | None = None) -> list[tuple[str, P]]:
         (r"^layers/(o|down)_proj$", P(None, "tensor", "fsdp")),         # [L, in, D]
         (r"^layers/(q|k|v)_bias$", P(None, "tensor")),                  # [L, out]
         (r"^layers/attn_sinks$", P(None, "tensor")),                    # [L, H]: with the heads
-        # experts (models/moe.py) split as the dense MLP's matrices, the expert axis replicated; the router's
-        # input dimension as a projection's
-        (r"^layers/expert_(gate|up)$", P(None, None, "fsdp", "tensor")),  # [L, E, D, F]
-        (r"^layers/expert_down$", P(None, None, "tensor", "fsdp")),       # [L, E, F, D]
-        (r"^layers/expert_(gate|up)_bias$", P(None, None, "tensor")),     # [L, E, F]
-        (r"^layers/router$", P(None, "fsdp", None)),                      # [L, D, E]
+        # experts (models/moe.py): E over "expert" (expert parallelism), the rest as the dense MLP's matrices;
+        # the router replicated over "expert", its input dimension split as a projection's
+        (r"^layers/expert_(gate|up)$", P(None, "expert", "fsdp", "tensor")),  # [L, E, D, F]
+        (r"^layers/expert_down$", P(None, "expert", "tensor", "fsdp")),       # [L, E, F, D]
+        (r"^layers/expert_(gate|up)_bias$", P(None, "expert", "tensor")),     # [L, E, F]
+        (r"^layers/expert_down_bias$", P(None, "expert")),                    # [L, E, D]
+        (r"^layers/router$", P(None, "fsdp", None)),                          # [L, D, E]
         # LoRA adapters (models/lora.py): A [L, in, r] and B [L, r, out] split like their weight's in / out
         # dimension, the rank replicated, so x A and (x A) B need no more communication than x W.
         (r"^layers/(q|k|v|gate|up)_proj_lora_a$", P(None, "fsdp", None)),
@@ -95,7 +118,7 @@ def partition_rules(config: ModelConfig | None = None) -> list[tuple[str, P]]:
         # a quantized base's per-output-channel scales [L, 1, out] (models/quant.py), split as their codes' outputs
         (r"^layers/(q|k|v|gate|up)_proj_scale$", P(None, None, "tensor")),
         (r"^layers/(o|down)_proj_scale$", P(None, None, "fsdp")),
-        (r"(norm|o_bias|router_bias|expert_down_bias)$", P()),          # small vectors: replicate
+        (r"(norm|o_bias|router_bias)$", P()),                           # small vectors: replicate
     ]
 
 

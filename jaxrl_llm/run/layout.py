@@ -5,8 +5,9 @@ Meshes. With `train.mesh` (e.g. "data=2,fsdp=2,tensor=2") one `jax.sharding.Mesh
 of every process. Parameters are placed by the partition rules beside the model
 (`models.sharding.param_shardings`), the optimizer state follows its parameters
 (`state.state_shardings`), the reference policy sits on the same mesh, and packed train batches split
-their rows over data x fsdp (`models.sharding.BATCH_SPEC`); the train step and the log-prob pass are
-compiled with these shardings, and the sampler and evaluation get the mesh.
+their rows over data x fsdp x expert (`models.sharding.BATCH_SPEC`); the train step and the log-prob pass are
+compiled with these shardings, and the sampler and evaluation get the mesh. The `expert` axis splits a mixture of
+experts' experts (expert parallelism, `models.expert_parallel`) and is a data axis everywhere else.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
-from jaxrl_llm.models.sharding import BATCH_SPEC
+from jaxrl_llm.models.sharding import BATCH_SPEC, axis_size, batch_devices
 from jaxrl_llm.run.config import ConfigError, RunConfig
 from jaxrl_llm.train.packing import TrainBatch
 
@@ -39,17 +40,30 @@ def split_devices(cfg: RunConfig, devices: list | None = None) -> tuple[list | N
     return devices[:-n], devices[-n:]
 
 
-def check_mesh_fits(mesh, cfg: RunConfig) -> None:
-    """Each micro-batch's packed rows are split over the data x fsdp devices, so its size must divide."""
-    row_devices = mesh.shape["data"] * mesh.shape["fsdp"]
+def check_mesh_fits(mesh, cfg: RunConfig, model_config=None) -> None:
+    """Each micro-batch's packed rows are split over the data x fsdp x expert devices, so its size must divide.
+    With the policy's `model_config`, an `expert` axis over 1 needs a mixture of experts whose num_experts it
+    divides (each expert shard holds num_experts / expert of them)."""
+    row_devices = batch_devices(mesh)
     if cfg.optim.micro_batch_size % row_devices:
-        raise ConfigError(f"optim.micro_batch_size={cfg.optim.micro_batch_size} must be a multiple of data x fsdp = "
-                          f"{row_devices} of train.mesh={cfg.train.mesh!r}: each micro-batch's rows are split over "
-                          f"those devices")
+        raise ConfigError(f"optim.micro_batch_size={cfg.optim.micro_batch_size} must be a multiple of data x fsdp x "
+                          f"expert = {row_devices} of train.mesh={cfg.train.mesh!r}: each micro-batch's rows are "
+                          f"split over those devices")
+    experts = axis_size(mesh, "expert")
+    if experts == 1 or model_config is None:
+        return
+    num_experts = getattr(model_config, "num_experts", 0)
+    if not num_experts:
+        raise ConfigError(f"train.mesh={cfg.train.mesh!r} has expert={experts}, but the policy is a dense model "
+                          "(num_experts 0): the expert axis splits a mixture of experts' experts; put those "
+                          "devices on data or fsdp")
+    if num_experts % experts:
+        raise ConfigError(f"train.mesh={cfg.train.mesh!r}: expert={experts} does not divide the model's "
+                          f"num_experts={num_experts}; each expert shard holds num_experts / expert experts")
 
 
 def batch_shardings(mesh, *, topk: bool = False) -> TrainBatch:
-    """NamedShardings of a packed TrainBatch on `mesh`: every field's rows split over data x fsdp
+    """NamedShardings of a packed TrainBatch on `mesh`: every field's rows split over data x fsdp x expert
     (`BATCH_SPEC`), replicated over tensor. The teacher's top-K fields are None unless `topk` (a batch of
     `distill.mode` topk's train step: `sharding_of` picks the one that matches a batch)."""
     rows = NamedSharding(mesh, BATCH_SPEC)

@@ -205,7 +205,7 @@ def setup_run(config: RunConfig, *, policy=None) -> Run:
     trainer_devices, sampler_devices = split_devices(cfg)
     if cfg.train.mesh or sampler_devices:
         mesh = make_mesh(cfg.train.mesh, devices=trainer_devices)
-        check_mesh_fits(mesh, cfg)
+        check_mesh_fits(mesh, cfg, model_config)
     if sampler_devices:
         split_mesh = make_mesh(cfg.rollouts.sampler_mesh, devices=sampler_devices)
     shapes = step_shapes(cfg, mesh, split_mesh)

@@ -29,7 +29,7 @@ import re
 import numpy as np
 
 from jaxrl_llm.models.lora import LoraSpec, resolve_targets
-from jaxrl_llm.models.sharding import MESH_AXES
+from jaxrl_llm.models.sharding import MESH_AXES, batch_devices
 from jaxrl_llm.run.config import RunConfig, lora_enabled
 from jaxrl_llm.sampling.buckets import round_up
 from jaxrl_llm.sampling.plan import CallPlan, plan_calls
@@ -42,7 +42,7 @@ ROW_SEQ_MULTIPLE = 32  # packed rows are padded to a multiple of this (train.pac
 class StepShapes:
     """One training step's shapes on a mesh (see the module docstring); sizes per step unless named per device."""
 
-    mesh: dict[str, int]  # the trainer's mesh sizes {"data", "fsdp", "tensor"}
+    mesh: dict[str, int]  # the trainer's mesh sizes {"data", "fsdp", "expert", "tensor"}
     sampler_mesh: dict[str, int]  # the sampler's: its own devices' with sampler_devices > 0, else `mesh`
     sampler_devices: int  # devices of the sampler's own (asynchronous rollouts); 0: it shares the trainer's
     sampler_reads: str  # "policy", "copy" or "own" (see the module docstring)
@@ -63,13 +63,13 @@ class StepShapes:
 
     @property
     def row_split(self) -> int:
-        """Devices a batch's rows are split over on the trainer's mesh (data x fsdp)."""
-        return self.mesh["data"] * self.mesh["fsdp"]
+        """Devices a batch's rows are split over on the trainer's mesh (data x fsdp x expert)."""
+        return batch_devices(self.mesh)
 
     @property
     def sampler_row_split(self) -> int:
-        """Devices a sampler call's rows are split over (data x fsdp of the sampler's mesh)."""
-        return self.sampler_mesh["data"] * self.sampler_mesh["fsdp"]
+        """Devices a sampler call's rows are split over (data x fsdp x expert of the sampler's mesh)."""
+        return batch_devices(self.sampler_mesh)
 
     @property
     def prompt_group(self) -> int:
@@ -83,7 +83,7 @@ class StepShapes:
 
 
 def parse_mesh(spec: str, devices: int) -> dict[str, int]:
-    """{"data", "fsdp", "tensor"} sizes from a `train.mesh` string for `devices` devices, with
+    """{"data", "fsdp", "expert", "tensor"} sizes from a `train.mesh` string for `devices` devices, with
     `models.sharding.make_mesh`'s rules: missing axes are 1, one axis may be -1 (the rest), "" = all fsdp."""
     sizes = {name: 1 for name in MESH_AXES}
     if not spec.strip():
@@ -105,9 +105,10 @@ def parse_mesh(spec: str, devices: int) -> dict[str, int]:
 
 
 def mesh_sizes(mesh) -> dict[str, int]:
-    """{"data", "fsdp", "tensor"} sizes of `mesh`: a `jax.sharding.Mesh`, a dict of sizes, or None (one device)."""
-    sizes = {name: 1 for name in MESH_AXES} if mesh is None else {k: int(v) for k, v in dict(
-        mesh.shape if hasattr(mesh, "shape") else mesh).items()}
+    """{"data", "fsdp", "expert", "tensor"} sizes of `mesh`: a `jax.sharding.Mesh`, a dict of sizes, or None (one
+    device). A dict without "expert" (written before that axis) has expert 1."""
+    sizes = {name: 1 for name in MESH_AXES} if mesh is None else {"expert": 1, **{k: int(v) for k, v in dict(
+        mesh.shape if hasattr(mesh, "shape") else mesh).items()}}
     if set(sizes) != set(MESH_AXES) or any(v < 1 for v in sizes.values()):
         raise ValueError(f"mesh must give a size >= 1 for each of {MESH_AXES}, got {sizes}")
     return sizes
@@ -177,7 +178,7 @@ def step_shapes(config: RunConfig, mesh=None, sampler_mesh=None, *, response_fil
         sampler_sizes = sizes if sampler_mesh is None else mesh_sizes(sampler_mesh)
     gvm = s.allocation == "gvm"
     sampler_samples = max(s.gvm_stage1_samples, s.gvm_samples_per_prompt) if gvm else s.samples_per_prompt
-    split = sizes["data"] * sizes["fsdp"]
+    split = batch_devices(sizes)
     response_tokens = max(1, int(math.ceil(s.max_new_tokens * response_fill)))
     per_row, row_length = _row_shape(cfg, whole_row_responses(cfg), response_tokens)
     gvm_chunk = (s.gvm_rows_per_chunk or cfg.optim.micro_batch_size) if gvm else 0
@@ -186,7 +187,7 @@ def step_shapes(config: RunConfig, mesh=None, sampler_mesh=None, *, response_fil
         mesh=sizes, sampler_mesh=sampler_sizes, sampler_devices=own, sampler_reads=sampler_reads(cfg),
         samples_per_prompt=s.gvm_samples_per_prompt if gvm else s.samples_per_prompt,
         sampler_samples=sampler_samples, varying_counts=gvm,
-        sampler_call=worst_case_call(cfg, sampler_samples, sampler_sizes["data"] * sampler_sizes["fsdp"]),
+        sampler_call=worst_case_call(cfg, sampler_samples, batch_devices(sampler_sizes)),
         responses_per_row=per_row, response_tokens=response_tokens, row_length=row_length,
         rows_per_device=-(-cfg.optim.micro_batch_size // split),
         mini_batch_rows=bucket(-(-s.prompts_per_step // cfg.optim.mini_batches),

@@ -17,10 +17,11 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxrl_llm.models import ModelConfig
+from jaxrl_llm.models.sharding import BATCH_AXES
 from jaxrl_llm.sampling.decoder import RowCache, decode_step, empty_row_cache, prefill_cache, unstack_layers
 from jaxrl_llm.sampling.token_selection import select_tokens
 
-ROW_AXES = ("data", "fsdp")  # mesh axes the sample rows are split over
+ROW_AXES = BATCH_AXES  # mesh axes the sample rows are split over: data, fsdp, expert
 
 
 @functools.partial(jax.tree_util.register_dataclass,
@@ -48,7 +49,7 @@ class SamplingState:
 
 
 def row_axes(mesh: Mesh | None) -> tuple[str, ...]:
-    """The mesh axes present among ('data', 'fsdp'): rows are sharded over their product."""
+    """The mesh axes present among ('data', 'fsdp', 'expert'): rows are sharded over their product."""
     if mesh is None:
         return ()
     return tuple(a for a in ROW_AXES if a in mesh.axis_names)

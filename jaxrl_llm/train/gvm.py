@@ -28,7 +28,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxrl_llm.models.sharding import BATCH_SPEC
+from jaxrl_llm.models.sharding import BATCH_AXES, BATCH_SPEC, batch_devices
 from jaxrl_llm.objectives import gvm_allocate
 from jaxrl_llm.run.config import SamplingSection
 from jaxrl_llm.train.gvm_history import GvmHistory
@@ -92,13 +92,13 @@ def _grad_norms(params, model_config, paths, rows_per_chunk, tokens, prompt_lens
 
     # Chunks of `rows_per_chunk` rows (whole chunks: the caller pads), vmapped one chunk at a time, so the
     # per-row gradients of one chunk are the only ones alive at once; on a mesh each chunk's rows are split
-    # over the batch axes, so every device differentiates rows_per_chunk / (data x fsdp) rows of a chunk.
+    # over the batch axes, so every device differentiates rows_per_chunk / (data x fsdp x expert) rows of a chunk.
     # Traced under the mesh (`train.step.mesh_context`): a fused attention kernel (splash on TPU) runs in a
-    # shard_map there, and vmap's spmd_axis_name splits its batched rows over data x fsdp as the chunk is split.
+    # shard_map there, and vmap's spmd_axis_name splits its batched rows over the batch axes as the chunk is split.
     with mesh_context(chunk_sharding):
         chunks = tuple(constrain(x.reshape(-1, rows_per_chunk, *x.shape[1:]))
                        for x in (tokens, prompt_lens, response_tokens, mask))
-        rows = jax.vmap(row_norm, spmd_axis_name=None if chunk_sharding is None else ("data", "fsdp"))
+        rows = jax.vmap(row_norm, spmd_axis_name=None if chunk_sharding is None else chunk_sharding.spec[1])
         return constrain(jax.lax.map(rows, chunks)).reshape(-1)
 
 
@@ -111,8 +111,8 @@ def per_sample_grad_norms(params, model_config, tokens, prompt_lens, response_to
     tokens [B, T] (prompt then response, right-padded), prompt_lens [B], response_tokens [B, R], mask [B, R]
     as in `jaxrl_llm.train.step.TrainBatch`. A jitted `jax.vmap` of `jax.grad` of a one-row loss, run over
     chunks of `rows_per_chunk` rows (`jax.lax.map(..., batch_size=rows_per_chunk)`) to bound memory.
-    With a `mesh`, each chunk's rows are split over its data x fsdp devices (`rows_per_chunk` is rounded up
-    to a multiple of data x fsdp). Returns float32 [B] (0 for rows whose mask is all 0).
+    With a `mesh`, each chunk's rows are split over its data x fsdp x expert devices (`rows_per_chunk` is rounded
+    up to a multiple of their number). Returns float32 [B] (0 for rows whose mask is all 0).
     """
     paths = parse_param_subset(param_subset)
     for path in paths:
@@ -121,9 +121,9 @@ def per_sample_grad_norms(params, model_config, tokens, prompt_lens, response_to
         raise ValueError(f"rows_per_chunk must be >= 1, got {rows_per_chunk}")
     chunk_sharding = None
     if mesh is not None:
-        split = mesh.shape["data"] * mesh.shape["fsdp"]
+        split = batch_devices(mesh)
         rows_per_chunk = -(-rows_per_chunk // split) * split
-        chunk_sharding = NamedSharding(mesh, P(None, ("data", "fsdp")))
+        chunk_sharding = NamedSharding(mesh, P(None, tuple(a for a in BATCH_AXES if a in mesh.axis_names)))
     rows = np.shape(tokens)[0]
     pad = -rows % rows_per_chunk  # whole chunks only: lax.map would compile a second body for a remainder
 
