@@ -42,7 +42,7 @@ from jaxrl_llm.capacity.topology import LibtpuMissing, Topology, parse_topology,
 from jaxrl_llm.models import lora, quant
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.model import init_params
-from jaxrl_llm.models.sharding import make_mesh, param_shardings
+from jaxrl_llm.models.sharding import BATCH_SPEC, make_mesh, param_shardings
 from jaxrl_llm.run.config import RunConfig, uses_critic
 from jaxrl_llm.run.layout import batch_shardings, check_mesh_fits, sharding_of, split_devices
 from jaxrl_llm.run.setup import runtime_model_config, sampler_weights
@@ -95,7 +95,7 @@ def compile_run(cfg: RunConfig, topology: str | Topology, *, model_config: Model
     trainer_devices, sampler_devices = split_devices(cfg, devices)
     mesh = make_mesh(cfg.train.mesh, devices=trainer_devices or devices)
     sampler_mesh = make_mesh(cfg.rollouts.sampler_mesh, devices=sampler_devices) if sampler_devices else mesh
-    check_mesh_fits(mesh, cfg)  # as the run does
+    check_mesh_fits(mesh, cfg, model_config)  # as the run does
     shapes = step_shapes(cfg, mesh, sampler_mesh)
     estimate = run_estimate(cfg, shapes.mesh, model_config=model_config, platform=_estimate_platform(topo))
     rows = shapes.mini_batch_rows
@@ -245,13 +245,13 @@ def _gvm_program(cfg: RunConfig, shapes: StepShapes, mc: ModelConfig, mesh, poli
     from jaxrl_llm.train.gvm import _grad_norms, parse_param_subset
 
     rows, length, new = shapes.gvm_rows, shapes.gvm_row_length, cfg.sampling.max_new_tokens
-    on_rows = NamedSharding(mesh, P(("data", "fsdp")))
+    on_rows = NamedSharding(mesh, BATCH_SPEC)
     i32, f32 = jnp.int32, jnp.float32
     inputs = [jax.ShapeDtypeStruct(shape, dtype, sharding=on_rows) for shape, dtype in
               (((rows, length), i32), ((rows,), i32), ((rows, new), i32), ((rows, new), f32))]
     lowered = _grad_norms.lower(_merged_policy(mc, mesh, policy), mc, parse_param_subset(cfg.sampling.gvm_param_subset),
                                 shapes.gvm_chunk_rows, *inputs,
-                                chunk_sharding=NamedSharding(mesh, P(None, ("data", "fsdp"))))
+                                chunk_sharding=NamedSharding(mesh, P(None, *BATCH_SPEC)))
     return program_report("gvm_grad_norms", lowered, hbm)
 
 

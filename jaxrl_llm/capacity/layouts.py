@@ -8,6 +8,7 @@ from typing import Any
 
 from jaxrl_llm.capacity.memory import estimate_memory
 from jaxrl_llm.models.config import ModelConfig
+from jaxrl_llm.models.sharding import batch_devices
 from jaxrl_llm.run.config import RunConfig
 from jaxrl_llm.run.shapes import whole_row_responses
 from jaxrl_llm.sampling.buckets import bucket_size
@@ -26,7 +27,7 @@ def fit_rows_per_call(config: RunConfig, model_config: ModelConfig, mesh: dict[s
     rows = config.sampling.max_rows_per_call
     if config.sampling.engine == "continuous":  # bounded by sampling.max_slots, not by rows per call
         return est, rows
-    split = mesh["data"] * mesh["fsdp"]
+    split = batch_devices(mesh)
     while est["peak"] > budget_bytes and est["sample_rows"] > split \
             and est["sampling"] > max(est["train_step"], est["critic_step"], est["gvm_norms"]):
         halved = bucket_size(est["sample_rows"]) // 2  # halves the rows of one call
