@@ -29,6 +29,15 @@ With d_t = train_logp_t - sampler_logp_t over the response tokens it reports:
   <S - W, W' - W> / |W' - W|^2 over the projections (1 for the f32 merge; None with B = 0).
 The f32 control is the floor: the sampler's incremental decode and the trainer's packed teacher-forced pass of
 one f32 policy. Results go to `--json`.
+
+    .venv/bin/python benchmarks/sampler_gap.py --moe [--json benchmarks/results/sampler_gap_moe.json]
+
+`--moe` (issue 57, routing replay): a tiny random Qwen3-MoE (`tiny_moe`: 2 sparse layers of 8 experts, top 2) and its
+dense counterpart (the same attention, embeddings and output; one dense MLP per layer), sampled by `generate` with
+an f32 (control), bf16 and int8 (every projection and expert matrix quantized per output channel) copy, scored by
+the f32 trainer's packed log-prob pass (`train.logprobs.response_logprobs`) with model.routing_replay none and
+rollout: the numbers above plus routes_changed (recorded (token, layer) routes whose experts in the trainer's pass
+differ from the sampler's) and routes_own_changed (the trainer's own top k against the sampler's).
 """
 
 from __future__ import annotations
@@ -123,6 +132,121 @@ def measure(run, setting: str, batches: list[list[dict]]) -> dict:
     return out
 
 
+def tiny_moe(seed: int = 0, router_scale: float = 0.3):
+    """(config, params) of the tiny random Qwen3-MoE and of its dense counterpart. Weights ~ N(0, 0.15^2) (logits
+    far from uniform), the router's x `router_scale` (margins between experts small enough for bf16 to flip some)."""
+    from jaxrl_llm.models import ModelConfig, init_params
+
+    base = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=2, num_kv_heads=1,
+                head_dim=16, qk_norm=True, moe_impl="ragged_dot")
+    config = ModelConfig(**base, model_type="qwen3_moe", num_experts=8, num_experts_per_tok=2,
+                         moe_intermediate_size=16, norm_topk_prob=True)
+    dense_config = ModelConfig(**base, model_type="qwen3")
+    params = jax.tree_util.tree_map(lambda w: w * 7.5 if w.ndim > 1 else w, init_params(config, jax.random.key(seed)))
+    params["layers"]["router"] = params["layers"]["router"] * router_scale
+    dense = jax.tree_util.tree_map(lambda w: w * 7.5 if w.ndim > 1 else w,
+                                   init_params(dense_config, jax.random.key(seed + 1)))
+    # the MoE's own weights wherever the dense model has them (everything but its MLP's gate, up and down)
+    dense = {**dense, "embed": params["embed"], "final_norm": params["final_norm"],
+             "layers": {k: params["layers"].get(k, w) for k, w in dense["layers"].items()}}
+    return (config, params), (dense_config, dense)
+
+
+def sampler_copy(params, config, setting: str):
+    """The sampler's (params, config) for `setting`: "" the f32 policy, "bfloat16" every weight and activation in
+    bf16, "int8" every projection and expert matrix int8 per output channel (`quant.quantize_base`)."""
+    if setting == "bfloat16":
+        return (jax.tree_util.tree_map(lambda w: w.astype(jnp.bfloat16), params),
+                config.replace(param_dtype="bfloat16", compute_dtype="bfloat16"))
+    if setting == "int8":
+        targets = tuple(k for k in params["layers"] if k.endswith("_proj") or k in ("expert_gate", "expert_up",
+                                                                                   "expert_down"))
+        return quant.quantize_base(params, "int8", targets), config
+    return params, config
+
+
+def scored_rollouts(params, config, prompts, samples: int, new_tokens: int, seed: int):
+    """`generate`'s rollout of `prompts` as the trainer's `ScoredRollouts` (no rewards), routes included."""
+    from jaxrl_llm.sampling import generate
+    from jaxrl_llm.train.rollouts import ScoredRollouts
+
+    rollout = generate(params, config, prompts, num_samples=samples, max_new_tokens=new_tokens, temperature=1.0,
+                       rng=jax.random.key(seed))
+    n = len(rollout.lengths)
+    return ScoredRollouts(records=[{"prompt_ids": p, "answer": ""} for p in prompts], prompt_index=rollout.prompt_index,
+                          tokens=rollout.tokens, mask=rollout.mask, logprobs=rollout.logprobs, lengths=rollout.lengths,
+                          rewards=np.zeros(n, np.float32), correct=np.zeros(n, bool), routes=rollout.routes,
+                          prompt_routes=rollout.prompt_routes)
+
+
+def _trainer_pass(params, config, batch, replay):
+    from jaxrl_llm.train.logprobs import response_logprobs
+    from jaxrl_llm.train.routing import routes_changed
+
+    logp, routes = response_logprobs(params, config, batch, routing_replay=replay, with_routes=True)
+    if routes is None:
+        return logp, None
+    return logp, (routes_changed(routes.chosen, batch.routes), routes_changed(routes.own, batch.routes), routes.own)
+
+
+trainer_pass = jax.jit(_trainer_pass, static_argnums=(1, 3))
+
+
+def trainer_gap(params, config, scored, replay: str) -> dict:
+    """`gap_metrics` of the f32 trainer's packed pass (routing_replay `replay`) on `scored`, with routes_changed and
+    routes_own_changed for a mixture of experts."""
+    from jaxrl_llm.train.packing import unpack
+    from jaxrl_llm.train.rollouts import packed_rollouts
+
+    batch, groups, order = packed_rollouts(scored, 1, 0)
+    logp, counts = trainer_pass(params, config, batch, replay)
+    train = unpack(np.asarray(logp)[np.argsort(order)], groups, scored.num_samples) * scored.mask
+    out = gap_metrics(train, scored.logprobs * scored.mask, scored.mask)
+    if counts is not None:
+        (changed, recorded), (own, _) = jax.tree_util.tree_map(float, counts[:2])
+        out.update(routes_changed=changed / recorded, routes_own_changed=own / recorded, routes_recorded=int(recorded))
+        # the samples none of whose recorded routes (prompt or response) the trainer's own top k changes: their gap
+        # is the bf16 arithmetic's alone, the MoE's own floor
+        flipped = route_flips(np.asarray(counts[2]), batch)[np.argsort(order)]
+        kept = unpack(flipped[..., None], groups, scored.num_samples)[:, 0] == 0
+        clean = gap_metrics(train[kept], scored.logprobs[kept] * scored.mask[kept], scored.mask[kept]) if kept.any() \
+            else {"mismatch_kl_f64": 0.0}
+        out.update(unflipped_samples=float(kept.mean()), mismatch_kl_f64_unflipped=clean["mismatch_kl_f64"])
+    return out
+
+
+def route_flips(own: np.ndarray, batch) -> np.ndarray:
+    """[G, S] int: per packed row and response slot, how many positions of the slot's prompt or response hold a
+    recorded route the trainer's own top k (`own` [G, L, L_sparse, k]) changes."""
+    recorded = batch.routes
+    flip = np.any(np.sort(own, -1) != np.sort(recorded, -1), axis=-1) & (recorded[..., 0] >= 0)  # [G, L, L_sparse]
+    flip = flip.any(-1)
+    slots = batch.pred_index.shape[1]
+    prompt = (flip & (batch.segments == 0)).sum(1)
+    return np.stack([prompt + (flip & (batch.segments == s + 1)).sum(1) for s in range(slots)], axis=1)
+
+
+MOE_PROMPTS = [[3, 17, 5, 9, 40], [11, 2], [7, 7, 30, 12, 1, 8, 22], [50, 4, 4, 9], [1, 2, 3], [60, 33, 21, 8, 8, 2]]
+
+
+def moe_rows(settings=("", "bfloat16", "int8"), seeds=(1, 2, 3, 4), samples: int = 8, new_tokens: int = 16) -> list:
+    """One row per model (moe, dense), sampler setting and routing replay (the dense model: none only): the gap over
+    `seeds` sampler calls of `MOE_PROMPTS` x `samples`, `new_tokens` each (see `gap_metrics`, `trainer_gap`)."""
+    rows = []
+    for name, (config, params) in zip(("moe", "dense"), tiny_moe()):
+        for setting in settings:
+            copy = sampler_copy(params, config, setting)
+            parts = [scored_rollouts(*copy, MOE_PROMPTS, samples, new_tokens, seed) for seed in seeds]
+            for replay in ("none", "rollout") if name == "moe" else ("none",):
+                gaps = [trainer_gap(params, config, scored, replay) for scored in parts]
+                tokens = np.array([g["tokens"] for g in gaps], np.float64)
+                row = {k: float(np.average([g[k] for g in gaps], weights=tokens)) for k in gaps[0]
+                       if k not in ("tokens", "routes_recorded", "max_abs_d", "seq_abs_log_ratio_max")}
+                row.update(max_abs_d=max(g["max_abs_d"] for g in gaps), tokens=int(tokens.sum()))
+                rows.append({"model": name, "sampling_dtype": setting or "float32", "routing_replay": replay, **row})
+    return rows
+
+
 def setup(name: str, adapter: str | None):
     overrides = ["train.eval_problems=0", "train.out_dir=runs/sampler_gap"]
     if name == "lora_demo_trained":
@@ -167,7 +291,11 @@ def main(argv=None) -> int:
     parser.add_argument("--adapter", default=None, help="lora_demo_trained: a PEFT adapter folder (final_adapter/)")
     parser.add_argument("--json", default=str(ROOT / "benchmarks/results/sampler_gap.json"))
     parser.add_argument("--runs", default="", help="label=RUN_DIR,...: summarize training runs instead of sampling")
+    parser.add_argument("--moe", action="store_true", help="a tiny random MoE's gap without and with routing replay")
     args = parser.parse_args(argv)
+    if args.moe:
+        return moe_main(args.json if "--json" in (argv or sys.argv) else
+                        str(ROOT / "benchmarks/results/sampler_gap_moe.json"), argv)
     if args.runs:
         runs = {label: summarize_run(pathlib.Path(d)) for label, d in (x.split("=", 1) for x in args.runs.split(","))}
         path = pathlib.Path(args.json)
@@ -202,6 +330,26 @@ def main(argv=None) -> int:
         "rows": results,
     }
     path = pathlib.Path(args.json)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")
+    print(f"wrote {path}")
+    return 0
+
+
+def moe_main(json_path: str, argv) -> int:
+    started = time.perf_counter()
+    rows = moe_rows()
+    for row in rows:
+        print(json.dumps(row), flush=True)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                            text=True).stdout.strip()
+    record = {"benchmark": "sampler/trainer gap of a tiny random MoE, without and with routing replay "
+                           "(benchmarks/sampler_gap.py --moe)",
+              "date": datetime.date.today().isoformat(), "commit": commit,
+              "machine": f"{platform.machine()}, {len(jax.devices())} x {jax.devices()[0].platform}",
+              "workload": f"{len(MOE_PROMPTS)} prompts x 8 samples x 16 new tokens, 4 sampler seeds, temperature 1",
+              "wall_s": round(time.perf_counter() - started, 1), "rows": rows}
+    path = pathlib.Path(json_path)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")
     print(f"wrote {path}")

@@ -56,3 +56,123 @@ def test_route_with_recorded_experts_equals_a_numpy_reference(normalize):
 def test_route_dtype_is_the_smallest_that_holds_the_experts():
     assert route_dtype(8) == jnp.int8 and route_dtype(128) == jnp.int8
     assert route_dtype(129) == jnp.int16 and route_dtype(40000) == jnp.int32
+
+
+# --- the sampler's routes and the trainer's replay of them, on one tiny random Qwen3-MoE ---------------------------
+
+import importlib.util  # noqa: E402
+import pathlib  # noqa: E402
+
+import optax  # noqa: E402
+
+from jaxrl_llm.models import init_params  # noqa: E402
+from jaxrl_llm.run.config import AlgorithmSection  # noqa: E402
+from jaxrl_llm.run.state import init_state  # noqa: E402
+from jaxrl_llm.sampling import generate  # noqa: E402
+from jaxrl_llm.train.routing import load_balancing_loss, load_max_over_mean, routes_changed  # noqa: E402
+from jaxrl_llm.train.rollouts import build_train_batches  # noqa: E402
+from jaxrl_llm.train.step import make_train_step  # noqa: E402
+
+_spec = importlib.util.spec_from_file_location(
+    "sampler_gap", pathlib.Path(__file__).resolve().parent.parent / "benchmarks" / "sampler_gap.py")
+gap = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(gap)
+
+PROMPTS = gap.MOE_PROMPTS[:3]
+SAMPLES, NEW_TOKENS = 4, 10
+
+
+@pytest.fixture(scope="module")
+def moe():
+    (config, params), dense = gap.tiny_moe()
+    return config, params, gap.scored_rollouts(params, config, PROMPTS, SAMPLES, NEW_TOKENS, seed=1), dense
+
+
+def test_the_sampler_records_every_fed_token_and_prompt_token(moe):
+    config, _, scored, (dense_config, dense_params) = moe
+    assert scored.routes.dtype == np.int8 and scored.routes.shape == (12, NEW_TOKENS, 2, 2)
+    for row in range(scored.num_samples):
+        n, p = scored.lengths[row], len(PROMPTS[scored.prompt_index[row]])
+        assert (scored.routes[row, :n - 1] >= 0).all() and (scored.routes[row, n - 1:] == -1).all()
+        assert (scored.prompt_routes[row, :p] >= 0).all() and (scored.prompt_routes[row, p:] == -1).all()
+        assert (scored.routes[row] < config.num_experts).all()
+    rollout = generate(dense_params, dense_config, PROMPTS[:1], num_samples=1, max_new_tokens=2, rng=jax.random.key(0))
+    assert rollout.routes is None and rollout.prompt_routes is None  # a dense model records nothing
+
+
+def test_f32_sampler_logprobs_and_routes_equal_the_trainers(moe):
+    config, params, scored, _ = moe
+    fed = int(np.maximum(scored.lengths - 1, 0).sum())
+    for replay in ("none", "rollout"):
+        found = gap.trainer_gap(params, config, scored, replay)
+        assert found["max_abs_d"] < 1e-4  # f32 rounding of log-probs of size ~5
+        assert found["routes_changed"] == 0 and found["routes_own_changed"] == 0
+        # every recorded route: the prompts' tokens (once per packed row) and each response's fed tokens, 2 layers
+        assert found["routes_recorded"] == 2 * (fed + sum(len(p) for p in PROMPTS))
+
+
+@pytest.fixture(scope="module")
+def bf16_gap():
+    """The bf16 sampler's gap to the f32 trainer (4 sampler calls of 6 prompts x 8 samples x 16 tokens) without and
+    with replay, and the dense counterpart's: `sampler_gap.moe_rows`."""
+    return {(r["model"], r["routing_replay"]): r for r in gap.moe_rows(settings=("bfloat16",))}
+
+
+def test_bf16_sampler_replay_brings_routes_changed_to_zero_and_kl_near_the_dense_floor(bf16_gap):
+    none, replay, dense = bf16_gap["moe", "none"], bf16_gap["moe", "rollout"], bf16_gap["dense", "none"]
+    assert none["routes_changed"] > 0.02 and none["routes_changed"] == none["routes_own_changed"]
+    assert replay["routes_changed"] == 0 and replay["routes_own_changed"] > 0  # the trainer's own top k still differ
+    # measured (benchmarks/results/sampler_gap_moe.json): 0.0188 without replay, 0.0061 with, the dense model 0.0018
+    assert replay["mismatch_kl_f64"] < none["mismatch_kl_f64"] / 2
+    assert replay["mismatch_kl_f64"] < 5 * dense["mismatch_kl_f64"]
+    assert replay["max_abs_d"] < none["max_abs_d"]
+
+
+def test_route_metrics_by_hand():
+    own = jnp.array([[[0, 1], [2, 3]], [[1, 0], [3, 2]], [[4, 5], [6, 7]]])  # [tokens 3, layers 2, k 2]
+    recorded = jnp.array([[[1, 0], [2, 4]], [[-1, -1], [-1, -1]], [[5, 4], [7, 6]]])
+    changed, counted = routes_changed(own, recorded)  # token 0 layer 1 differs; token 1 not recorded
+    assert (float(changed), float(counted)) == (1.0, 4.0)
+    load = jnp.array([[2.0, 2.0, 2.0, 2.0], [6.0, 2.0, 0.0, 0.0]])
+    assert float(load_max_over_mean(load)) == pytest.approx((1.0 + 3.0) / 2)
+    probs = jnp.array([[1.0, 1.0, 1.0, 1.0], [2.0, 1.0, 0.5, 0.5]])
+    # layer 0: 4 * sum(1/4 * 1/4) = 1; layer 1: 4 * (6/8 * 2/4 + 2/8 * 1/4) = 1.75
+    assert float(load_balancing_loss(load, probs)) == pytest.approx((1.0 + 1.75) / 2)
+
+
+@pytest.fixture(scope="module")
+def steps(moe):
+    """One optimizer update of the f32 policy on its own rollout's batch: without routes (today's step), with the
+    routes and routing_replay none, and with rollout plus the load-balancing loss."""
+    config, params, scored, _ = moe
+    algo = AlgorithmSection()
+    advantages = np.where(scored.mask > 0, np.linspace(-1, 1, scored.num_samples)[:, None], 0).astype(np.float32)
+    (batch, denom, _), = build_train_batches(scored, advantages, scored.logprobs, np.zeros_like(scored.logprobs), algo,
+                                             mini_batches=1, micro_batch_size=2, pad_id=0,
+                                             rng=np.random.default_rng(0))
+    optimizer = optax.adam(1e-3)
+    out = {}
+    for name, routes, kwargs in [("today", None, {}), ("none", batch.routes, {}),
+                                 ("rollout", batch.routes, dict(routing_replay="rollout", router_aux_loss_coef=0.5))]:
+        step = make_train_step(config, algo, optimizer, micro_batch_size=2, **kwargs)
+        state = init_state(jax.tree_util.tree_map(jnp.array, params), optimizer)
+        out[name] = jax.device_get(step(state, batch._replace(routes=routes), np.float32(denom)))
+    return out
+
+
+def test_routing_replay_none_is_bitwise_todays_step(steps):
+    (today, today_metrics), (none, none_metrics) = steps["today"], steps["none"]
+    for a, b in zip(jax.tree_util.tree_leaves(today.params), jax.tree_util.tree_leaves(none.params)):
+        np.testing.assert_array_equal(a, b)
+    for key, value in today_metrics.items():
+        np.testing.assert_array_equal(value, none_metrics[key])
+    assert none_metrics["routes_changed"] == 0 and none_metrics["expert_load_max_over_mean"] >= 1
+
+
+def test_rollout_replay_step_with_the_load_balancing_loss(steps):
+    (_, none), (state, replay) = steps["none"], steps["rollout"]
+    assert replay["routes_changed"] == 0 and replay["finite"] == 1
+    # the f32 sampler routed as the trainer: replay changes nothing but adds 0.5 x the balancing loss (>= 1)
+    assert replay["router_aux_loss"] >= 1
+    np.testing.assert_allclose(replay["loss"], none["loss"] + 0.5 * replay["router_aux_loss"], rtol=1e-5)
+    np.testing.assert_allclose(replay["policy_loss"], none["policy_loss"], rtol=1e-5)

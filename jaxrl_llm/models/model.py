@@ -377,7 +377,7 @@ def hidden_states(params: Params, config: ModelConfig, tokens: jax.Array, positi
     if not routed:
         hidden = norm(out, params["final_norm"], config)
         return (hidden, None) if with_routes else hidden
-    return norm(out[0], params["final_norm"], config), _sparse_routes(config, out[1])
+    return norm(out[0], params["final_norm"], config), sparse_layer_routes(config, out[1])
 
 
 def _replay_per_layer(config: ModelConfig, replay: jax.Array | None):
@@ -391,7 +391,7 @@ def _replay_per_layer(config: ModelConfig, replay: jax.Array | None):
     return jnp.full((config.num_layers, *per_sparse.shape[1:]), -1, replay.dtype).at[sparse].set(per_sparse)
 
 
-def _sparse_routes(config: ModelConfig, routes: LayerRoutes) -> LayerRoutes:
+def sparse_layer_routes(config: ModelConfig, routes: LayerRoutes) -> LayerRoutes:
     """Per-layer routes stacked [L, ...] -> the sparse layers' only: experts [B, T, L_sparse, k], sums
     [L_sparse, E]."""
     sparse = np.flatnonzero(config.sparse_layers())

@@ -75,6 +75,13 @@ class ModelSection:
     # (whose ragged_dot is a masked product over every expert); "ragged_dot" or "tiles" force one. Dense models
     # ignore it.
     moe_impl: str = "auto"
+    # Mixtures of experts (issue 57): "rollout" replays the sampler's routes (R3): the trainer's log-prob pass and
+    # train step send every token the sampler routed to the experts it chose (their gate weights recomputed from the
+    # trainer's router logits, so the router still learns); "none" routes by the trainer's own top k. Either way a
+    # step logs routes_changed and expert_load_max_over_mean when the sampler recorded routes.
+    routing_replay: str = "none"
+    # Switch's load-balancing loss, E sum_e f_e P_e per sparse layer, added x this coefficient (0: off).
+    router_aux_loss_coef: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -433,6 +440,7 @@ _ALLOWED = {
     ("model", "compute_dtype"): {"float32", "bfloat16"},
     ("model", "remat_policy"): set(REMAT_POLICIES),
     ("model", "attention_impl"): set(ATTENTION_IMPLS),
+    ("model", "routing_replay"): {"none", "rollout"},
     ("model", "moe_impl"): set(MOE_IMPLS),
     ("algorithm", "rollout_correction"): {""} | set(objectives.ROLLOUT_CORRECTION_LEVELS),
     ("algorithm", "rollout_correction_mode"): set(objectives.ROLLOUT_CORRECTION_MODES),
@@ -586,6 +594,7 @@ def _model_checks(config: RunConfig) -> list[tuple[str, bool, str]]:
     ("model.attention_block_size", config.model.attention_block_size is None
      or config.model.attention_block_size >= 1, "must be >= 1 or null"),
     ("model.attention_block_min_length", config.model.attention_block_min_length >= 0, "must be >= 0"),
+    ("model.router_aux_loss_coef", config.model.router_aux_loss_coef >= 0, "must be >= 0"),
     ]
 
 

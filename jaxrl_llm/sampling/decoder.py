@@ -42,7 +42,7 @@ import jax.numpy as jnp
 from jaxrl_llm.models import ModelConfig, output_logits
 from jaxrl_llm.models.layers import soft_cap
 from jaxrl_llm.models.attention import prompt_attention
-from jaxrl_llm.models.model import decoder_layer, embed_tokens, layer_constants, norm
+from jaxrl_llm.models.model import decoder_layer, embed_tokens, layer_constants, norm, sparse_layer_routes
 
 
 class RowCache(NamedTuple):
@@ -102,12 +102,13 @@ def unstack_layers(params) -> list:
     return [jax.tree_util.tree_map(lambda a, i=i: a[i], stacked) for i in range(num_layers)]
 
 
-def _prefill_layer(config: ModelConfig, tokens: jax.Array, cache_dtype, constrain=None):
+def _prefill_layer(config: ModelConfig, tokens: jax.Array, cache_dtype, constrain=None, with_routes: bool = False):
     """One layer of the prefill of prompts tokens [C, P] (positions 0..P-1): (x, (layer params, its constants))
     -> (x, (keys [C, KV, d, P], values [C, KV, P, d])) in the cache's layout; the constants are
     `layer_constants`' (scanned or one layer's). `constrain(x, features=False)` pins the hidden states, keys
     and values to the prompts' sharding (`engine.prefill_constraint`: on a mesh, split over the row axes, so
-    each device runs its own prompts); None: no constraint."""
+    each device runs its own prompts); None: no constraint. With `with_routes` a layer's output also holds its
+    `moe.LayerRoutes` (routing replay: the experts each prompt token chose)."""
     constrain = constrain or _unconstrained
     count, length = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (count, length))
@@ -124,6 +125,10 @@ def _prefill_layer(config: ModelConfig, tokens: jax.Array, cache_dtype, constrai
             return prompt_attention(q, k, v, keep, config, window=window, sinks=lp.get("attn_sinks")), (constrain(jnp.transpose(k, (0, 2, 3, 1)).astype(cache_dtype)),
                                                    constrain(jnp.transpose(v, (0, 2, 1, 3)).astype(cache_dtype)))
 
+        if with_routes:
+            x, kv, routes = decoder_layer(lp, config, constrain(x), positions, attend_fn, const.get("inv_freq"),
+                                          const.get("sparse"), {})
+            return constrain(x), (*kv, routes)
         x, kv = decoder_layer(lp, config, constrain(x), positions, attend_fn, const.get("inv_freq"), const.get("sparse"))
         return constrain(x), kv
 
@@ -152,17 +157,19 @@ def _prompt_logits(params, config: ModelConfig, x: jax.Array, lengths: jax.Array
 
 
 def prefill_cache(params, config: ModelConfig, tokens: jax.Array, lengths: jax.Array,
-                  cache_dtype=None, constrain=None) -> tuple[jax.Array, jax.Array, jax.Array]:
+                  cache_dtype=None, constrain=None, with_routes: bool = False) -> tuple:
     """Run right-padded prompts tokens [C, P] (positions 0..P-1) through the decoder.
 
     Returns (logits [C, V] f32 at position lengths - 1, keys [layers, C, KV, d, P],
     values [layers, C, KV, P, d]). Slots >= a prompt's length hold padding and are never attended.
-    `constrain`: as `_prefill_layer`'s.
+    `constrain`: as `_prefill_layer`'s. With `with_routes` (a mixture of experts) also the experts each prompt
+    token chose in each sparse layer, [C, P, L_sparse, k] (`moe.route_dtype`), last.
     """
-    layer = _prefill_layer(config, tokens, cache_dtype, constrain)
-    x, (keys, values) = jax.lax.scan(layer, _embed_prompts(params, config, tokens, constrain),
-                                     (params["layers"], layer_constants(config)))
-    return _prompt_logits(params, config, x, lengths, constrain), keys, values
+    layer = _prefill_layer(config, tokens, cache_dtype, constrain, with_routes)
+    x, (keys, values, *routes) = jax.lax.scan(layer, _embed_prompts(params, config, tokens, constrain),
+                                              (params["layers"], layer_constants(config)))
+    out = (_prompt_logits(params, config, x, lengths, constrain), keys, values)
+    return (*out, sparse_layer_routes(config, routes[0]).chosen) if with_routes else out
 
 
 def prefill_layers(params, layers: list, config: ModelConfig, tokens: jax.Array, lengths: jax.Array,
@@ -328,15 +335,19 @@ def _write_slot(buffer: jax.Array, new: jax.Array, slot: jax.Array, axis: int) -
 
 
 def decode_step(params, layers: list, config: ModelConfig, tokens: jax.Array, prompt_lengths: jax.Array,
-                step: jax.Array, cache: RowCache, prompt_rows: jax.Array | None = None) -> tuple[jax.Array, RowCache]:
+                step: jax.Array, cache: RowCache, prompt_rows: jax.Array | None = None, with_routes: bool = False
+                ) -> tuple:
     """Feed generated token `step` of every row (tokens [B], at position prompt_length + step):
     write its keys/values to response slot `step` and return (logits [B, V] f32 for the next
     token, cache). Matches `models.forward` over the full sequence (tested to 1e-5 in f32).
 
     `step` is one int for all rows or one per row [B]. With `prompt_rows` [B], the cache's prompt part
     holds one entry per prompt [C, ...] and row b attends to entry prompt_rows[b] (gathered layer by
-    layer); prompt_lengths are then the rows' own [B]."""
+    layer); prompt_lengths are then the rows' own [B].
+    With `with_routes` (a mixture of experts) it also returns the experts each row's token chose in each sparse
+    layer, [B, L_sparse, k] (routing replay's record)."""
     step = jnp.asarray(step)
+    chosen = []
     positions = (prompt_lengths + step)[:, None]
     x = embed_tokens(params, config, tokens[:, None])
     new = {name: [] for name in RowCache._fields}
@@ -366,10 +377,15 @@ def decode_step(params, layers: list, config: ModelConfig, tokens: jax.Array, pr
                            lp.get("attn_sinks"))
             return attn[:, None], (response_k, response_v)
 
-        x, (response_k, response_v) = decoder_layer(lp, config, x, positions, attend_fn, const["inv_freq"],
-                                                     const["sparse"])
+        routed = with_routes and const["sparse"]
+        x, (response_k, response_v), *routes = decoder_layer(lp, config, x, positions, attend_fn, const["inv_freq"],
+                                                              const["sparse"], {} if routed else None)
+        if routed:
+            chosen.append(routes[0].chosen[:, 0])
         new["response_k"].append(response_k)
         new["response_v"].append(response_v)
     hidden = norm(x[:, 0], params["final_norm"], config)
     cache = cache._replace(response_k=tuple(new["response_k"]), response_v=tuple(new["response_v"]))
+    if with_routes:
+        return output_logits(params, config, hidden), cache, jnp.stack(chosen, axis=1)
     return output_logits(params, config, hidden), cache

@@ -30,6 +30,10 @@ class Rollout(NamedTuple):
         (see `generate`), 0.0 where mask is 0.
     lengths int32 [R]: number of generated tokens = mask.sum(1).
     finish_reason int32 [R]: FINISH_STOP (0) if the row ended with a stop id, else FINISH_LENGTH (1).
+    Routing replay (a mixture of experts, the static engine; None otherwise): routes [R, max_new_tokens, L_sparse,
+    k] the experts each generated token chose in each sparse layer when fed back (-1 where mask is 0, and on a
+    row's last token, which is never fed), prompt_routes [R, P, L_sparse, k] those of the row's prompt tokens in
+    its prefill (-1 past the prompt); small ints (`moe.route_dtype`).
     """
 
     prompt_index: np.ndarray
@@ -38,6 +42,8 @@ class Rollout(NamedTuple):
     logprobs: np.ndarray
     lengths: np.ndarray
     finish_reason: np.ndarray
+    routes: np.ndarray | None = None
+    prompt_routes: np.ndarray | None = None
 
     def finish_reason_names(self) -> list[str]:
         """finish_reason as strings, "stop" or "length"."""
@@ -114,6 +120,13 @@ def collect(state: SamplingState, plan: SamplingPlan, max_new_tokens: int, pad_i
     n = plan.num_rows
     lengths = to_host(state.lengths)[:n]
     mask = (np.arange(max_new_tokens)[None, :] < lengths[:, None]).astype(np.float32)
+    routes = {}
+    if state.routes is not None:
+        fed = np.arange(max_new_tokens)[None, :] < lengths[:, None] - 1  # a row's last token is never fed back
+        routes["routes"] = np.where(fed[..., None, None], to_host(state.routes)[:n, :max_new_tokens], -1)
+        prompt_routes = to_host(state.prompt_routes)[:n]
+        inside = np.arange(prompt_routes.shape[1])[None, :] < to_host(state.prompt_lengths)[:n, None]
+        routes["prompt_routes"] = np.where(inside[..., None, None], prompt_routes, -1)
     return Rollout(
         prompt_index=plan.row_prompt.astype(np.int32),
         tokens=np.where(mask > 0, to_host(state.tokens)[:n, :max_new_tokens], pad_id).astype(np.int32),
@@ -121,6 +134,7 @@ def collect(state: SamplingState, plan: SamplingPlan, max_new_tokens: int, pad_i
         logprobs=to_host(state.logprobs)[:n, :max_new_tokens],
         lengths=lengths,
         finish_reason=np.where(to_host(state.stopped)[:n], FINISH_STOP, FINISH_LENGTH).astype(np.int32),
+        **routes,
     )
 
 
@@ -137,7 +151,12 @@ def _continuous_rollout(setup: CallSetup, config: ModelConfig, call: CallPlan, r
 
 
 def _concat(rollouts: list[Rollout]) -> Rollout:
-    return Rollout(*(np.concatenate(parts) for parts in zip(*rollouts)))
+    if rollouts[0].prompt_routes is not None:  # calls of other prompt buckets: pad to the widest with -1
+        width = max(r.prompt_routes.shape[1] for r in rollouts)
+        rollouts = [r._replace(prompt_routes=np.pad(r.prompt_routes, ((0, 0), (0, width - r.prompt_routes.shape[1]),
+                                                                        (0, 0), (0, 0)), constant_values=-1))
+                    for r in rollouts]
+    return Rollout(*(None if parts[0] is None else np.concatenate(parts) for parts in zip(*rollouts)))
 
 
 def generate(params, config: ModelConfig, prompts: Sequence[Sequence[int]], *, num_samples, max_new_tokens: int,

@@ -197,7 +197,8 @@ _logprobs_entropy.defvjp(_logprobs_entropy_fwd, _logprobs_entropy_bwd)
 
 
 def response_logprobs(params, config, batch, *, chunk: int = 8192, with_entropy: bool = False,
-                      entropy_grad: bool = True, compact: bool | None = None, topk_ids: jax.Array | None = None):
+                      entropy_grad: bool = True, compact: bool | None = None, topk_ids: jax.Array | None = None,
+                      routing_replay: str = "none", with_routes: bool = False):
     """Per-token log pi(y_r | x, y_<r) [G, S, R] of the responses of a packed batch (`train.packing`).
 
     One decoder pass over the packed rows (segment-aware attention), then the hidden states that
@@ -215,9 +216,12 @@ def response_logprobs(params, config, batch, *, chunk: int = 8192, with_entropy:
     0 in the compact layout and the log-prob of their padding token in the slot layout.
 
     With `topk_ids` [G, S, R, K] (a teacher's top-K ids, `distill.mode` topk) the log-probs of those ids are
-    returned last, [G, S, R, K] (`ids_logprobs`: from the same pass, no other vocabulary sweep)."""
-    full = models.hidden_states(params, config, batch.tokens, batch.positions, segment_ids=batch.segments,
-                                slots=batch.pred_index.shape[1], response_len=batch.pred_index.shape[2])
+    returned last, [G, S, R, K] (`ids_logprobs`: from the same pass, no other vocabulary sweep).
+
+    A mixture of experts with the sampler's routes (`batch.routes`): `routing_replay` "rollout" routes every
+    recorded token to the sampler's experts (`decoder_pass`); `with_routes` appends the pass's `moe.LayerRoutes`
+    (None without routes) to the outputs, which are then always a tuple."""
+    full, routes = decoder_pass(params, config, batch, routing_replay=routing_replay, with_routes=with_routes)
     pred, targets, back = scored_positions(batch, compact)
     hidden = jnp.take_along_axis(full, pred[..., None], axis=1)
     head = output_matrix(params, config)
@@ -228,7 +232,29 @@ def response_logprobs(params, config, batch, *, chunk: int = 8192, with_entropy:
     out = tuple(to_slots(x, back, batch.pred_index.shape) for x in out)
     if topk_ids is not None:
         out = (*out, ids_logprobs(full, head, batch, out[0], topk_ids, config.final_logit_softcapping))
+    if with_routes:
+        return (*out, routes)
     return out if with_entropy or topk_ids is not None else out[0]
+
+
+ROUTING_REPLAYS = ("none", "rollout")
+
+
+def decoder_pass(params, config, batch, *, routing_replay: str = "none", with_routes: bool = False):
+    """(hidden [G, L, D], routes) of a packed batch: `models.hidden_states` over its rows. With the sampler's routes
+    (`batch.routes`, a mixture of experts) and `routing_replay` "rollout" (R3, rollout routing replay) each recorded
+    token goes to the sampler's experts in every sparse layer (its gate weights from this pass's router logits at
+    them), the others (entries -1) to their own top k; `with_routes` also returns the pass's `moe.LayerRoutes`,
+    load and router probabilities summed over the row's tokens (padding left out). routes is None otherwise."""
+    if routing_replay not in ROUTING_REPLAYS:
+        raise ValueError(f"routing_replay must be one of {ROUTING_REPLAYS}, got {routing_replay!r}")
+    kwargs = dict(segment_ids=batch.segments, slots=batch.pred_index.shape[1], response_len=batch.pred_index.shape[2])
+    replay = batch.routes if routing_replay == "rollout" else None
+    if batch.routes is None or (replay is None and not with_routes):
+        return models.hidden_states(params, config, batch.tokens, batch.positions, **kwargs), None
+    real = (batch.segments <= batch.pred_index.shape[1]).astype(jnp.float32)  # segment S + 1 is padding
+    return models.hidden_states(params, config, batch.tokens, batch.positions, replay=replay, token_weight=real,
+                                with_routes=True, **kwargs)
 
 
 def ids_logprobs(hidden, head, batch, logp, ids, softcap: float | None = None) -> jax.Array:

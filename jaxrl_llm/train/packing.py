@@ -32,6 +32,9 @@ class TrainBatch(NamedTuple):
     # ids at each response position and its full-vocabulary log-probs of them
     teacher_ids: np.ndarray | None = None  # [G, S, R, K] int32
     teacher_topk_logp: np.ndarray | None = None  # [G, S, R, K] float32
+    # a mixture of experts' sampled routes (routing replay; else None): the experts the sampler chose for the token
+    # at each position of the row in each sparse layer, -1 where it recorded none (padding, a response's last token)
+    routes: np.ndarray | None = None  # [G, L, L_sparse, k] small ints (`models.moe.route_dtype`)
 
 
 def round_up(n: int, multiple: int) -> int:
@@ -59,13 +62,16 @@ def pack_groups(prompts: Sequence[Sequence[int]], groups: Sequence[np.ndarray], 
                 ref_logp: np.ndarray | None = None, old_values: np.ndarray | None = None,
                 returns: np.ndarray | None = None, masks: np.ndarray | None = None, pad_id: int = 0,
                 row_multiple: int = 1, seq_multiple: int = 32, teacher_ids: np.ndarray | None = None,
-                teacher_topk_logp: np.ndarray | None = None) -> TrainBatch:
+                teacher_topk_logp: np.ndarray | None = None, routes: np.ndarray | None = None,
+                prompt_routes: np.ndarray | None = None) -> TrainBatch:
     """Pack samples into rows: row g holds prompts[g] then the responses `groups[g]` (indices into
     `responses` [N, R] with `lengths` [N]). Per-token arrays [N, R] (advantages, old/ref log-probs, the
     critic's old values and returns) are laid out like the responses; absent ones are zeros. `masks` [N, R]:
     the loss mask of each response's tokens (a multi-turn sample's tool output is 0); None: 1 on all n tokens.
     `teacher_ids` / `teacher_topk_logp` [N, R, K] (top-K distillation, both or neither) are laid out the same way,
-    [G, S, R, K]; absent, the batch's fields are None. Empty groups
+    [G, S, R, K]; absent, the batch's fields are None. `routes` [N, R, L_sparse, k] and `prompt_routes`
+    [N, P, L_sparse, k] (routing replay: the sampler's experts of each response's and each sample's prompt tokens,
+    -1 where none) become the batch's routes [G, L, L_sparse, k], a row's prompt taking its first sample's. Empty groups
     are skipped. The row count is padded to `bucket(., row_multiple)`, the response slots to a power of
     two, the length to
     `length_bucket(., seq_multiple)`.
@@ -94,9 +100,14 @@ def pack_groups(prompts: Sequence[Sequence[int]], groups: Sequence[np.ndarray], 
         topk = {"teacher_ids": (np.asarray(teacher_ids, np.int32), np.zeros((n_rows, slots, resp_len, k), np.int32)),
                 "teacher_topk_logp": (np.asarray(teacher_topk_logp, np.float32),
                                       np.zeros((n_rows, slots, resp_len, k), np.float32))}
+    packed_routes = None
+    if routes is not None:
+        packed_routes = np.full((n_rows, seq_len, *routes.shape[2:]), -1, routes.dtype)
     for row, (prompt, members) in enumerate(rows):
         start = len(prompt)
         tokens[row, :start] = prompt
+        if packed_routes is not None:
+            packed_routes[row, :start] = prompt_routes[members[0], :start]
         segments[row, :start] = 0
         for slot, i in enumerate(members):
             n = int(lengths[i])
@@ -111,10 +122,13 @@ def pack_groups(prompts: Sequence[Sequence[int]], groups: Sequence[np.ndarray], 
                 out[key][row, slot, :n] = values[i, :n]
             for values, packed in topk.values():
                 packed[row, slot, :n] = values[i, :n]
+            if packed_routes is not None:
+                packed_routes[row, start:start + n] = routes[i, :n]
             start += n
         positions[row, start:] = len(prompt)  # padding: harmless positions inside its own segment
     return TrainBatch(tokens=tokens, positions=positions, segments=segments, pred_index=pred_index,
-                      response_tokens=response_tokens, **out, **{k: packed for k, (_, packed) in topk.items()})
+                      response_tokens=response_tokens, **out, **{k: packed for k, (_, packed) in topk.items()},
+                      routes=packed_routes)
 
 
 def micro_batch_order(rows: int, micro_batch_size: int) -> np.ndarray:

@@ -40,6 +40,10 @@ class ScoredRollouts:
     # tool use of these rows' conversations (`MultiTurnRollout.summary` sums; None: single-turn), read like
     # slot_stats where the rows are drawn (`count_tool_use`)
     tool_stats: dict | None = None
+    # a mixture of experts' sampled routes (`sampling.Rollout`'s; None: a dense model or an engine that records
+    # none): routes [R, N, L_sparse, k] of the response tokens, prompt_routes [R, P, L_sparse, k] of each row's prompt
+    routes: np.ndarray | None = None
+    prompt_routes: np.ndarray | None = None
 
     @property
     def num_samples(self) -> int:
@@ -52,7 +56,9 @@ class ScoredRollouts:
         return ScoredRollouts(
             records=[r for r, k in zip(self.records, keep) if k], prompt_index=new_index[self.prompt_index[rows]],
             tokens=self.tokens[rows], mask=self.mask[rows], logprobs=self.logprobs[rows], lengths=self.lengths[rows],
-            rewards=self.rewards[rows], correct=self.correct[rows])
+            rewards=self.rewards[rows], correct=self.correct[rows],
+            routes=None if self.routes is None else self.routes[rows],
+            prompt_routes=None if self.prompt_routes is None else self.prompt_routes[rows])
 
     @staticmethod
     def concat(parts: Sequence["ScoredRollouts"]) -> "ScoredRollouts":
@@ -61,7 +67,17 @@ class ScoredRollouts:
             records=[r for p in parts for r in p.records],
             prompt_index=np.concatenate([p.prompt_index + o for p, o in zip(parts, offsets)]),
             **{f: np.concatenate([getattr(p, f) for p in parts])
-               for f in ("tokens", "mask", "logprobs", "lengths", "rewards", "correct")})
+               for f in ("tokens", "mask", "logprobs", "lengths", "rewards", "correct")}, **_concat_routes(parts))
+
+
+def _concat_routes(parts: Sequence["ScoredRollouts"]) -> dict:
+    """The parts' routes and prompt routes joined (prompt widths padded with -1), or none where a part lacks them."""
+    if any(p.routes is None for p in parts):
+        return {}
+    width = max(p.prompt_routes.shape[1] for p in parts)
+    pad = lambda x: np.pad(x, ((0, 0), (0, width - x.shape[1]), (0, 0), (0, 0)), constant_values=-1)  # noqa: E731
+    return {"routes": np.concatenate([p.routes for p in parts]),
+            "prompt_routes": np.concatenate([pad(p.prompt_routes) for p in parts])}
 
 
 def engine_options(sampling: SamplingSection) -> dict:
@@ -147,7 +163,8 @@ def sample_and_score(params, model_config, tokenizer, records: list[dict], count
     return ScoredRollouts(records=list(records), prompt_index=prompt_index, tokens=np.asarray(rollout.tokens),
                           mask=np.asarray(rollout.mask, np.float32), logprobs=np.asarray(rollout.logprobs),
                           lengths=lengths, rewards=rewards, correct=correct,
-                          slot_stats=stats if sampling.engine == "continuous" else None)
+                          slot_stats=stats if sampling.engine == "continuous" else None,
+                          routes=rollout.routes, prompt_routes=rollout.prompt_routes)
 
 
 def _sample_and_score_tools(params, model_config, tokenizer, records, counts, sampling: SamplingSection, scorer,
@@ -339,7 +356,8 @@ def _pack_prompts(scored: ScoredRollouts, prompt_indices, groups: list[np.ndarra
     prompts, rows = row_groups([scored.records[g]["prompt_ids"] for g in prompt_indices], groups,
                                max_row_responses(scored), lengths=scored.lengths, max_tokens=max_row_tokens)
     batch = pack_groups(prompts, rows, scored.tokens, scored.lengths, masks=scored.mask, pad_id=pad_id,
-                        row_multiple=micro_batch_size, seq_multiple=seq_multiple, **per_token)
+                        row_multiple=micro_batch_size, seq_multiple=seq_multiple, routes=scored.routes,
+                        prompt_routes=scored.prompt_routes, **per_token)
     order = micro_batch_order(len(batch.tokens), micro_batch_size)
     return TrainBatch(*(None if x is None else x[order] for x in batch)), rows, order
 

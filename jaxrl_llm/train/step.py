@@ -32,6 +32,7 @@ from jaxrl_llm.run.config import AlgorithmSection
 from jaxrl_llm.run.state import TrainState
 from jaxrl_llm.train.logprobs import response_logprobs
 from jaxrl_llm.train.packing import TrainBatch
+from jaxrl_llm.train.routing import load_balancing_loss, load_max_over_mean, routes_changed
 
 
 def split_micro(batch, micro_batch_size: int):
@@ -72,17 +73,25 @@ def cov_tokens(algo: AlgorithmSection, batch: TrainBatch, rng: jax.Array) -> jax
 
 
 def loss_fn(params, model_config, algo: AlgorithmSection, micro: TrainBatch, denom: jax.Array,
-            cov_selected: jax.Array | None = None, distill_coef: float = 1.0):
+            cov_selected: jax.Array | None = None, distill_coef: float = 1.0, routing: dict | None = None):
     """Loss of one micro-batch, normalised by the whole mini-batch's `denom`; returns (loss, metrics).
 
     A batch with the teacher's top-K fields (`distill.mode` topk) adds distill_coef x the top-K distillation loss
     (`objectives.topk_terms_at_ids`, aggregated like the policy loss over the same `denom`), the student's
-    log-probs of the teacher's ids taken from the pass's hidden states (`logprobs.ids_logprobs`)."""
+    log-probs of the teacher's ids taken from the pass's hidden states (`logprobs.ids_logprobs`).
+
+    A batch with the sampler's routes (a mixture of experts) replays them where `routing` ({"replay",
+    "aux_coef", "routed_tokens": the mini-batch's}) says "rollout", adds aux_coef x the load-balancing loss (its
+    share of the mini-batch's routed tokens) and the metrics `route_sums`."""
     # Without an entropy bonus the entropy is a metric: its gradient term is skipped.
     topk = micro.teacher_ids is not None
+    routed = micro.routes is not None and routing is not None
     logp, entropy, *at_ids = response_logprobs(params, model_config, micro, with_entropy=True,
                                                entropy_grad=algo.entropy_coef != 0,
-                                               topk_ids=micro.teacher_ids if topk else None)
+                                               topk_ids=micro.teacher_ids if topk else None,
+                                               **(dict(routing_replay=routing["replay"], with_routes=True)
+                                                  if routed else {}))
+    routes = at_ids.pop() if routed else None
     # Each response slot of a packed row is one sequence of the loss: [G, S, R] -> [G * S, R].
     flat = lambda x: x.reshape(-1, x.shape[-1])  # noqa: E731
     logp, entropy = flat(logp), flat(entropy)
@@ -109,7 +118,31 @@ def loss_fn(params, model_config, algo: AlgorithmSection, micro: TrainBatch, den
                                          denom)
         total = total + distill_coef * distill
         metrics.update(distill_topk_loss=distill, topk_coverage=coverage)
+    if routed:
+        sums = route_sums(routes, micro.routes, routing["routed_tokens"])
+        if routing["aux_coef"]:  # static: off by default
+            total = total + routing["aux_coef"] * sums["router_aux_loss"]
+        metrics.update(sums)
     return total, metrics
+
+
+ROUTE_SUMS = ("routes_changed", "routes_own_changed", "routes_recorded", "expert_load_ratio", "routed_tokens",
+              "router_aux_loss")
+
+
+def route_sums(routes, recorded: jax.Array, batch_routed_tokens: jax.Array) -> dict:
+    """A micro-batch's routing sums (`ROUTE_SUMS`): recorded routes whose experts in the trainer's pass differ from the
+    sampler's (`routing.routes_changed`: the routes it used, and its own top k, which replay overrides), routes
+    recorded, the load's max over mean (`routing.load_max_over_mean`) times the micro-batch's routed tokens, those
+    tokens, and the load-balancing loss times their share of the mini-batch's `batch_routed_tokens` (summed over
+    micro-batches: the token-weighted mean)."""
+    changed, recorded_count = routes_changed(routes.chosen, recorded)
+    own_changed, _ = routes_changed(routes.own, recorded)
+    tokens = jax.lax.stop_gradient(routes.load[0].sum()) / routes.own.shape[-1]
+    aux = load_balancing_loss(routes.load, routes.prob_sum) * tokens / jnp.maximum(batch_routed_tokens, 1.0)
+    return {"routes_changed": changed, "routes_own_changed": own_changed, "routes_recorded": recorded_count,
+            "expert_load_ratio": load_max_over_mean(routes.load) * tokens, "routed_tokens": tokens,
+            "router_aux_loss": aux}
 
 
 def topk_distill(student_logp, teacher_logp, mask, mode: str, max_len, denom) -> tuple[jax.Array, jax.Array]:
@@ -182,7 +215,7 @@ def apply_if_finite(optimizer: optax.GradientTransformation, state: TrainState, 
 def make_train_step(model_config, algo: AlgorithmSection, optimizer: optax.GradientTransformation, *,
                     micro_batch_size: int, state_sharding: Any = None, batch_sharding: Any = None, seed: int = 0,
                     frozen: Any = None, frozen_sharding: Any = None, lora_scale: float = 1.0,
-                    distill_coef: float = 1.0):
+                    distill_coef: float = 1.0, routing_replay: str = "none", router_aux_loss_coef: float = 0.0):
     """Build `step(state, batch, denom) -> (state, metrics)`: one optimizer update on a mini-batch.
 
     Clip-Cov draws its tokens with `fold_in(PRNGKey(seed), state.step)`: a new draw each update.
@@ -205,6 +238,14 @@ def make_train_step(model_config, algo: AlgorithmSection, optimizer: optax.Gradi
     A batch with the teacher's top-K fields (and its `batch_sharding` with them, `layout.sharding_of`) adds
     `distill_coef` x the top-K distillation loss (`loss_fn`) and the metrics distill_topk_loss and topk_coverage
     (the mean over response tokens of the student's mass on the teacher's top K).
+
+    A batch with the sampler's routes (a mixture of experts, `TrainBatch.routes`) gets the metrics routes_changed
+    (the fraction of recorded (token, layer) routes whose experts in the trainer's pass differ from the sampler's:
+    its own top k without replay, 0 with it), routes_own_changed (the trainer's own top k against the sampler's,
+    replayed or not), expert_load_max_over_mean (mean over sparse layers, token-weighted over micro-batches) and
+    router_aux_loss (Switch's load-balancing loss, added x `router_aux_loss_coef` when > 0); `routing_replay`
+    "rollout" sends the recorded tokens to the sampler's experts (`logprobs.decoder_pass`). Without routes the step
+    is as before.
     """
     replicated = _replicated(state_sharding, batch_sharding)
     micro_sharding = micro_shardings(batch_sharding)
@@ -221,14 +262,19 @@ def make_train_step(model_config, algo: AlgorithmSection, optimizer: optax.Gradi
             if micro_selected is not None:  # the Clip-Cov / KL-Cov token choice is split like the mask
                 micro_selected = jax.lax.with_sharding_constraint(micro_selected, micro_sharding.mask)
 
+        routing = None
+        if batch.routes is not None:  # a mixture of experts' sampled routes: replay, metrics, balancing loss
+            routing = {"replay": routing_replay, "aux_coef": router_aux_loss_coef,
+                       "routed_tokens": jnp.sum(batch.segments <= batch.pred_index.shape[1]).astype(jnp.float32)}
+
         def trained_loss(params, mb, mb_selected):  # differentiated in the state's params only (LoRA: adapters)
             policy = params if base is None else lora.attach(base, params, lora_scale)
-            return loss_fn(policy, model_config, algo, mb, denom, mb_selected, distill_coef)
+            return loss_fn(policy, model_config, algo, mb, denom, mb_selected, distill_coef, routing)
 
         grad_fn = jax.value_and_grad(trained_loss, has_aux=True)
         topk = batch.teacher_ids is not None
-        loss, msum, grads = summed_grads(grad_fn, state.params, (micro, micro_selected),
-                                         METRIC_SUMS + TOPK_SUMS if topk else METRIC_SUMS,
+        keys = METRIC_SUMS + (TOPK_SUMS if topk else ()) + (ROUTE_SUMS if routing else ())
+        loss, msum, grads = summed_grads(grad_fn, state.params, (micro, micro_selected), keys,
                                          has_tokens(micro), None if state_sharding is None else state_sharding.params)
         new_state, grad_norm, finite = apply_if_finite(optimizer, state, grads, loss)
         tokens = jnp.maximum(msum["tokens"], 1.0)
@@ -237,6 +283,13 @@ def make_train_step(model_config, algo: AlgorithmSection, optimizer: optax.Gradi
                    "finite": finite.astype(jnp.float32)}
         if topk:
             metrics.update(distill_topk_loss=msum["distill_topk_loss"], topk_coverage=msum["topk_coverage"] / tokens)
+        if routing:
+            routed = jnp.maximum(msum["routed_tokens"], 1.0)
+            recorded = jnp.maximum(msum["routes_recorded"], 1.0)
+            metrics.update(routes_changed=msum["routes_changed"] / recorded,
+                           routes_own_changed=msum["routes_own_changed"] / recorded,
+                           expert_load_max_over_mean=msum["expert_load_ratio"] / routed,
+                           router_aux_loss=msum["router_aux_loss"])
         return new_state, metrics
 
     if frozen is None:
@@ -259,14 +312,16 @@ def make_train_step(model_config, algo: AlgorithmSection, optimizer: optax.Gradi
 
 
 def make_logprob_fn(model_config, *, micro_batch_size: int | None = None, param_sharding: Any = None,
-                    batch_sharding: Any = None):
+                    batch_sharding: Any = None, routing_replay: str = "none"):
     """Jitted `(params, batch) -> logp [G, S, R]` of a packed batch (old and reference log-probs), in micro-batches
     of `micro_batch_size` rows as the train step (`jit_packed_pass`; None: all rows at once).
 
     With shardings, params and batch are taken as placed and the log-probs come back replicated (every
-    process can read them: they are small, and the host unpacks them)."""
+    process can read them: they are small, and the host unpacks them). `routing_replay` "rollout": a batch's
+    recorded routes are replayed (`logprobs.decoder_pass`)."""
 
-    return jit_packed_pass(lambda params, batch: response_logprobs(params, model_config, batch),
+    return jit_packed_pass(lambda params, batch: response_logprobs(params, model_config, batch,
+                                                                   routing_replay=routing_replay),
                            micro_batch_size=micro_batch_size, param_sharding=param_sharding,
                            batch_sharding=batch_sharding)
 
