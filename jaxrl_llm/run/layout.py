@@ -62,12 +62,13 @@ def check_mesh_fits(mesh, cfg: RunConfig, model_config=None) -> None:
                           f"num_experts={num_experts}; each expert shard holds num_experts / expert experts")
 
 
-def batch_shardings(mesh, *, topk: bool = False) -> TrainBatch:
+def batch_shardings(mesh, *, topk: bool = False, routes: bool = False) -> TrainBatch:
     """NamedShardings of a packed TrainBatch on `mesh`: every field's rows split over data x fsdp x expert
     (`BATCH_SPEC`), replicated over tensor. The teacher's top-K fields are None unless `topk` (a batch of
-    `distill.mode` topk's train step: `sharding_of` picks the one that matches a batch)."""
+    `distill.mode` topk's train step: `sharding_of` picks the one that matches a batch), the sampler's routes
+    unless `routes` (a mixture of experts' batches carry them)."""
     rows = NamedSharding(mesh, BATCH_SPEC)
-    out = TrainBatch(*[rows] * len(TrainBatch._fields))
+    out = TrainBatch(*[rows] * len(TrainBatch._fields))._replace(routes=rows if routes else None)
     return out if topk else out._replace(teacher_ids=None, teacher_topk_logp=None)
 
 

@@ -34,6 +34,7 @@ from jax.sharding import NamedSharding
 from jaxrl_llm import data as data_lib
 from jaxrl_llm import models
 from jaxrl_llm.models import lora, quant
+from jaxrl_llm.models.moe import route_dtype
 from jaxrl_llm.models.peft_io import load_peft
 from jaxrl_llm.models.sharding import BATCH_SPEC, make_mesh, param_shardings
 from jaxrl_llm.run.checkpoint import Checkpointer
@@ -43,6 +44,7 @@ from jaxrl_llm.run.metrics import MetricsWriter
 from jaxrl_llm.run.shapes import StepShapes, step_shapes
 from jaxrl_llm.run.shapes import lora_spec as config_lora_spec
 from jaxrl_llm.run.state import TrainState, init_state, make_optimizer, state_shardings
+from jaxrl_llm.sampling.engine import records_routes
 from jaxrl_llm.train.algorithms import needs_reference
 from jaxrl_llm.train.critic import Critic, critic_trunk, setup_critic
 from jaxrl_llm.train.distill import SkippedVerifier, Teacher, make_teacher
@@ -109,7 +111,11 @@ class Run:
         return self.model_config
 
     def place_batch(self, batch: TrainBatch) -> TrainBatch:
-        """A host-side packed batch (the same on every process) as arrays on the run's batch sharding."""
+        """A host-side packed batch (the same on every process) as arrays on the run's batch sharding. On a mesh the
+        sampler's routes travel where its shardings expect them (-1, none recorded, for a batch without)."""
+        if self.batch_sharding is not None and (self.batch_sharding.routes is None) != (batch.routes is None):
+            batch = batch._replace(routes=None if batch.routes is not None else no_routes(self.model_config,
+                                                                                          batch.tokens.shape))
         return place(batch, sharding_of(batch, self.batch_sharding))
 
     def close(self) -> None:
@@ -138,6 +144,13 @@ def load_policy(source: str, *, param_dtype: str = "float32", compute_dtype: str
                                         remat_logits=remat_logits)
     release_free_host_memory()
     return model_config, params, tokenizer
+
+
+def no_routes(model_config, shape: tuple[int, int]) -> np.ndarray:
+    """A packed batch's routes [G, L, L_sparse, k] with nothing recorded (-1): what a batch the sampler recorded no
+    routes for carries where the train step's shardings expect them (a mixture of experts on a mesh)."""
+    per_token = (sum(model_config.sparse_layers()), model_config.num_experts_per_tok)
+    return np.full((*shape, *per_token), -1, np.dtype(route_dtype(model_config.num_experts)))
 
 
 def write_bound_gb(configured_gb: float, state) -> float:
@@ -213,7 +226,8 @@ def setup_run(config: RunConfig, *, policy=None) -> Run:
     if lora_spec is not None and cfg.lora.base_dtype:  # the frozen base's projections as int8 / int4 codes
         params = jax.jit(quant.quantize_base, static_argnums=1)(params, cfg.lora.base_dtype)
     if mesh is not None:
-        param_sharding, batch_sharding = param_shardings(params, mesh), batch_shardings(mesh)
+        param_sharding = param_shardings(params, mesh)
+        batch_sharding = batch_shardings(mesh, routes=records_routes(model_config))
         trained_sharding = param_sharding if adapters is None else param_shardings(adapters, mesh)
     params = place(params, param_sharding)
     if lora_spec is None:
@@ -255,9 +269,12 @@ def setup_run(config: RunConfig, *, policy=None) -> Run:
         train_step=make_train_step(model_config, cfg.algorithm, optimizer, micro_batch_size=cfg.optim.micro_batch_size,
                                    state_sharding=state_sharding, seed=cfg.train.seed, distill_coef=cfg.distill.coef,
                                    batch_sharding=batch_sharding if mesh is None or cfg.distill.mode != "topk"
-                                   else batch_shardings(mesh, topk=True), **lora_kwargs),
+                                   else batch_shardings(mesh, topk=True, routes=records_routes(model_config)),
+                                   routing_replay=cfg.model.routing_replay,
+                                   router_aux_loss_coef=cfg.model.router_aux_loss_coef, **lora_kwargs),
         logprob_fn=make_logprob_fn(model_config, micro_batch_size=cfg.optim.micro_batch_size,
-                                   param_sharding=param_sharding, batch_sharding=batch_sharding),
+                                   param_sharding=param_sharding, batch_sharding=batch_sharding,
+                                   routing_replay=cfg.model.routing_replay),
         data=data_lib.RecordBatches(train_records, loader), eval_records=eval_records,
         scorer=ProcessShareScorer(scorer) if jax.process_count() > 1 else scorer,
         checkpointer=Checkpointer(out_dir / "checkpoints", keep=cfg.train.keep_checkpoints,

@@ -18,6 +18,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxrl_llm.models import ModelConfig
 from jaxrl_llm.models.sharding import BATCH_AXES
+from jaxrl_llm.models.moe import route_dtype
 from jaxrl_llm.sampling.decoder import RowCache, decode_step, empty_row_cache, prefill_cache, unstack_layers
 from jaxrl_llm.sampling.token_selection import select_tokens
 
@@ -26,7 +27,7 @@ ROW_AXES = BATCH_AXES  # mesh axes the sample rows are split over: data, fsdp, e
 
 @functools.partial(jax.tree_util.register_dataclass,
                    data_fields=["tokens", "logprobs", "prompt_lengths", "done", "stopped", "lengths",
-                                "step", "cache"],
+                                "step", "cache", "routes", "prompt_routes"],
                    meta_fields=[])
 @dataclasses.dataclass(frozen=True)
 class SamplingState:
@@ -36,6 +37,9 @@ class SamplingState:
     prompt_lengths [R] int32 (token t of a row sits at position prompt_length + t);
     done [R] bool; stopped [R] bool (ended by a stop id); lengths [R] int32 tokens generated;
     step [] int32 tokens generated so far by the longest row; cache: the rows' RowCache.
+    A mixture of experts records its routes (routing replay; None for a dense model): routes [R, N, L_sparse, k]
+    the experts generated token t chose in each sparse layer when it was fed back (column t; -1 where not fed),
+    prompt_routes [R, P, L_sparse, k] those of each row's prompt tokens in its prefill (`moe.route_dtype`).
     """
 
     tokens: jax.Array
@@ -46,6 +50,8 @@ class SamplingState:
     lengths: jax.Array
     step: jax.Array
     cache: RowCache
+    routes: jax.Array | None = None
+    prompt_routes: jax.Array | None = None
 
 
 def row_axes(mesh: Mesh | None) -> tuple[str, ...]:
@@ -111,7 +117,7 @@ def _constrain_state(state: SamplingState, mesh: Mesh | None) -> SamplingState:
         return state
     cache = jax.tree_util.tree_map(lambda x: jax.lax.with_sharding_constraint(x, cache_sharding(x.shape, mesh)),
                                    state.cache)
-    rows = {f.name: _constrain(getattr(state, f.name), mesh)
+    rows = {f.name: None if getattr(state, f.name) is None else _constrain(getattr(state, f.name), mesh)
             for f in dataclasses.fields(state) if f.name not in ("step", "cache")}
     return SamplingState(**rows, step=state.step, cache=cache)
 
@@ -136,9 +142,25 @@ def init_state(config: ModelConfig, mesh: Mesh | None, prompt_lengths: jax.Array
         step=jnp.zeros((), jnp.int32),
         cache=empty_row_cache(config, rows, prompt_bucket, new_token_bucket, response_tile=response_tile,
                               prompt_group=prompt_group),
+        **_empty_routes(config, rows, prompt_bucket, new_token_bucket),
     )
     first_logits = _constrain(jnp.zeros((rows, config.vocab_size), jnp.float32), mesh)
     return _constrain_state(state, mesh), first_logits
+
+
+def records_routes(config: ModelConfig) -> bool:
+    """Whether the sampler records routes (routing replay): for a model with a sparse (mixture-of-experts) layer."""
+    return any(config.sparse_layers())
+
+
+def _empty_routes(config: ModelConfig, rows: int, prompt_bucket: int, new_token_bucket: int) -> dict:
+    """`SamplingState`'s routes and prompt_routes, all -1 (nothing recorded yet); {} for a dense model."""
+    if not records_routes(config):
+        return {}
+    per_token = (sum(config.sparse_layers()), config.num_experts_per_tok)
+    dtype = route_dtype(config.num_experts)
+    return {"routes": jnp.full((rows, new_token_bucket, *per_token), -1, dtype),
+            "prompt_routes": jnp.full((rows, prompt_bucket, *per_token), -1, dtype)}
 
 
 @functools.partial(jax.jit, static_argnames=("config", "mesh"), donate_argnames=("state", "first_logits"))
@@ -155,8 +177,9 @@ def prefill_rows(params, config: ModelConfig, mesh: Mesh | None, prompt_tokens: 
     # its own prompts (the merge below gathers the results to their rows); unconstrained, XLA ran the whole prefill
     # on every device of the mesh, or, constrained only at the end, every layer's MLP on every prompt of the chunk
     # with its contraction split (XLA's temporaries: [chunk, P, F / tensor] gate and up outputs per device)
-    last_logits, keys, values = prefill_cache(params, config, prompt_tokens, prompt_lengths,
-                                              state.cache.prompt_k[0].dtype, prefill_constraint(mesh))
+    last_logits, keys, values, *routes = prefill_cache(params, config, prompt_tokens, prompt_lengths,
+                                                       state.cache.prompt_k[0].dtype, prefill_constraint(mesh),
+                                                       with_routes=state.routes is not None)
     keys, values = (tuple(_constrain(x, mesh) for x in part) for part in (keys, values))
     entries = state.cache.prompt_k[0].shape[0]
     entry_source = row_source.reshape(entries, -1)[:, 0]
@@ -170,6 +193,8 @@ def prefill_rows(params, config: ModelConfig, mesh: Mesh | None, prompt_tokens: 
         prompt_v=tuple(merge(old, values[i], entry_source) for i, old in enumerate(state.cache.prompt_v)))
     first_logits = merge(first_logits, last_logits, row_source)
     state = dataclasses.replace(state, cache=cache)
+    if routes:  # each row's prompt routes, as its first logits
+        state = dataclasses.replace(state, prompt_routes=merge(state.prompt_routes, routes[0], row_source))
     return _constrain_state(state, mesh), _constrain(first_logits, mesh)
 
 
@@ -252,9 +277,12 @@ def decode_rows(params, config: ModelConfig, mesh: Mesh | None, state: SamplingS
 
     def step(state):
         last = jax.lax.dynamic_slice_in_dim(state.tokens, state.step - 1, 1, axis=1)[:, 0]
-        logits, cache = decode_step(params, layers, config, last, state.prompt_lengths, state.step - 1,
-                                    state.cache)
+        logits, cache, *routes = decode_step(params, layers, config, last, state.prompt_lengths, state.step - 1,
+                                             state.cache, with_routes=state.routes is not None)
         state = dataclasses.replace(state, cache=cache)
+        if routes:  # the experts token step - 1 chose as it was fed (collect keeps a row's own tokens')
+            state = dataclasses.replace(state, routes=jax.lax.dynamic_update_slice(
+                state.routes, routes[0][:, None], (0, state.step - 1, 0, 0)))
         return _constrain_state(record(state, *pick(logits, state.step)), mesh)
 
     state = record(state, *pick(first_logits, state.step))
