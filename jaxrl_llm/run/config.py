@@ -312,7 +312,7 @@ class TrainSection:
     max_bad_steps: int = 3  # consecutive non-finite updates before the run stops
     verifier_timeout: float = 5.0  # seconds allowed to check one answer
     verifier_workers: int = 0  # 0: score in-process (with timeouts); >0: process pool
-    mesh: str = ""  # e.g. "data=2,fsdp=2,tensor=2"; empty: one device
+    mesh: str = ""  # e.g. "data=2,fsdp=2,tensor=2", "fsdp=4,expert=2" (a mixture's experts split); empty: one device
 
 
 @dataclass(frozen=True)
