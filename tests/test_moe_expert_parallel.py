@@ -79,7 +79,11 @@ def test_mesh_check_names_a_dense_model_and_an_expert_axis_that_does_not_divide(
         check_mesh_fits(mesh, cfg, ModelConfig(**base))
     with pytest.raises(ConfigError, match=r"expert=3 does not divide the model's num_experts=8"):
         check_mesh_fits(mesh, cfg, ModelConfig(**base, model_type="qwen3_moe", num_experts=8, num_experts_per_tok=2))
-    check_mesh_fits(mesh, cfg, ModelConfig(**base, model_type="qwen3_moe", num_experts=6, num_experts_per_tok=2))
+    moe = ModelConfig(**base, model_type="qwen3_moe", num_experts=6, num_experts_per_tok=2)
+    check_mesh_fits(mesh, cfg, moe)
+    gvm = load_config(None, ["train.mesh=fsdp=2,expert=3", "optim.micro_batch_size=6", "sampling.allocation=gvm"])
+    with pytest.raises(ConfigError, match=r"sampling.allocation='gvm' does not run on a mesh with an expert axis"):
+        check_mesh_fits(mesh, gvm, moe)
     with pytest.raises(ConfigError, match=r"micro_batch_size=4 must be a multiple of data x fsdp x expert = 6"):
         check_mesh_fits(mesh, load_config(None, ["train.mesh=fsdp=2,expert=3", "optim.micro_batch_size=4"]))
 

@@ -43,7 +43,7 @@ def split_devices(cfg: RunConfig, devices: list | None = None) -> tuple[list | N
 def check_mesh_fits(mesh, cfg: RunConfig, model_config=None) -> None:
     """Each micro-batch's packed rows are split over the data x fsdp x expert devices, so its size must divide.
     With the policy's `model_config`, an `expert` axis over 1 needs a mixture of experts whose num_experts it
-    divides (each expert shard holds num_experts / expert of them)."""
+    divides (each expert shard holds num_experts / expert of them), and no GVM allocation (not run with it yet)."""
     row_devices = batch_devices(mesh)
     if cfg.optim.micro_batch_size % row_devices:
         raise ConfigError(f"optim.micro_batch_size={cfg.optim.micro_batch_size} must be a multiple of data x fsdp x "
@@ -60,6 +60,9 @@ def check_mesh_fits(mesh, cfg: RunConfig, model_config=None) -> None:
     if num_experts % experts:
         raise ConfigError(f"train.mesh={cfg.train.mesh!r}: expert={experts} does not divide the model's "
                           f"num_experts={num_experts}; each expert shard holds num_experts / expert experts")
+    if cfg.sampling.allocation == "gvm":  # its per-row vmap names the batch axes, which the exchange's shard_map uses
+        raise ConfigError(f"sampling.allocation='gvm' does not run on a mesh with an expert axis yet (train.mesh="
+                          f"{cfg.train.mesh!r} has expert={experts}): put those devices on data or fsdp")
 
 
 def batch_shardings(mesh, *, topk: bool = False, routes: bool = False) -> TrainBatch:
