@@ -185,3 +185,29 @@ def test_quantized_base_has_a_partition_spec_for_every_leaf():
     assert layers["q_proj"] == P(None, "fsdp", "tensor") and layers["down_proj"] == P(None, "tensor", "fsdp")
     assert all(layers[f"{n}_proj_scale"] == P(None, None, "tensor") for n in ("q", "k", "v", "gate", "up"))
     assert layers["o_proj_scale"] == layers["down_proj_scale"] == P(None, None, "fsdp")
+
+
+def test_experts_are_quantized_per_expert_and_output_channel():
+    """A mixture's expert matrices [L, E, in, out] take codes and scales [L, E, 1, out] (the router stays float):
+    each expert's matrix equals the NumPy reference on its own, and the int8 model stays near float32."""
+    config = models.ModelConfig(vocab_size=64, hidden_size=16, intermediate_size=24, num_layers=2, num_heads=2,
+                                num_kv_heads=1, head_dim=8, model_type="qwen3_moe", num_experts=3,
+                                num_experts_per_tok=2, moe_intermediate_size=8)
+    params = models.init_params(config, jax.random.PRNGKey(0))
+    quantized = quant.quantize_base(params, "int8")
+    experts = {"expert_gate", "expert_up", "expert_down"}
+    assert {k for k in quantized["layers"] if k.endswith("_scale")} == \
+        {f"{p}_scale" for p in ("q_proj", "k_proj", "v_proj", "o_proj", *experts)}
+    assert quantized["layers"]["router"] is params["layers"]["router"]
+    assert quantized["layers"]["expert_down_scale"].shape == (2, 3, 1, 16)
+    for layer, expert in ((0, 0), (1, 2)):
+        w = np.asarray(params["layers"]["expert_up"][layer, expert])
+        codes, scale = _reference(w, 127)
+        np.testing.assert_array_equal(np.asarray(quantized["layers"]["expert_up"][layer, expert]), codes)
+        np.testing.assert_allclose(np.asarray(quantized["layers"]["expert_up_scale"][layer, expert]), scale,
+                                   rtol=1e-6)
+    tokens, positions = _inputs(config)
+    got = np.asarray(models.forward(quantized, config, tokens, positions))
+    exact = np.asarray(models.forward(params, config, tokens, positions))
+    error = np.abs(got - exact).max() / exact.std()
+    assert 0 < error < 0.03, error  # int8's stated tolerance above

@@ -25,10 +25,10 @@ import jax.numpy as jnp
 
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.model import Params, param_shapes
-from jaxrl_llm.models.quant import dequantize_base
+from jaxrl_llm.models.quant import EXPERT_MATRICES, dequantize_base
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-EXPERT_PROJECTIONS = ("expert_gate", "expert_up", "expert_down")  # a sparse layer's experts, per expert
+EXPERT_PROJECTIONS = EXPERT_MATRICES  # a sparse layer's experts (adapters per expert)
 TARGETS = PROJECTIONS + EXPERT_PROJECTIONS
 _GROUPS = {"all": PROJECTIONS, "attention": PROJECTIONS[:4], "mlp": PROJECTIONS[4:], "experts": EXPERT_PROJECTIONS}
 

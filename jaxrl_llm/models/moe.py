@@ -37,11 +37,11 @@ import jax.numpy as jnp
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.expert_parallel import expert_parallel_mlp, expert_shards
 from jaxrl_llm.models.layers import einsum_f32
-from jaxrl_llm.models.quant import layer_weight
+from jaxrl_llm.models.quant import EXPERT_MATRICES, layer_weight
 
 # Parameters of a sparse layer (without the stacked layer axis): router [D, E] (+ router_bias [E]), the experts'
 # expert_gate / expert_up [E, D, F] and expert_down [E, F, D] (+ biases [E, F], [E, F], [E, D]).
-EXPERT_WEIGHTS = ("expert_gate", "expert_up", "expert_down")
+EXPERT_WEIGHTS = EXPERT_MATRICES  # ("expert_gate", "expert_up", "expert_down")
 EXPERT_BIASES = ("expert_gate_bias", "expert_up_bias", "expert_down_bias")
 # What each `moe_impl` compiles to where the program is lowered (`jax.lax.platform_dependent`).
 _CHOICES = {"auto": {"tpu": "ragged_dot", "cuda": "ragged_dot", "cpu": "tiles"}}

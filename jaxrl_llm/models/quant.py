@@ -5,8 +5,10 @@ scale[o] = max_i |W[i, o]| / q and C = round(W / scale) clipped to [-q, q], so W
 of at most scale[o] / 2 per element (Jacob et al. 2018; int4 is a uniform grid, not QLoRA's NF4 levels).
 A quantized layer dict holds "{p}" as int8 [L, in, out] (int8) or as uint8 [L, in / 2, out] with two 4-bit
 codes per byte (code + 8; input row 2k in the low nibble, 2k + 1 in the high one), and "{p}_scale" float32
-[L, 1, out]. `models.model` reads every projection through `layer_weight`, inside the layer, so a layer's
-full-precision weight exists only while that layer runs.
+[L, 1, out]. A mixture of experts' expert matrices (expert_gate / expert_up [L, E, D, F], expert_down
+[L, E, F, D]) are quantized the same way per expert and output channel: scales [L, E, 1, out]. `models.model`
+reads every projection through `layer_weight`, inside the layer, so a layer's full-precision weight exists only
+while that layer runs.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ Params = dict
 KINDS = ("int8", "int4")
 _Q_MAX = {"int8": 127, "int4": 7}
 SCALE_SUFFIX = "_scale"
+EXPERT_MATRICES = ("expert_gate", "expert_up", "expert_down")  # a sparse layer's experts (models.moe)
 
 
 def quantize_matrix(w: jax.Array, kind: str) -> tuple[jax.Array, jax.Array]:
@@ -48,12 +51,12 @@ def dequantize(codes: jax.Array, scale: jax.Array, dtype=jnp.float32) -> jax.Arr
 
 
 def quantize_base(params: Params, kind: str, targets: tuple[str, ...] | None = None) -> Params:
-    """`params` with the projections in `targets` (default: every "*_proj" weight) quantized to `kind`
-    ("int8" | "int4") as described above; embeddings, norms and biases stay as they are. Pure: jit it
-    (`kind` and `targets` static) to quantize on the accelerator."""
+    """`params` with the projections in `targets` (default: every "*_proj" weight and the experts' matrices)
+    quantized to `kind` ("int8" | "int4") as described above; embeddings, norms, biases and the router stay as
+    they are. Pure: jit it (`kind` and `targets` static) to quantize on the accelerator."""
     layers = dict(params["layers"])
     if targets is None:
-        targets = tuple(k for k in layers if k.endswith("_proj"))
+        targets = tuple(k for k in layers if k.endswith("_proj") or k in EXPERT_MATRICES)
     for name in targets:
         if name not in layers:
             raise ValueError(f"cannot quantize {name!r}: the parameter tree has no layers/{name}")
