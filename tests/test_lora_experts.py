@@ -134,3 +134,22 @@ def test_peft_export_refuses_expert_adapters_by_name(tiny, tmp_path):
     with pytest.raises(ValueError, match="expert_gate, expert_up, expert_down.*merged model"):
         save_peft(tmp_path / "adapter", SPEC, adapters)
     assert not (tmp_path / "adapter").exists()
+
+
+def test_expert_adapters_and_scales_split_as_their_expert_matrix(tiny):
+    """Partition rules (models/sharding.py): each expert adapter and a quantized expert's scales keep E on the
+    `expert` axis and split in / out as the expert matrix they belong to (rank and the scales' 1 replicated)."""
+    from jax.sharding import PartitionSpec as P
+
+    from jaxrl_llm.models import quant
+    from jaxrl_llm.models.sharding import param_partition_specs
+
+    _, params, adapters, _, _ = tiny
+    specs = param_partition_specs(adapters)["layers"]
+    matrix = param_partition_specs(params)["layers"]
+    for name in lora.EXPERT_PROJECTIONS:
+        _, e, d_in, d_out = matrix[name]
+        assert (specs[f"{name}_lora_a"], specs[f"{name}_lora_b"]) == (P(None, e, d_in, None), P(None, e, None, d_out))
+    scales = param_partition_specs(quant.quantize_base(params, "int8"))["layers"]
+    assert scales["expert_up_scale"] == P(None, "expert", None, matrix["expert_up"][3])
+    assert scales["expert_down_scale"] == P(None, "expert", None, matrix["expert_down"][3])

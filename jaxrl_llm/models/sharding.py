@@ -115,9 +115,16 @@ def partition_rules(config: ModelConfig | None = None) -> list[tuple[str, P]]:
         (r"^layers/(q|k|v|gate|up)_proj_lora_b$", P(None, None, "tensor")),
         (r"^layers/(o|down)_proj_lora_a$", P(None, "tensor", None)),
         (r"^layers/(o|down)_proj_lora_b$", P(None, None, "fsdp")),
+        # experts' adapters A [L, E, in, r], B [L, E, r, out]: E and in / out split as their expert matrix's
+        (r"^layers/expert_(gate|up)_lora_a$", P(None, "expert", "fsdp", None)),
+        (r"^layers/expert_(gate|up)_lora_b$", P(None, "expert", None, "tensor")),
+        (r"^layers/expert_down_lora_a$", P(None, "expert", "tensor", None)),
+        (r"^layers/expert_down_lora_b$", P(None, "expert", None, "fsdp")),
         # a quantized base's per-output-channel scales [L, 1, out] (models/quant.py), split as their codes' outputs
         (r"^layers/(q|k|v|gate|up)_proj_scale$", P(None, None, "tensor")),
         (r"^layers/(o|down)_proj_scale$", P(None, None, "fsdp")),
+        (r"^layers/expert_(gate|up)_scale$", P(None, "expert", None, "tensor")),  # [L, E, 1, F]
+        (r"^layers/expert_down_scale$", P(None, "expert", None, "fsdp")),         # [L, E, 1, D]
         (r"(norm|o_bias|router_bias)$", P()),                           # small vectors: replicate
     ]
 
