@@ -115,23 +115,26 @@ DISTILL_RUN = TINY_RUN + ["train.eval_problems=0", "algorithm.entropy_coef=0.0",
                           "sampling.samples_per_prompt=4", "optim.micro_batch_size=4"]
 
 
-def exact_reverse_kl(params, teacher_params, config, scored) -> float:
-    """KL(pi_S || pi_T) summed over the vocabulary at every state that predicts a sampled token, averaged over
-    the tokens (the states of these samples, whatever the policy now)."""
-    total, count = 0.0, 0.0
+def state_log_probs(params, config, scored) -> list[np.ndarray]:
+    """Per sample, the full-vocabulary log-softmax [R, V] (float64) at every state that predicts a response token
+    of these samples (one unpacked row each, whatever the policy now)."""
+    out = []
     for row in range(scored.num_samples):
         prompt = list(scored.records[scored.prompt_index[row]]["prompt_ids"])
         tokens = jnp.asarray([prompt + scored.tokens[row].tolist()], jnp.int32)
         positions = jnp.arange(tokens.shape[1], dtype=jnp.int32)[None]
-        log_probs = []
-        for p in (params, teacher_params):
-            hidden = gather_response_hidden(models.hidden_states(p, config, tokens, positions),
-                                            jnp.asarray([len(prompt)]), scored.tokens.shape[1])
-            log_probs.append(jax.nn.log_softmax(hidden @ output_matrix(p, config).T, axis=-1)[0])
-        kl = jnp.sum(jnp.exp(log_probs[0]) * (log_probs[0] - log_probs[1]), axis=-1)
-        total += float(jnp.sum(kl * scored.mask[row]))
-        count += float(scored.mask[row].sum())
-    return total / count
+        hidden = gather_response_hidden(models.hidden_states(params, config, tokens, positions),
+                                        jnp.asarray([len(prompt)]), scored.tokens.shape[1])
+        out.append(np.asarray(jax.nn.log_softmax(hidden @ output_matrix(params, config).T, axis=-1)[0], np.float64))
+    return out
+
+
+def exact_reverse_kl(params, teacher_params, config, scored) -> float:
+    """KL(pi_S || pi_T) summed over the vocabulary at every state that predicts a sampled token, averaged over
+    the tokens (the states of these samples, whatever the policy now)."""
+    pairs = zip(state_log_probs(params, config, scored), state_log_probs(teacher_params, config, scored))
+    kl = [np.sum(np.exp(s) * (s - t), axis=-1) for s, t in pairs]
+    return float(sum(np.sum(k * m) for k, m in zip(kl, scored.mask)) / scored.mask.sum())
 
 
 def test_teacher_equal_to_student_gives_zero_advantages_and_no_gradient():
@@ -401,3 +404,116 @@ def test_topk_distillation_in_the_loop_and_its_config_errors():
         assert out["topk_coverage"] == pytest.approx(mass.mean(), rel=1e-5)
     finally:
         run.close()
+
+
+# --- distill.mode topk in the loop: a distinct teacher, LoRA, --resume ---
+
+TOPK_RUN = DISTILL_RUN + ["distill.mode=topk", f"distill.top_k={TOPK_K}", "distill.coef=0.5"]  # the loop test's
+
+
+@pytest.fixture(scope="module")
+def teacher_folder(tmp_path_factory):
+    """An HF folder of a tiny policy of another seed: a teacher distinct from the student."""
+    folder = tmp_path_factory.mktemp("distill") / "teacher"
+    teacher_config, teacher_params, tokenizer = tiny_policy(seed=1)
+    models.save_hf(folder, teacher_config, teacher_params, tokenizer=tokenizer)
+    return folder
+
+
+def measured_topk_loss(params, config, scored, ids, teacher_logp) -> float:
+    """The top-K loss from the formula on full log-softmaxes in float64: p~_k = softmax of the teacher's K
+    log-probs, loss_t = sum_k p~_k (log p~_k - log p_S(id_k)), averaged over the response tokens."""
+    total = 0.0
+    for row, student in enumerate(state_log_probs(params, config, scored)):
+        t = teacher_logp[row].astype(np.float64)
+        top = t.max(-1, keepdims=True)
+        log_tilde = t - top - np.log(np.exp(t - top).sum(-1, keepdims=True))
+        loss = np.sum(np.exp(log_tilde) * (log_tilde - np.take_along_axis(student, ids[row], axis=-1)), axis=-1)
+        total += float(np.sum(loss * scored.mask[row]))
+    return total / float(scored.mask.sum())
+
+
+def test_topk_step_towards_a_distinct_teacher_lowers_its_loss_and_the_reverse_kl(teacher_folder):
+    run = setup_run(load_config(None, TOPK_RUN + [f"distill.teacher={teacher_folder}"]), policy=tiny_policy())
+    try:
+        scored, _ = collect_rollouts(run, 0)
+        ids, logp = per_sample_pass(run, run.teacher.topk_fn, run.teacher.params, scored)
+        on = scored.mask > 0
+        for row, teacher in enumerate(state_log_probs(run.teacher.params, run.model_config, scored)):
+            want = np.sort(teacher, axis=-1)[:, ::-1][:, :TOPK_K]  # the teacher's own 4 largest log-probs
+            np.testing.assert_allclose(logp[row][on[row]], want[on[row]], atol=2e-5)
+        before = measured_topk_loss(run.policy_params(), run.model_config, scored, ids, logp)
+        kl_before = exact_reverse_kl(run.policy_params(), run.teacher.params, run.model_config, scored)
+        out = update_policy(run, scored, 0)
+        assert out["distill_topk_loss"] == pytest.approx(before, rel=1e-4)
+        assert out["loss"] == pytest.approx(0.5 * before, rel=1e-4)  # reward none: advantages 0, policy loss 0
+        after = measured_topk_loss(run.policy_params(), run.model_config, scored, ids, logp)
+        kl_after = exact_reverse_kl(run.policy_params(), run.teacher.params, run.model_config, scored)
+        assert after < before and kl_after < kl_before, (before, after, kl_before, kl_after)
+    finally:
+        run.close()
+
+
+def test_topk_with_lora_towards_an_adapted_base_and_towards_the_base_itself(tmp_path):
+    from jaxrl_llm.models import lora
+    from jaxrl_llm.models.peft_io import save_peft
+
+    config, params, tokenizer = tiny_policy()
+    spec = lora.LoraSpec(rank=2, alpha=4.0, targets=("q_proj", "down_proj"))
+    adapters = lora.init_adapters(config, spec, jax.random.PRNGKey(3))
+    rng = np.random.default_rng(0)
+    adapters = {"layers": {k: (jnp.asarray(rng.normal(size=v.shape), jnp.float32) if k.endswith("_lora_b") else v)
+                           for k, v in adapters["layers"].items()}}
+    save_peft(tmp_path / "adapter", spec, adapters)
+    lora_run = TOPK_RUN + ["lora.rank=4", "distill.teacher=policy"]
+    # teacher = the base plus an adapter, student = the base with LoRA adapters (B = 0): one step moves it closer
+    run = setup_run(load_config(None, lora_run + [f"distill.adapter={tmp_path / 'adapter'}"]),
+                    policy=(config, params, tokenizer))
+    try:
+        scored, _ = collect_rollouts(run, 0)
+        ids, logp = per_sample_pass(run, run.teacher.topk_fn, run.teacher.params, scored)
+        before = measured_topk_loss(run.policy_params(), run.model_config, scored, ids, logp)
+        out = update_policy(run, scored, 0)
+        assert out["distill_topk_loss"] == pytest.approx(before, rel=1e-4) and out["grad_norm"] > 1e-3
+        assert measured_topk_loss(run.policy_params(), run.model_config, scored, ids, logp) < before
+    finally:
+        run.close()
+    # teacher = the base itself: the student's own top K, so only the renormalisation -log M_t is left (M_t its
+    # top-K mass, from the full log-softmax) and the sampled tokens' reverse KL is 0
+    run = setup_run(load_config(None, lora_run), policy=(config, params, tokenizer))
+    try:
+        scored, _ = collect_rollouts(run, 0)
+        own = state_log_probs(run.policy_params(), run.model_config, scored)
+        mass = np.concatenate([np.exp(np.sort(s, axis=-1)[:, -TOPK_K:]).sum(-1)[m > 0]
+                               for s, m in zip(own, scored.mask)])
+        out = update_policy(run, scored, 0)
+        assert abs(out["distill_reverse_kl"]) < 1e-6
+        assert out["distill_topk_loss"] == pytest.approx(-np.log(mass).mean(), rel=1e-4)
+        assert out["topk_coverage"] == pytest.approx(mass.mean(), rel=1e-4)
+    finally:
+        run.close()
+
+
+def test_topk_distillation_resumed_equals_the_straight_run(tmp_path, teacher_folder):
+    import json
+
+    from safetensors.numpy import load_file
+
+    from jaxrl_llm.train.loop import train
+
+    overrides = TOPK_RUN + [f"distill.teacher={teacher_folder}"]
+
+    def run(out, steps, resume=False):
+        cfg = load_config(None, overrides + [f"train.out_dir={out}", f"train.steps={steps}"])
+        assert train(cfg, resume=resume, policy=tiny_policy())["status"] == "done"
+        rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        return [r for r in rows if "distill_topk_loss" in r], load_file(out / "final" / "model.safetensors")
+
+    straight_rows, straight = run(tmp_path / "straight", 3)
+    run(tmp_path / "broken", 2)
+    rows, resumed = run(tmp_path / "broken", 3, resume=True)
+    keys = ("step", "samples_drawn", "loss", "distill_topk_loss", "topk_coverage", "teacher_logp", "grad_norm")
+    assert [[r[k] for k in keys] for r in rows] == [[r[k] for k in keys] for r in straight_rows]
+    assert straight_rows[-1]["grad_norm"] > 0
+    for name in straight:
+        np.testing.assert_array_equal(resumed[name], straight[name], err_msg=name)
