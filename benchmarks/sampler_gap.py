@@ -289,13 +289,14 @@ def main(argv=None) -> int:
     parser.add_argument("--settings", default=",bfloat16,int8", help="sampling.dtype values; '' is the control")
     parser.add_argument("--batches", type=int, default=2, help="prompt batches of the demo (8 prompts x 8 samples)")
     parser.add_argument("--adapter", default=None, help="lora_demo_trained: a PEFT adapter folder (final_adapter/)")
-    parser.add_argument("--json", default=str(ROOT / "benchmarks/results/sampler_gap.json"))
+    parser.add_argument("--json", default=None, help="default benchmarks/results/sampler_gap.json "
+                        "(--moe: sampler_gap_moe.json)")
     parser.add_argument("--runs", default="", help="label=RUN_DIR,...: summarize training runs instead of sampling")
     parser.add_argument("--moe", action="store_true", help="a tiny random MoE's gap without and with routing replay")
     args = parser.parse_args(argv)
     if args.moe:
-        return moe_main(args.json if "--json" in (argv or sys.argv) else
-                        str(ROOT / "benchmarks/results/sampler_gap_moe.json"), argv)
+        return moe_main(args.json or str(ROOT / "benchmarks/results/sampler_gap_moe.json"))
+    args.json = args.json or str(ROOT / "benchmarks/results/sampler_gap.json")
     if args.runs:
         runs = {label: summarize_run(pathlib.Path(d)) for label, d in (x.split("=", 1) for x in args.runs.split(","))}
         path = pathlib.Path(args.json)
@@ -336,7 +337,7 @@ def main(argv=None) -> int:
     return 0
 
 
-def moe_main(json_path: str, argv) -> int:
+def moe_main(json_path: str) -> int:
     started = time.perf_counter()
     rows = moe_rows()
     for row in rows:
@@ -347,6 +348,7 @@ def moe_main(json_path: str, argv) -> int:
                            "(benchmarks/sampler_gap.py --moe)",
               "date": datetime.date.today().isoformat(), "commit": commit,
               "machine": f"{platform.machine()}, {len(jax.devices())} x {jax.devices()[0].platform}",
+              "command": "benchmarks/sampler_gap.py --moe",
               "workload": f"{len(MOE_PROMPTS)} prompts x 8 samples x 16 new tokens, 4 sampler seeds, temperature 1",
               "wall_s": round(time.perf_counter() - started, 1), "rows": rows}
     path = pathlib.Path(json_path)

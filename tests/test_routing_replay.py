@@ -176,3 +176,14 @@ def test_rollout_replay_step_with_the_load_balancing_loss(steps):
     assert replay["router_aux_loss"] >= 1
     np.testing.assert_allclose(replay["loss"], none["loss"] + 0.5 * replay["router_aux_loss"], rtol=1e-5)
     np.testing.assert_allclose(replay["policy_loss"], none["policy_loss"], rtol=1e-5)
+
+
+def test_async_in_flight_rollouts_keep_their_routes(moe, tmp_path):
+    from jaxrl_llm.train.async_rollouts import load_in_flight, save_in_flight
+
+    scored = moe[2]
+    save_in_flight(tmp_path, 3, {4: (scored, {})})
+    back, _ = load_in_flight(tmp_path, 3, expected=1)[4]
+    np.testing.assert_array_equal(back.routes, scored.routes)
+    np.testing.assert_array_equal(back.prompt_routes, scored.prompt_routes)
+    np.testing.assert_array_equal(back.logprobs, scored.logprobs)

@@ -49,6 +49,7 @@ from jaxrl_llm.train.rollouts import ScoredRollouts
 
 # ScoredRollouts' array fields, saved per in-flight step (records and round info go to JSON)
 _ARRAYS = ("prompt_index", "tokens", "mask", "logprobs", "lengths", "rewards", "correct")
+_ROUTES = ("routes", "prompt_routes")  # a mixture of experts' sampled routes, saved when the rollouts hold them
 
 
 class SyncRollouts:
@@ -338,8 +339,9 @@ def save_in_flight(out_dir: pathlib.Path, step: int, in_flight: dict) -> None:
     else:
         arrays, meta = {}, []
         for t, (scored, info) in sorted(in_flight.items()):
-            for field in _ARRAYS:
-                arrays[f"{t}/{field}"] = getattr(scored, field)
+            for field in _ARRAYS + _ROUTES:
+                if getattr(scored, field) is not None:
+                    arrays[f"{t}/{field}"] = getattr(scored, field)
             meta.append({"step": t, "records": scored.records, "info": _json_info(info)})
     arrays["meta"] = np.frombuffer(json.dumps(meta).encode(), np.uint8)
     tmp = path.with_suffix(".tmp.npz")
@@ -368,7 +370,8 @@ def load_in_flight(out_dir: pathlib.Path, step: int, expected: int) -> dict[int,
         out = _partial_in_flight(meta, data) if isinstance(meta, dict) else {}
         for entry in meta if isinstance(meta, list) else []:
             t = entry["step"]
-            scored = ScoredRollouts(records=entry["records"], **{f: data[f"{t}/{f}"] for f in _ARRAYS})
+            scored = ScoredRollouts(records=entry["records"], **{f: data[f"{t}/{f}"] for f in _ARRAYS + _ROUTES
+                                                                 if f"{t}/{f}" in data.files})
             out[t] = (scored, entry["info"])
     if len(out) != expected:
         raise ValueError(f"{path} holds {len(out)} steps of in-flight rollouts, the checkpoint expects {expected}")
