@@ -15,9 +15,49 @@ def _split(n: int, tensor: int) -> int:
     return n // tensor if n % tensor == 0 else n
 
 
+def padded_tile_rows(pairs: int, experts: int) -> int:
+    """Rows of the tiled grouped matmul's padded buffer (`models.moe`'s tiles path, a CPU's): t (ceil(M / t)
+    + min(E, M)) for M (token, expert) pairs over E experts, t = `moe.tile_rows(M, E)`, the power of two at or
+    above M / E in [8, 128]."""
+    tile = _tile(pairs, experts)
+    return tile * (-(-pairs // tile) + min(experts, pairs))
+
+
+def _tile(pairs: int, experts: int) -> int:
+    """`models.moe.tile_rows`: rows per tile, the power of two at or above pairs / experts, in [8, 128]."""
+    mean = -(-pairs // experts)
+    return int(min(128, max(8, 1 << (mean - 1).bit_length())))
+
+
+def feed_forward_bytes(mc: ModelConfig, tokens: int, tensor: int, c: int, sparse: bool,
+                       tiles: bool = False) -> tuple[int, int]:
+    """(forward, gradients) of one layer's feed-forward block on `tokens` tokens of a device, F split over tensor
+    where it divides it. Dense: gate, up, SiLU(gate) and their product, 4 F x c a token; while its backward runs,
+    the gradients of gate and up, 2 F x c. Sparse (a mixture of experts, `models.moe`; E experts, k per token,
+    width F_e): the router's f32 logits E x 4 and the chosen ids and weights k x 8, the (token, expert) rows
+    sorted by expert k D x c, the grouped matmuls' gate, up, SiLU and product 4 k F_e x c, their outputs k D x c
+    and each token's k outputs in f32 k D x 4. With the CPU's tiles (`tiles`: a scan over T tiles of t rows,
+    P = T t = `padded_tile_rows`) the hidden is the scan's per-tile residuals instead, P x 6 F_e x c, beside each
+    tile's slices of the three matrices, 3 T D F_e x c, and the padded rows in and out, 2 P D x c (XLA's CPU
+    buffer assignment). Its backward: the gradients of the sorted rows, gate and up, k (D + 2 F_e) x c (tiles: +
+    the padded rows' two gradients, 2 P D x c)."""
+    d = mc.hidden_size
+    if not sparse:
+        f = _split(mc.intermediate_size, tensor)
+        return tokens * 4 * f * c, tokens * 2 * f * c
+    k, f = mc.num_experts_per_tok, _split(mc.expert_intermediate_size, tensor)
+    routed = tokens * (mc.num_experts * 4 + k * 8 + k * d * c + k * d * c + k * d * 4)
+    grads = tokens * k * (d + 2 * f) * c
+    if not tiles:
+        return routed + tokens * 4 * k * f * c, grads
+    padded = padded_tile_rows(tokens * k, mc.num_experts)
+    hidden = padded * 6 * f * c + 3 * (padded // _tile(tokens * k, mc.num_experts)) * d * f * c
+    return routed + hidden + 2 * padded * d * c, grads + 2 * padded * d * c
+
+
 def activation_bytes(mc: ModelConfig, rows: int, length: int, tensor: int, c: int, remat: bool,
                       policy: str = "full", block: int | None = None,
-                      groups: tuple[int, int, bool] | None = None) -> tuple[int, int]:
+                      groups: tuple[int, int, bool] | None = None, tiles: bool = False) -> tuple[int, int]:
     """(kept, working) for `rows` sequences of `length` tokens on a mesh whose tensor axis has `tensor` devices:
     what the forward pass keeps for the backward pass, and the largest working set of the backward pass beside
     it (one layer's recomputed activations, its attention's working set and gradients; or, at the embedding,
@@ -28,13 +68,40 @@ def activation_bytes(mc: ModelConfig, rows: int, length: int, tensor: int, c: in
     them (a GPU where cuDNN cannot serve); None: the xla path."""
     q_heads = _split(mc.num_heads, tensor)
     q, kv = q_heads * mc.head_dim, _split(mc.num_kv_heads, tensor) * mc.head_dim
-    f = _split(mc.intermediate_size, tensor)
-    d = mc.hidden_size
-    per_layer_tokens = rows * length * (4 * d + 2 * q + 3 * kv + 4 * f) * c
-    # While one layer's backward pass runs: the gradients of its input, output, q, k, v, gate and up.
-    layer_grads = rows * length * (2 * d + q + 2 * kv + 2 * f) * c
+    d, tokens = mc.hidden_size, rows * length
+    # Per layer: norm inputs/outputs, q/k/v before and after RoPE, attention output, residuals, and the layer's
+    # feed-forward block (`feed_forward_bytes`: the dense MLP, or a sparse layer's experts and routing buffers).
+    blocks = {sparse: feed_forward_bytes(mc, tokens, tensor, c, sparse, tiles) for sparse in set(mc.sparse_layers())}
+    per_layer = {sparse: tokens * (4 * d + 2 * q + 3 * kv) * c + fwd for sparse, (fwd, _) in blocks.items()}
+    # While one layer's backward pass runs: the gradients of its input, output, q, k, v and its block's.
+    layer_grads = {sparse: tokens * (2 * d + q + 2 * kv) * c + grads for sparse, (_, grads) in blocks.items()}
     # The hidden states' f32 gradient where the embedding is differentiated, twice (resharded for its gradient).
-    embed_grads = rows * length * d * 4 * 2
+    embed_grads = tokens * d * 4 * 2
+    attention, working = _attention_bytes(mc, rows, length, tensor, c, block, groups)
+    layers = mc.sparse_layers()
+    if remat:
+        kept = 0
+        for sparse in layers:
+            # what a remat policy keeps of the block: gate and up, per choice in a sparse layer
+            f = (mc.num_experts_per_tok * _split(mc.expert_intermediate_size, tensor) if sparse
+                 else _split(mc.intermediate_size, tensor))
+            kept += d + {"dots": q + 2 * kv + 2 * d + 2 * f, "qkv_attn_mlp": 2 * q + 2 * kv + 2 * f}.get(policy, 0)
+            if policy == "qkv_attn_mlp":  # the layer being differentiated recomputes its norm outputs and block
+                per_layer[sparse] = tokens * (2 * d + 2 * f) * c if not sparse else \
+                    tokens * 2 * d * c + blocks[sparse][0]
+        layer = max(per_layer[s] + layer_grads[s] for s in blocks)
+        if len(blocks) > 1:  # dense and sparse layers mixed: the layer's lax.cond holds both branches' buffers
+            layer = per_layer[True] + layer_grads[True] + sum(blocks[False])
+        return tokens * kept * c, max(layer + attention + working, embed_grads)
+    return (sum(per_layer[sparse] + attention for sparse in layers),
+            max(working + max(layer_grads.values()), embed_grads))
+
+
+def _attention_bytes(mc: ModelConfig, rows: int, length: int, tensor: int, c: int, block: int | None,
+                     groups: tuple[int, int, bool] | None) -> tuple[int, int]:
+    """(kept per layer, backward working set) of one layer's attention on `rows` rows of `length` tokens: the
+    fused kernel's regrouped rows (`groups`), full attention's scores (`block` None), or blockwise tiles."""
+    q_heads = _split(mc.num_heads, tensor)
     if groups is not None:
         # the kernel runs per device on its KV heads' query groups, all heads where tensor cannot split the KV
         # heads: q, its output and output gradient, k and v, all in c (splash's backward kernels give dq, dk,
@@ -48,25 +115,13 @@ def activation_bytes(mc: ModelConfig, rows: int, length: int, tensor: int, c: in
         if dense:  # each regrouped row's scores and probabilities, as the xla path's full attention per row
             attention = rows * slots * heads * width * width * (4 + c)
             working += rows * slots * (heads * width * width * 4 + width * width)
-    elif block is None:
-        attention = rows * q_heads * length * length * (4 + c)
-        working = rows * q_heads * length * length * 4 + rows * length * length  # f32 score gradient + bool mask
-    else:
-        tile = min(block, length)
-        attention = 0
-        working = (rows * q_heads * round_up(length, tile) * (mc.head_dim + 2) * 4  # per key block: max, sum, out
-                   + rows * q_heads * tile * tile * (12 + c) + rows * tile * tile)  # one tile, its gradient, mask
-    if remat:
-        kept = d
-        if policy == "dots":
-            kept += q + 2 * kv + 2 * d + 2 * f
-        elif policy == "qkv_attn_mlp":
-            kept += 2 * q + 2 * kv + 2 * f
-            # the layer being differentiated recomputes only its two norm outputs and SiLU(gate) x up
-            per_layer_tokens = rows * length * (2 * d + 2 * f) * c
-        return (mc.num_layers * rows * length * kept * c,
-                max(per_layer_tokens + attention + working + layer_grads, embed_grads))
-    return mc.num_layers * (per_layer_tokens + attention), max(working + layer_grads, embed_grads)
+        return attention, working
+    if block is None:
+        return (rows * q_heads * length * length * (4 + c),
+                rows * q_heads * length * length * 4 + rows * length * length)  # f32 score gradient + bool mask
+    tile = min(block, length)
+    return 0, (rows * q_heads * round_up(length, tile) * (mc.head_dim + 2) * 4  # per key block: max, sum, out
+               + rows * q_heads * tile * tile * (12 + c) + rows * tile * tile)  # one tile, its gradient, mask
 
 
 def logprob_residual_bytes(mc: ModelConfig, rows: int, response_tokens: int, c: int, keep_logits: bool,

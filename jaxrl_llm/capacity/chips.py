@@ -166,4 +166,11 @@ TARGETS = {
     "8xH100": Target("8xH100", 8, CHIPS["h100"], "8 GPUs x 80 GB HBM3, 1 node", H100_TABLE_BYTES),
     "1x16GB": Target("1x16GB", 1, CHIPS["v5e"], "one 16 GiB accelerator: a TPU v5e chip (a T4 has 15 GiB)"),
     "1xH100": Target("1xH100", 1, CHIPS["h100"], "one GPU x 80 GB HBM3", H100_TABLE_BYTES),
+    # the mixture-of-experts presets' slices: v5p-N and v6e-N as Google Cloud names them (v5p: N TensorCores, two per
+    # 96 GiB chip; v6e: N chips of 32 GiB)
+    "v5p-16": Target("v5p-16", 8, CHIPS["v5p"], "8 chips x 96 GiB HBM, 2 hosts"),
+    "v5p-32": Target("v5p-32", 16, CHIPS["v5p"], "16 chips x 96 GiB HBM, 4 hosts"),
+    "v5p-64": Target("v5p-64", 32, CHIPS["v5p"], "32 chips x 96 GiB HBM, 8 hosts"),
+    "v6e-32": Target("v6e-32", 32, CHIPS["v6e"], "32 chips x 32 GiB HBM, 8 hosts"),
+    "v6e-64": Target("v6e-64", 64, CHIPS["v6e"], "64 chips x 32 GiB HBM, 16 hosts"),
 }

@@ -30,7 +30,7 @@ def local_elements(model_config: ModelConfig, mesh: dict[str, int], shapes=None)
         per_device = 1
         for dim, axes in zip(shape, tuple(spec) + (None,) * (len(shape) - len(spec))):
             names = (axes,) if isinstance(axes, str) else tuple(axes or ())
-            split = math.prod(mesh[n] for n in names)
+            split = math.prod(mesh.get(n, 1) for n in names)  # an axis the mesh lacks (expert) has size 1
             per_device *= dim // split if names and dim % split == 0 else dim
         local[name] = per_device
     return local

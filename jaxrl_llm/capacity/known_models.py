@@ -51,8 +51,26 @@ KNOWN_MODELS["smollm2-135m-instruct"] = ModelConfig(
     model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9,
     num_kv_heads=3, head_dim=64, rope_theta=100000.0, tie_word_embeddings=True, max_position_embeddings=8192,
     rms_norm_eps=1e-5)
+# The mixtures of experts of the MoE presets: Qwen/Qwen3-30B-A3B's config.json (48 sparse layers of 128 experts, 8 per
+# token, renormalised) and openai/gpt-oss-20b's (24 layers of 32 experts, 4 per token, sliding (128) and full attention
+# alternating, YaRN x32 over 4096 positions), through the same reader as a checkpoint's config.json.
+KNOWN_MODELS["qwen3-30b-a3b"] = ModelConfig.from_hf_dict(dict(
+    model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], vocab_size=151936, hidden_size=2048,
+    intermediate_size=6144, num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+    rope_theta=1000000.0, max_position_embeddings=40960, rms_norm_eps=1e-6, tie_word_embeddings=False,
+    attention_bias=False, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True,
+    decoder_sparse_step=1, mlp_only_layers=[]))
+KNOWN_MODELS["gpt-oss-20b"] = ModelConfig.from_hf_dict(dict(
+    model_type="gpt_oss", architectures=["GptOssForCausalLM"], vocab_size=201088, hidden_size=2880,
+    intermediate_size=2880, num_hidden_layers=24, num_attention_heads=64, num_key_value_heads=8, head_dim=64,
+    rope_theta=150000.0, rope_scaling={"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                       "truncate": False, "original_max_position_embeddings": 4096},
+    max_position_embeddings=131072, rms_norm_eps=1e-5, tie_word_embeddings=False, attention_bias=True,
+    sliding_window=128, layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(24)],
+    num_local_experts=32, num_experts_per_tok=4, swiglu_limit=7.0))
 for _name, _alias in (("smollm2-135m-instruct", "bundled"), ("gemma-2-2b", "gemma-2-2b-it"), ("gemma-3-1b-pt", "gemma-3-1b-it"),
-                      ("gemma-3-4b-pt", "gemma-3-4b-it"), ("mistral-7b-v0.1", "mistral-7b-instruct-v0.1")):
+                      ("gemma-3-4b-pt", "gemma-3-4b-it"), ("mistral-7b-v0.1", "mistral-7b-instruct-v0.1"),
+                      ("gpt-oss-20b", "gpt-oss-20b-bf16")):
     KNOWN_MODELS[_alias] = KNOWN_MODELS[_name]
 
 

@@ -113,6 +113,22 @@ Every term counts what jaxrl_llm itself allocates, per device of a `data x fsdp 
 
   peak = params + optimizer + reference + critic + max(train step, critic step, sampling, gvm norms)
 
+Mixtures of experts (`models.moe`; E experts, k per token, expert width F_e split over tensor where it divides it,
+D whole): the parameters are `models.model.param_shapes`' under the partition rules, so a sparse layer's
+router [D, E], experts 3 x E x D x F_e (gate, up [E, D, F_e], down [E, F_e, D]; gpt-oss adds the router's bias [E]
+and the experts' [E, F_e] x 2 and [E, D]) and gpt-oss's attention sinks [H] count in params, optimizer and the
+gradients like every other leaf, E split over the mesh's `expert` axis where it has one; a model mixing dense and
+sparse layers stores both blocks in every layer (the unused one zeros). In the train step a sparse layer's block
+replaces the dense one's 4 F per token (`activations.feed_forward_bytes`): per token the router's f32 logits
+E x 4, the chosen ids and weights k x 8, the sorted (token, expert) rows, the grouped matmuls' outputs and each
+token's k outputs in f32, k D x (2 c + 4), and the hidden (gate, up, SiLU, product) 4 k F_e x c; its backward
+the gradients k (D + 2 F_e) x c; on a CPU the tiled grouped matmul's padded rows and per-tile residuals instead
+of the hidden. Without remat each layer keeps its own kind's terms (a dense layer among sparse ones its dense
+block's); with remat one layer's working set is its kind's, or, where the kinds mix, the sparse block's and the
+dense block's together (the layer's lax.cond holds both branches' buffers: XLA's CPU buffer assignment). The
+sampler's prefill adds a sparse layer's forward buffers for the chunk's tokens on a device (chunk / (data x fsdp)
+x P_bucket), its decode for the call's rows on a device.
+
 The sampler's own copy of the policy (`sampling.dtype`, `rollouts`): with sampling.dtype bfloat16 the sampler
 reads a bf16 copy (local x 2; its KV cache and logits in bf16 too), with int8 a copy whose projections are int8
 codes plus f32 scales (as a quantized base), counted in sampling (sampler copy). With rollouts.mode async the
@@ -152,7 +168,7 @@ import dataclasses
 from typing import Any
 
 from jaxrl_llm.capacity.chips import GIB, TARGETS  # noqa: F401 (the planners' names)
-from jaxrl_llm.capacity.activations import activation_bytes, logprob_residual_bytes
+from jaxrl_llm.capacity.activations import activation_bytes, feed_forward_bytes, logprob_residual_bytes
 from jaxrl_llm.capacity.elements import (local_elements, output_matrix_copy_bytes, output_matrix_elements,
                                          quantized_base_savings, sampler_copy_bytes, sharded_param_elements,
                                          subset_elements)
@@ -161,6 +177,7 @@ from jaxrl_llm.models.attention import SPLASH_BLOCK
 from jaxrl_llm.models.attention import resolve as attention_resolve
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.lora import adapter_shapes
+from jaxrl_llm.models.moe import resolve as moe_resolve
 from jaxrl_llm.run.config import RunConfig, uses_critic
 from jaxrl_llm.run.shapes import ROW_SEQ_MULTIPLE, StepShapes, parse_mesh, step_shapes  # noqa: F401
 from jaxrl_llm.sampling.buckets import response_tile_size, round_up
@@ -197,7 +214,16 @@ class _Inputs:
                                 attention_block_min_length=cfg.model.attention_block_min_length)
         return activation_bytes(self.mc, rows, length, self.shapes.mesh["tensor"], self.c, self.remat,
                                 cfg.model.remat_policy, tiles.attention_block_for(length),
-                                (slots, width, kernel == "xla_rows") if kernel != "xla" else None)
+                                (slots, width, kernel == "xla_rows") if kernel != "xla" else None,
+                                tiles=moe_resolve(cfg.model.moe_impl, self.platform) == "tiles")
+
+    def sparse_block(self, tokens: int) -> int:
+        """A sparse layer's forward buffers for `tokens` tokens of a device (`feed_forward_bytes`): router logits,
+        sorted rows, the grouped matmul's hidden; 0 for a dense model."""
+        if not any(self.mc.sparse_layers()):
+            return 0
+        tiles = moe_resolve(self.cfg.model.moe_impl, self.platform) == "tiles"
+        return feed_forward_bytes(self.mc, tokens, self.shapes.sampler_mesh["tensor"], self.c, True, tiles)[0]
 
     def logprob_residuals(self, rows: int, scored: int) -> int:
         """`logprob_residual_bytes` of `rows` rows of `scored` scored positions."""
@@ -265,7 +291,7 @@ def _continuous_sampling(x: _Inputs, c: int, loop_weights: int) -> dict[str, int
     kv_cache = sum((prompts * prompt_bucket + local_slots * slots) * kv_bytes
                    for slots in response_slots(mc, call.shapes.new_token_bucket))
     sampling = (kv_cache + local_slots * prompt_bucket * kv_bytes + (prompts + 2 * local_slots) * mc.vocab_size * 4
-                + loop_weights)
+                + loop_weights + x.sparse_block(local_slots))
     return {"kv_cache": kv_cache, "sampling": sampling, "sampling_prefill": sampling, "sampling_decode": sampling}
 
 
@@ -288,7 +314,10 @@ def _static_sampling(x: _Inputs, c: int, weights_cast: int, layer_copy: int) -> 
     # Gemma 3 1B at tensor=4: [4, 1, 1024, 256] per layer of a 16-prompt chunk).
     chunk = call.prompts_per_prefill  # the plan's: every call of the step prefills as many prompts at a time
     gather_split = head_split if head_split > 1 or chunk % mesh["tensor"] else mesh["tensor"]
-    prefill = kv_cache + chunk * call.prompt_bucket * len(slots) * kv_bytes // gather_split + logits + weights_cast
+    # a sparse layer's routing buffers for the prefill chunk's tokens on the device, and for the decode step's rows
+    routed = x.sparse_block(-(-chunk // split) * call.prompt_bucket)
+    prefill = (kv_cache + chunk * call.prompt_bucket * len(slots) * kv_bytes // gather_split + logits + weights_cast
+               + routed)
     # Decode: a tensor axis that cannot split the KV heads makes the loop copy the cache (XLA on TPU); a tiled
     # response cache (`buckets.response_tile_size`) copies the tile being written, in every full-attention layer;
     # the output layer's f32 logits come out for the call's rows with the vocabulary split over tensor.
@@ -298,7 +327,7 @@ def _static_sampling(x: _Inputs, c: int, weights_cast: int, layer_copy: int) -> 
         if tile else 0
     vocab_split = mesh["tensor"] if mc.vocab_size % mesh["tensor"] == 0 else 1
     decode = (kv_cache + decode_copy + tiles + max(logits, call.row_bucket * mc.vocab_size // vocab_split * 4)
-              + max(weights_cast, layer_copy))
+              + max(weights_cast, layer_copy) + x.sparse_block(local_rows))
     return {"kv_cache": kv_cache, "sampling": max(prefill, decode), "sampling_prefill": prefill,
             "sampling_decode": decode}
 
