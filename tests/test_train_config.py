@@ -144,3 +144,23 @@ def test_validation_is_split_into_small_section_validators():
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 assert node.end_lineno - node.lineno + 1 <= 100, f"{path.name}: {node.name}"
     assert len(config._CHECKS) >= 8
+
+
+def test_a_resumed_run_keeps_its_schedule_of_rollouts(tmp_path):
+    """resume.check_rollout_schedule: sync and async with max_staleness 0 draw alike and continue each other; any
+    other change (k, to or from partial) is refused naming both schedules, before anything is restored."""
+    from jaxrl_llm.run.resume import check_rollout_schedule
+
+    def config(mode, k=0):
+        lag = [f"rollouts.partial_lag={min(k, 1)}"] if mode == "partial" else []
+        return load_config(None, [f"rollouts.mode={mode}", f"rollouts.max_staleness={k}", *lag])
+
+    for now, before in ((config("sync"), config("async")), (config("async", 2), config("async", 2)),
+                        (config("partial", 1), config("partial", 3))):
+        check_rollout_schedule(now, before.to_dict(), tmp_path)
+    check_rollout_schedule(config("sync"), {}, tmp_path)  # a checkpoint from before the section existed: sync
+    for now, before in ((config("sync"), config("partial")), (config("partial"), config("sync")),
+                        (config("partial", 1), config("async", 1)), (config("async", 1), config("async", 2))):
+        with pytest.raises(ValueError, match=f"another schedule.*mode='{before.rollouts.mode}'.*"
+                                             f"mode='{now.rollouts.mode}'"):
+            check_rollout_schedule(now, before.to_dict(), tmp_path)

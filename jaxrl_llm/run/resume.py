@@ -95,13 +95,22 @@ def check_state_layout(config, saved: dict, directory) -> None:
                          + "; ".join(changed) + "); resume with the checkpoint's values or use a new train.out_dir")
 
 
+def rollout_schedule(section: dict) -> tuple:
+    """What a checkpoint's rollouts in flight depend on, from a config's `rollouts` section: ("partial",) for the
+    sampler that never stops decoding (its engine's state is saved), else ("k", k) with k = `max_staleness` under
+    `mode: async` and 0 under `sync` (async with k = 0 draws what sync draws)."""
+    if section["mode"] == "partial":
+        return ("partial",)
+    return ("k", section["max_staleness"] if section["mode"] == "async" else 0)
+
+
 def check_rollout_schedule(config, saved: dict, directory) -> None:
-    """A resumed asynchronous run keeps its schedule: the rollouts saved in flight were drawn for steps
-    t .. t + k - 1 with the versions `rollouts.max_staleness` = k gave them, and the sampler goes on from there."""
+    """A resumed run keeps its schedule of rollouts (`rollout_schedule`): an asynchronous run's rollouts saved in
+    flight were drawn for steps t .. t + k - 1 with the versions `rollouts.max_staleness` = k gave them, a partial
+    run's sampler continues its unfinished samples, and a run of another schedule would read neither."""
     before = saved.get("rollouts", {"mode": "sync", "max_staleness": 0})
     now = config.to_dict()["rollouts"]
-    staleness = lambda section: section["max_staleness"] if section["mode"] == "async" else 0  # noqa: E731
-    if staleness(before) != staleness(now):
+    if rollout_schedule(before) != rollout_schedule(now):
         raise ValueError(f"cannot resume from {directory} with another schedule of rollouts: it was saved with "
                          f"rollouts.mode={before['mode']!r}, max_staleness={before['max_staleness']}, this run has "
                          f"mode={now['mode']!r}, max_staleness={now['max_staleness']}; resume with the checkpoint's "

@@ -157,10 +157,7 @@ def make_rollouts(run: Run, start: int, in_flight: dict, books: dict) -> SyncRol
     to `rollouts.max_staleness` updates ahead (`train/async_rollouts.py`), with the policy copied to the sampler's
     devices (`rollouts.sampler_devices`) or kept beside the trainer's, or by a sampler that never stops decoding
     (`train/partial_rollouts.py`)."""
-    section = run.config.rollouts
-    if "sampler" in in_flight and section.mode != "partial":
-        raise ValueError(f"cannot resume with another schedule of rollouts: the checkpoint was saved with "
-                         f"rollouts.mode='partial' (its sampler's state is in flight), this run has {section.mode!r}")
+    section = run.config.rollouts  # a resumed run's schedule is the checkpoint's (resume.check_rollout_schedule)
     if section.mode == "sync":
         return SyncRollouts(lambda step: collect_rollouts(run, step, books))
     if section.mode == "partial":

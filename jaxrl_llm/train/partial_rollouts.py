@@ -336,10 +336,7 @@ def make_partial_rollouts(run, start: int, in_flight: dict, *, filter_groups: Ca
     step's batch scored in the trainer's thread, `filter_groups(scored) -> (scored, filtered)` applied to it."""
     from jaxrl_llm.train.async_rollouts import PartialRollouts, copy_params
 
-    cfg, section = run.config, run.config.rollouts
-    if in_flight and "sampler" not in in_flight:
-        raise ValueError("cannot resume with rollouts.mode=partial from a checkpoint of another schedule of rollouts "
-                         "(its in-flight rollouts hold no partial sampler)")
+    cfg, section = run.config, run.config.rollouts  # a resumed run's schedule: resume.check_rollout_schedule
     sampling = cfg.sampling
     sampler = PartialSampler(run.sampler_model_config, next_records=lambda: list(next(run.data)),
                              group_size=sampling.samples_per_prompt, batch_groups=sampling.prompts_per_step,
