@@ -41,8 +41,11 @@ HEADROOM = 0.85  # as scripts/memory_estimate.py: the layout is chosen to fit 85
 # slices docs/launch.md and docs/models.md name for it (the 7B LoRA presets' target is a GPU: not compiled here)
 PAPER = sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "configs/paper").glob("*.yaml"))
 MODELS = sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "configs/models").glob("*.yaml"))
+# the mixtures of experts on the slices issue 57 names for them (v5p: 96 GiB chips), the other model presets on v5e-64
+MOE_SLICES = {"configs/models/qwen3-30b-a3b_grpo.yaml": "v5p-64", "configs/models/gpt-oss-20b_grpo.yaml": "v5p-16"}
 ROWS = ([(preset, "v5litepod-64", "v5e-64") for preset in PAPER] + [(preset, "v4-32", "v4-32") for preset in PAPER]
-        + [(preset, "v5litepod-64", "v5e-64") for preset in MODELS]
+        + [(preset, "v5litepod-64", "v5e-64") for preset in MODELS if preset not in MOE_SLICES]
+        + [(preset, MOE_SLICES[preset], MOE_SLICES[preset]) for preset in MODELS if preset in MOE_SLICES]
         + [(f"configs/paper/lora/qwen2.5-math-1.5b_{name}_lora.yaml", "v5litepod-1", "1x16GB")
            for name in ("grpo", "gvm_raftpp")])
 # every paper preset on one host of 8 H100s with the memory table's 8xH100 layout (the gpu-compile extra)

@@ -30,34 +30,42 @@ def _tile(pairs: int, experts: int) -> int:
 
 
 def feed_forward_bytes(mc: ModelConfig, tokens: int, tensor: int, c: int, sparse: bool,
-                       tiles: bool = False) -> tuple[int, int]:
+                       tiles: bool = False, expert: int = 1) -> tuple[int, int]:
     """(forward, gradients) of one layer's feed-forward block on `tokens` tokens of a device, F split over tensor
     where it divides it. Dense: gate, up, SiLU(gate) and their product, 4 F x c a token; while its backward runs,
     the gradients of gate and up, 2 F x c. Sparse (a mixture of experts, `models.moe`; E experts, k per token,
     width F_e): the router's f32 logits E x 4 and the chosen ids and weights k x 8, the (token, expert) rows
-    sorted by expert k D x c, the grouped matmuls' gate, up, SiLU and product 4 k F_e x c, their outputs k D x c
-    and each token's k outputs in f32 k D x 4. With the CPU's tiles (`tiles`: a scan over T tiles of t rows,
-    P = T t = `padded_tile_rows`) the hidden is the scan's per-tile residuals instead, P x 6 F_e x c, beside each
-    tile's slices of the three matrices, 3 T D F_e x c, and the padded rows in and out, 2 P D x c (XLA's CPU
-    buffer assignment). Its backward: the gradients of the sorted rows, gate and up, k (D + 2 F_e) x c (tiles: +
-    the padded rows' two gradients, 2 P D x c)."""
+    sorted by expert k D x c, the grouped matmuls' gate, up, SiLU and product 4 M F_e x c over its M = N k rows,
+    their outputs k D x c and each token's k outputs in f32 k D x 4. With the CPU's tiles (`tiles`: a scan over
+    T tiles of t rows, P = T t = `padded_tile_rows`) the hidden is the scan's per-tile residuals instead,
+    P x 6 F_e x c, beside each tile's slices of the three matrices, 3 T D F_e x c, and the padded rows in and out,
+    2 P D x c (XLA's CPU buffer assignment). Its backward: the gradients of the grouped rows, gate and up,
+    M (D + 2 F_e) x c (tiles: + the padded rows' two gradients, 2 P D x c). Over an `expert` axis of s > 1 devices
+    (`models.expert_parallel`'s worst-case buffers) a device's grouped rows are M = s C, C = N min(k, E / s), and
+    its send, receive, output and returned buffers 4 s C D x c add to the sorted rows."""
     d = mc.hidden_size
     if not sparse:
         f = _split(mc.intermediate_size, tensor)
         return tokens * 4 * f * c, tokens * 2 * f * c
-    k, f = mc.num_experts_per_tok, _split(mc.expert_intermediate_size, tensor)
-    routed = tokens * (mc.num_experts * 4 + k * 8 + k * d * c + k * d * c + k * d * 4)
-    grads = tokens * k * (d + 2 * f) * c
+    k, f, experts = mc.num_experts_per_tok, _split(mc.expert_intermediate_size, tensor), mc.num_experts
+    routed = tokens * (experts * 4 + k * 8 + k * d * c + k * d * c + k * d * 4)
+    grouped = tokens * k
+    if expert > 1:
+        experts //= expert
+        grouped = expert * tokens * min(k, experts)
+        routed += 4 * grouped * d * c
+    grads = grouped * (d + 2 * f) * c
     if not tiles:
-        return routed + tokens * 4 * k * f * c, grads
-    padded = padded_tile_rows(tokens * k, mc.num_experts)
-    hidden = padded * 6 * f * c + 3 * (padded // _tile(tokens * k, mc.num_experts)) * d * f * c
+        return routed + grouped * 4 * f * c, grads
+    padded = padded_tile_rows(grouped, experts)
+    hidden = padded * 6 * f * c + 3 * (padded // _tile(grouped, experts)) * d * f * c
     return routed + hidden + 2 * padded * d * c, grads + 2 * padded * d * c
 
 
 def activation_bytes(mc: ModelConfig, rows: int, length: int, tensor: int, c: int, remat: bool,
                       policy: str = "full", block: int | None = None,
-                      groups: tuple[int, int, bool] | None = None, tiles: bool = False) -> tuple[int, int]:
+                      groups: tuple[int, int, bool] | None = None, tiles: bool = False,
+                      expert: int = 1) -> tuple[int, int]:
     """(kept, working) for `rows` sequences of `length` tokens on a mesh whose tensor axis has `tensor` devices:
     what the forward pass keeps for the backward pass, and the largest working set of the backward pass beside
     it (one layer's recomputed activations, its attention's working set and gradients; or, at the embedding,
@@ -71,7 +79,8 @@ def activation_bytes(mc: ModelConfig, rows: int, length: int, tensor: int, c: in
     d, tokens = mc.hidden_size, rows * length
     # Per layer: norm inputs/outputs, q/k/v before and after RoPE, attention output, residuals, and the layer's
     # feed-forward block (`feed_forward_bytes`: the dense MLP, or a sparse layer's experts and routing buffers).
-    blocks = {sparse: feed_forward_bytes(mc, tokens, tensor, c, sparse, tiles) for sparse in set(mc.sparse_layers())}
+    blocks = {sparse: feed_forward_bytes(mc, tokens, tensor, c, sparse, tiles, expert)
+              for sparse in set(mc.sparse_layers())}
     per_layer = {sparse: tokens * (4 * d + 2 * q + 3 * kv) * c + fwd for sparse, (fwd, _) in blocks.items()}
     # While one layer's backward pass runs: the gradients of its input, output, q, k, v and its block's.
     layer_grads = {sparse: tokens * (2 * d + q + 2 * kv) * c + grads for sparse, (_, grads) in blocks.items()}

@@ -215,7 +215,8 @@ class _Inputs:
         return activation_bytes(self.mc, rows, length, self.shapes.mesh["tensor"], self.c, self.remat,
                                 cfg.model.remat_policy, tiles.attention_block_for(length),
                                 (slots, width, kernel == "xla_rows") if kernel != "xla" else None,
-                                tiles=moe_resolve(cfg.model.moe_impl, self.platform) == "tiles")
+                                tiles=moe_resolve(cfg.model.moe_impl, self.platform) == "tiles",
+                                expert=self.shapes.mesh.get("expert", 1))
 
     def sparse_block(self, tokens: int) -> int:
         """A sparse layer's forward buffers for `tokens` tokens of a device (`feed_forward_bytes`): router logits,
@@ -223,7 +224,8 @@ class _Inputs:
         if not any(self.mc.sparse_layers()):
             return 0
         tiles = moe_resolve(self.cfg.model.moe_impl, self.platform) == "tiles"
-        return feed_forward_bytes(self.mc, tokens, self.shapes.sampler_mesh["tensor"], self.c, True, tiles)[0]
+        mesh = self.shapes.sampler_mesh
+        return feed_forward_bytes(self.mc, tokens, mesh["tensor"], self.c, True, tiles, mesh.get("expert", 1))[0]
 
     def logprob_residuals(self, rows: int, scored: int) -> int:
         """`logprob_residual_bytes` of `rows` rows of `scored` scored positions."""
