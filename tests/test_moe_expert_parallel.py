@@ -106,7 +106,8 @@ def test_train_step_on_an_expert_mesh_equals_single_device(on_mesh):
     for name in ("loss", "policy_loss", "kl", "entropy", "clip_fraction", "grad_norm"):
         assert r["metric_rel_diff"][name] < 1e-5, (name, r)
     assert r["metrics"]["kl"] > 0 and r["metrics"]["grad_norm"] > 0, r
-    assert r["expert_parallel_traces"] > 0, r  # the sparse block took the all-to-all path in the step
+    assert r["expert_parallel_traces"] >= 2, r  # the sparse block took the all-to-all path: step, log-prob pass
+    assert r["logprob_diff"] < 1e-5, r  # the old / reference log-prob pass on the mesh
     assert r["specs"]["expert_gate"] == "P(None, 'expert', 'fsdp', 'tensor')", r
     assert r["specs"]["mu/expert_down"] == "P(None, 'expert', 'tensor', 'fsdp')", r
     assert r["expert_grad_rel_diff"] < 1e-4, r  # the experts' moments alone (a wrong shard would move them whole)
@@ -192,7 +193,7 @@ def _step_checks() -> dict:
     from jaxrl_llm.run.layout import batch_shardings, place
     from jaxrl_llm.run.state import init_state, make_optimizer, state_shardings
     from jaxrl_llm.train.packing import pack_groups
-    from jaxrl_llm.train.step import make_train_step
+    from jaxrl_llm.train.step import make_logprob_fn, make_train_step
 
     traces = []
     parallel = moe.expert_parallel_mlp
@@ -233,8 +234,11 @@ def _step_checks() -> dict:
         return state, history
 
     single, m_single = run(False)
+    logp_single = np.asarray(make_logprob_fn(config)(params, batch))
     traced_single = len(traces)
     sharded, m_mesh = run(True)
+    logp_mesh = make_logprob_fn(config, micro_batch_size=8, param_sharding=p_sharding, batch_sharding=b_sharding)(
+        place(params, p_sharding), place(batch, b_sharding))
     adam_single, adam_mesh = single.opt_state[1][0], sharded.opt_state[1][0]
     moments = [_rel(b, a) for a, b in zip(jax.tree_util.tree_leaves((adam_single.mu, adam_single.nu)),
                                           jax.tree_util.tree_leaves((adam_mesh.mu, adam_mesh.nu)))]
@@ -246,6 +250,7 @@ def _step_checks() -> dict:
         "metric_rel_diff": {k: max(abs(x[k] - y[k]) / max(abs(x[k]), 1e-8) for x, y in zip(m_single, m_mesh))
                             for k in m_single[0]},
         "metrics": m_single[0], "expert_parallel_traces": len(traces) - traced_single,
+        "logprob_diff": float(np.abs(np.asarray(logp_mesh) - logp_single).max()),
         "specs": {"expert_gate": str(sharded.params["layers"]["expert_gate"].sharding.spec),
                   "mu/expert_down": str(adam_mesh.mu["layers"]["expert_down"].sharding.spec)},
     }
