@@ -250,8 +250,8 @@ def test_compile_puts_an_async_sampler_on_its_own_devices_with_its_own_copy():
     devices = aot.topology_devices(aot.parse_topology("v5e:2x2"))
     result = aot.compile_run(cfg, "v5e:2x2", model_config=tiny, devices=devices)
     table = aot.format_report(result)
-    assert result["mesh"] == {"data": 1, "fsdp": 2, "tensor": 1} == result["sampler_mesh"], table
-    assert "the sampler on its own devices, mesh {'data': 1, 'fsdp': 2, 'tensor': 1}" in table, table
+    assert result["mesh"] == {"data": 1, "fsdp": 2, "expert": 1, "tensor": 1} == result["sampler_mesh"], table
+    assert "the sampler on its own devices, mesh {'data': 1, 'fsdp': 2, 'expert': 1, 'tensor': 1}" in table, table
     names = [p.name for p in result["programs"]]
     assert names == ["train_step", "logprob_pass", "sampler_prefill", "sampler_decode"], table
     assert all(p.fits and not p.error for p in result["programs"]), table

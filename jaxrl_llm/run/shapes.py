@@ -111,7 +111,7 @@ def mesh_sizes(mesh) -> dict[str, int]:
         mesh.shape if hasattr(mesh, "shape") else mesh).items()}}
     if set(sizes) != set(MESH_AXES) or any(v < 1 for v in sizes.values()):
         raise ValueError(f"mesh must give a size >= 1 for each of {MESH_AXES}, got {sizes}")
-    return sizes
+    return {name: sizes[name] for name in MESH_AXES}  # in the mesh's order
 
 
 def lora_spec(config: RunConfig) -> LoraSpec | None:
