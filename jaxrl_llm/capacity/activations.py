@@ -30,7 +30,7 @@ def _tile(pairs: int, experts: int) -> int:
 
 
 def feed_forward_bytes(mc: ModelConfig, tokens: int, tensor: int, c: int, sparse: bool,
-                       tiles: bool = False, expert: int = 1) -> tuple[int, int]:
+                       tiles: bool = False, expert: int = 1, gathered: int = 1) -> tuple[int, int]:
     """(forward, gradients) of one layer's feed-forward block on `tokens` tokens of a device, F split over tensor
     where it divides it. Dense: gate, up, SiLU(gate) and their product, 4 F x c a token; while its backward runs,
     the gradients of gate and up, 2 F x c. Sparse (a mixture of experts, `models.moe`; E experts, k per token,
@@ -42,18 +42,24 @@ def feed_forward_bytes(mc: ModelConfig, tokens: int, tensor: int, c: int, sparse
     2 P D x c (XLA's CPU buffer assignment). Its backward: the gradients of the grouped rows, gate and up,
     M (D + 2 F_e) x c (tiles: + the padded rows' two gradients, 2 P D x c). Over an `expert` axis of s > 1 devices
     (`models.expert_parallel`'s worst-case buffers) a device's grouped rows are M = s C, C = N min(k, E / s), and
-    its send, receive, output and returned buffers 4 s C D x c add to the sorted rows."""
+    its send, receive, output and returned buffers 4 s C D x c add to the sorted rows. Without an expert axis,
+    on `gathered` = data x fsdp devices, XLA's SPMD partitioner cannot split the grouped rows (their groups are the
+    experts' runs of every token): it gathers every device's pairs, M = N k x gathered, and the sorted rows and
+    outputs, hidden and gradients are that many rows on every device (`jaxrl-llm compile`, Qwen3-30B-A3B on v5p-64,
+    fsdp=8: a bf16 [1835008, 2048] buffer, 8 x 229,376 pairs)."""
     d = mc.hidden_size
     if not sparse:
         f = _split(mc.intermediate_size, tensor)
         return tokens * 4 * f * c, tokens * 2 * f * c
     k, f, experts = mc.num_experts_per_tok, _split(mc.expert_intermediate_size, tensor), mc.num_experts
-    routed = tokens * (experts * 4 + k * 8 + k * d * c + k * d * c + k * d * 4)
-    grouped = tokens * k
+    routed = tokens * (experts * 4 + k * 8 + k * d * 4)
     if expert > 1:
         experts //= expert
         grouped = expert * tokens * min(k, experts)
-        routed += 4 * grouped * d * c
+        routed += 2 * tokens * k * d * c + 4 * grouped * d * c
+    else:
+        grouped = tokens * k * gathered
+        routed += 2 * grouped * d * c
     grads = grouped * (d + 2 * f) * c
     if not tiles:
         return routed + grouped * 4 * f * c, grads
@@ -65,7 +71,7 @@ def feed_forward_bytes(mc: ModelConfig, tokens: int, tensor: int, c: int, sparse
 def activation_bytes(mc: ModelConfig, rows: int, length: int, tensor: int, c: int, remat: bool,
                       policy: str = "full", block: int | None = None,
                       groups: tuple[int, int, bool] | None = None, tiles: bool = False,
-                      expert: int = 1) -> tuple[int, int]:
+                      expert: int = 1, gathered: int = 1) -> tuple[int, int]:
     """(kept, working) for `rows` sequences of `length` tokens on a mesh whose tensor axis has `tensor` devices:
     what the forward pass keeps for the backward pass, and the largest working set of the backward pass beside
     it (one layer's recomputed activations, its attention's working set and gradients; or, at the embedding,
@@ -79,7 +85,7 @@ def activation_bytes(mc: ModelConfig, rows: int, length: int, tensor: int, c: in
     d, tokens = mc.hidden_size, rows * length
     # Per layer: norm inputs/outputs, q/k/v before and after RoPE, attention output, residuals, and the layer's
     # feed-forward block (`feed_forward_bytes`: the dense MLP, or a sparse layer's experts and routing buffers).
-    blocks = {sparse: feed_forward_bytes(mc, tokens, tensor, c, sparse, tiles, expert)
+    blocks = {sparse: feed_forward_bytes(mc, tokens, tensor, c, sparse, tiles, expert, gathered)
               for sparse in set(mc.sparse_layers())}
     per_layer = {sparse: tokens * (4 * d + 2 * q + 3 * kv) * c + fwd for sparse, (fwd, _) in blocks.items()}
     # While one layer's backward pass runs: the gradients of its input, output, q, k, v and its block's.

@@ -41,7 +41,8 @@ def fit_rows_per_call(config: RunConfig, model_config: ModelConfig, mesh: dict[s
 def suggest_layout(config: RunConfig, model_config: ModelConfig, devices: int,
                    budget_bytes: int | None = None, platform: str = "tpu") -> tuple[dict[str, Any], dict[str, Any]]:
     """The `fsdp x tensor` layout (tensor a power of two dividing the devices, at most 8, and dividing the
-    heads) with one packed row per device and micro-batch (micro_batch_size = fsdp) of least estimated peak.
+    heads; for a mixture of experts `fsdp x expert x tensor`, expert a power of two dividing the experts) with one
+    packed row per device and micro-batch (micro_batch_size = fsdp x expert) of least estimated peak.
     With `budget_bytes`, each layout first gets the `sampling.max_rows_per_call` of `fit_rows_per_call`, and
     when no layout fits and `optim.max_row_tokens` is unset, packed rows of half, a quarter, ... of a prompt's
     responses are tried (`optim.max_row_tokens` = prompt + that many full responses; the first that fits).
@@ -64,22 +65,37 @@ def suggest_layout(config: RunConfig, model_config: ModelConfig, devices: int,
 def _least_peak_layout(config: RunConfig, model_config: ModelConfig, devices: int,
                        budget_bytes: int | None, platform: str) -> tuple[dict[str, Any], dict[str, Any]]:
     best = None
+    for tensor, expert in _splits(model_config, devices):
+        fsdp = devices // (tensor * expert)
+        batch = fsdp * expert  # rows are split over data x fsdp x expert: one packed row per device
+        cfg = dataclasses.replace(config, optim=dataclasses.replace(config.optim, micro_batch_size=batch))
+        mesh = {"data": 1, "fsdp": fsdp, "expert": expert, "tensor": tensor}
+        if budget_bytes is None:
+            est = estimate_memory(cfg, model_config, mesh, platform=platform)
+            rows = config.sampling.max_rows_per_call
+        else:
+            est, rows = fit_rows_per_call(cfg, model_config, mesh, budget_bytes, platform)
+        if best is None or est["peak"] < best[0]["peak"]:
+            axes = [f"fsdp={fsdp}"] + [f"{name}={n}" for name, n in (("expert", expert), ("tensor", tensor)) if n > 1]
+            overrides = {"train.mesh": ",".join(axes), "optim.micro_batch_size": batch}
+            if rows != config.sampling.max_rows_per_call:
+                overrides["sampling.max_rows_per_call"] = rows
+            best = (est, overrides)
+    return best
+
+
+def _splits(model_config: ModelConfig, devices: int) -> list[tuple[int, int]]:
+    """(tensor, expert) sizes to try: tensor a power of two up to 8 dividing the devices and the heads; for a
+    mixture of experts also expert a power of two dividing the experts and the remaining devices (1 otherwise)."""
+    splits = []
     tensor = 1
     while tensor <= min(8, devices):
         if devices % tensor == 0 and model_config.num_heads % tensor == 0:
-            fsdp = devices // tensor
-            cfg = dataclasses.replace(config, optim=dataclasses.replace(config.optim, micro_batch_size=fsdp))
-            mesh = {"data": 1, "fsdp": fsdp, "tensor": tensor}
-            if budget_bytes is None:
-                est = estimate_memory(cfg, model_config, mesh, platform=platform)
-                rows = config.sampling.max_rows_per_call
-            else:
-                est, rows = fit_rows_per_call(cfg, model_config, mesh, budget_bytes, platform)
-            if best is None or est["peak"] < best[0]["peak"]:
-                overrides = {"train.mesh": f"fsdp={fsdp}" + (f",tensor={tensor}" if tensor > 1 else ""),
-                             "optim.micro_batch_size": fsdp}
-                if rows != config.sampling.max_rows_per_call:
-                    overrides["sampling.max_rows_per_call"] = rows
-                best = (est, overrides)
+            expert = 1
+            while devices % (tensor * expert) == 0 and (expert == 1 or model_config.num_experts % expert == 0):
+                splits.append((tensor, expert))
+                if not model_config.num_experts:
+                    break
+                expert *= 2
         tensor *= 2
-    return best
+    return splits

@@ -216,7 +216,8 @@ class _Inputs:
                                 cfg.model.remat_policy, tiles.attention_block_for(length),
                                 (slots, width, kernel == "xla_rows") if kernel != "xla" else None,
                                 tiles=moe_resolve(cfg.model.moe_impl, self.platform) == "tiles",
-                                expert=self.shapes.mesh.get("expert", 1))
+                                expert=self.shapes.mesh.get("expert", 1),
+                                gathered=self.shapes.mesh["data"] * self.shapes.mesh["fsdp"])
 
     def sparse_block(self, tokens: int) -> int:
         """A sparse layer's forward buffers for `tokens` tokens of a device (`feed_forward_bytes`): router logits,
@@ -225,7 +226,8 @@ class _Inputs:
             return 0
         tiles = moe_resolve(self.cfg.model.moe_impl, self.platform) == "tiles"
         mesh = self.shapes.sampler_mesh
-        return feed_forward_bytes(self.mc, tokens, mesh["tensor"], self.c, True, tiles, mesh.get("expert", 1))[0]
+        return feed_forward_bytes(self.mc, tokens, mesh["tensor"], self.c, True, tiles, mesh.get("expert", 1),
+                                  mesh["data"] * mesh["fsdp"])[0]
 
     def logprob_residuals(self, rows: int, scored: int) -> int:
         """`logprob_residual_bytes` of `rows` rows of `scored` scored positions."""
