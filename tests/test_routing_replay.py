@@ -70,7 +70,7 @@ from jaxrl_llm.run.config import AlgorithmSection  # noqa: E402
 from jaxrl_llm.run.state import init_state  # noqa: E402
 from jaxrl_llm.sampling import generate  # noqa: E402
 from jaxrl_llm.train.routing import load_balancing_loss, load_max_over_mean, routes_changed  # noqa: E402
-from jaxrl_llm.train.rollouts import build_train_batches  # noqa: E402
+from jaxrl_llm.train.rollouts import ScoredRollouts, build_train_batches  # noqa: E402
 from jaxrl_llm.train.step import make_train_step  # noqa: E402
 
 _spec = importlib.util.spec_from_file_location(
@@ -187,3 +187,21 @@ def test_async_in_flight_rollouts_keep_their_routes(moe, tmp_path):
     np.testing.assert_array_equal(back.routes, scored.routes)
     np.testing.assert_array_equal(back.prompt_routes, scored.prompt_routes)
     np.testing.assert_array_equal(back.logprobs, scored.logprobs)
+
+
+def test_gvm_stage_rows_keep_their_routes():
+    from jaxrl_llm.train.gvm import reuse_stage1
+
+    def rollouts(prompt_index, first_id, prompt_width):
+        n = len(prompt_index)
+        ids = np.arange(first_id, first_id + n, dtype=np.int8)
+        return ScoredRollouts(records=[{}, {}], prompt_index=np.array(prompt_index), tokens=np.zeros((n, 3), np.int32),
+                              mask=np.ones((n, 3), np.float32), logprobs=np.zeros((n, 3), np.float32),
+                              lengths=np.full(n, 3), rewards=np.zeros(n, np.float32), correct=np.zeros(n, bool),
+                              routes=np.broadcast_to(ids[:, None, None, None], (n, 3, 1, 2)).copy(),
+                              prompt_routes=np.broadcast_to(ids[:, None, None, None], (n, prompt_width, 1, 2)).copy())
+
+    # prompt 0 keeps its 2 stage-1 rows and gains 1 fresh one, prompt 1 keeps 1 of its 2
+    stage2 = reuse_stage1(rollouts([0, 0, 1, 1], 0, 4), rollouts([0], 10, 3), np.array([3, 1]))
+    np.testing.assert_array_equal(stage2.routes[:, 0, 0, 0], [0, 1, 10, 2])
+    np.testing.assert_array_equal(stage2.prompt_routes[:, :, 0, 0], [[0] * 4, [1] * 4, [10, 10, 10, -1], [2] * 4])

@@ -33,8 +33,8 @@ from jaxrl_llm.objectives import gvm_allocate
 from jaxrl_llm.run.config import SamplingSection
 from jaxrl_llm.train.gvm_history import GvmHistory
 from jaxrl_llm.train.logprobs import row_logprobs
-from jaxrl_llm.train.rollouts import (ScoredRollouts, ToolUse, all_rows_batch, count_slot_use, count_tool_use,
-                                      sample_and_score)
+from jaxrl_llm.train.rollouts import (ScoredRollouts, ToolUse, all_rows_batch, concat_routes, count_slot_use,
+                                      count_tool_use, sample_and_score)
 from jaxrl_llm.train.step import mesh_context
 
 
@@ -186,10 +186,11 @@ def prompt_grad_norm_sums(params, model_config, scored: ScoredRollouts, *, param
 
 
 def _take_rows(scored: ScoredRollouts, rows: np.ndarray) -> ScoredRollouts:
-    """The given rows of `scored`, records and prompt indices unchanged."""
+    """The given rows of `scored`, records and prompt indices unchanged (a mixture of experts' routes too)."""
     return ScoredRollouts(records=scored.records, prompt_index=scored.prompt_index[rows], tokens=scored.tokens[rows],
                           mask=scored.mask[rows], logprobs=scored.logprobs[rows], lengths=scored.lengths[rows],
-                          rewards=scored.rewards[rows], correct=scored.correct[rows])
+                          rewards=scored.rewards[rows], correct=scored.correct[rows],
+                          **{f: getattr(scored, f)[rows] for f in _ROUTE_FIELDS if getattr(scored, f) is not None})
 
 
 # ---- allocation -------------------------------------------------------------------------------------------
@@ -326,7 +327,7 @@ def gvm_rollouts(params, model_config, tokenizer, records: list[dict], sampling:
     fresh = draw(fresh_counts, jax.random.fold_in(rng, 1))
     if history is not None:  # the fresh stage-2 samples join the history (norms of at most N' accepted per prompt)
         observe(fresh, fresh_counts, max_rows_per_prompt=n1)
-    fresh = ScoredRollouts(records=stage2_records, **{f: getattr(fresh, f) for f in _ROW_FIELDS})
+    fresh = ScoredRollouts(records=stage2_records, **{f: getattr(fresh, f) for f in _ROW_FIELDS + _ROUTE_FIELDS})
     stage2 = reuse_stage1(stage1, fresh, counts) if sampling.gvm_reuse_stage1 else fresh
     info["gvm"]["time_gvm_grad_norm_s"] = grad_norm_s
     keep = counts > 0
@@ -335,6 +336,7 @@ def gvm_rollouts(params, model_config, tokenizer, records: list[dict], sampling:
 
 
 _ROW_FIELDS = ("prompt_index", "tokens", "mask", "logprobs", "lengths", "rewards", "correct")
+_ROUTE_FIELDS = ("routes", "prompt_routes")  # a mixture of experts' sampled routes (None for a dense model)
 
 
 def reuse_stage1(stage1: ScoredRollouts, fresh: ScoredRollouts, counts: np.ndarray) -> ScoredRollouts:
@@ -344,7 +346,7 @@ def reuse_stage1(stage1: ScoredRollouts, fresh: ScoredRollouts, counts: np.ndarr
     rank = rank_within_prompt(stage1.prompt_index)
     kept = _take_rows(stage1, np.flatnonzero(rank < np.asarray(counts)[stage1.prompt_index]))
     merged = ScoredRollouts(records=fresh.records, **{f: np.concatenate([getattr(kept, f), getattr(fresh, f)])
-                                                       for f in _ROW_FIELDS})
+                                                       for f in _ROW_FIELDS}, **concat_routes([kept, fresh]))
     return _take_rows(merged, np.argsort(merged.prompt_index, kind="stable"))
 
 

@@ -67,10 +67,10 @@ class ScoredRollouts:
             records=[r for p in parts for r in p.records],
             prompt_index=np.concatenate([p.prompt_index + o for p, o in zip(parts, offsets)]),
             **{f: np.concatenate([getattr(p, f) for p in parts])
-               for f in ("tokens", "mask", "logprobs", "lengths", "rewards", "correct")}, **_concat_routes(parts))
+               for f in ("tokens", "mask", "logprobs", "lengths", "rewards", "correct")}, **concat_routes(parts))
 
 
-def _concat_routes(parts: Sequence["ScoredRollouts"]) -> dict:
+def concat_routes(parts: Sequence["ScoredRollouts"]) -> dict:
     """The parts' routes and prompt routes joined (prompt widths padded with -1), or none where a part lacks them."""
     if any(p.routes is None for p in parts):
         return {}
