@@ -108,6 +108,8 @@ def test_train_step_on_an_expert_mesh_equals_single_device(on_mesh):
     assert r["metrics"]["kl"] > 0 and r["metrics"]["grad_norm"] > 0, r
     assert r["expert_parallel_traces"] >= 2, r  # the sparse block took the all-to-all path: step, log-prob pass
     assert r["logprob_diff"] < 1e-5, r  # the old / reference log-prob pass on the mesh
+    # the sampler's prefill and decode on the same mesh, the experts split: greedy tokens and log-probs
+    assert r["sampler"]["tokens_equal"] and r["sampler"]["logprob_diff"] < 1e-5, r
     assert r["specs"]["expert_gate"] == "P(None, 'expert', 'fsdp', 'tensor')", r
     assert r["specs"]["mu/expert_down"] == "P(None, 'expert', 'tensor', 'fsdp')", r
     assert r["expert_grad_rel_diff"] < 1e-4, r  # the experts' moments alone (a wrong shard would move them whole)
@@ -251,9 +253,25 @@ def _step_checks() -> dict:
                             for k in m_single[0]},
         "metrics": m_single[0], "expert_parallel_traces": len(traces) - traced_single,
         "logprob_diff": float(np.abs(np.asarray(logp_mesh) - logp_single).max()),
+        "sampler": _sampler_checks(config, params, mesh),
         "specs": {"expert_gate": str(sharded.params["layers"]["expert_gate"].sharding.spec),
                   "mu/expert_down": str(adam_mesh.mu["layers"]["expert_down"].sharding.spec)},
     }
+
+
+def _sampler_checks(config, params, mesh) -> dict:
+    """Greedy generate with the experts split over `expert` (the sampler runs the single-device block, the compiler
+    gathering the experts it needs) against one device: tokens and log-probs."""
+    import jax
+
+    from jaxrl_llm.models.sharding import shard_params
+    from jaxrl_llm.sampling import generate
+
+    prompts, counts = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10], [11], [12, 13]], [3, 1, 2, 2]
+    runs = [generate(p, config, prompts, num_samples=counts, max_new_tokens=8, temperature=0.0, rng=jax.random.key(3),
+                     mesh=m) for p, m in ((params, None), (shard_params(params, mesh), mesh))]
+    return {"tokens_equal": bool(np.array_equal(runs[0].tokens, runs[1].tokens)),
+            "logprob_diff": float(np.abs(runs[0].logprobs - runs[1].logprobs).max())}
 
 
 if __name__ == "__main__":
