@@ -89,6 +89,11 @@ def expert_parallel_mlp(h: jax.Array, routing, experts, grouped: Callable, mesh=
         return _exchange(h, chosen, gate_weights, local_experts, shards, grouped)
 
     rows = P(split)
+    # check_vma=False: with it, JAX casts the replicated weights (and any traced constant) to device-varying where
+    # they meet the rows, inside the tiles' per-tile conditional, and its transpose (a psum) then sits in a branch
+    # that devices take differently: they wait on each other for ever (seen on the CPU's fake devices). Unchecked,
+    # the cotangents of the unsplit inputs are summed at the shard_map's boundary (gradients equal one device's,
+    # tests/test_moe_expert_parallel.py, with tensor = 2 too).
     out = jax.shard_map(local, mesh=mesh, in_specs=(rows, rows, rows, {name: P(AXIS) for name in weights}),
                         out_specs=rows, check_vma=False)(h, chosen, gate_weights, weights)
     return out[:num_tokens]
