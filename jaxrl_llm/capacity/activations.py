@@ -41,8 +41,10 @@ def feed_forward_bytes(mc: ModelConfig, tokens: int, tensor: int, c: int, sparse
     P x 6 F_e x c, beside each tile's slices of the three matrices, 3 T D F_e x c, and the padded rows in and out,
     2 P D x c (XLA's CPU buffer assignment). Its backward: the gradients of the grouped rows, gate and up,
     M (D + 2 F_e) x c (tiles: + the padded rows' two gradients, 2 P D x c). Over an `expert` axis of s > 1 devices
-    (`models.expert_parallel`'s worst-case buffers) a device's grouped rows are M = s C, C = N min(k, E / s), and
-    its send, receive, output and returned buffers 4 s C D x c add to the sorted rows. Without an expert axis,
+    (`models.expert_parallel`'s worst-case buffers) a device's grouped rows are M = s C, C = N min(k, E / s): the
+    received rows and their outputs, 2 s C D x c, beside its own N k sorted rows and returned outputs, 2 N k D x c
+    (`jaxrl-llm compile`, Qwen3-30B-A3B's first 4 layers on v5p-64, expert=8,tensor=4: XLA's peak 34.83 GiB, this
+    estimate 34.6; counting the send and returned buffers as s C rows too, 48.6). Without an expert axis,
     on `gathered` = data x fsdp devices, XLA's SPMD partitioner cannot split the grouped rows (their groups are the
     experts' runs of every token): it gathers every device's pairs, M = N k x gathered, and the sorted rows and
     outputs, hidden and gradients are that many rows on every device (`jaxrl-llm compile`, Qwen3-30B-A3B on v5p-64,
@@ -56,7 +58,7 @@ def feed_forward_bytes(mc: ModelConfig, tokens: int, tensor: int, c: int, sparse
     if expert > 1:
         experts //= expert
         grouped = expert * tokens * min(k, experts)
-        routed += 2 * tokens * k * d * c + 4 * grouped * d * c
+        routed += 2 * tokens * k * d * c + 2 * grouped * d * c
     else:
         grouped = tokens * k * gathered
         routed += 2 * grouped * d * c
