@@ -38,6 +38,8 @@ SETUP = {
                "not the idle machine's",
     "grpo_run": "the CI run of cff2843 (bash .ci/run, README's command jaxrl-llm train --config "
                 "configs/lora_demo.yaml; 0.560 -> 0.8175 as every run of it since 79e89e2); its final/ is the teacher",
+    "grpo_step10": "the GRPO demo's step-10 checkpoint evaluated alone (the evaluation row at step 10 of "
+                   "distill_demo_runs/grpo/metrics.jsonl): a copy of its checkpoint 10 resumed with train.steps=10",
     "sampled_run": "started with train.steps=8 and stopped after its step-4 evaluation (the learning rate is constant, "
                    "so steps 1-4 and that evaluation are the 4-step config's)",
 }
@@ -86,6 +88,8 @@ def summarize(runs: dict[str, list[dict]]) -> dict:
         "grpo_samples_to_teacher": grpo,
         "opd_samples_to_teacher": opd,
         "ratio": {mode: (opd[mode] / grpo if opd[mode] is not None and grpo else None) for mode in MODES},
+        # a mode that did not reach the teacher: its ratio is above samples drawn / grpo's
+        "ratio_above": {mode: curves[mode][-1]["samples"] / grpo for mode in MODES if opd[mode] is None and grpo},
         "train_seconds": {name: round(sum(r.get("time_wall_s", 0.0) for r in rows), 1) for name, rows in runs.items()},
         "curves": curves,
         "rule": "a run reaches the teacher at its first evaluation with avg@4 >= teacher - sqrt(sd^2 + sd_teacher^2)",

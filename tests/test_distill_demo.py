@@ -46,7 +46,7 @@ def test_summary_of_three_small_runs():
     # the bar: 0.8 - sqrt(2) 0.03 = 0.7576; grpo reaches it at 200 samples, sampled at 50, topk never
     assert out["teacher_accuracy"] == 0.8 and out["grpo_samples_to_teacher"] == 200
     assert out["opd_samples_to_teacher"] == {"sampled": 50, "topk": None}
-    assert out["ratio"] == {"sampled": 0.25, "topk": None}
+    assert out["ratio"] == {"sampled": 0.25, "topk": None} and out["ratio_above"] == {"topk": 0.25}
     assert out["student_after"] == {"grpo": 0.8, "sampled": 0.78, "topk": 0.6}
     assert out["samples"] == {"grpo": 200, "sampled": 50, "topk": 50}
     assert out["train_seconds"] == {"grpo": 4.0, "sampled": 2.0, "topk": 2.0}
