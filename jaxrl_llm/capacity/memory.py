@@ -123,7 +123,10 @@ replaces the dense one's 4 F per token (`activations.feed_forward_bytes`): per t
 E x 4, the chosen ids and weights k x 8, the sorted (token, expert) rows, the grouped matmuls' outputs and each
 token's k outputs in f32, k D x (2 c + 4), and the hidden (gate, up, SiLU, product) 4 k F_e x c; its backward
 the gradients k (D + 2 F_e) x c; on a CPU the tiled grouped matmul's padded rows and per-tile residuals instead
-of the hidden. Without remat each layer keeps its own kind's terms (a dense layer among sparse ones its dense
+of the hidden. Without an `expert` axis the grouped rows are every data x fsdp device's (XLA gathers them: a
+ragged_dot's groups cannot be split), M = N k x data x fsdp on each device; over an expert axis of s devices
+`models.expert_parallel`'s worst-case M = s N min(k, E / s) (`activations.feed_forward_bytes`). Without remat
+each layer keeps its own kind's terms (a dense layer among sparse ones its dense
 block's); with remat one layer's working set is its kind's, or, where the kinds mix, the sparse block's and the
 dense block's together (the layer's lax.cond holds both branches' buffers: XLA's CPU buffer assignment). The
 sampler's prefill adds a sparse layer's forward buffers for the chunk's tokens on a device (chunk / (data x fsdp)
