@@ -66,8 +66,9 @@ class Sampler:
     """The continuous engine's slots over the prompt stream (module docstring). `length(k)`: sample k's tokens."""
 
     def __init__(self, length, *, slots: int, group_size: int, window: int, iteration_s, prefill_s: float,
-                 chunk: int = 1):
+                 chunk: int = 1, entries: int = 0):
         self.length, self.slots, self.n, self.window, self.chunk = length, slots, group_size, window, chunk
+        self.entries = entries  # prompt cache entries (0: enough); a prompt holds one until its samples all end
         self.iteration_s, self.prefill_s = iteration_s, prefill_s
         self.now, self.iteration, self.next_sample, self.front, self.prefilled = 0.0, 0, 0, 0, 0
         self.ends: list = []  # (iteration it ends, sample, iteration it started)
@@ -79,6 +80,9 @@ class Sampler:
         while len(self.ends) < self.slots and self.next_sample // self.n < self.front + self.window:
             k, prompt = self.next_sample, self.next_sample // self.n
             if prompt == self.prefilled:  # the engine prefills `chunk` prompts of the queue at once
+                live = sum(self.ended[p] < self.n for p in range(self.front, self.prefilled))
+                if self.entries and self.entries - live < self.chunk:
+                    break  # no chunk of free entries: the free slots wait for a prompt's last sample to end
                 upto = min(prompt + self.chunk, self.front + self.window)
                 self.now += self.prefill_s * (upto - prompt)
                 self.oldest.update(dict.fromkeys(range(prompt, upto), version))
@@ -197,7 +201,7 @@ def replay(header: dict, segments: list[dict], rows: list[dict], offset: float) 
     cap = shape["max_new_tokens"]  # a sample still decoding when the run ended: to the cap, past the replay
     sampler = MeasuredSampler(lambda k: lengths.get(k, cap), [x["end"] - x["start"] for x in segments],
                               slots=shape["slots"], group_size=shape["group_size"], window=shape["window"],
-                              chunk=shape.get("prefill_chunk", 1))
+                              chunk=shape.get("prefill_chunk", 1), entries=shape.get("prompt_entries", 0))
     updates = iter([r["time_score_s"] + r["train_end_s"] - r["train_start_s"] for r in rows])
     events = simulate_partial(sampler, lambda prompts: next(updates), steps=len(rows),
                               batch_groups=schedule["batch_groups"], lag=schedule["partial_lag"],
@@ -234,12 +238,14 @@ def compare(run) -> dict:
         "staleness_max_as_simulated": [e.staleness_max for e in events] == [r["staleness_max"] for r in rows],
         "dropped_as_simulated": [e.dropped for e in events] == [r.get("dropped_stale", 0) for r in rows]}
     worst = max(abs(x) for v in errors.values() for x in v)
+    steps = {"measured": _steps([r["train_end_s"] for r in rows]), "predicted": _steps([e.train_end_s for e in events])}
     return {"ok": all(checks.values()), "checks": checks, "steps": len(rows), "segments": len(simulated),
             "header": header, "mean_abs_error_s": {k: math.fsum(map(abs, v)) / len(v) for k, v in errors.items()},
             "max_abs_error_s": worst, "max_abs_error_of_wall": worst / wall["measured"], "wall_s": wall,
             "wall_relative_error": wall["predicted"] / wall["measured"] - 1.0,
-            "step_s": {"measured": _steps([r["train_end_s"] for r in rows]),
-                       "predicted": _steps([e.train_end_s for e in events])}}
+            "step_relative_error_max": max((abs(p / m - 1.0) for p, m in zip(steps["predicted"], steps["measured"])),
+                                           default=0.0),
+            "step_s": steps}
 
 
 def _steps(ends: list[float]) -> list[float]:

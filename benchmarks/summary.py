@@ -74,6 +74,8 @@ PROVENANCE = {
                    "gvm_mstep,gvm_capped,uniform_updates,uniform_lr8x,gvm_mstep_lr8x --set optim.lr=2e-5 --set "
                    "sampling.prompts_per_step=256 --out runs/gvm_spec/$algorithm; done; then --from-results "
                    "runs/gvm_spec/raftpp/results.json,runs/gvm_spec/grpo/results.json"},
+    "partial_sim.json": {"machine": "predicted: an event simulation on benchmarks/async_costs.py's cost models",
+                         "date": "2026-11-29", "recorded_in": "0bf4233"},
 }
 
 
@@ -94,6 +96,7 @@ class Row:
     commit: str
     command: str            # one command a line where the figure takes several runs
     files: tuple
+    predicted: bool = False  # simulated, not measured: said in the table, hatched in the figure
 
 
 @functools.lru_cache(maxsize=None)
@@ -245,19 +248,40 @@ def gvm() -> list[Row]:
     return out
 
 
+PAPER_TARGETS = (("h200x8", "8 x H200"), ("v5e-64", "v5e-64"))
+
+
+def partial() -> list[Row]:
+    """Partial rollouts against the synchronous loop at the paper's shape, one row per target: predicted by
+    benchmarks/partial_sim.py at each training MFU scenario (no run at that shape)."""
+    d, m = load("partial_sim.json"), meta("partial_sim.json")
+    out = []
+    for key, label in PAPER_TARGETS:
+        steps = d[key]["seconds_per_step"]
+        mfu = _span([100 * s["train_mfu"] for s in steps.values()], 1, "%")
+        out.append(Row(f"partial rollouts vs sync, {label} (predicted)",
+                       f"Partial rollouts, the paper's shape (Qwen2.5-Math-1.5B, 1024 x 8 up to 3072 tokens) on "
+                       f"{label}, train MFU {mfu}, predicted s/step",
+                       _span([s["partial_best"] for s in steps.values()], 0),
+                       f"the synchronous loop (ours), predicted: {_span([s['sync'] for s in steps.values()], 0)}",
+                       tuple(d[key]["partial_vs_sync"].values()), "faster", "slower", "", (), **m, predicted=True))
+    return out
+
+
 def rows() -> list[Row]:
     return [*sampler_cpu(), *rollouts_cpu(), *rl_step_cpu(), *train_step_cpu(), *gpu(), *verifier(), *memory(),
-            *gvm()]
+            *gvm(), *partial()]
 
 
 def ratio_text(row: Row) -> str:
     if not row.ratio:
         return ""
+    said = ", predicted" if row.predicted else ""
     if min(row.ratio) >= 1:
-        return f"**{_span(row.ratio)}x** {row.better}"
+        return f"**{_span(row.ratio)}x** {row.better}{said}"
     if max(row.ratio) < 1:
-        return f"{_span(row.ratio)}x: **{_span([1 / r for r in row.ratio])}x {row.worse}**"
-    return f"{_span(row.ratio)}x"
+        return f"{_span(row.ratio)}x: **{_span([1 / r for r in row.ratio])}x {row.worse}**{said}"
+    return f"{_span(row.ratio)}x{said}"
 
 
 def commands(rows_: list[Row]) -> list[str]:
@@ -305,6 +329,22 @@ def _gpu_train_line(row) -> str:
             "speed from the compiled program (benchmarks/gpu_model.py), not yet measured.")
 
 
+def _predicted_line() -> str:
+    """README's line of predictions: partial rollouts against the synchronous loop, and how the simulator held up
+    against a run (results/partial_sim.json's "validation")."""
+    h200, v5e = partial()
+    d = load("partial_sim.json")
+    mfu = _span([100 * s["train_mfu"] for s in d["h200x8"]["seconds_per_step"].values()], 1, "%")
+    check = d["validation"]
+    checked = ("not yet checked against a run" if not check else
+               f"whose schedule, replayed on the measured durations of a {check['wall_s']['measured']:.0f} s CPU run "
+               f"on 8 fake devices, puts every event within {check['max_abs_error_s']:.1f} s "
+               f"({check['max_abs_error_of_wall']:.2%}) of the run's")
+    return (f"- **Predicted, not measured**: partial rollouts (`rollouts.mode: partial`) at {_span(h200.ratio)}x the "
+            f"synchronous loop's speed on 8 x H200 and {_span(v5e.ratio)}x on a v5e-64 at the paper's shape (train "
+            f"MFU {mfu}), from an event simulation (benchmarks/partial_sim.py) {checked}.")
+
+
 def how_fast() -> str:
     """The lines between the how-fast markers of README.md: the ratios that matter most, from the same rows."""
     by = {(r.figure, r.peer.split(":")[0]): r for r in rows()}
@@ -329,6 +369,7 @@ def how_fast() -> str:
         f"- **Verifier and memory**: accuracy {ver_a.ours} against math-verify's {ver_a.peer.split(': ')[1]} at "
         f"{x(ver_s)} its speed; the demo peaks at {demo.ours.split(',')[0]} against "
         f"{demo.peer.split(': ')[1].split(',')[0]} when it trains every weight.",
+        _predicted_line(),
     ]
     return "\n".join(textwrap.fill(line, 118, subsequent_indent="  ", break_on_hyphens=False) for line in lines)
 
@@ -340,7 +381,7 @@ def figure(path: pathlib.Path = FIGURE) -> None:
     import matplotlib.pyplot as plt
 
     rows_ = rows()
-    bars = [(r.short, r.ratio, "peer") for r in rows_ if r.ratio]
+    bars = [(r.short, r.ratio, "predicted" if r.predicted else "peer") for r in rows_ if r.ratio]
     limits = {}  # one bar per measured ceiling: rows against two peers share theirs
     for r in rows_:
         if r.of_limit:
@@ -352,11 +393,12 @@ def figure(path: pathlib.Path = FIGURE) -> None:
     for i, (label, values, kind) in zip(ys, bars):
         lo, hi = min(values), max(values)
         colour = "#9a9a9a" if kind == "limit" else ("#2a7ab9" if lo >= 1 else "#c8553d")
-        ax.barh(i, hi, color=colour, height=0.7)
+        ax.barh(i, hi, color=colour, height=0.7, hatch="//" if kind == "predicted" else None,
+                alpha=0.5 if kind == "predicted" else 1.0)
         if hi > lo:
             ax.barh(i, lo, color="white", alpha=0.35, height=0.7)
-        ax.text(hi * 1.08, i, f"{_span(values)}x" if kind == "peer" else _span([100 * v for v in values], 0, "%"),
-                va="center", fontsize=8)
+        ax.text(hi * 1.08, i, _span([100 * v for v in values], 0, "%") if kind == "limit" else f"{_span(values)}x" +
+                (" predicted" if kind == "predicted" else ""), va="center", fontsize=8)
     ax.set_yticks(ys, [b[0] for b in bars], fontsize=8)
     ax.invert_yaxis()
     ax.set_xscale("log")
@@ -365,7 +407,7 @@ def figure(path: pathlib.Path = FIGURE) -> None:
     ax.set_xticks(ticks, [f"{t:g}x" for t in ticks])
     ax.minorticks_off()
     ax.axvline(1, color="black", linewidth=1)
-    ax.set_xlabel("ours better by (blue above 1x, red below); grey: ours / the machine's measured limit")
+    ax.set_xlabel("ours better by (blue above 1x, red below, hatched: predicted); grey: ours / measured limit")
     ax.set_title("benchmarks/results/*.json at a glance (benchmarks/summary.py)", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=80)

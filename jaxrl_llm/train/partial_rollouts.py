@@ -105,8 +105,8 @@ class PartialSampler:
         self.arguments = (jnp.asarray(np.repeat(np.arange(self.window, dtype=np.int32), group_size)),
                           jnp.int32(rows), key, temperature, top_p, jnp.int32(max_new_tokens),
                           jnp.asarray(stop_array(stop_ids, model_config.vocab_size)), jnp.int32(segment_iterations))
-        cache = continuous.empty_prompt_cache(model_config, prompt_entries(self.window, self.slots, self.chunk),
-                                              self.prompt_bucket)
+        self.entries = prompt_entries(self.window, self.slots, self.chunk)
+        cache = continuous.empty_prompt_cache(model_config, self.entries, self.prompt_bucket)
         self.state = continuous.start_slots(model_config, cache, self._queue([]), self.arguments[0],
                                             jnp.int32(pad_id), slots=self.slots, new_token_bucket=self.width)
         # host books, one entry per queue place / row: the prompts, the version that prefilled each, whether its
@@ -298,7 +298,7 @@ def score_groups(groups: list[Group], tokenizer, scorer) -> "ScoredRollouts":
 class SegmentLog:
     """RUN_DIR/segments.jsonl, appended from the sampler's and the trainer's threads: a header line {"start": step,
     "schedule": {...}, "sampler": {"window", "group_size", "slots", "segment_iterations", "max_new_tokens",
-    "prefill_chunk"}}, then per segment
+    "prefill_chunk", "prompt_entries"}}, then per segment
     {"segment", "version", "start", "end", "iterations", "groups": [[index, *lengths]]} and per batch taken
     {"batch": step, "sample_end"}; times are time.perf_counter() seconds, the batch lines tie them to metrics.jsonl's
     sample_end_s."""
@@ -325,7 +325,7 @@ def segment_log(run, sampler: PartialSampler, start: int) -> SegmentLog | None:
                                      "steps": run.config.train.steps, "redraw": section.stale == "redraw"},
         "sampler": {"window": sampler.window, "group_size": sampler.n, "slots": sampler.slots,
                     "segment_iterations": sampler.segment_iterations, "max_new_tokens": sampler.max_new_tokens,
-                    "prefill_chunk": sampler.chunk}})
+                    "prefill_chunk": sampler.chunk, "prompt_entries": sampler.entries}})
     sampler.log = log.write
     return log
 
