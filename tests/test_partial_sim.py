@@ -83,6 +83,15 @@ def test_prompts_prefilled_a_chunk_at_a_time_keep_the_version_of_their_prefill()
     assert sampler.oldest == {0: 0, 1: 0, 2: 2, 3: 2} and sampler.now == 1 + 2 + 2 + 1 + 2
 
 
+def test_a_chunk_waits_for_free_prompt_entries():
+    # 4 slots, chunks of 2 prompts, 2 entries: prompts 0 (1 token) and 1 (3 tokens) hold both entries, so prompts 2
+    # and 3 are prefilled only once 1 has ended (after iteration 3), though slots are free from iteration 1 on.
+    sampler = sim.Sampler(lambda k: [1, 3, 1, 1][k], slots=4, group_size=1, window=100,
+                          iteration_s=lambda busy, tokens: 1.0, prefill_s=0.0, chunk=2, entries=2)
+    assert sampler.segment(0, 3) == [0, 1] and sampler.next_sample == 2 and sampler.busy_iterations == 2 + 1 + 1
+    assert sampler.segment(1, 1) == [2, 3] and sampler.oldest[2] == 1
+
+
 def test_iteration_cost_by_hand():
     # 1,000 parameters (2,000 B of weights), 4 B of cache and 4 attention FLOPs per context token; 8-token prompts,
     # one sample each; 2 devices, 4 busy slots with 400 tokens so far: 2 slots a device, 200 tokens + half a tile
