@@ -40,6 +40,7 @@ SETUP = {
                 "configs/lora_demo.yaml; 0.560 -> 0.8175 as every run of it since 79e89e2); its final/ is the teacher",
     "grpo_step10": "the GRPO demo's step-10 checkpoint evaluated alone (the evaluation row at step 10 of "
                    "distill_demo_runs/grpo/metrics.jsonl): a copy of its checkpoint 10 resumed with train.steps=10",
+    "topk_run": "the 4-step config, then --resume with train.steps=6 (steps 5-6 and an evaluation at 384 samples)",
     "sampled_run": "started with train.steps=8 and stopped after its step-4 evaluation (the learning rate is constant, "
                    "so steps 1-4 and that evaluation are the 4-step config's)",
 }
