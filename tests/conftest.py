@@ -66,6 +66,26 @@ def full_precision_float32_matmuls():
     yield
 
 
+# Every compiled CPU program keeps a few memory mappings of its machine code (about 3 per small program) for as long as
+# JAX caches it. A worker that compiles the suite's programs one after another nears Linux's vm.max_map_count (65530
+# by default), where the next compilation's mmap fails inside XLA and the worker dies with a segmentation fault.
+MAX_MAPPINGS = 40_000
+
+
+@pytest.fixture(autouse=True)
+def release_compiled_programs_near_the_map_limit():
+    """After a test, drop JAX's in-memory caches of compiled programs when this process holds more than
+    MAX_MAPPINGS memory mappings (the programs are read back from the run's persistent cache when used again)."""
+    yield
+    try:
+        with open("/proc/self/maps", "rb") as maps:
+            count = sum(1 for _ in maps)
+    except OSError:  # not Linux: no such limit to keep under
+        return
+    if count > MAX_MAPPINGS:
+        jax.clear_caches()
+
+
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory):
     """`tiny_checkpoint(family, seed=0)` -> directory of a tiny random transformers checkpoint,
