@@ -75,7 +75,44 @@ class SyncRollouts:
         pass
 
 
-class AsyncRollouts:
+class _SamplerThread:
+    """What the two sampler threads share: the condition the trainer and the sampler meet on, the sampler's error
+    handed to the trainer (raised from `take` / `quiesce`), and `close`. A subclass sets `mode` and `doing` (what
+    the sampler was about, for the error) and defines `_run`."""
+
+    mode = ""
+
+    def _start_thread(self, name: str) -> None:
+        self.error: BaseException | None = None
+        self.stopped = False
+        self.cond = threading.Condition()
+        self.thread = threading.Thread(target=self._guarded, name=name, daemon=True)
+
+    def _wait_until(self, done: Callable[[], bool]) -> None:
+        """Under `self.cond`: wait until `done()` holds, raising the sampler's error if it failed first."""
+        while not done() and self.error is None:
+            self.cond.wait()
+        if self.error is not None:
+            raise RuntimeError(f"the sampler thread failed {self.doing()} "
+                               f"(rollouts.mode {self.mode})") from self.error
+
+    def close(self) -> None:
+        """Stop the sampler after the segment or step it is working on (if any) and wait for it."""
+        with self.cond:
+            self.stopped = True
+            self.cond.notify_all()
+        self.thread.join()
+
+    def _guarded(self) -> None:
+        try:
+            self._run()
+        except BaseException as err:  # handed to the trainer, which raises it from take / quiesce
+            with self.cond:
+                self.error = err
+                self.cond.notify_all()
+
+
+class AsyncRollouts(_SamplerThread):
     """The sampler thread of `rollouts.mode: async` (see the module docstring).
 
     `draw(step, params) -> (ScoredRollouts, info)` draws one step's rollouts (it reads the data stream);
@@ -91,13 +128,14 @@ class AsyncRollouts:
         if sorted(self.results) != list(range(start, self.next_step)):
             raise ValueError(f"in-flight rollouts must be for steps {start}, {start + 1}, ...; got {sorted(self.results)}")
         self.versions: dict[int, Any] = {}
-        self.error: BaseException | None = None
-        self.stopped = False
-        self.busy = False  # drawing a step (between taking its version and handing over its rollouts)
-        self.cond = threading.Condition()
-        self.thread = threading.Thread(target=self._run, name="jaxrl-sampler", daemon=True)
+        self._start_thread("jaxrl-sampler")
         self.publish(start)
         self.thread.start()
+
+    mode = "async"
+
+    def doing(self) -> str:
+        return f"drawing step {self.next_step + 1}"
 
     def version_for(self, step: int) -> int:
         """The version step `step` is drawn with: max(start, step - k), start being the step the run (re)started at."""
@@ -118,11 +156,7 @@ class AsyncRollouts:
         """Step `step`'s rollouts, waiting for the sampler if it has not drawn them yet."""
         started = time.perf_counter()
         with self.cond:
-            while step not in self.results and self.error is None:
-                self.cond.wait()
-            if self.error is not None:
-                raise RuntimeError(f"the sampler thread failed drawing step {self.next_step + 1} "
-                                   f"(rollouts.mode async)") from self.error
+            self._wait_until(lambda: step in self.results)
             scored, info = self.results.pop(step)
             self.cond.notify_all()
         info["wait_s"] = time.perf_counter() - started
@@ -133,51 +167,35 @@ class AsyncRollouts:
         step + k - 1), then return the rollouts drawn and not yet taken: what a checkpoint at `step` saves."""
         last = min(step + self.k, self.steps)
         with self.cond:
-            while self.next_step < last and self.error is None:
-                self.cond.wait()
-            if self.error is not None:
-                raise RuntimeError(f"the sampler thread failed drawing step {self.next_step + 1} "
-                                   f"(rollouts.mode async)") from self.error
+            self._wait_until(lambda: self.next_step >= last)
             return dict(self.results)
-
-    def close(self) -> None:
-        """Stop the sampler after the step it is drawing (if any) and wait for it."""
-        with self.cond:
-            self.stopped = True
-            self.cond.notify_all()
-        self.thread.join()
 
     # ---- the sampler's side ----------------------------------------------------------------------------------
 
     def _run(self) -> None:
-        try:
-            while True:
-                with self.cond:
-                    step = self.next_step
-                    version = self.version_for(step)
-                    while not self.stopped and step < self.steps and version not in self.versions:
-                        self.cond.wait()
-                    if self.stopped or step >= self.steps:
-                        return
-                    params = self.versions[version]
-                started = time.perf_counter()
-                scored, info = self.draw(step, params)
-                info.update(policy_version=version, staleness=step - version, sample_start=started,
-                            sample_end=time.perf_counter())
-                with self.cond:
-                    self.results[step] = (scored, info)
-                    self.next_step = step + 1
-                    needed = self.version_for(self.next_step)
-                    for old in [v for v in self.versions if v < needed]:
-                        del self.versions[old]  # no step left to draw reads it
-                    self.cond.notify_all()
-        except BaseException as err:  # handed to the trainer, which raises it from take / quiesce
+        while True:
             with self.cond:
-                self.error = err
+                step = self.next_step
+                version = self.version_for(step)
+                while not self.stopped and step < self.steps and version not in self.versions:
+                    self.cond.wait()
+                if self.stopped or step >= self.steps:
+                    return
+                params = self.versions[version]
+            started = time.perf_counter()
+            scored, info = self.draw(step, params)
+            info.update(policy_version=version, staleness=step - version, sample_start=started,
+                        sample_end=time.perf_counter())
+            with self.cond:
+                self.results[step] = (scored, info)
+                self.next_step = step + 1
+                needed = self.version_for(self.next_step)
+                for old in [v for v in self.versions if v < needed]:
+                    del self.versions[old]  # no step left to draw reads it
                 self.cond.notify_all()
 
 
-class PartialRollouts:
+class PartialRollouts(_SamplerThread):
     """The sampler thread of `rollouts.mode: partial` (train/partial_rollouts.py): segment after segment of a
     `PartialSampler`, each with version max(0, r - lag) for the batch r it fills, every `batch_groups` groups
     handed over (those older than `max_staleness` versions dropped, or redrawn) making one step's batch.
@@ -208,14 +226,16 @@ class PartialRollouts:
                              f"{sorted(self.results)}")
         self.schedule = schedule
         self.versions: dict[int, Any] = {}
-        self.error: BaseException | None = None
-        self.stopped = False
         self.waiting: int | None = None  # the version the sampler waits for (None: it is decoding)
         self.marks = (sampler.slot_steps, sampler.useful, time.perf_counter())  # at the last batch
-        self.cond = threading.Condition()
-        self.thread = threading.Thread(target=self._run, name="jaxrl-partial-sampler", daemon=True)
+        self._start_thread("jaxrl-partial-sampler")
         self.publish(start)
         self.thread.start()
+
+    mode = "partial"
+
+    def doing(self) -> str:
+        return f"filling step {self.next_step + 1}'s batch"
 
     # ---- the trainer's side ----------------------------------------------------------------------------------
 
@@ -232,9 +252,7 @@ class PartialRollouts:
         """Step `step`'s batch (waiting for the sampler to fill it), scored."""
         started = time.perf_counter()
         with self.cond:
-            while step not in self.results and self.error is None:
-                self.cond.wait()
-            self._raise()
+            self._wait_until(lambda: step in self.results)
             groups, info = self.results.pop(step)
         waited = time.perf_counter() - started
         scored, info = self.make_batch(groups, step, dict(info))
@@ -246,50 +264,32 @@ class PartialRollouts:
         batch), then return what a checkpoint at `step` saves: the batches formed and not yet taken, and "sampler"
         (the engine's state and books, the groups handed over for the next batch)."""
         with self.cond:
-            while self.error is None and not (self.waiting is not None and
-                                              (self.waiting >= step or self.next_step >= self.steps)):
-                self.cond.wait()
-            self._raise()
+            self._wait_until(lambda: self.waiting is not None
+                             and (self.waiting >= step or self.next_step >= self.steps))
             arrays, books = self.sampler.state_dict()
             return {**self.results, "sampler": {"arrays": arrays, "books": books, "next_step": self.next_step,
                                                 "pending": list(self.pending), "dropped": self.dropped,
                                                 "drawn": self.drawn, "schedule": self.schedule}}
 
-    def close(self) -> None:
-        with self.cond:
-            self.stopped = True
-            self.cond.notify_all()
-        self.thread.join()
-
-    def _raise(self) -> None:
-        if self.error is not None:
-            raise RuntimeError(f"the sampler thread failed filling step {self.next_step + 1}'s batch "
-                               f"(rollouts.mode partial)") from self.error
-
     # ---- the sampler's side ----------------------------------------------------------------------------------
 
     def _run(self) -> None:
-        try:
-            while True:
-                with self.cond:
-                    version = max(0, self.next_step - self.lag)
-                    self.waiting = version
-                    self.cond.notify_all()
-                    while not self.stopped and self.next_step < self.steps and version not in self.versions:
-                        self.cond.wait()
-                    if self.stopped or self.next_step >= self.steps:
-                        return
-                    self.waiting, params = None, self.versions[version]
-                groups = self.sampler.segment(params, version)
-                with self.cond:
-                    for group in groups:
-                        self._hand_over(group)
-                    for old in [v for v in self.versions if v < max(0, self.next_step - self.lag)]:
-                        del self.versions[old]  # no batch left to fill reads it
-                    self.cond.notify_all()
-        except BaseException as err:  # handed to the trainer, which raises it from take / quiesce
+        while True:
             with self.cond:
-                self.error = err
+                version = max(0, self.next_step - self.lag)
+                self.waiting = version
+                self.cond.notify_all()
+                while not self.stopped and self.next_step < self.steps and version not in self.versions:
+                    self.cond.wait()
+                if self.stopped or self.next_step >= self.steps:
+                    return
+                self.waiting, params = None, self.versions[version]
+            groups = self.sampler.segment(params, version)
+            with self.cond:
+                for group in groups:
+                    self._hand_over(group)
+                for old in [v for v in self.versions if v < max(0, self.next_step - self.lag)]:
+                    del self.versions[old]  # no batch left to fill reads it
                 self.cond.notify_all()
 
     def _hand_over(self, group) -> None:
