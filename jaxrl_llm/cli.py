@@ -166,14 +166,19 @@ def _cmd_compile(args) -> int:
     import dataclasses
     import json
 
-    from jaxrl_llm.capacity.aot import CudaPluginMissing, LibtpuMissing, compile_run, format_report
+    from jaxrl_llm.capacity.aot import (CudaPluginMissing, LibtpuMissing, compile_run, format_report,
+                                        teacher_config_for)
     from jaxrl_llm.train import load_config
 
     config = load_config(args.config, args.overrides)
     _say(f"jaxrl-llm compile: {config.model.source} ({config.algorithm.name}) for {args.topology}, "
          f"train.mesh={config.train.mesh!r}")
+    teacher = teacher_config_for(config)
+    if config.distill.teacher and teacher is None:
+        _say(f"jaxrl-llm compile: distill.teacher={config.distill.teacher!r} compiled with the policy's shape")
     try:
-        result = compile_run(config, args.topology, only=tuple(args.programs.split(",")) if args.programs else None)
+        result = compile_run(config, args.topology, only=tuple(args.programs.split(",")) if args.programs else None,
+                             teacher_config=teacher)
     except (LibtpuMissing, CudaPluginMissing) as err:
         print(f"jaxrl-llm compile: error: {err}", file=sys.stderr)
         return 2

@@ -376,11 +376,13 @@ def test_gpu_decode_reads_every_response_tile_in_fewer_kernels():
 def test_distillation_teacher_pass_and_topk_step_compile():
     """`jaxrl-llm compile` of a distillation run: the teacher's pass (distill.mode topk: its top-K pass) with the
     teacher's weights in bfloat16 (its arguments: 2 bytes a parameter and the packed rollouts), and the train step
-    on mini-batches that carry the teacher's top_k ids and log-probs [rows, S, R, K] (absent without topk)."""
+    on mini-batches that carry the teacher's top_k ids and log-probs [rows, S, R, K] (absent without topk); a
+    teacher of its own shape (`teacher_config`: one layer more) in float32; each pass's estimate is the teacher's
+    weights and its pass's buffers (`estimate_memory`'s teacher and teacher_pass)."""
     import jax
 
     from jaxrl_llm.models.model import init_params
-    from jaxrl_llm.run.config import load_config
+    from jaxrl_llm.run.config import ConfigError, load_config
     from jaxrl_llm.run.shapes import step_shapes
 
     base = ["sampling.max_new_tokens=8", "data.max_prompt_tokens=16", "optim.micro_batch_size=2",
@@ -396,16 +398,24 @@ def test_distillation_teacher_pass_and_topk_step_compile():
     rows, slots = result["rows"], shapes.responses_per_row
     assert batch.teacher_ids.shape == batch.teacher_topk_logp.shape == (rows, slots, 8, 8)
     assert result["programs"][0].argument_bytes > 8 * rows * slots * 8 * 8, table  # the top-K fields are read
-    # mode sampled, a float32 teacher: the teacher's weights at 4 bytes a parameter, and the packed rollouts with the
-    # response tokens (the top-K pass reads no target): [rows, S, R] int32 more
+    # mode sampled, a float32 teacher of 3 layers (teacher_config): its weights at 4 bytes a parameter, and the packed
+    # rollouts with the response tokens (the top-K pass reads no target): [rows, S, R] int32 more
     cfg = load_config(CONFIGS / "grpo.yaml", base)
-    (sampled,) = aot.compile_run(cfg, "h200-1", model_config=TINY, only=("teacher_pass",))["programs"]
-    elements = sum(leaf.size for leaf in jax.tree_util.tree_leaves(
-        jax.eval_shape(lambda: init_params(TINY, jax.random.PRNGKey(0)))))
+    deeper = TINY.replace(num_layers=3)
+    own = aot.compile_run(cfg, "h200-1", model_config=TINY, only=("teacher_pass",), teacher_config=deeper)
+    (sampled,) = own["programs"]
+    elements, deeper_elements = (sum(leaf.size for leaf in jax.tree_util.tree_leaves(
+        jax.eval_shape(lambda: init_params(mc, jax.random.PRNGKey(0))))) for mc in (TINY, deeper))
     topk_pass = result["programs"][1]
-    assert sampled.argument_bytes - topk_pass.argument_bytes == 2 * elements + 4 * rows * slots * 8, table
+    assert sampled.argument_bytes - topk_pass.argument_bytes == 4 * deeper_elements - 2 * elements \
+        + 4 * rows * slots * 8, table
     assert topk_pass.output_bytes >= 8 * rows * slots * 8 * 8 > sampled.output_bytes, table  # ids + log-probs
-    assert (topk_pass.estimate_bytes, sampled.estimate_bytes) == (2 * elements, 4 * elements), table  # the teacher
+    assert own["estimate"]["teacher"] == 4 * deeper_elements
+    assert topk_pass.estimate_bytes == 2 * elements + result["estimate"]["teacher_pass"], table
+    assert sampled.estimate_bytes == 4 * deeper_elements + own["estimate"]["teacher_pass"], table
+    with pytest.raises(ConfigError, match="has 256 tokens and the policy's 512"):  # the run's vocabulary check
+        aot.compile_run(cfg, "h200-1", model_config=TINY, only=("teacher_pass",),
+                        teacher_config=TINY.replace(vocab_size=256))
     est = result["estimate"]  # beside it: the trainer's state and the KL reference (grpo.yaml's kl_coef)
     assert est["reference"] > 0 and topk_pass.resident_bytes == est["params"] + est["optimizer"] + est["reference"]
     no_topk = aot.batch_shapes(cfg, shapes)

@@ -79,9 +79,11 @@ PROGRAMS = ("train_step", "logprob_pass", "teacher_pass", "critic_step", "gvm_gr
 
 
 def compile_run(cfg: RunConfig, topology: str | Topology, *, model_config: ModelConfig | None = None,
-                devices: list | None = None, only: tuple[str, ...] | None = None) -> dict[str, Any]:
+                devices: list | None = None, only: tuple[str, ...] | None = None,
+                teacher_config: ModelConfig | None = None) -> dict[str, Any]:
     """Compile `cfg`'s programs for `topology` with the run's mesh (`train.mesh`; empty: every device on fsdp)
-    and shardings; `only` (names of PROGRAMS): only those of the run's programs, None every one. Returns
+    and shardings; `only` (names of PROGRAMS): only those of the run's programs, None every one;
+    `teacher_config`: distill.teacher's model (`teacher_config_for`; None: the policy's shape). Returns
     {"topology", "devices", "hbm_bytes", "mesh", "estimate" (`estimate_memory` on the same mesh),
     "programs": [ProgramReport]}."""
     unknown = sorted(set(only or ()) - set(PROGRAMS))
@@ -97,7 +99,8 @@ def compile_run(cfg: RunConfig, topology: str | Topology, *, model_config: Model
     sampler_mesh = make_mesh(cfg.rollouts.sampler_mesh, devices=sampler_devices) if sampler_devices else mesh
     check_mesh_fits(mesh, cfg, model_config)  # as the run does
     shapes = step_shapes(cfg, mesh, sampler_mesh)
-    estimate = run_estimate(cfg, shapes.mesh, model_config=model_config, platform=_estimate_platform(topo))
+    estimate = run_estimate(cfg, shapes.mesh, model_config=model_config, platform=_estimate_platform(topo),
+                            teacher_config=teacher_config)
     rows = shapes.mini_batch_rows
     step_batch = batch_shapes(cfg, shapes)  # distill.mode topk: with the teacher's top-K fields
     step_sharding = sharding_of(step_batch, batch_shardings(mesh))
@@ -144,8 +147,9 @@ def compile_run(cfg: RunConfig, topology: str | Topology, *, model_config: Model
         programs.append(program_report("logprob_pass", logprob.lower(base, batch), hbm,
                                model_flops(**work, backward=False) / per_device))
     if cfg.distill.teacher and "teacher_pass" in wanted:
+        teacher_work = dict(work, model_config=_runtime_config(cfg, teacher_config)) if teacher_config else work
         programs.append(_teacher_program(cfg, mc, batch, batch_sharding, hbm,
-                                         model_flops(**work, backward=False) / per_device))
+                                         model_flops(**teacher_work, backward=False) / per_device, teacher_config))
     if uses_critic(cfg) and "critic_step" in wanted:
         programs.append(_critic_program(cfg, mc, base, batch, batch_sharding, denom, hbm))
     policy = None if lora_kwargs else base  # LoRA: the sampler and GVM read the merged copy (unquantized)
@@ -212,18 +216,27 @@ def _critic_program(cfg: RunConfig, mc: ModelConfig, trunk, batch: TrainBatch, b
 
 
 def _teacher_program(cfg: RunConfig, mc: ModelConfig, batch: TrainBatch, batch_sharding, hbm: int,
-                     flops: float) -> ProgramReport:
+                     flops: float, teacher_config: ModelConfig | None = None) -> ProgramReport:
     """On-policy distillation's teacher pass over the rollouts packed as the log-prob pass reads them, as
     `train.distill.make_teacher` builds it: the log-probs of the sampled tokens (mode sampled) or the top_k ids and
     log-probs (topk), in micro-batches, with the teacher's weights in distill.teacher_dtype laid out on the
-    trainer's mesh. The teacher has the policy's shape (as `estimate_memory` counts it without a teacher_config)."""
+    trainer's mesh. The teacher is `teacher_config` (loaded in float32 or bfloat16 as the run loads it, with the
+    run's runtime model keys; a vocabulary other than the policy's is the run's ConfigError), or without one the
+    policy's shape (as `estimate_memory` counts it without a teacher_config)."""
     from jaxrl_llm.train.distill import make_topk_fn, teacher_weights
 
-    section = dataclasses.replace(cfg.distill, teacher="policy", adapter="")  # the policy's shape, no files read
+    section = cfg.distill if teacher_config is not None else dataclasses.replace(cfg.distill, teacher="policy")
+    section = dataclasses.replace(section, adapter="")  # an adapter is merged in: the same shapes, no files read
     configs = []
 
+    def load(source, dtype):
+        del source
+        config = teacher_config.replace(param_dtype=dtype)
+        return config, init_params(config, jax.random.PRNGKey(0)), None
+
     def weights(params):
-        config, out = teacher_weights(section, mc, params, load=None)
+        config, out = teacher_weights(section, mc, params, load=load, configure=lambda c: runtime_model_config(
+            c, cfg.model, cfg.data.max_prompt_tokens))
         configs.append(config)
         return out
 
@@ -333,10 +346,24 @@ def _runtime_config(cfg: RunConfig, model_config: ModelConfig | None = None) -> 
 
 
 def run_estimate(cfg: RunConfig, mesh: dict[str, int], *, model_config: ModelConfig | None = None,
-                 platform: str = "tpu") -> dict[str, Any]:
+                 platform: str = "tpu", teacher_config: ModelConfig | None = None) -> dict[str, Any]:
     """`estimate_memory` of `cfg` on mesh sizes {"data", "fsdp", "tensor"} as `compile_run` compares it with XLA's
-    programs: the traced model config, the target's attention path ("tpu" or "gpu")."""
-    return estimate_memory(cfg, _runtime_config(cfg, model_config), mesh, platform=platform)
+    programs: the traced model config, the target's attention path ("tpu" or "gpu"), the teacher's model."""
+    return estimate_memory(cfg, _runtime_config(cfg, model_config), mesh, platform=platform,
+                           teacher_config=teacher_config)
+
+
+def teacher_config_for(cfg: RunConfig) -> ModelConfig | None:
+    """distill.teacher's ModelConfig as `jaxrl-llm compile` reads it (`model_config_for`: an HF folder's
+    config.json, such as a run's final/, or a known model's name); None (the policy's shape) for "policy", no
+    teacher, or a source read only by loading it (a .gguf file)."""
+    source = cfg.distill.teacher
+    if source in ("", "policy"):
+        return None
+    try:
+        return model_config_for(source)
+    except ValueError:
+        return None
 
 
 def _estimate_platform(topology: Topology) -> str:

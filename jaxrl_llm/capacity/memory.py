@@ -10,6 +10,22 @@ Every term counts what jaxrl_llm itself allocates, per device of a `data x fsdp 
   teacher     on-policy distillation's frozen teacher (distill.teacher): its elements per device (the policy's
               shape unless estimate_memory is given the teacher's config) x 4 (float32; "policy": p), 2 (bfloat16),
               or int8's codes and scales; 0 when it is a LoRA run's base itself (teacher policy, no adapter, float32)
+  teacher pass  the teacher's packed pass (distill.teacher) beyond its weights, on one micro-batch of the teacher's
+              model (its D, V, heads; c_T = 2 with teacher_dtype bfloat16, else c): the decoder's output
+              rows x L x D_T x c_T, beside the larger of its two phases (XLA frees the layers' buffers before the
+              vocabulary sweep): one layer's full-attention scores rows x H_t x L^2 x (4 + c_T) (the xla path
+              without tiles; 0 otherwise), and the sweep over K scored positions per row: mode sampled, the log-prob
+              pass's forward, which keeps every vocabulary chunk's f32 logits as the custom VJP's residuals
+              (rows x K x (D_T x c_T + 12 + V x 4); one chunk's with model.remat_logits), mode topk one chunk's f32
+              logits and their top_k copy, the hidden state and the running and merged top-K values and ids
+              (rows x K x (D_T x c_T + 2 min(V, 8192) x 4 + 4 top_k x 8)); plus the pass's output for the step's
+              rows (optim.mini_batches x the mini-batch's), replicated on every device: rows x S x R x 4 (log-probs)
+              or x top_k x 8 (ids and log-probs). XLA's (CPU) temporaries and outputs of a tiny teacher's pass
+              (D 64, one row of 320 tokens, 240 scored) over this: 1.06 (V 32768, sampled), 0.99 (V 32768, topk),
+              1.05 (V 50000, topk, 2 rows) and 1.10 (V 512, sampled: the attention scores dominate)
+  teacher top-K  (distill.mode topk) the teacher's top_k ids (int32) and log-probs (f32) of every response position
+              of a train-step mini-batch, an argument of the train step: mini-batch rows / (data x fsdp x expert)
+              x S x R x top_k x 8
   train step  gradients: the f32 accumulator of the micro-batch scan + one micro-batch gradient in p, and after
               the backward passes XLA's update temporaries, two more f32 copies (AdamW's new moments before they
               replace the old);
@@ -111,7 +127,8 @@ Every term counts what jaxrl_llm itself allocates, per device of a `data x fsdp 
               moments, 3 x trunk x p; critic step = its gradients (the f32 accumulator + one in p) and the
               activations of one micro-batch, as the policy's (no log-prob residuals: a scalar per token)
 
-  peak = params + optimizer + reference + critic + max(train step, critic step, sampling, gvm norms)
+  peak = params + optimizer + reference + critic + teacher
+         + max(train step + teacher top-K, critic step, sampling, gvm norms, teacher pass)
 
 Mixtures of experts (`models.moe`; E experts, k per token, expert width F_e split over tensor where it divides it,
 D whole): the parameters are `models.model.param_shapes`' under the partition rules, so a sparse layer's
@@ -171,7 +188,8 @@ import dataclasses
 from typing import Any
 
 from jaxrl_llm.capacity.chips import GIB, TARGETS  # noqa: F401 (the planners' names)
-from jaxrl_llm.capacity.activations import activation_bytes, feed_forward_bytes, logprob_residual_bytes
+from jaxrl_llm.capacity.activations import (LOGPROB_CHUNK, activation_bytes, feed_forward_bytes,
+                                            logprob_residual_bytes)
 from jaxrl_llm.capacity.elements import (local_elements, output_matrix_copy_bytes, output_matrix_elements,
                                          quantized_base_savings, sampler_copy_bytes, sharded_param_elements,
                                          subset_elements)
@@ -268,6 +286,38 @@ def _teacher_term(x: _Inputs, teacher_config: ModelConfig | None) -> int:
     width = {"float32": x.p if d.teacher == "policy" else 4, "bfloat16": 2, "int8": 4}[d.teacher_dtype]
     saved = quantized_base_savings(mc, x.shapes.mesh, 4, "int8") if d.teacher_dtype == "int8" else 0
     return local * width - saved
+
+
+def _teacher_pass_term(x: _Inputs, teacher_config: ModelConfig | None) -> int:
+    """Bytes per device the teacher's packed pass holds beyond its weights (module docstring); 0 without a teacher."""
+    d, sh, model = x.cfg.distill, x.shapes, x.cfg.model
+    if not d.teacher:
+        return 0
+    mc = teacher_config or x.mc
+    c = 2 if d.teacher_dtype == "bfloat16" else x.c
+    rows, length = sh.rows_per_device, sh.row_length
+    scored = min(length, sh.responses_per_row * x.cfg.sampling.max_new_tokens)
+    tiled = mc.replace(attention_block_size=model.attention_block_size,
+                       attention_block_min_length=model.attention_block_min_length).attention_block_for(length)
+    heads = mc.num_heads // sh.mesh["tensor"] if mc.num_heads % sh.mesh["tensor"] == 0 else mc.num_heads
+    scores = rows * heads * length * length * (4 + c) if x.kernel == "xla" and tiled is None else 0
+    if d.mode == "topk":
+        sweep = rows * scored * (mc.hidden_size * c + 2 * min(mc.vocab_size, LOGPROB_CHUNK) * 4 + 4 * d.top_k * 8)
+        per_position = d.top_k * 8
+    else:  # the log-prob pass's forward keeps what its custom VJP would read back (no head gradient pieces)
+        sweep = logprob_residual_bytes(mc, rows, scored, c, not model.remat_logits, 0)
+        per_position = 4
+    outputs = x.cfg.optim.mini_batches * sh.mini_batch_rows * sh.responses_per_row * x.cfg.sampling.max_new_tokens
+    return rows * length * mc.hidden_size * c + max(scores, sweep) + outputs * per_position
+
+
+def _teacher_topk_term(x: _Inputs) -> int:
+    """Bytes per device of the teacher's top-K ids and log-probs in a train-step mini-batch (module docstring)."""
+    d, sh = x.cfg.distill, x.shapes
+    if not d.teacher or d.mode != "topk":
+        return 0
+    rows = -(-sh.mini_batch_rows // sh.row_split)
+    return rows * sh.responses_per_row * x.cfg.sampling.max_new_tokens * d.top_k * (4 + 4)
 
 
 def _train_step_terms(x: _Inputs, policy: dict[str, int]) -> dict[str, int]:
@@ -412,7 +462,8 @@ def program_memory(est: dict[str, Any], shapes: StepShapes) -> dict[str, dict[st
     resident beside it; or sampling.dtype's copy, counted in the sampling terms, the trainer's state beside it), or
     one of its versions on its own devices ("own", the other versions beside it). The log-prob pass has no working
     term of its own (a forward pass, bounded by the train step's): 0; the teacher's pass (distill.teacher) holds the
-    teacher's weights, the trainer's state and the other models beside it."""
+    teacher's weights and its pass's buffers (`teacher pass`), the trainer's state and the other models beside it;
+    the train step also reads the teacher's top-K fields of its mini-batch (`teacher top-K`)."""
     lora = shapes.lora is not None
     other = est["reference"] + est["critic"] + est.get("teacher", 0)
     reader = est["params"] + est["optimizer"] + other if lora else est["optimizer"] + other  # reads the policy
@@ -431,8 +482,8 @@ def program_memory(est: dict[str, Any], shapes: StepShapes) -> dict[str, dict[st
                 "gvm_grad_norms": reader,
                 "sampler_prefill": sampler_resident, "sampler_decode": sampler_resident,
                 "sampler_continuous": sampler_resident}
-    working = {"train_step": est["params"] + est["optimizer"] + est["train_step"], "logprob_pass": 0,
-               "teacher_pass": est.get("teacher", 0),
+    working = {"train_step": est["params"] + est["optimizer"] + est["train_step"] + est.get("teacher_topk", 0),
+               "logprob_pass": 0, "teacher_pass": est.get("teacher", 0) + est.get("teacher_pass", 0),
                "critic_step": est["critic"] + est["critic_step"], "gvm_grad_norms": policy + est["gvm_norms"],
                "sampler_prefill": sampler_reads + est["sampling_prefill"],
                "sampler_decode": sampler_reads + est["sampling_decode"],
@@ -449,7 +500,7 @@ def estimate_memory(config: RunConfig, model_config: ModelConfig, mesh: dict[str
 
     `remat` overrides model.remat; `response_fill` scales the response length (1.0: every response
     reaches sampling.max_new_tokens); `teacher_config`: distill.teacher's model when it is not the policy's shape.
-    Returns a dict of byte counts (params, optimizer, reference, teacher, gradients,
+    Returns a dict of byte counts (params, optimizer, reference, teacher, teacher_pass, teacher_topk, gradients,
     activations, logprob_residuals, train_step, kv_cache, sampling, gvm_norms, critic, critic_step, sampler_copy,
     sampler_version (one policy version an async sampler holds, 0 in sync), sampler_copies, sampler_peak (the
     sampler's own devices, 0 when it shares the trainer's), peak) plus param_count, row_length (packed training
@@ -470,8 +521,10 @@ def estimate_memory(config: RunConfig, model_config: ModelConfig, mesh: dict[str
     est = {"mesh": dict(shapes.mesh), "micro_batch_size": config.optim.micro_batch_size,
            "param_count": policy["param_count"], "row_length": shapes.row_length, "gvm_chunk_rows": shapes.gvm_chunk,
            **{k: policy[k] for k in ("params", "optimizer", "reference")}, **train, **sampler,
-           "gvm_norms": _gvm_norms(x, policy), **critic, "teacher": _teacher_term(x, teacher_config)}
+           "gvm_norms": _gvm_norms(x, policy), **critic, "teacher": _teacher_term(x, teacher_config),
+           "teacher_pass": _teacher_pass_term(x, teacher_config), "teacher_topk": _teacher_topk_term(x)}
     resident = (est["params"] + est["optimizer"] + est["reference"] + est["critic"] + est["teacher"]
                 + (0 if shapes.sampler_devices else est["sampler_copies"]))
-    trainer_peak = resident + max(est["train_step"], est["critic_step"], est["sampling"], est["gvm_norms"])
+    trainer_peak = resident + max(est["train_step"] + est["teacher_topk"], est["critic_step"], est["sampling"],
+                                  est["gvm_norms"], est["teacher_pass"])
     return {**est, "peak": max(trainer_peak, est["sampler_peak"]), "programs": program_memory(est, shapes)}
