@@ -7,6 +7,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jaxrl_llm.objectives._checks import check_token_shapes
 from jaxrl_llm.objectives.aggregate import safe_divide
 from jaxrl_llm.objectives.kl import kl_penalty
 from jaxrl_llm.objectives.losses import _MAX_LOG_RATIO, policy_loss
@@ -23,12 +24,7 @@ def _check(train_logp, sampler_logp, mask, level, mode, low, high):
         raise ValueError(f"rollout_correction: level must be one of {ROLLOUT_CORRECTION_LEVELS}, got {level!r}")
     if mode not in ROLLOUT_CORRECTION_MODES:
         raise ValueError(f"rollout_correction: mode must be one of {ROLLOUT_CORRECTION_MODES}, got {mode!r}")
-    if train_logp.ndim != 2:
-        raise ValueError(f"rollout_correction: train_logp must be [B, T], got shape {train_logp.shape}")
-    for name, arr in (("sampler_logp", sampler_logp), ("mask", mask)):
-        if arr.shape != train_logp.shape:
-            raise ValueError(f"rollout_correction: {name} must have train_logp's shape {train_logp.shape}, "
-                             f"got {arr.shape}")
+    check_token_shapes("rollout_correction", "train_logp", train_logp, sampler_logp=sampler_logp, mask=mask)
     # A token the two programs agree on (r = 1) must keep its full weight.
     if not 0.0 <= low <= 1.0 <= high:
         raise ValueError(f"rollout_correction: need 0 <= low <= 1 <= high, got low={low}, high={high}")

@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxrl_llm.objectives._checks import check_token_shapes
 from jaxrl_llm.objectives.aggregate import LossTerms, aggregate_terms, check_mode, safe_divide
 
 # A finite floor for the running maximum: exp() of it is 0 and never makes a NaN.
@@ -47,12 +48,7 @@ def reverse_kl_advantages(student_logp, teacher_logp, mask) -> jax.Array:
       [B, T] float32 (or wider) advantages.
     """
     student_logp, teacher_logp, mask = jnp.asarray(student_logp), jnp.asarray(teacher_logp), jnp.asarray(mask)
-    if student_logp.ndim != 2:
-        raise ValueError(f"reverse_kl_advantages: student_logp must be [B, T], got shape {student_logp.shape}")
-    for name, arr in (("teacher_logp", teacher_logp), ("mask", mask)):
-        if arr.shape != student_logp.shape:
-            raise ValueError(f"reverse_kl_advantages: {name} must have student_logp's shape {student_logp.shape}, "
-                             f"got {arr.shape}")
+    check_token_shapes("reverse_kl_advantages", "student_logp", student_logp, teacher_logp=teacher_logp, mask=mask)
     dtype = jnp.promote_types(jnp.result_type(student_logp, teacher_logp), jnp.float32)
     mask = mask.astype(dtype)
     diff = teacher_logp.astype(dtype) - student_logp.astype(dtype)
