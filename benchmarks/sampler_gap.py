@@ -152,6 +152,26 @@ def tiny_moe(seed: int = 0, router_scale: float = 0.3):
     return (config, params), (dense_config, dense)
 
 
+def matched_dense(config, params):
+    """(config, params) of the dense model with the MoE's active width and its own weights: every layer's MLP is
+    experts 0 and 1 side by side (gate, up [D, 2F]; down [2F, D] x 1/2), so in exact arithmetic it is the MoE with
+    a constant router (every token to experts 0 and 1, weighted 1/2 each). The same attention, embeddings, output
+    and hidden sizes, the same number of active parameters and the same weight scale: the MoE's own dense floor,
+    without the routing."""
+    from jaxrl_llm.models import ModelConfig
+    from jaxrl_llm.models.model import param_shapes
+
+    layers = params["layers"]
+    pair = lambda w: jnp.concatenate([w[:, 0], w[:, 1]], axis=-1)  # noqa: E731  [L, E, in, F] -> [L, in, 2F]
+    mlp = {"gate_proj": pair(layers["expert_gate"]), "up_proj": pair(layers["expert_up"]),
+           "down_proj": 0.5 * jnp.concatenate([layers["expert_down"][:, 0], layers["expert_down"][:, 1]], axis=1)}
+    dense_config = ModelConfig(vocab_size=config.vocab_size, hidden_size=config.hidden_size,
+                               intermediate_size=2 * config.moe_intermediate_size, num_layers=config.num_layers,
+                               num_heads=config.num_heads, num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,
+                               qk_norm=config.qk_norm, model_type="qwen3")
+    return dense_config, {**params, "layers": {k: mlp.get(k, layers.get(k)) for k in param_shapes(dense_config)["layers"]}}
+
+
 def sampler_copy(params, config, setting: str):
     """The sampler's (params, config) for `setting`: "" the f32 policy, "bfloat16" every weight and activation in
     bf16, "int8" every projection and expert matrix int8 per output channel (`quant.quantize_base`)."""
@@ -196,11 +216,8 @@ def trainer_gap(params, config, scored, replay: str) -> dict:
     """`gap_metrics` of the f32 trainer's packed pass (routing_replay `replay`) on `scored`, with routes_changed and
     routes_own_changed for a mixture of experts."""
     from jaxrl_llm.train.packing import unpack
-    from jaxrl_llm.train.rollouts import packed_rollouts
 
-    batch, groups, order = packed_rollouts(scored, 1, 0)
-    logp, counts = trainer_pass(params, config, batch, replay)
-    train = unpack(np.asarray(logp)[np.argsort(order)], groups, scored.num_samples) * scored.mask
+    train, counts, (batch, groups, order) = trainer_logprobs(params, config, scored, replay)
     out = gap_metrics(train, scored.logprobs * scored.mask, scored.mask)
     if counts is not None:
         (changed, recorded), (own, _) = jax.tree_util.tree_map(float, counts[:2])
@@ -213,6 +230,19 @@ def trainer_gap(params, config, scored, replay: str) -> dict:
             else {"mismatch_kl_f64": 0.0}
         out.update(unflipped_samples=float(kept.mean()), mismatch_kl_f64_unflipped=clean["mismatch_kl_f64"])
     return out
+
+
+def trainer_logprobs(params, config, scored, replay: str):
+    """The f32 trainer's packed pass (routing_replay `replay`) on `scored`: (log-probs [R, N], 0 off the mask;
+    None for a dense model, else ((changed, recorded), (own changed, recorded), own routes) of `_trainer_pass`;
+    `packed_rollouts`' (batch, groups, order))."""
+    from jaxrl_llm.train.packing import unpack
+    from jaxrl_llm.train.rollouts import packed_rollouts
+
+    batch, groups, order = packed_rollouts(scored, 1, 0)
+    logp, counts = trainer_pass(params, config, batch, replay)
+    train = unpack(np.asarray(logp)[np.argsort(order)], groups, scored.num_samples) * scored.mask
+    return train, counts, (batch, groups, order)
 
 
 def route_flips(own: np.ndarray, batch) -> np.ndarray:
@@ -229,11 +259,19 @@ def route_flips(own: np.ndarray, batch) -> np.ndarray:
 MOE_PROMPTS = [[3, 17, 5, 9, 40], [11, 2], [7, 7, 30, 12, 1, 8, 22], [50, 4, 4, 9], [1, 2, 3], [60, 33, 21, 8, 8, 2]]
 
 
-def moe_rows(settings=("", "bfloat16", "int8"), seeds=(1, 2, 3, 4), samples: int = 8, new_tokens: int = 16) -> list:
-    """One row per model (moe, dense), sampler setting and routing replay (the dense model: none only): the gap over
-    `seeds` sampler calls of `MOE_PROMPTS` x `samples`, `new_tokens` each (see `gap_metrics`, `trainer_gap`)."""
+MOE_MODELS = ("moe", "dense", "dense_matched")
+
+
+def moe_rows(settings=("", "bfloat16", "int8"), seeds=(1, 2, 3, 4), samples: int = 8, new_tokens: int = 16,
+             models=MOE_MODELS) -> list:
+    """One row per model of `models` (moe; dense, the dense counterpart of `tiny_moe`; dense_matched,
+    `matched_dense`), sampler setting and routing replay (a dense model: none only): the gap over `seeds` sampler
+    calls of `MOE_PROMPTS` x `samples`, `new_tokens` each (see `gap_metrics`, `trainer_gap`)."""
     rows = []
-    for name, (config, params) in zip(("moe", "dense"), tiny_moe()):
+    moe, dense = tiny_moe()
+    for name, (config, params) in zip(MOE_MODELS, (moe, dense, matched_dense(*moe))):
+        if name not in models:
+            continue
         for setting in settings:
             copy = sampler_copy(params, config, setting)
             parts = [scored_rollouts(*copy, MOE_PROMPTS, samples, new_tokens, seed) for seed in seeds]
