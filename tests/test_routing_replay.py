@@ -283,3 +283,19 @@ def test_gvm_stage_rows_keep_their_routes():
     stage2 = reuse_stage1(rollouts([0, 0, 1, 1], 0, 4), rollouts([0], 10, 3), np.array([3, 1]))
     np.testing.assert_array_equal(stage2.routes[:, 0, 0, 0], [0, 1, 10, 2])
     np.testing.assert_array_equal(stage2.prompt_routes[:, :, 0, 0], [[0] * 4, [1] * 4, [10, 10, 10, -1], [2] * 4])
+
+
+@pytest.mark.parametrize("overrides, named", [
+    (["sampling.engine=continuous"], "sampling.engine=continuous records none"),
+    (["tools.env=python"], "tool rollouts"),
+    (["rollouts.mode=partial"], "partial rollouts"),
+])
+def test_rollout_replay_is_refused_where_the_sampler_records_no_routes(overrides, named):
+    """Only the static engine on single-turn, whole rollouts records routes: elsewhere routing_replay rollout is a
+    ConfigError naming what records none, not a silent fall back to the trainer's own top k."""
+    from jaxrl_llm.run.config import ConfigError, load_config
+
+    assert load_config(None, ["model.routing_replay=rollout"]).model.routing_replay == "rollout"
+    assert load_config(None, overrides).model.routing_replay == "none"
+    with pytest.raises(ConfigError, match=f"model.routing_replay.*{named}"):
+        load_config(None, ["model.routing_replay=rollout", *overrides])
