@@ -6,6 +6,9 @@ The runs (configs/distill_demo.yaml; docs/distillation.md, "The demo"):
     grpo:    jaxrl-llm train --config configs/lora_demo.yaml              (README's demo; its final/ is the teacher)
     sampled: jaxrl-llm train --config configs/distill_demo.yaml train.out_dir=runs/distill_sampled
     topk:    jaxrl-llm train --config configs/distill_demo.yaml distill.mode=topk train.out_dir=runs/distill_topk
+    topk_lr6e-4 (a variant, read when its folder is there):
+             jaxrl-llm train --config configs/distill_demo.yaml distill.mode=topk optim.lr=6e-4 train.steps=6 \
+                 train.out_dir=runs/distill_topk_lr6e-4
 
 Every evaluation is avg@4 on the same 100 held-out problems with the same sampling seed. The teacher's accuracy is
 the GRPO demo's last evaluation (the weights its final/ holds). A run reaches the teacher at its first evaluation
@@ -15,7 +18,8 @@ then, None if no evaluation of the run reached it.
 
     python benchmarks/distill_demo.py [--runs benchmarks/results/distill_demo_runs] [--json PATH]
 
-`--runs` holds grpo/, sampled/ and topk/, each a metrics.jsonl (the runs' own, copied). Pure Python: no JAX.
+`--runs` holds grpo/, sampled/ and topk/ (and the variants' folders), each a metrics.jsonl (the runs' own, copied).
+Pure Python: no JAX.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 RUNS = ROOT / "benchmarks" / "results" / "distill_demo_runs"
 COMMAND = "python benchmarks/distill_demo.py --json benchmarks/results/distill_demo.json"
 MODES = ("sampled", "topk")
+VARIANTS = ("topk_lr6e-4",)  # distillation runs beside the modes' configs, summarised when measured
 SETUP = {
     "what": "on-policy distillation (configs/distill_demo.yaml, mode sampled and topk, top 16) of the untrained "
             "bundled model with README's demo LoRA adapters towards the GRPO demo's final policy, against the GRPO "
@@ -41,13 +46,21 @@ SETUP = {
     "grpo_step10": "the GRPO demo's step-10 checkpoint evaluated alone (the evaluation row at step 10 of "
                    "distill_demo_runs/grpo/metrics.jsonl): a copy of its checkpoint 10 resumed with train.steps=10",
     "topk_run": "the 4-step config, then --resume with train.steps=6 (steps 5-6 and an evaluation at 384 samples)",
-    "sampled_run": "started with train.steps=8 and stopped after its step-4 evaluation (the learning rate is constant, "
-                   "so steps 1-4 and that evaluation are the 4-step config's)",
+    "sampled_run": "started with train.steps=8 and stopped during step 6, after its step-5 checkpoint (the learning "
+                   "rate is constant, so steps 1-4 and that evaluation are the 4-step config's); then --resume with "
+                   "train.steps=5 (the evaluation at 320 samples only) and --resume with train.steps=7 "
+                   "train.eval_every=1 (steps 6-7, evaluations at 384 and 448 samples)",
 }
 
 
 def read_rows(run_dir: pathlib.Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+def read_runs(runs: pathlib.Path) -> dict[str, list[dict]]:
+    """{name: metrics rows} of grpo, the modes and every variant whose folder is in `runs`."""
+    names = ("grpo", *MODES, *(v for v in VARIANTS if (runs / v / "metrics.jsonl").is_file()))
+    return {name: read_rows(runs / name) for name in names}
 
 
 def eval_curve(rows: list[dict]) -> list[dict]:
@@ -75,11 +88,11 @@ def samples_to_teacher(curve: list[dict], teacher: dict) -> int | None:
 
 
 def summarize(runs: dict[str, list[dict]]) -> dict:
-    """The demo's JSON from the runs' metrics rows: {"grpo": rows, "sampled": rows, "topk": rows}."""
+    """The demo's JSON from the runs' metrics rows: {"grpo": rows, "sampled": rows, "topk": rows, variant: rows}."""
     curves = {name: eval_curve(rows) for name, rows in runs.items()}
     teacher = curves["grpo"][-1]
     grpo = samples_to_teacher(curves["grpo"], teacher)
-    opd = {mode: samples_to_teacher(curves[mode], teacher) for mode in MODES}
+    opd = {name: samples_to_teacher(curves[name], teacher) for name in runs if name != "grpo"}
     return {
         "teacher_accuracy": teacher["accuracy"],
         "teacher_sd": teacher["sd"],
@@ -88,9 +101,9 @@ def summarize(runs: dict[str, list[dict]]) -> dict:
         "samples": {name: curve[-1]["samples"] for name, curve in curves.items()},
         "grpo_samples_to_teacher": grpo,
         "opd_samples_to_teacher": opd,
-        "ratio": {mode: (opd[mode] / grpo if opd[mode] is not None and grpo else None) for mode in MODES},
-        # a mode that did not reach the teacher: its ratio is above samples drawn / grpo's
-        "ratio_above": {mode: curves[mode][-1]["samples"] / grpo for mode in MODES if opd[mode] is None and grpo},
+        "ratio": {name: (n / grpo if n is not None and grpo else None) for name, n in opd.items()},
+        # a run that did not reach the teacher: its ratio is above samples drawn / grpo's
+        "ratio_above": {name: curves[name][-1]["samples"] / grpo for name, n in opd.items() if n is None and grpo},
         "train_seconds": {name: round(sum(r.get("time_wall_s", 0.0) for r in rows), 1) for name, rows in runs.items()},
         "curves": curves,
         "rule": "a run reaches the teacher at its first evaluation with avg@4 >= teacher - sqrt(sd^2 + sd_teacher^2)",
@@ -104,7 +117,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--runs", type=pathlib.Path, default=RUNS)
     parser.add_argument("--json", type=pathlib.Path, default=None)
     args = parser.parse_args(argv)
-    out = summarize({name: read_rows(args.runs / name) for name in ("grpo", *MODES)})
+    out = summarize(read_runs(args.runs))
     text = json.dumps(out, indent=1) + "\n"
     if args.json:
         args.json.write_text(text)

@@ -56,7 +56,6 @@ def test_results_json_is_what_the_script_gives_from_the_saved_metrics():
     saved = ROOT / "benchmarks" / "results" / "distill_demo.json"
     if not saved.exists():
         pytest.skip("benchmarks/results/distill_demo.json not measured yet")
-    runs = {name: demo.read_rows(demo.RUNS / name) for name in ("grpo", *demo.MODES)}
-    want = json.loads(json.dumps(demo.summarize(runs)))
+    want = json.loads(json.dumps(demo.summarize(demo.read_runs(demo.RUNS))))
     got = json.loads(saved.read_text())
     assert {k: got[k] for k in want} == want
