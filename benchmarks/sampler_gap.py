@@ -285,6 +285,89 @@ def moe_rows(settings=("", "bfloat16", "int8"), seeds=(1, 2, 3, 4), samples: int
     return rows
 
 
+def _forced_rows(params, config, seeds=(1, 2, 3, 4)):
+    """tokens [R, T] (each prompt of `MOE_PROMPTS` and an f32 sample of `params`, right-padded) and mask [R, T] (1 at
+    the positions that predict a response token)."""
+    rows = []
+    for seed in seeds:
+        scored = scored_rollouts(params, config, MOE_PROMPTS, 8, 16, seed)
+        for i in range(scored.num_samples):
+            prompt = MOE_PROMPTS[scored.prompt_index[i]]
+            rows.append((list(prompt) + list(scored.tokens[i, :scored.lengths[i]]), len(prompt)))
+    width = max(len(t) for t, _ in rows)
+    tokens, mask = np.zeros((len(rows), width), np.int32), np.zeros((len(rows), width), np.float32)
+    for i, (t, p) in enumerate(rows):
+        tokens[i, :len(t)] = t
+        mask[i, p - 1:len(t) - 1] = 1
+    return jnp.asarray(tokens), mask
+
+
+def forced_kl(params, config, sampler, tokens, mask) -> float:
+    """Token mean over `mask` of KL(p_sampler || p_trainer) over the whole vocabulary, both teacher-forced on `tokens`:
+    the sampler's pass (`sampler` = (params, config), e.g. `sampler_copy`'s bf16) records its routes and the f32
+    trainer's replays them. Paired (the same tokens for every variant), so small differences are not sampling noise."""
+    from jaxrl_llm.models import model
+
+    positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+    if config.num_experts:
+        hidden, routes = model.hidden_states(*sampler, tokens, positions, with_routes=True)
+        trainer, _ = model.hidden_states(params, config, tokens, positions, replay=routes.chosen, with_routes=True)
+    else:
+        hidden, trainer = (model.hidden_states(p, c, tokens, positions) for p, c in (sampler, (params, config)))
+    log_p = jax.nn.log_softmax(model.output_logits(*sampler, hidden))
+    log_q = jax.nn.log_softmax(model.output_logits(params, config, trainer))
+    kl = np.asarray(jnp.sum(jnp.exp(log_p) * (log_p - log_q), axis=-1), np.float64)
+    return float((kl * mask).sum() / mask.sum())
+
+
+def floor_rows(model_seeds=(0, 10, 20, 30)) -> list:
+    """Where the bf16 sampler's replayed gap comes from, per random model (`tiny_moe(seed)`), by `forced_kl` on the
+    MoE's own f32 samples: moe (replayed); moe_sparse_f32 (the bf16 pass with every sparse block computed in f32
+    from its bf16 input and bf16 weights: the routing, experts and combine without bf16 arithmetic); moe_fixed_gates
+    (the same MoE with every gate weight 1/k in both passes: still routed and replayed, but no gate weight depends on
+    the hidden state; _own: on its own f32 samples); dense_matched_ij (`matched_dense` of experts i and j) on the MoE's tokens."""
+    from unittest import mock
+
+    from jaxrl_llm.models import model, moe
+
+    def sparse_f32(lp, config, h, *args, **kwargs):
+        if h.dtype != jnp.bfloat16:
+            return moe.moe_block(lp, config, h, *args, **kwargs)
+        lp = {k: v.astype(jnp.float32) if v.dtype == jnp.bfloat16 else v for k, v in lp.items()}
+        out = moe.moe_block(lp, config, h.astype(jnp.float32), *args, **kwargs)
+        return (out[0].astype(h.dtype), out[1]) if kwargs.get("with_routes") else out.astype(h.dtype)
+
+    route = moe.route
+
+    def fixed_gates(*args, **kwargs):
+        routing = route(*args, **kwargs)
+        return routing._replace(weights=jnp.full_like(routing.weights, 1 / routing.weights.shape[-1]))
+
+    rows = []
+    for seed in model_seeds:
+        (config, params), _ = tiny_moe(seed)
+        tokens, mask = _forced_rows(params, config)
+        bf16 = sampler_copy(params, config, "bfloat16")
+        row = {"model_seed": seed, "moe": forced_kl(params, config, bf16, tokens, mask)}
+        with mock.patch.object(model, "moe_block", sparse_f32):
+            jax.clear_caches()
+            row["moe_sparse_f32"] = forced_kl(params, config, bf16, tokens, mask)
+        with mock.patch.object(moe, "route", fixed_gates):
+            jax.clear_caches()
+            row["moe_fixed_gates"] = forced_kl(params, config, bf16, tokens, mask)
+            row["moe_fixed_gates_own"] = forced_kl(params, config, bf16, *_forced_rows(params, config))
+        jax.clear_caches()
+        for i in range(0, config.num_experts, 2):
+            order = jnp.asarray([i, i + 1] + [e for e in range(config.num_experts) if e not in (i, i + 1)])
+            layers = {k: v[:, order] if k in moe.EXPERT_WEIGHTS else v for k, v in params["layers"].items()}
+            dense_config, dense = matched_dense(config, {**params, "layers": layers})
+            row[f"dense_matched_{i}{i + 1}"] = forced_kl(dense, dense_config,
+                                                         sampler_copy(dense, dense_config, "bfloat16"), tokens, mask)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
+
+
 def setup(name: str, adapter: str | None):
     overrides = ["train.eval_problems=0", "train.out_dir=runs/sampler_gap"]
     if name == "lora_demo_trained":
@@ -331,9 +414,11 @@ def main(argv=None) -> int:
                         "(--moe: sampler_gap_moe.json)")
     parser.add_argument("--runs", default="", help="label=RUN_DIR,...: summarize training runs instead of sampling")
     parser.add_argument("--moe", action="store_true", help="a tiny random MoE's gap without and with routing replay")
+    parser.add_argument("--moe-floor", action="store_true", help="with --moe: also `floor_rows`, where the replayed "
+                        "gap comes from (teacher-forced, four random models)")
     args = parser.parse_args(argv)
     if args.moe:
-        return moe_main(args.json or str(ROOT / "benchmarks/results/sampler_gap_moe.json"))
+        return moe_main(args.json or str(ROOT / "benchmarks/results/sampler_gap_moe.json"), args.moe_floor)
     args.json = args.json or str(ROOT / "benchmarks/results/sampler_gap.json")
     if args.runs:
         runs = {label: summarize_run(pathlib.Path(d)) for label, d in (x.split("=", 1) for x in args.runs.split(","))}
@@ -375,20 +460,24 @@ def main(argv=None) -> int:
     return 0
 
 
-def moe_main(json_path: str) -> int:
+def moe_main(json_path: str, floor: bool = False) -> int:
     started = time.perf_counter()
     rows = moe_rows()
     for row in rows:
         print(json.dumps(row), flush=True)
+    floors = floor_rows() if floor else None
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
                             text=True).stdout.strip()
     record = {"benchmark": "sampler/trainer gap of a tiny random MoE, without and with routing replay "
                            "(benchmarks/sampler_gap.py --moe)",
               "date": datetime.date.today().isoformat(), "commit": commit,
               "machine": f"{platform.machine()}, {len(jax.devices())} x {jax.devices()[0].platform}",
-              "command": "benchmarks/sampler_gap.py --moe",
+              "command": "benchmarks/sampler_gap.py --moe" + (" --moe-floor" if floor else ""),
               "workload": f"{len(MOE_PROMPTS)} prompts x 8 samples x 16 new tokens, 4 sampler seeds, temperature 1",
               "wall_s": round(time.perf_counter() - started, 1), "rows": rows}
+    if floors is not None:
+        record["floor"] = {"what": "teacher-forced KL(p_bf16 || p_f32) over the vocabulary, token mean on the f32 "
+                                   "samples of tiny_moe(model_seed) (sampler_gap.floor_rows)", "rows": floors}
     path = pathlib.Path(json_path)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")

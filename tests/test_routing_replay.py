@@ -101,6 +101,39 @@ def test_the_sampler_records_every_fed_token_and_prompt_token(moe):
     assert rollout.routes is None and rollout.prompt_routes is None  # a dense model records nothing
 
 
+def test_the_continuous_engine_records_the_static_engines_routes(moe):
+    """The continuous engine (5 slots for 12 samples: slots turn over, prompts prefilled on demand) draws the static
+    engine's rollout and records the same experts for every prompt token and fed token (-1 elsewhere)."""
+    config, params, scored, _ = moe
+    rollout = generate(params, config, PROMPTS, num_samples=SAMPLES, max_new_tokens=NEW_TOKENS, temperature=1.0,
+                       rng=jax.random.key(1), engine="continuous", max_slots=5)
+    np.testing.assert_array_equal(rollout.tokens, scored.tokens)
+    assert rollout.routes.dtype == np.int8 and (rollout.routes >= 0).sum() > 0
+    np.testing.assert_array_equal(rollout.routes, scored.routes)
+    np.testing.assert_array_equal(rollout.prompt_routes, scored.prompt_routes)
+
+
+def test_shift_slots_moves_the_routes_with_their_samples_and_prompts(moe):
+    """`continuous.shift_slots` (an endless queue): sample rows and queue prompt rows leave the front, their routes
+    with them; the freed rows at the back hold -1 (nothing recorded)."""
+    from jaxrl_llm.sampling import continuous
+
+    config = moe[0]
+    cache = continuous.empty_prompt_cache(config, 4, 8)
+    queue = continuous.PromptQueue(jnp.zeros((6, 8), jnp.int32), jnp.ones(6, jnp.int32), jnp.full(6, 2, jnp.int32),
+                                   jnp.arange(0, 14, 2, dtype=jnp.int32), jnp.int32(4))
+    state = continuous.start_slots(config, cache, queue, jnp.repeat(jnp.arange(4), 2), jnp.int32(0), slots=2,
+                                   new_token_bucket=4)
+    assert state.routes.shape == (8, 4, 2, 2) and state.prompt_routes.shape == (6, 8, 2, 2)
+    assert (np.asarray(state.routes) == -1).all()
+    rows = np.arange(8, dtype=np.int8)[:, None, None, None] * np.ones((8, 4, 2, 2), np.int8)
+    prompts = np.arange(6, dtype=np.int8)[:, None, None, None] * np.ones((6, 8, 2, 2), np.int8)
+    state = dataclasses.replace(state, routes=jnp.asarray(rows), prompt_routes=jnp.asarray(prompts))
+    out = continuous.shift_slots(state, jnp.int32(1), jnp.int32(2), jnp.int32(0))
+    np.testing.assert_array_equal(np.asarray(out.routes)[:, 0, 0, 0], [2, 3, 4, 5, 6, 7, -1, -1])
+    np.testing.assert_array_equal(np.asarray(out.prompt_routes)[:, 0, 0, 0], [1, 2, 3, 4, 5, -1])
+
+
 def test_f32_sampler_logprobs_and_routes_equal_the_trainers(moe):
     config, params, scored, _ = moe
     fed = int(np.maximum(scored.lengths - 1, 0).sum())
@@ -286,16 +319,17 @@ def test_gvm_stage_rows_keep_their_routes():
 
 
 @pytest.mark.parametrize("overrides, named", [
-    (["sampling.engine=continuous"], "sampling.engine=continuous records none"),
     (["tools.env=python"], "tool rollouts"),
     (["rollouts.mode=partial"], "partial rollouts"),
 ])
 def test_rollout_replay_is_refused_where_the_sampler_records_no_routes(overrides, named):
-    """Only the static engine on single-turn, whole rollouts records routes: elsewhere routing_replay rollout is a
-    ConfigError naming what records none, not a silent fall back to the trainer's own top k."""
+    """Either engine records routes on single-turn, whole rollouts: elsewhere routing_replay rollout is a ConfigError
+    naming what records none, not a silent fall back to the trainer's own top k."""
     from jaxrl_llm.run.config import ConfigError, load_config
 
-    assert load_config(None, ["model.routing_replay=rollout"]).model.routing_replay == "rollout"
+    for engine in ("static", "continuous"):
+        config = load_config(None, ["model.routing_replay=rollout", f"sampling.engine={engine}"])
+        assert config.model.routing_replay == "rollout"
     assert load_config(None, overrides).model.routing_replay == "none"
     with pytest.raises(ConfigError, match=f"model.routing_replay.*{named}"):
         load_config(None, ["model.routing_replay=rollout", *overrides])

@@ -45,7 +45,7 @@ from jaxrl_llm.sampling.decoder import (
     prefill_layers,
     unstack_layers,
 )
-from jaxrl_llm.sampling.engine import _constrain, paired_stop_hits, prefill_constraint, to_host
+from jaxrl_llm.sampling.engine import _constrain, _empty_routes, paired_stop_hits, prefill_constraint, to_host
 from jaxrl_llm.sampling.plan import CallPlan, check_max_slots, plan_calls, row_multiple
 from jaxrl_llm.sampling.token_selection import select_tokens, selection_settings
 
@@ -68,7 +68,8 @@ class PromptCache(NamedTuple):
 @functools.partial(jax.tree_util.register_dataclass,
                    data_fields=["tokens", "logprobs", "lengths", "stopped", "slot_sample", "slot_step", "logits",
                                 "next_sample", "iterations", "response_k", "response_v", "prompts", "entry_of",
-                                "entry_left", "prefilled", "given", "resume", "turn_ended", "first_row"],
+                                "entry_left", "prefilled", "given", "resume", "turn_ended", "first_row", "routes",
+                                "prompt_routes"],
                    meta_fields=[])
 @dataclasses.dataclass(frozen=True)
 class SlotState:
@@ -85,6 +86,9 @@ class SlotState:
     entry is free), prefilled [] int32 (prompts prefilled so far, in queue order).
     first_row [] int32: the number of sample k's random numbers is first_row + k (0 but for an endless queue,
     `shift_slots`: a sample keeps its numbers when the samples before it leave the queue).
+    A mixture of experts records its routes (routing replay; None for a dense model, as `engine.SamplingState`'s):
+    routes [K, N, L_sparse, k] the experts each sample's token t chose as it was fed, prompt_routes [Q + c, P,
+    L_sparse, k] those of each queue prompt's tokens in its prefill (-1: nothing recorded).
     """
 
     tokens: jax.Array
@@ -106,6 +110,8 @@ class SlotState:
     resume: jax.Array
     turn_ended: jax.Array
     first_row: jax.Array
+    routes: jax.Array | None = None
+    prompt_routes: jax.Array | None = None
 
 
 class SlotStats(NamedTuple):
@@ -158,6 +164,9 @@ def _empty_state(config: ModelConfig, prompts: PromptCache, queue_prompts: Promp
                  *, slots: int, new_token_bucket: int) -> SlotState:
     empty = empty_row_cache(config, slots, 1, new_token_bucket, response_tile=response_tile_size(new_token_bucket))
     entries = prompts.lengths.shape[0]
+    routes = _empty_routes(config, queue, 1, new_token_bucket)
+    if routes:  # the prompts' routes per queue prompt
+        routes["prompt_routes"] = _empty_routes(config, *queue_prompts.tokens.shape, 1)["prompt_routes"]
     return SlotState(
         tokens=jnp.full((queue, new_token_bucket), pad_id, jnp.int32),
         logprobs=jnp.zeros((queue, new_token_bucket), jnp.float32),
@@ -169,7 +178,7 @@ def _empty_state(config: ModelConfig, prompts: PromptCache, queue_prompts: Promp
         entry_of=jnp.full(queue_prompts.tokens.shape[:1], entries, jnp.int32),
         entry_left=jnp.zeros((entries,), jnp.int32), prefilled=jnp.zeros((), jnp.int32),
         given=jnp.zeros((queue,), jnp.int32), resume=jnp.zeros((queue,), bool),
-        turn_ended=jnp.zeros((queue,), bool), first_row=jnp.zeros((), jnp.int32))
+        turn_ended=jnp.zeros((queue,), bool), first_row=jnp.zeros((), jnp.int32), **routes)
 
 
 def _prefill_on_demand(params, layers, config: ModelConfig, mesh: Mesh | None, queue_prompts: PromptQueue,
@@ -184,9 +193,14 @@ def _prefill_on_demand(params, layers, config: ModelConfig, mesh: Mesh | None, q
         tokens, lengths, counts = chunk
         # layer by layer on the loop's per-layer weights: each layer's keys/values go straight to its cache entry
         # each device prefills its share of the chunk (as `engine.prefill_rows`); the entries then go to every device
-        last_logits, keys, values = prefill_layers(params, layers, config, _constrain(tokens, mesh), lengths,
-                                                   state.prompts.keys[0].dtype, prefill_constraint(mesh))
+        routed = state.prompt_routes is not None
+        last_logits, keys, values, *routes = prefill_layers(params, layers, config, _constrain(tokens, mesh), lengths,
+                                                            state.prompts.keys[0].dtype, prefill_constraint(mesh),
+                                                            with_routes=routed)
         index = first + jnp.arange(prefill_chunk)
+        if routed:  # the queue prompts' own rows (past the queue's padding rows: dropped)
+            state = dataclasses.replace(state, prompt_routes=state.prompt_routes.at[index].set(routes[0],
+                                                                                               mode="drop"))
         target = jnp.nonzero(state.entry_left == 0, size=prefill_chunk, fill_value=entries)[0]
         target = jnp.where(index < queue_prompts.num_prompts, target, entries)  # out of range: dropped
 
@@ -298,10 +312,12 @@ def _slot_loop(params, config: ModelConfig, mesh: Mesh | None, queue_prompts: Pr
         ended = active & (hit_stop | (t + 1 >= max_new_tokens))
         row = jnp.where(active, sample, queue)  # out of range: dropped
         entry = state.entry_of[sample_prompt[sample]]
-        logits, cache = decode_step(params, layers, config, tokens, state.prompts.lengths[entry], t,
-                                    RowCache(state.prompts.keys, state.prompts.values, state.response_k,
-                                             state.response_v),
-                                    prompt_rows=entry)
+        logits, cache, *routes = decode_step(params, layers, config, tokens, state.prompts.lengths[entry], t,
+                                             RowCache(state.prompts.keys, state.prompts.values, state.response_k,
+                                                      state.response_v),
+                                             prompt_rows=entry, with_routes=state.routes is not None)
+        if routes:  # the experts token t of each busy slot's sample chose as it was fed (idle slots: dropped)
+            state = dataclasses.replace(state, routes=state.routes.at[row, t].set(routes[0], mode="drop"))
         state = dataclasses.replace(
             state,
             tokens=state.tokens.at[row, t].set(tokens, mode="drop"),
@@ -418,13 +434,19 @@ def shift_slots(state: SlotState, prompts: jax.Array, rows: jax.Array, pad_id: j
     entries = state.entry_left.shape[0]
     entry_of = jnp.roll(state.entry_of, -prompts)
     entry_of = jnp.where(jnp.arange(entry_of.shape[0]) < entry_of.shape[0] - prompts, entry_of, entries)
-    return dataclasses.replace(
+    shifted = dataclasses.replace(
         state, tokens=shift(state.tokens, pad_id), logprobs=shift(state.logprobs, 0.0),
         lengths=shift(state.lengths, 0), stopped=shift(state.stopped, False), given=shift(state.given, 0),
         resume=shift(state.resume, False), turn_ended=shift(state.turn_ended, False),
         slot_sample=jnp.where(state.slot_sample >= 0, state.slot_sample - rows, -1),
         next_sample=state.next_sample - rows, entry_of=entry_of, prefilled=state.prefilled - prompts,
         first_row=state.first_row + rows)
+    if state.routes is not None:  # the samples' routes move with them, the prompts' with their prompts
+        moved = jnp.roll(state.prompt_routes, -prompts, axis=0)
+        keep = jnp.arange(moved.shape[0]) < moved.shape[0] - prompts
+        shifted = dataclasses.replace(shifted, routes=shift(state.routes, -1),
+                                      prompt_routes=jnp.where(keep[:, None, None, None], moved, -1))
+    return shifted
 
 
 @functools.partial(jax.jit, static_argnames=("config", "mesh", "prefill_chunk"), donate_argnames=("state",))
@@ -504,12 +526,15 @@ def generate_slots(params, config: ModelConfig, prompts: list[np.ndarray], count
                    max_new_tokens: int, temperature: float, top_p: float, top_k: int, stop_ids: np.ndarray,
                    rng: jax.Array, pad_id: int, max_slots: int, prefill_tokens_per_call: int = 4096,
                    max_prompt_entries: int = 0, mesh: Mesh | None = None, paired_stops: bool = False,
-                   call: CallPlan | None = None):
+                   call: CallPlan | None = None, with_routes: bool = False):
     """The continuous engine behind `generate(..., engine="continuous")` on checked inputs (`plan.prepare_call`:
     prompts as int32 arrays, counts [len(prompts)] with a positive sum, stop_ids padded by `plan.stop_array`),
     running `call` (None: `plan.plan_calls` of these inputs). Returns (tokens [R, max_new_tokens], logprobs,
     lengths [R], stopped [R], row_prompt [R], SlotStats) as numpy arrays, R = counts.sum(), rows ordered by prompt
-    then sample. `params` must already be placed on `mesh` when one is given (`models.sharding.shard_params`)."""
+    then sample. `params` must already be placed on `mesh` when one is given (`models.sharding.shard_params`).
+    With `with_routes` also (routes [R, max_new_tokens, L_sparse, k], prompt_routes [R, P, L_sparse, k]), last:
+    a mixture of experts' recorded experts as `generate.collect` gives the static engine's (-1 where nothing was
+    recorded: a row's last token, never fed, and past its prompt), (None, None) for a dense model."""
     check_max_slots(max_slots)
     if call is None:
         call = plan_calls([len(p) for p in prompts], counts, max_new_tokens, engine="continuous",
@@ -525,5 +550,15 @@ def generate_slots(params, config: ModelConfig, prompts: list[np.ndarray], count
     stats = SlotStats(slots=slots, iterations=int(state.iterations), useful_slot_steps=int(out_lengths.sum()))
     logger.debug("continuous sampler: %d samples on %d slots, %d iterations, slot occupancy %.3f", n, slots,
                  stats.iterations, stats.occupancy)
-    return (to_host(state.tokens)[:n, :max_new_tokens], to_host(state.logprobs)[:n, :max_new_tokens],
-            out_lengths, to_host(state.stopped)[:n], call.shapes.row_prompt.astype(np.int32), stats)
+    out = (to_host(state.tokens)[:n, :max_new_tokens], to_host(state.logprobs)[:n, :max_new_tokens],
+           out_lengths, to_host(state.stopped)[:n], call.shapes.row_prompt.astype(np.int32), stats)
+    if not with_routes:
+        return out
+    if state.routes is None:
+        return (*out, (None, None))
+    fed = np.arange(max_new_tokens)[None, :] < out_lengths[:, None] - 1  # a row's last token is never fed back
+    routes = np.where(fed[..., None, None], to_host(state.routes)[:n, :max_new_tokens], -1)
+    queue_row = np.asarray(inputs[2])[:n]  # each sample's queue prompt
+    prompt_routes = to_host(state.prompt_routes)[queue_row]
+    inside = np.arange(prompt_routes.shape[1])[None, :] < np.asarray(inputs[1].lengths)[queue_row][:, None]
+    return (*out, (routes, np.where(inside[..., None, None], prompt_routes, -1)))

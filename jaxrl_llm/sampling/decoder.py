@@ -173,20 +173,28 @@ def prefill_cache(params, config: ModelConfig, tokens: jax.Array, lengths: jax.A
 
 
 def prefill_layers(params, layers: list, config: ModelConfig, tokens: jax.Array, lengths: jax.Array,
-                   cache_dtype=None, constrain=None) -> tuple[jax.Array, tuple, tuple]:
+                   cache_dtype=None, constrain=None, with_routes: bool = False) -> tuple:
     """`prefill_cache` over per-layer parameters (`unstack_layers`), one layer after another in Python:
     (logits [C, V], keys: one [C, KV, d, P] per layer, values: one [C, KV, P, d] per layer). For a prefill
     inside a decode loop that already holds the per-layer weights: each layer's keys and values can go to
     a per-layer cache as soon as they exist, instead of through one stacked [layers, ...] buffer beside
     the decode's own temporaries (0.38 GB for 16 prompts of 256 tokens on SmolLM2-135M), and no layer's
-    weights are sliced out of the stacked arrays again."""
+    weights are sliced out of the stacked arrays again. With `with_routes` (a mixture of experts) also the experts
+    each prompt token chose in each sparse layer, [C, P, L_sparse, k], last (as `prefill_cache`)."""
     layer = _prefill_layer(config, tokens, cache_dtype, constrain)
-    x, keys, values = _embed_prompts(params, config, tokens, constrain), [], []
+    routed_layer = _prefill_layer(config, tokens, cache_dtype, constrain, with_routes=True)
+    x, keys, values, chosen = _embed_prompts(params, config, tokens, constrain), [], [], []
     for i, lp in enumerate(layers):
-        x, (k, v) = layer(x, (lp, layer_constants(config, i)))
+        const = layer_constants(config, i)
+        if with_routes and const["sparse"]:
+            x, (k, v, routes) = routed_layer(x, (lp, const))
+            chosen.append(routes.chosen)
+        else:
+            x, (k, v) = layer(x, (lp, const))
         keys.append(k)
         values.append(v)
-    return _prompt_logits(params, config, x, lengths, constrain), tuple(keys), tuple(values)
+    out = (_prompt_logits(params, config, x, lengths, constrain), tuple(keys), tuple(values))
+    return (*out, jnp.stack(chosen, axis=2)) if with_routes else out
 
 
 def _to_groups(x: jax.Array, entries: int) -> jax.Array:

@@ -30,7 +30,7 @@ class Rollout(NamedTuple):
         (see `generate`), 0.0 where mask is 0.
     lengths int32 [R]: number of generated tokens = mask.sum(1).
     finish_reason int32 [R]: FINISH_STOP (0) if the row ended with a stop id, else FINISH_LENGTH (1).
-    Routing replay (a mixture of experts, the static engine; None otherwise): routes [R, max_new_tokens, L_sparse,
+    Routing replay (a mixture of experts, either engine; None otherwise): routes [R, max_new_tokens, L_sparse,
     k] the experts each generated token chose in each sparse layer when fed back (-1 where mask is 0, and on a
     row's last token, which is never fed), prompt_routes [R, P, L_sparse, k] those of the row's prompt tokens in
     its prefill (-1 past the prompt); small ints (`moe.route_dtype`).
@@ -140,14 +140,16 @@ def collect(state: SamplingState, plan: SamplingPlan, max_new_tokens: int, pad_i
 
 def _continuous_rollout(setup: CallSetup, config: ModelConfig, call: CallPlan, rng: jax.Array
                         ) -> tuple[Rollout, SlotStats]:
-    tokens, logprobs, lengths, stopped, row_prompt, stats = generate_slots(
+    tokens, logprobs, lengths, stopped, row_prompt, stats, (routes, prompt_routes) = generate_slots(
         setup.params, config, setup.prompts, setup.counts, max_new_tokens=setup.max_new_tokens,
         temperature=setup.temperature, top_p=setup.top_p, top_k=setup.top_k, stop_ids=setup.stop_ids, rng=rng,
         pad_id=setup.pad_id, max_slots=call.slots, prefill_tokens_per_call=setup.prefill_tokens_per_call,
-        max_prompt_entries=setup.max_prompt_entries, mesh=setup.mesh, paired_stops=setup.paired_stops, call=call)
+        max_prompt_entries=setup.max_prompt_entries, mesh=setup.mesh, paired_stops=setup.paired_stops, call=call,
+        with_routes=True)
     mask = (np.arange(tokens.shape[1])[None, :] < lengths[:, None]).astype(np.float32)
     return Rollout(prompt_index=row_prompt, tokens=tokens, mask=mask, logprobs=logprobs, lengths=lengths,
-                   finish_reason=np.where(stopped, FINISH_STOP, FINISH_LENGTH).astype(np.int32)), stats
+                   finish_reason=np.where(stopped, FINISH_STOP, FINISH_LENGTH).astype(np.int32), routes=routes,
+                   prompt_routes=prompt_routes), stats
 
 
 def _concat(rollouts: list[Rollout]) -> Rollout:
