@@ -30,14 +30,16 @@ With d_t = train_logp_t - sampler_logp_t over the response tokens it reports:
 The f32 control is the floor: the sampler's incremental decode and the trainer's packed teacher-forced pass of
 one f32 policy. Results go to `--json`.
 
-    .venv/bin/python benchmarks/sampler_gap.py --moe [--json benchmarks/results/sampler_gap_moe.json]
+    .venv/bin/python benchmarks/sampler_gap.py --moe [--moe-floor] [--json benchmarks/results/sampler_gap_moe.json]
 
-`--moe` (issue 57, routing replay): a tiny random Qwen3-MoE (`tiny_moe`: 2 sparse layers of 8 experts, top 2) and its
-dense counterpart (the same attention, embeddings and output; one dense MLP per layer), sampled by `generate` with
-an f32 (control), bf16 and int8 (every projection and expert matrix quantized per output channel) copy, scored by
-the f32 trainer's packed log-prob pass (`train.logprobs.response_logprobs`) with model.routing_replay none and
-rollout: the numbers above plus routes_changed (recorded (token, layer) routes whose experts in the trainer's pass
-differ from the sampler's) and routes_own_changed (the trainer's own top k against the sampler's).
+`--moe` (issue 57, routing replay): a tiny random Qwen3-MoE (`tiny_moe`: 2 sparse layers of 8 experts, top 2), its
+dense counterpart (the same attention, embeddings and output; one dense MLP of width 48 per layer) and the dense
+model with its active width and own weights (`matched_dense`), sampled by `generate` with an f32 (control), bf16
+and int8 (every projection and expert matrix quantized per output channel) copy, scored by the f32 trainer's packed
+log-prob pass (`train.logprobs.response_logprobs`) with model.routing_replay none and rollout: the numbers above
+plus routes_changed (recorded (token, layer) routes whose experts in the trainer's pass differ from the sampler's)
+and routes_own_changed (the trainer's own top k against the sampler's). `--moe-floor` adds `floor_rows`: where the
+bf16 sampler's replayed gap comes from, teacher-forced on four random models.
 """
 
 from __future__ import annotations
