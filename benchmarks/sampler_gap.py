@@ -171,7 +171,8 @@ def matched_dense(config, params):
                                intermediate_size=2 * config.moe_intermediate_size, num_layers=config.num_layers,
                                num_heads=config.num_heads, num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,
                                qk_norm=config.qk_norm, model_type="qwen3")
-    return dense_config, {**params, "layers": {k: mlp.get(k, layers.get(k)) for k in param_shapes(dense_config)["layers"]}}
+    names = param_shapes(dense_config)["layers"]
+    return dense_config, {**params, "layers": {k: mlp.get(k, layers.get(k)) for k in names}}
 
 
 def sampler_copy(params, config, setting: str):
@@ -327,7 +328,8 @@ def floor_rows(model_seeds=(0, 10, 20, 30)) -> list:
     MoE's own f32 samples: moe (replayed); moe_sparse_f32 (the bf16 pass with every sparse block computed in f32
     from its bf16 input and bf16 weights: the routing, experts and combine without bf16 arithmetic); moe_fixed_gates
     (the same MoE with every gate weight 1/k in both passes: still routed and replayed, but no gate weight depends on
-    the hidden state; _own: on its own f32 samples); dense_matched_ij (`matched_dense` of experts i and j) on the MoE's tokens."""
+    the hidden state; _own: on its own f32 samples); dense_matched_ij (`matched_dense` of experts i and j) on the
+    MoE's tokens."""
     from unittest import mock
 
     from jaxrl_llm.models import model, moe

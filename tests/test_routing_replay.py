@@ -266,7 +266,8 @@ def test_expert_adapters_with_replay(moe, train_batch):
     spec = lora.LoraSpec(rank=2, alpha=4.0, targets=lora.resolve_targets("experts"))
     shapes = lora.adapter_shapes(config, spec)["layers"]
     keys = jax.random.split(jax.random.key(7), len(shapes))
-    adapters = {"layers": {name: 0.2 * jax.random.normal(key, shape) for key, (name, shape) in zip(keys, shapes.items())}}
+    adapters = {"layers": {name: 0.2 * jax.random.normal(key, shape)
+                           for key, (name, shape) in zip(keys, shapes.items())}}
     moved = dataclasses.replace(scored, routes=_moved(scored.routes, config.num_experts),
                                 prompt_routes=_moved(scored.prompt_routes, config.num_experts))
     attached, ((changed, recorded), (own, _), _), _ = gap.trainer_logprobs(lora.attach(params, adapters, spec.scale),
