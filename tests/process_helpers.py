@@ -1,5 +1,6 @@
 """Helpers of the multi-process tests: a free localhost port for `jax.distributed.initialize`, the environment of
-their processes, waiting for a set of worker processes (each must exit 0), and the loop runner's runs and metrics."""
+their processes, waiting for a set of worker processes (each must exit 0), the loop runner's runs and metrics, and
+the random response groups the mesh tests' subprocesses pack."""
 
 import json
 import os
@@ -7,6 +8,8 @@ import pathlib
 import socket
 import subprocess
 import sys
+
+import numpy as np
 
 # The suite's persistent compilation cache (conftest) stays out of `jax.distributed` processes: with it, a resumed
 # two-process run once differed from the straight one in the last bits of a gradient norm, and a pair whose
@@ -61,3 +64,15 @@ def accuracy_rows(out_dir) -> list[dict]:
     if not path.exists():
         return []
     return [r for r in map(json.loads, path.read_text().splitlines()) if "accuracy" in r]
+
+
+def random_response_groups(groups: int = 8, per_group: int = 3, width: int = 6, vocab: int = 64, seed: int = 0):
+    """`groups` random prompts of 2-6 tokens with `per_group` responses each of 1..`width` tokens (ids 1..vocab-1):
+    (rng for the draws that follow, prompts, responses [groups x per_group, width] int32, lengths, members, mask)."""
+    rng = np.random.default_rng(seed)
+    prompts = [rng.integers(1, vocab, size=rng.integers(2, 7)).tolist() for _ in range(groups)]
+    responses = rng.integers(1, vocab, size=(groups * per_group, width)).astype(np.int32)
+    lengths = rng.integers(1, width + 1, size=groups * per_group)
+    members = [np.arange(per_group * g, per_group * (g + 1)) for g in range(groups)]
+    mask = (np.arange(width)[None] < lengths[:, None]).astype(np.float32)
+    return rng, prompts, responses, lengths, members, mask

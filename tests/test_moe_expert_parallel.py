@@ -196,6 +196,7 @@ def _step_checks() -> dict:
     from jaxrl_llm.run.state import init_state, make_optimizer, state_shardings
     from jaxrl_llm.train.packing import pack_groups
     from jaxrl_llm.train.step import make_logprob_fn, make_train_step
+    from process_helpers import random_response_groups
 
     traces = []
     parallel = moe.expert_parallel_mlp
@@ -208,12 +209,7 @@ def _step_checks() -> dict:
     params = models.init_params(config, jax.random.PRNGKey(0))
     mesh = make_mesh(STEP_MESH)
     p_sharding, b_sharding = param_shardings(params, mesh), batch_shardings(mesh)
-    rng = np.random.default_rng(0)
-    prompts = [rng.integers(1, 64, size=rng.integers(2, 7)).tolist() for _ in range(8)]
-    responses = rng.integers(1, 64, size=(24, 6)).astype(np.int32)
-    lengths = rng.integers(1, 7, size=24)
-    members = [np.arange(3 * g, 3 * g + 3) for g in range(8)]
-    mask = (np.arange(6)[None] < lengths[:, None]).astype(np.float32)
+    rng, prompts, responses, lengths, members, mask = random_response_groups()
     adv = rng.choice([-1.0, 0.5, 1.0], size=(24, 1)).astype(np.float32) * mask
     old = rng.normal(-4.0, 0.3, size=(24, 6)).astype(np.float32) * mask
     ref = rng.normal(-4.0, 0.3, size=(24, 6)).astype(np.float32) * mask

@@ -113,6 +113,7 @@ def _step_checks() -> dict:
     import jax.numpy as jnp
     import numpy as np
     from compile_count import counted_compiles
+    from process_helpers import random_response_groups
 
     from jaxrl_llm import models
     from jaxrl_llm.models.sharding import make_mesh, param_shardings
@@ -131,12 +132,7 @@ def _step_checks() -> dict:
     p_sharding, b_sharding = param_shardings(params, mesh), batch_shardings(mesh)
 
     # 8 prompts with 3 responses each -> 8 packed rows = 2 micro-batches of 4 (one row per device pair).
-    rng = np.random.default_rng(0)
-    prompts = [rng.integers(1, 64, size=rng.integers(2, 7)).tolist() for _ in range(8)]
-    responses = rng.integers(1, 64, size=(24, 6)).astype(np.int32)
-    lengths = rng.integers(1, 7, size=24)
-    members = [np.arange(3 * g, 3 * g + 3) for g in range(8)]
-    mask = (np.arange(6)[None] < lengths[:, None]).astype(np.float32)
+    rng, prompts, responses, lengths, members, mask = random_response_groups()
     probe = pack_groups(prompts, members, responses, lengths, row_multiple=4)
     logp_single = np.asarray(make_logprob_fn(config)(params, probe))
     # the sharded pass in 2 micro-batches of 4 rows (as a run's, optim.micro_batch_size), the reference in one
