@@ -699,6 +699,29 @@ def test_moe_estimate_matches_xla_memory_analysis(block, mixed):
     assert 0.85 <= ratio <= 1.25, (ratio, xla, est["activations"], est["logprob_residuals"])
 
 
+def test_moe_routes_by_hand():
+    """The sampler's recorded routes and a train-step mini-batch's, counted by hand on a tiny MoE of 3 layers (layer
+    0 dense: 2 sparse layers x k = 2 int8 ids, 4 bytes a token) over fsdp=2: 2 prompts x 2 samples, prompts <= 8
+    tokens and 8 new tokens on buckets of 16, one packed row of 32 tokens per device."""
+    mc = TINY.replace(num_layers=3, mlp_only_layers=(0,), **_TINY_MOE)
+    mesh = parse_mesh("fsdp=2", 2)
+    static = cpu_estimate(load_config(None, TINY_RUN), mc, mesh)
+    # static engine: 4 rows / 2 devices x (16 prompt + 16 response positions) x 4 B; its prefill also gathers the
+    # chunk's 2 prompts x 16 positions x 4 B
+    assert static["sampler_routes"] == 2 * (16 + 16) * 4 == 256
+    dense = cpu_estimate(load_config(None, TINY_RUN), mc.replace(num_experts=0), mesh)
+    assert static["batch_routes"] == 1 * 32 * 4 == 128 and dense["batch_routes"] == dense["sampler_routes"] == 0
+    assert static["programs"]["train_step"]["working"] == (static["params"] + static["optimizer"]
+                                                         + static["train_step"] + 128)
+    # continuous engine: every sample's 4 x 16 response positions and the queue's 2 + 2 (chunk) prompts x 16, on
+    # every device
+    continuous = cpu_estimate(load_config(None, TINY_RUN + ["sampling.engine=continuous"]), mc, mesh)
+    assert continuous["sampler_routes"] == (4 * 16 + (2 + 2) * 16) * 4 == 512
+    # more than 128 experts: int16 ids, twice the bytes
+    wide = cpu_estimate(load_config(None, TINY_RUN), mc.replace(num_experts=200), mesh)
+    assert (wide["sampler_routes"], wide["batch_routes"]) == (512, 256)
+
+
 def test_moe_parameters_by_hand():
     """Qwen3-30B-A3B's and gpt-oss-20b's parameter counts (the "30.5B" and "20.9B" of their model cards) and
     Qwen3-30B-A3B's elements per device on fsdp=8, tensor=4 counted by hand, and the estimate's params and AdamW
@@ -726,7 +749,7 @@ def test_moe_parameters_by_hand():
     assert est["params"] == 4 * local and est["optimizer"] == 8 * local and est["param_count"] == 30_532_122_624
 
 
-@pytest.mark.parametrize("preset,chips,peak_gib", [("qwen3-30b-a3b_grpo", 32, 38.5), ("gpt-oss-20b_grpo", 16, 57.8)])
+@pytest.mark.parametrize("preset,chips,peak_gib", [("qwen3-30b-a3b_grpo", 32, 38.6), ("gpt-oss-20b_grpo", 16, 57.9)])
 def test_moe_presets_mesh_fits_their_slice_and_beats_fsdp_alone(preset, chips, peak_gib):
     """The MoE presets' own mesh (fsdp=-1,expert=2,tensor=4) on a v5p-64 / v5p-32 is what their comments say, under a
     v5p chip's 95 GiB, and under half of every chip on fsdp (whose sparse blocks hold every chip's routed rows)."""

@@ -26,6 +26,10 @@ Every term counts what jaxrl_llm itself allocates, per device of a `data x fsdp 
   teacher top-K  (distill.mode topk) the teacher's top_k ids (int32) and log-probs (f32) of every response position
               of a train-step mini-batch, an argument of the train step: mini-batch rows / (data x fsdp x expert)
               x S x R x top_k x 8
+  batch routes  (a model with experts) the sampler's routes a train-step mini-batch carries (`TrainBatch.routes`,
+              the packed row's every token; a batch the sampler recorded none for carries -1s on a mesh):
+              mini-batch rows / (data x fsdp x expert) x L x sparse layers x k x r, r = bytes of
+              `models.moe.route_dtype` (1: int8 up to 128 experts), an argument of the train step
   train step  gradients: the f32 accumulator of the micro-batch scan + one micro-batch gradient in p, and after
               the backward passes XLA's update temporaries, two more f32 copies (AdamW's new moments before they
               replace the old);
@@ -113,6 +117,12 @@ Every term counts what jaxrl_llm itself allocates, per device of a `data x fsdp 
               to the chunk: tool conversations keep their prompt's entry across turns), plus one layer's prompt
               keys/values gathered for the slots (S x P_bucket x kv_heads x head_dim x 2 x c) and (C + 2 S) x V
               f32 logits; the S slots are split over data x fsdp as rows are, every device holds the C entries
+  sampler routes  (a model with experts; either engine records them whatever model.routing_replay) the experts
+              each prompt and response token chose, sparse layers x k x r per token, held through the call: the
+              static engine's rows / (data x fsdp x expert) x (P_bucket + R_bucket), plus in the prefill one chunk's
+              prompts' chunk x P_bucket gathered on every device (as its keys and values); the continuous engine's
+              every sample's and queue prompt's, on every device: (rows x R_bucket + (queue bucket + chunk)
+              x P_bucket); counted in sampling
   gvm norms   (GVM only) per-sample gradients of the subset (default the embedding) for
               `sampling.gvm_rows_per_chunk` (0: `optim.micro_batch_size`) unpacked rows at a time, in p
               (a tied embedding in the subset also gets the output layer's, rows x V x D in c, made first), with
@@ -128,7 +138,7 @@ Every term counts what jaxrl_llm itself allocates, per device of a `data x fsdp 
               activations of one micro-batch, as the policy's (no log-prob residuals: a scalar per token)
 
   peak = params + optimizer + reference + critic + teacher
-         + max(train step + teacher top-K, critic step, sampling, gvm norms, teacher pass)
+         + max(train step + teacher top-K + batch routes, critic step, sampling, gvm norms, teacher pass)
 
 Mixtures of experts (`models.moe`; E experts, k per token, expert width F_e split over tensor where it divides it,
 D whole): the parameters are `models.model.param_shapes`' under the partition rules, so a sparse layer's
@@ -187,6 +197,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import numpy as np
+
 from jaxrl_llm.capacity.chips import GIB, TARGETS  # noqa: F401 (the planners' names)
 from jaxrl_llm.capacity.activations import (LOGPROB_CHUNK, activation_bytes, feed_forward_bytes,
                                             logprob_residual_bytes)
@@ -199,6 +211,7 @@ from jaxrl_llm.models.attention import resolve as attention_resolve
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.lora import adapter_shapes
 from jaxrl_llm.models.moe import resolve as moe_resolve
+from jaxrl_llm.models.moe import route_dtype
 from jaxrl_llm.run.config import RunConfig, uses_critic
 from jaxrl_llm.run.shapes import ROW_SEQ_MULTIPLE, StepShapes, parse_mesh, step_shapes  # noqa: F401
 from jaxrl_llm.sampling.buckets import response_tile_size, round_up
@@ -249,6 +262,14 @@ class _Inputs:
         mesh = self.shapes.sampler_mesh
         return feed_forward_bytes(self.mc, tokens, mesh["tensor"], self.c, True, tiles, mesh.get("expert", 1),
                                   mesh["data"] * mesh["fsdp"])[0]
+
+    @property
+    def route_bytes(self) -> int:
+        """Bytes of one token's recorded routes: sparse layers x k expert ids in `moe.route_dtype`; 0 for a dense
+        model."""
+        sparse = sum(self.mc.sparse_layers())
+        return sparse * self.mc.num_experts_per_tok * np.dtype(route_dtype(self.mc.num_experts)).itemsize if sparse \
+            else 0
 
     def logprob_residuals(self, rows: int, scored: int) -> int:
         """`logprob_residual_bytes` of `rows` rows of `scored` scored positions."""
@@ -320,6 +341,26 @@ def _teacher_topk_term(x: _Inputs) -> int:
     return rows * sh.responses_per_row * x.cfg.sampling.max_new_tokens * d.top_k * (4 + 4)
 
 
+def _batch_routes_term(x: _Inputs) -> int:
+    """Bytes per device of the sampler's routes a train-step mini-batch carries (`TrainBatch.routes`, module
+    docstring); 0 for a dense model."""
+    sh = x.shapes
+    return -(-sh.mini_batch_rows // sh.row_split) * sh.row_length * x.route_bytes
+
+
+def _sampler_routes_term(x: _Inputs) -> dict[str, int]:
+    """The sampler's recorded routes (module docstring): {"held": its state's buffers on a device, "prefill": the
+    static engine's routes of one prefill chunk, gathered on every device by the merge}; 0s for a dense model."""
+    call, split, per_token = x.shapes.sampler_call, x.shapes.sampler_row_split, x.route_bytes
+    plan = call.shapes
+    if x.cfg.sampling.engine == "continuous":  # every sample's and every queue prompt's, on every device
+        held = (plan.row_bucket * plan.new_token_bucket
+                + (call.queue_bucket + plan.prompts_per_prefill) * plan.prompt_bucket) * per_token
+        return {"held": held, "prefill": 0}
+    held = plan.row_bucket // split * (plan.prompt_bucket + plan.new_token_bucket) * per_token
+    return {"held": held, "prefill": plan.prompts_per_prefill * plan.prompt_bucket * per_token}
+
+
 def _train_step_terms(x: _Inputs, policy: dict[str, int]) -> dict[str, int]:
     """gradients, activations, logprob_residuals and the train step's peak of its phases (module docstring)."""
     sh, cfg = x.shapes, x.cfg
@@ -347,9 +388,11 @@ def _continuous_sampling(x: _Inputs, c: int, loop_weights: int) -> dict[str, int
     prompt_bucket = call.shapes.prompt_bucket
     kv_cache = sum((prompts * prompt_bucket + local_slots * slots) * kv_bytes
                    for slots in response_slots(mc, call.shapes.new_token_bucket))
+    routes = _sampler_routes_term(x)["held"]  # the recorded experts of every sample and queue prompt
     sampling = (kv_cache + local_slots * prompt_bucket * kv_bytes + (prompts + 2 * local_slots) * mc.vocab_size * 4
-                + loop_weights + x.sparse_block(local_slots))
-    return {"kv_cache": kv_cache, "sampling": sampling, "sampling_prefill": sampling, "sampling_decode": sampling}
+                + loop_weights + x.sparse_block(local_slots) + routes)
+    return {"kv_cache": kv_cache, "sampler_routes": routes, "sampling": sampling, "sampling_prefill": sampling,
+            "sampling_decode": sampling}
 
 
 def _static_sampling(x: _Inputs, c: int, weights_cast: int, layer_copy: int) -> dict[str, int]:
@@ -373,8 +416,9 @@ def _static_sampling(x: _Inputs, c: int, weights_cast: int, layer_copy: int) -> 
     gather_split = head_split if head_split > 1 or chunk % mesh["tensor"] else mesh["tensor"]
     # a sparse layer's routing buffers for the prefill chunk's tokens on the device, and for the decode step's rows
     routed = x.sparse_block(-(-chunk // split) * call.prompt_bucket)
+    routes = _sampler_routes_term(x)  # the recorded experts: each row's, and the prefill chunk's gathered
     prefill = (kv_cache + chunk * call.prompt_bucket * len(slots) * kv_bytes // gather_split + logits + weights_cast
-               + routed)
+               + routed + routes["held"] + routes["prefill"])
     # Decode: a tensor axis that cannot split the KV heads makes the loop copy the cache (XLA on TPU); a tiled
     # response cache (`buckets.response_tile_size`) copies the tile being written, in every full-attention layer;
     # the output layer's f32 logits come out for the call's rows with the vocabulary split over tensor.
@@ -384,9 +428,9 @@ def _static_sampling(x: _Inputs, c: int, weights_cast: int, layer_copy: int) -> 
         if tile else 0
     vocab_split = mesh["tensor"] if mc.vocab_size % mesh["tensor"] == 0 else 1
     decode = (kv_cache + decode_copy + tiles + max(logits, call.row_bucket * mc.vocab_size // vocab_split * 4)
-              + max(weights_cast, layer_copy) + x.sparse_block(local_rows))
-    return {"kv_cache": kv_cache, "sampling": max(prefill, decode), "sampling_prefill": prefill,
-            "sampling_decode": decode}
+              + max(weights_cast, layer_copy) + x.sparse_block(local_rows) + routes["held"])
+    return {"kv_cache": kv_cache, "sampler_routes": routes["held"], "sampling": max(prefill, decode),
+            "sampling_prefill": prefill, "sampling_decode": decode}
 
 
 def _sampler_terms(x: _Inputs, policy: dict[str, int]) -> dict[str, int]:
@@ -463,7 +507,8 @@ def program_memory(est: dict[str, Any], shapes: StepShapes) -> dict[str, dict[st
     one of its versions on its own devices ("own", the other versions beside it). The log-prob pass has no working
     term of its own (a forward pass, bounded by the train step's): 0; the teacher's pass (distill.teacher) holds the
     teacher's weights and its pass's buffers (`teacher pass`), the trainer's state and the other models beside it;
-    the train step also reads the teacher's top-K fields of its mini-batch (`teacher top-K`)."""
+    the train step also reads the teacher's top-K fields of its mini-batch (`teacher top-K`) and a mixture of
+    experts' recorded routes (`batch routes`)."""
     lora = shapes.lora is not None
     other = est["reference"] + est["critic"] + est.get("teacher", 0)
     reader = est["params"] + est["optimizer"] + other if lora else est["optimizer"] + other  # reads the policy
@@ -482,7 +527,8 @@ def program_memory(est: dict[str, Any], shapes: StepShapes) -> dict[str, dict[st
                 "gvm_grad_norms": reader,
                 "sampler_prefill": sampler_resident, "sampler_decode": sampler_resident,
                 "sampler_continuous": sampler_resident}
-    working = {"train_step": est["params"] + est["optimizer"] + est["train_step"] + est.get("teacher_topk", 0),
+    working = {"train_step": est["params"] + est["optimizer"] + est["train_step"] + est.get("teacher_topk", 0)
+               + est.get("batch_routes", 0),
                "logprob_pass": 0, "teacher_pass": est.get("teacher", 0) + est.get("teacher_pass", 0),
                "critic_step": est["critic"] + est["critic_step"], "gvm_grad_norms": policy + est["gvm_norms"],
                "sampler_prefill": sampler_reads + est["sampling_prefill"],
@@ -501,11 +547,11 @@ def estimate_memory(config: RunConfig, model_config: ModelConfig, mesh: dict[str
     `remat` overrides model.remat; `response_fill` scales the response length (1.0: every response
     reaches sampling.max_new_tokens); `teacher_config`: distill.teacher's model when it is not the policy's shape.
     Returns a dict of byte counts (params, optimizer, reference, teacher, teacher_pass, teacher_topk, gradients,
-    activations, logprob_residuals, train_step, kv_cache, sampling, gvm_norms, critic, critic_step, sampler_copy,
-    sampler_version (one policy version an async sampler holds, 0 in sync), sampler_copies, sampler_peak (the
-    sampler's own devices, 0 when it shares the trainer's), peak) plus param_count, row_length (packed training
-    row), sample_rows (rows of one sampler call's state), gvm_chunk_rows and "programs" (`program_memory`: each
-    compiled program's resident and working bytes).
+    activations, logprob_residuals, train_step, batch_routes, kv_cache, sampler_routes, sampling, gvm_norms, critic,
+    critic_step, sampler_copy, sampler_version (one policy version an async sampler holds, 0 in sync),
+    sampler_copies, sampler_peak (the sampler's own devices, 0 when it shares the trainer's), peak) plus
+    param_count, row_length (packed training row), sample_rows (rows of one sampler call's state), gvm_chunk_rows
+    and "programs" (`program_memory`: each compiled program's resident and working bytes).
     """
     if isinstance(mesh, str):
         if devices is None:
@@ -522,9 +568,10 @@ def estimate_memory(config: RunConfig, model_config: ModelConfig, mesh: dict[str
            "param_count": policy["param_count"], "row_length": shapes.row_length, "gvm_chunk_rows": shapes.gvm_chunk,
            **{k: policy[k] for k in ("params", "optimizer", "reference")}, **train, **sampler,
            "gvm_norms": _gvm_norms(x, policy), **critic, "teacher": _teacher_term(x, teacher_config),
-           "teacher_pass": _teacher_pass_term(x, teacher_config), "teacher_topk": _teacher_topk_term(x)}
+           "teacher_pass": _teacher_pass_term(x, teacher_config), "teacher_topk": _teacher_topk_term(x),
+           "batch_routes": _batch_routes_term(x)}
     resident = (est["params"] + est["optimizer"] + est["reference"] + est["critic"] + est["teacher"]
                 + (0 if shapes.sampler_devices else est["sampler_copies"]))
-    trainer_peak = resident + max(est["train_step"] + est["teacher_topk"], est["critic_step"], est["sampling"],
-                                  est["gvm_norms"], est["teacher_pass"])
+    trainer_peak = resident + max(est["train_step"] + est["teacher_topk"] + est["batch_routes"], est["critic_step"],
+                                  est["sampling"], est["gvm_norms"], est["teacher_pass"])
     return {**est, "peak": max(trainer_peak, est["sampler_peak"]), "programs": program_memory(est, shapes)}
