@@ -39,17 +39,20 @@ SETUP = {
             "bundled model with README's demo LoRA adapters towards the GRPO demo's final policy, against the GRPO "
             "demo itself; held-out avg@4 on the same 100 problems, the same sampling seed",
     "date": "2026-11-29",
-    "machine": "2-core CPU shared with 4 other sessions' tests and training runs (load average 15-18): the seconds are "
+    "machine": "2-core CPU shared with other sessions' tests and training runs (load average 8-18): the seconds are "
                "not the idle machine's",
     "grpo_run": "the CI run of cff2843 (bash .ci/run, README's command jaxrl-llm train --config "
                 "configs/lora_demo.yaml; 0.560 -> 0.8175 as every run of it since 79e89e2); its final/ is the teacher",
     "grpo_step10": "the GRPO demo's step-10 checkpoint evaluated alone (the evaluation row at step 10 of "
                    "distill_demo_runs/grpo/metrics.jsonl): a copy of its checkpoint 10 resumed with train.steps=10",
     "topk_run": "the 4-step config, then --resume with train.steps=6 (steps 5-6 and an evaluation at 384 samples)",
+    "topk_lr6e-4_run": "mode topk with optim.lr=6e-4 (3x the demo's; distill.coef would only rescale a loss AdamW "
+                       "normalises) and train.steps=6, evaluations every 2 steps, from the same untrained student",
     "sampled_run": "started with train.steps=8 and stopped during step 6, after its step-5 checkpoint (the learning "
                    "rate is constant, so steps 1-4 and that evaluation are the 4-step config's); then --resume with "
-                   "train.steps=5 (the evaluation at 320 samples only) and --resume with train.steps=7 "
-                   "train.eval_every=1 (steps 6-7, evaluations at 384 and 448 samples)",
+                   "train.steps=5 (the evaluation at 320 samples only), --resume with train.steps=7 "
+                   "train.eval_every=1 (steps 6-7, evaluations at 384 and 448 samples) and --resume with "
+                   "train.steps=10 train.eval_every=1 (steps 8-10, evaluations at 512, 576 and 640 samples)",
 }
 
 
