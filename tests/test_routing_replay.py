@@ -301,6 +301,67 @@ def test_async_in_flight_rollouts_keep_their_routes(moe, tmp_path):
     np.testing.assert_array_equal(back.logprobs, scored.logprobs)
 
 
+def test_partial_rollouts_hand_over_routes_that_replay_exactly(moe, tmp_path):
+    """Partial rollouts (`PartialSampler`: 5 slots, segments of 3 iterations, the queue shifting) hand over the
+    static engine's rollout with its routes, prompt and fed tokens alike; as the trainer's batch, routing replay
+    changes none of them and the log-probs agree (f32). Saved beside a checkpoint (groups and engine state) and
+    restored, the sampler hands over the same routes next."""
+    from jaxrl_llm.train.async_rollouts import load_in_flight, save_in_flight
+    from jaxrl_llm.train.partial_rollouts import PartialSampler, score_groups
+
+    config, params, scored, _ = moe
+
+    def sampler():
+        stream = iter(range(10 ** 6))
+        return PartialSampler(config, next_records=lambda: [{"prompt_ids": PROMPTS[next(stream) % 3], "answer": ""}],
+                              group_size=SAMPLES, batch_groups=2, prompt_bucket=8, max_new_tokens=NEW_TOKENS,
+                              segment_iterations=3, temperature=1.0, top_p=1.0, top_k=0, stop_ids=(), pad_id=0,
+                              key=jax.random.key(1), slots=5)
+
+    first, groups = sampler(), []
+    while len(groups) < 3:
+        groups += first.segment(params, 0)
+    groups = sorted(groups, key=lambda g: g.index)[:3]
+    assert [g.index for g in groups] == [0, 1, 2]
+    partial = score_groups(groups, _Words(), lambda texts, golds, lengths: (np.zeros(len(texts), bool),
+                                                                            np.zeros(len(texts), np.float32)))
+    np.testing.assert_array_equal(partial.tokens, scored.tokens)
+    np.testing.assert_array_equal(partial.routes, scored.routes)
+    width = scored.prompt_routes.shape[1]  # the static call's prompt bucket (8); the partial sampler's is 16
+    np.testing.assert_array_equal(partial.prompt_routes[:, :width], scored.prompt_routes)
+    assert (partial.prompt_routes[:, width:] == -1).all()
+    found = gap.trainer_gap(params, config, partial, "rollout")
+    assert found["routes_changed"] == 0 and found["routes_own_changed"] == 0 and found["max_abs_d"] < 1e-4
+    assert found["routes_recorded"] == 2 * (int(np.maximum(scored.lengths - 1, 0).sum()) + sum(map(len, PROMPTS)))
+
+    arrays, books = first.state_dict()
+    save_in_flight(tmp_path, 1, {1: (groups[:2], {}), "sampler": {
+        "arrays": arrays, "books": books, "next_step": 2, "pending": groups[2:], "dropped": 0, "drawn": 0,
+        "schedule": {}}})
+    restored = load_in_flight(tmp_path, 1, expected=2)
+    back = restored[1][0] + restored["sampler"]["pending"]
+    for a, b in zip(groups, back):
+        np.testing.assert_array_equal(a.routes, b.routes)
+        np.testing.assert_array_equal(a.prompt_routes, b.prompt_routes)
+    second = sampler()
+    second.load_state_dict(restored["sampler"]["arrays"], restored["sampler"]["books"])
+    ahead = {}
+    for one in (first, second):
+        while one not in ahead:
+            handed = one.segment(params, 0)
+            if handed:
+                ahead[one] = handed
+    for a, b in zip(ahead[first], ahead[second]):
+        assert a.index == b.index and (a.routes >= 0).any()
+        np.testing.assert_array_equal(a.routes, b.routes)
+        np.testing.assert_array_equal(a.prompt_routes, b.prompt_routes)
+
+
+class _Words:
+    def decode(self, ids, skip_special_tokens=True):
+        return " ".join(map(str, ids))
+
+
 def test_gvm_stage_rows_keep_their_routes():
     from jaxrl_llm.train.gvm import reuse_stage1
 
@@ -321,15 +382,14 @@ def test_gvm_stage_rows_keep_their_routes():
 
 @pytest.mark.parametrize("overrides, named", [
     (["tools.env=python"], "tool rollouts"),
-    (["rollouts.mode=partial"], "partial rollouts"),
 ])
 def test_rollout_replay_is_refused_where_the_sampler_records_no_routes(overrides, named):
-    """Either engine records routes on single-turn, whole rollouts: elsewhere routing_replay rollout is a ConfigError
-    naming what records none, not a silent fall back to the trainer's own top k."""
+    """Either engine records routes on single-turn rollouts, whole or partial: elsewhere routing_replay rollout is a
+    ConfigError naming what records none, not a silent fall back to the trainer's own top k."""
     from jaxrl_llm.run.config import ConfigError, load_config
 
-    for engine in ("static", "continuous"):
-        config = load_config(None, ["model.routing_replay=rollout", f"sampling.engine={engine}"])
+    for other in (["sampling.engine=static"], ["sampling.engine=continuous"], ["rollouts.mode=partial"]):
+        config = load_config(None, ["model.routing_replay=rollout", *other])
         assert config.model.routing_replay == "rollout"
     assert load_config(None, overrides).model.routing_replay == "none"
     with pytest.raises(ConfigError, match=f"model.routing_replay.*{named}"):

@@ -79,7 +79,7 @@ class ModelSection:
     # train step send every token the sampler routed to the experts it chose (their gate weights recomputed from the
     # trainer's router logits, so the router still learns); "none" routes by the trainer's own top k. Either way a
     # step logs routes_changed and expert_load_max_over_mean when the sampler recorded routes. Either engine records
-    # them on single-turn, whole rollouts: "rollout" with tools or partial rollouts (which record none yet) is refused.
+    # them on single-turn rollouts, whole or partial: "rollout" with tool rollouts (which record none yet) is refused.
     routing_replay: str = "none"
     # Switch's load-balancing loss, E sum_e f_e P_e per sparse layer, added x this coefficient (0: off).
     router_aux_loss_coef: float = 0.0
@@ -598,17 +598,15 @@ def _model_checks(config: RunConfig) -> list[tuple[str, bool, str]]:
     ("model.router_aux_loss_coef", config.model.router_aux_loss_coef >= 0, "must be >= 0"),
     ("model.routing_replay", config.model.routing_replay != "rollout" or not _routes_unrecorded(config),
      f"'rollout' replays the routes the sampler records, and {_routes_unrecorded(config)} (their tokens would "
-     f"take the trainer's own top k): use single-turn, whole rollouts, or routing_replay none"),
+     f"take the trainer's own top k): use single-turn rollouts, or routing_replay none"),
     ]
 
 
 def _routes_unrecorded(config: RunConfig) -> str:
     """Which of this run's samplers records no routes for routing replay ('' when none: either engine records them on
-    single-turn, whole rollouts)."""
+    single-turn rollouts, whole or partial)."""
     if config.tools.env:
         return "tool rollouts (tools.env) record none"
-    if config.rollouts.mode == "partial":
-        return "partial rollouts (rollouts.mode=partial) record none"
     return ""
 
 

@@ -23,11 +23,16 @@ A batch of step t has staleness t - v >= L on its newest tokens; a group whose o
 `rollouts.max_staleness` versions old when it is handed over is dropped (counted in `dropped_stale`) or, with
 `rollouts.stale: redraw`, its prompt goes back to the queue's next free place and is drawn again.
 
+Routes. A mixture of experts' sampler records the experts each prompt token and fed token chose (routing replay,
+`continuous.SlotState`); a group hands them over with its samples, and a step's batch carries them to the trainer
+(`ScoredRollouts.routes`, `prompt_routes`). A response continued under new weights keeps the routes of the version
+that fed each token (the recomputed caches record none): the experts the sampler computed with.
+
 Checkpoints. A checkpoint at step t waits until the sampler stops at the first segment whose version is t or later
 (`quiesce`: a point fixed by the schedule), then saves beside it the batches formed and not yet trained, the groups
-handed over for the next batch and the whole engine state: the slots' tokens, log-probs and token versions, the KV
-caches, the queue and the prompts read from the stream (`save_in_flight`). `--resume` restores all of it, so a
-resumed run equals the uninterrupted one bitwise.
+handed over for the next batch (their routes too) and the whole engine state: the slots' tokens, log-probs, token
+versions and routes, the KV caches, the queue and the prompts read from the stream (`save_in_flight`). `--resume`
+restores all of it, so a resumed run equals the uninterrupted one bitwise.
 
 Events. RUN_DIR/segments.jsonl logs the schedule for `benchmarks/partial_sim.py replay` (`SegmentLog`): the sampler's
 shape, every segment's version, start and end and the groups it handed over with their lengths, and when each batch
@@ -63,7 +68,12 @@ def _host(x: jax.Array) -> np.ndarray:
 @dataclasses.dataclass
 class Group:
     """One prompt's n samples, once every one has ended. tokens / logprobs / versions [n, N]; versions: the policy
-    version of each token (-1 after the sample's end); index: the prompt's place in the sampler's admissions."""
+    version of each token (-1 after the sample's end); index: the prompt's place in the sampler's admissions.
+    A mixture of experts' recorded routes (routing replay; None for a dense model): routes [n, N, L_sparse, k] the
+    experts each fed token chose, prompt_routes [P, L_sparse, k] those of the prompt's tokens in its prefill (-1
+    where nothing was recorded: a sample's last token, past the prompt). A response continued under new weights
+    keeps the routes each version chose as it fed its tokens (`continuous.refresh_slots` records none): what the
+    sampler computed."""
 
     record: dict
     index: int
@@ -72,6 +82,8 @@ class Group:
     lengths: np.ndarray
     stopped: np.ndarray
     versions: np.ndarray
+    routes: np.ndarray | None = None
+    prompt_routes: np.ndarray | None = None
 
     @property
     def oldest(self) -> int:
@@ -200,6 +212,8 @@ class PartialSampler:
 
     def _hand_over(self, places: np.ndarray) -> list[Group]:
         tokens, logprobs, stopped = (_host(x) for x in (self.state.tokens, self.state.logprobs, self.state.stopped))
+        routed = self.state.routes is not None
+        routes, prompt_routes = (_host(self.state.routes), _host(self.state.prompt_routes)) if routed else (None, None)
         out, first = [], self.admitted - len(self.records)
         for p in places:
             rows = slice(p * self.n, (p + 1) * self.n)
@@ -207,9 +221,15 @@ class PartialSampler:
             on = np.arange(self.width)[None, :] < lengths[:, None]
             versions = self.drawn[rows]
             n = self.max_new_tokens
-            out.append(Group(record=self.records[p], index=first + int(p), tokens=tokens[rows, :n],
-                             logprobs=np.where(on, logprobs[rows], 0.0)[:, :n], lengths=lengths.copy(),
-                             stopped=stopped[rows].copy(), versions=np.where(on, versions, -1)[:, :n]))
+            group = Group(record=self.records[p], index=first + int(p), tokens=tokens[rows, :n],
+                          logprobs=np.where(on, logprobs[rows], 0.0)[:, :n], lengths=lengths.copy(),
+                          stopped=stopped[rows].copy(), versions=np.where(on, versions, -1)[:, :n])
+            if routed:  # as `continuous.generate_slots` gives them: a row's last token is never fed back
+                fed = np.arange(n)[None, :] < lengths[:, None] - 1
+                inside = np.arange(self.prompt_bucket) < len(self.records[p]["prompt_ids"])
+                group.routes = np.where(fed[..., None, None], routes[rows, :n], -1)
+                group.prompt_routes = np.where(inside[:, None, None], prompt_routes[p], -1)
+            out.append(group)
             self.handed[p] = True
         return out
 
@@ -289,10 +309,15 @@ def score_groups(groups: list[Group], tokenizer, scorer) -> "ScoredRollouts":
     texts = [tokenizer.decode(list(row[:k]), skip_special_tokens=True) for row, k in zip(tokens, lengths)]
     golds = [g.record["answer"] for g in groups for _ in range(n)]
     correct, rewards = scorer(texts, golds, lengths)
+    routes = {}
+    if groups[0].routes is not None:  # a mixture of experts: every row's routes and its prompt's (`ScoredRollouts`)
+        routes = {"routes": np.concatenate([g.routes for g in groups]),
+                  "prompt_routes": np.concatenate([np.repeat(g.prompt_routes[None], n, axis=0) for g in groups])}
     return ScoredRollouts(records=[g.record for g in groups],
                           prompt_index=np.repeat(np.arange(len(groups), dtype=np.int32), n), tokens=tokens,
                           mask=mask, logprobs=np.concatenate([g.logprobs for g in groups]).astype(np.float32),
-                          lengths=lengths, rewards=np.asarray(rewards, np.float32), correct=np.asarray(correct))
+                          lengths=lengths, rewards=np.asarray(rewards, np.float32), correct=np.asarray(correct),
+                          **routes)
 
 
 class SegmentLog:
@@ -369,16 +394,19 @@ def make_partial_rollouts(run, start: int, in_flight: dict, *, filter_groups: Ca
 # ---- groups beside a checkpoint -----------------------------------------------------------------------------
 
 _GROUP_ARRAYS = ("tokens", "logprobs", "lengths", "stopped", "versions")
+_GROUP_ROUTES = ("routes", "prompt_routes")  # a mixture of experts' recorded routes, saved when a group holds them
 
 
 def pack_groups_state(prefix: str, groups: list[Group], arrays: dict) -> list[dict]:
     """Put `groups`' arrays in `arrays` under `prefix`; their records and indices (JSON) returned."""
     for i, group in enumerate(groups):
-        for field in _GROUP_ARRAYS:
-            arrays[f"{prefix}/{i}/{field}"] = getattr(group, field)
+        for field in _GROUP_ARRAYS + _GROUP_ROUTES:
+            if getattr(group, field) is not None:
+                arrays[f"{prefix}/{i}/{field}"] = getattr(group, field)
     return [{"record": g.record, "index": g.index} for g in groups]
 
 
 def unpack_groups_state(prefix: str, meta: list[dict], data) -> list[Group]:
     return [Group(record=m["record"], index=m["index"], **{f: np.array(data[f"{prefix}/{i}/{f}"])
-                                                          for f in _GROUP_ARRAYS}) for i, m in enumerate(meta)]
+                                                          for f in _GROUP_ARRAYS + _GROUP_ROUTES
+                                                          if f"{prefix}/{i}/{f}" in data}) for i, m in enumerate(meta)]
