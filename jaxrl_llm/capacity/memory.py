@@ -22,7 +22,10 @@ Every term counts what jaxrl_llm itself allocates, per device of a `data x fsdp 
               rows (optim.mini_batches x the mini-batch's), replicated on every device: rows x S x R x 4 (log-probs)
               or x top_k x 8 (ids and log-probs). XLA's (CPU) temporaries and outputs of a tiny teacher's pass
               (D 64, one row of 320 tokens, 240 scored) over this: 1.06 (V 32768, sampled), 0.99 (V 32768, topk),
-              1.05 (V 50000, topk, 2 rows) and 1.10 (V 512, sampled: the attention scores dominate)
+              1.05 (V 50000, topk, 2 rows) and 1.10 (V 512, sampled: the attention scores dominate); 1.15 for
+              configs/distill_demo.yaml's topk teacher (8 rows of 448 tokens, V 49152). A GPU's forward holds more:
+              `jaxrl-llm compile` of that config for h200-1 gives 0.67 GiB of temporaries against 0.11 (topk) and
+              0.29 (sampled), and the same 0.67 for the policy's own log-prob pass (not modelled here)
   teacher top-K  (distill.mode topk) the teacher's top_k ids (int32) and log-probs (f32) of every response position
               of a train-step mini-batch, an argument of the train step: mini-batch rows / (data x fsdp x expert)
               x S x R x top_k x 8
