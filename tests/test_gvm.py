@@ -312,6 +312,9 @@ def test_config_rejects_bad_gvm_values(override, message):
         load_config(None, [override])
     with pytest.raises(ConfigError, match="cannot be combined with sampling.allocation=gvm"):
         load_config(None, ["sampling.allocation=gvm", "algorithm.dynamic_sampling=true"])
+    for mode in ("async", "partial"):  # the refusal names the schedule asked for
+        with pytest.raises(ConfigError, match=f"'rollouts.mode' {mode} cannot be combined with sampling.allocation"):
+            load_config(None, ["sampling.allocation=gvm", f"rollouts.mode={mode}"])
 
 
 # ---- the RL loop with GVM allocation -------------------------------------------------------------------------

@@ -781,8 +781,8 @@ def _rollouts_checks(config: RunConfig) -> list[tuple[str, bool, str]]:
     ("rollouts.sampler_mesh", config.rollouts.sampler_devices > 0 or not config.rollouts.sampler_mesh,
      "applies with rollouts.sampler_devices > 0 (the sampler's own devices)"),
     ("rollouts.mode", config.rollouts.mode == "sync" or config.sampling.allocation != "gvm",
-     "async cannot be combined with sampling.allocation=gvm yet (its gradient-norm pass runs on the trainer's "
-     "parameters and devices)"),
+     f"{config.rollouts.mode} cannot be combined with sampling.allocation=gvm yet (its gradient-norm pass runs on "
+     "the trainer's parameters and devices)"),
     ("rollouts.sampler_devices", config.rollouts.sampler_devices == 0 or not config.lora.base_dtype,
      "cannot be combined with lora.base_dtype (a quantized base runs on one device only for now)"),
     ("rollouts.sampler_devices", config.rollouts.sampler_devices == 0 or config.sampling.dtype != "int8",
