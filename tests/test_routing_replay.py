@@ -394,3 +394,25 @@ def test_rollout_replay_is_refused_where_the_sampler_records_no_routes(overrides
     assert load_config(None, overrides).model.routing_replay == "none"
     with pytest.raises(ConfigError, match=f"model.routing_replay.*{named}"):
         load_config(None, ["model.routing_replay=rollout", *overrides])
+
+
+def test_the_compiled_train_batch_carries_routes_as_a_runs():
+    """`jaxrl-llm compile`'s train-step batch holds a mixture's routes per packed token and sparse layer, in the
+    smallest id dtype, as a run's batch on a mesh does (`RunSetup.place_batch`); a dense model's has none."""
+    from jaxrl_llm.capacity.aot import batch_shapes
+    from jaxrl_llm.models import ModelConfig
+    from jaxrl_llm.run.config import load_config
+    from jaxrl_llm.run.shapes import step_shapes
+
+    config = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=3, num_heads=4,
+                         num_kv_heads=2, head_dim=8, model_type="qwen3_moe", qk_norm=True, num_experts=4,
+                         num_experts_per_tok=2, moe_intermediate_size=16, mlp_only_layers=(0,))
+    cfg = load_config(None, ["model.routing_replay=rollout"])
+    shapes = step_shapes(cfg, {"data": 1, "fsdp": 1, "tensor": 1})
+    routes = batch_shapes(cfg, shapes, config).routes
+    sparse = sum(config.sparse_layers())
+    assert sparse == 2  # layer 0 dense
+    assert routes.shape == (shapes.mini_batch_rows, shapes.row_length, sparse, config.num_experts_per_tok)
+    assert routes.dtype == route_dtype(config.num_experts)
+    assert batch_shapes(cfg, shapes, config.replace(num_experts=0)).routes is None
+    assert batch_shapes(cfg, shapes).routes is None  # no model given: the dense batch

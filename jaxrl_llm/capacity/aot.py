@@ -42,12 +42,14 @@ from jaxrl_llm.capacity.topology import LibtpuMissing, Topology, parse_topology,
 from jaxrl_llm.models import lora, quant
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.model import init_params
+from jaxrl_llm.models.moe import route_dtype
 from jaxrl_llm.models.sharding import BATCH_SPEC, make_mesh, param_shardings
 from jaxrl_llm.run.config import RunConfig, uses_critic
 from jaxrl_llm.run.layout import batch_shardings, check_mesh_fits, sharding_of, split_devices
 from jaxrl_llm.run.setup import runtime_model_config, sampler_weights
 from jaxrl_llm.run.shapes import StepShapes, step_shapes
 from jaxrl_llm.run.state import init_state, make_optimizer, state_shardings
+from jaxrl_llm.sampling.engine import records_routes
 from jaxrl_llm.train.packing import TrainBatch
 from jaxrl_llm.train.step import make_logprob_fn, make_train_step
 
@@ -56,22 +58,27 @@ def _abstract(tree, shardings):
     return jax.tree_util.tree_map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
 
 
-def batch_shapes(cfg: RunConfig, shapes: StepShapes) -> TrainBatch:
+def batch_shapes(cfg: RunConfig, shapes: StepShapes, model_config: ModelConfig | None = None) -> TrainBatch:
     """ShapeDtypeStructs of a train-step mini-batch of `shapes.mini_batch_rows` packed rows of `shapes.row_length`
     tokens, each a prompt and its responses in `shapes.responses_per_row` slots of max_new_tokens (with
-    `distill.mode` topk also the teacher's top_k ids and log-probs at each response position)."""
+    `distill.mode` topk also the teacher's top_k ids and log-probs at each response position; with a mixture of
+    experts for `model_config`, the sampler's routes per token and sparse layer, which a run's batch on a mesh always
+    carries: `RunSetup.place_batch`)."""
     rows = shapes.mini_batch_rows
     per_row = (rows, shapes.row_length)
     per_slot = (rows, shapes.responses_per_row, cfg.sampling.max_new_tokens)
     i32, f32 = jnp.int32, jnp.float32
-    topk = {}
+    extra = {}
     if cfg.distill.teacher and cfg.distill.mode == "topk":  # the teacher's top-K ids and log-probs
         per_id = (*per_slot, cfg.distill.top_k)
-        topk = dict(teacher_ids=jax.ShapeDtypeStruct(per_id, i32), teacher_topk_logp=jax.ShapeDtypeStruct(per_id, f32))
+        extra = dict(teacher_ids=jax.ShapeDtypeStruct(per_id, i32), teacher_topk_logp=jax.ShapeDtypeStruct(per_id, f32))
+    if model_config is not None and records_routes(model_config):  # [rows, L, L_sparse, k] small ints
+        per_token = (sum(model_config.sparse_layers()), model_config.num_experts_per_tok)
+        extra["routes"] = jax.ShapeDtypeStruct((*per_row, *per_token), route_dtype(model_config.num_experts))
     return TrainBatch(tokens=jax.ShapeDtypeStruct(per_row, i32), positions=jax.ShapeDtypeStruct(per_row, i32),
                       segments=jax.ShapeDtypeStruct(per_row, i32), pred_index=jax.ShapeDtypeStruct(per_slot, i32),
                       response_tokens=jax.ShapeDtypeStruct(per_slot, i32),
-                      **{name: jax.ShapeDtypeStruct(per_slot, f32) for name in TrainBatch._fields[5:11]}, **topk)
+                      **{name: jax.ShapeDtypeStruct(per_slot, f32) for name in TrainBatch._fields[5:11]}, **extra)
 
 
 PROGRAMS = ("train_step", "logprob_pass", "teacher_pass", "critic_step", "gvm_grad_norms", "sampler_prefill",
@@ -102,10 +109,11 @@ def compile_run(cfg: RunConfig, topology: str | Topology, *, model_config: Model
     estimate = run_estimate(cfg, shapes.mesh, model_config=model_config, platform=_estimate_platform(topo),
                             teacher_config=teacher_config)
     rows = shapes.mini_batch_rows
-    step_batch = batch_shapes(cfg, shapes)  # distill.mode topk: with the teacher's top-K fields
-    step_sharding = sharding_of(step_batch, batch_shardings(mesh))
+    step_batch = batch_shapes(cfg, shapes, mc)  # distill.mode topk: the teacher's top-K fields; a mixture: routes
+    routed = records_routes(mc)  # a mixture of experts: the batch carries the sampler's routes, as a run's
+    step_sharding = sharding_of(step_batch, batch_shardings(mesh, routes=routed))
     step_batch = _abstract(step_batch, step_sharding)
-    batch_sharding = batch_shardings(mesh)  # the passes' batch: the rollouts packed, no teacher fields
+    batch_sharding = batch_shardings(mesh, routes=routed)  # the passes' batch: the rollouts packed, no teacher fields
     batch = step_batch._replace(teacher_ids=None, teacher_topk_logp=None)
 
     optimizer = make_optimizer(cfg.optim)
@@ -128,7 +136,8 @@ def compile_run(cfg: RunConfig, topology: str | Topology, *, model_config: Model
 
     step = make_train_step(mc, cfg.algorithm, optimizer, micro_batch_size=cfg.optim.micro_batch_size,
                            state_sharding=state_sharding, batch_sharding=step_sharding, seed=cfg.train.seed,
-                           distill_coef=cfg.distill.coef, **lora_kwargs)
+                           distill_coef=cfg.distill.coef, routing_replay=cfg.model.routing_replay,
+                           router_aux_loss_coef=cfg.model.router_aux_loss_coef, **lora_kwargs)
     hbm = topo.chip.usable_bytes  # what each program is held to
     # the model's FLOPs per device (the rows split over data x fsdp, the matrices over tensor): each row's prompt and
     # its responses, not the padding slots of the bucket; full fine-tuning's count (LoRA's step needs less)
@@ -143,7 +152,7 @@ def compile_run(cfg: RunConfig, topology: str | Topology, *, model_config: Model
         programs.append(program_report("train_step", lowered, hbm, model_flops(**work) / per_device))
     if "logprob_pass" in wanted:
         logprob = make_logprob_fn(mc, micro_batch_size=cfg.optim.micro_batch_size, param_sharding=param_sharding,
-                                  batch_sharding=batch_sharding)
+                                  batch_sharding=batch_sharding, routing_replay=cfg.model.routing_replay)
         programs.append(program_report("logprob_pass", logprob.lower(base, batch), hbm,
                                model_flops(**work, backward=False) / per_device))
     if cfg.distill.teacher and "teacher_pass" in wanted:
