@@ -290,12 +290,26 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def parse_args(argv=None) -> argparse.Namespace:
+    """`build_parser`'s arguments, where section.key=value overrides may also follow an option (`train --config X
+    a.b=1 --resume c.d=2`: argparse alone takes the overrides before the first option and refuses the rest); they
+    keep their order, the later winning."""
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    stray = [arg for arg in extra if arg.startswith("-") or "=" not in arg or not hasattr(args, "overrides")]
+    if stray:
+        parser.error(f"unrecognized arguments: {' '.join(stray)}")
+    if extra:
+        args.overrides = [*args.overrides, *extra]
+    return args
+
+
 def main(argv=None) -> int:
     """Entry point of the `jaxrl-llm` console script; returns the exit status."""
     from jaxrl_llm.platforms import quiet_absent_accelerators
 
     quiet_absent_accelerators()  # before jax is imported: no libtpu or CUDA plugin probe where its device is absent
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv)
     try:
         return args.run(args)
     except (FileNotFoundError, FileExistsError, ValueError, KeyError) as err:

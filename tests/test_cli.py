@@ -119,6 +119,19 @@ def test_train_config_errors_exit_2(capsys):
     assert "'optim.lr' must be > 0" in capsys.readouterr().err
 
 
+def test_overrides_may_follow_an_option_and_keep_their_order(capsys):
+    from jaxrl_llm.cli import parse_args
+
+    args = parse_args(["train", "--config", "c.yaml", "train.steps=5", "--resume", "train.steps=7", "a.b=1"])
+    assert args.resume and args.config == "c.yaml" and args.overrides == ["train.steps=5", "train.steps=7", "a.b=1"]
+    assert parse_args(["compile", "--topology", "h200-1", "a.b=1", "--programs", "train_step", "c.d=2"]).overrides \
+        == ["a.b=1", "c.d=2"]
+    for stray in (["train", "a.b=1", "--bogus"], ["train", "a.b=1", "--resume", "word"]):
+        with pytest.raises(SystemExit):
+            parse_args(stray)
+        assert "unrecognized arguments: " + stray[-1] in capsys.readouterr().err
+
+
 def test_bad_inputs_give_one_clear_error(tmp_path, capsys):
     assert main(["sample", "--gguf", str(tmp_path / "missing.gguf")]) == 2
     assert "jaxrl-llm sample: error: " in capsys.readouterr().err
