@@ -76,17 +76,24 @@ def test_teacher_weights_check_the_vocabulary_and_cast():
                                   np.asarray(params["embed"].astype(jnp.bfloat16), np.float32))
 
 
-def test_teacher_adapter_is_merged_and_int8_quantizes_the_projections(tmp_path):
+def _saved_adapter(config, folder):
+    """A PEFT adapter of rank 2 (alpha 4) on q_proj and down_proj with random B (not LoRA's zero start), saved to
+    `folder`; returns its adapters."""
     from jaxrl_llm.models import lora
     from jaxrl_llm.models.peft_io import save_peft
 
-    config, params, _ = tiny_policy()
     spec = lora.LoraSpec(rank=2, alpha=4.0, targets=("q_proj", "down_proj"))
     adapters = lora.init_adapters(config, spec, jax.random.PRNGKey(3))
     rng = np.random.default_rng(0)
     adapters = {"layers": {k: (jnp.asarray(rng.normal(size=v.shape), jnp.float32) if k.endswith("_lora_b") else v)
                            for k, v in adapters["layers"].items()}}
-    save_peft(tmp_path / "adapter", spec, adapters)
+    save_peft(folder, spec, adapters)
+    return adapters
+
+
+def test_teacher_adapter_is_merged_and_int8_quantizes_the_projections(tmp_path):
+    config, params, _ = tiny_policy()
+    adapters = _saved_adapter(config, tmp_path / "adapter")
     _, merged = teacher_weights(section(teacher="policy", adapter=tmp_path / "adapter"), config, params, load=None)
     for name in ("q_proj", "down_proj"):  # W + (alpha / r) A B, layer by layer, in float64
         a = np.asarray(adapters["layers"][f"{name}_lora_a"], np.float64)
@@ -516,16 +523,8 @@ def test_topk_step_towards_a_distinct_teacher_lowers_its_loss_and_the_reverse_kl
 
 
 def test_topk_with_lora_towards_an_adapted_base_and_towards_the_base_itself(tmp_path):
-    from jaxrl_llm.models import lora
-    from jaxrl_llm.models.peft_io import save_peft
-
     config, params, tokenizer = tiny_policy()
-    spec = lora.LoraSpec(rank=2, alpha=4.0, targets=("q_proj", "down_proj"))
-    adapters = lora.init_adapters(config, spec, jax.random.PRNGKey(3))
-    rng = np.random.default_rng(0)
-    adapters = {"layers": {k: (jnp.asarray(rng.normal(size=v.shape), jnp.float32) if k.endswith("_lora_b") else v)
-                           for k, v in adapters["layers"].items()}}
-    save_peft(tmp_path / "adapter", spec, adapters)
+    _saved_adapter(config, tmp_path / "adapter")
     lora_run = TOPK_RUN + ["lora.rank=4", "distill.teacher=policy"]
     # teacher = the base plus an adapter, student = the base with LoRA adapters (B = 0): one step moves it closer
     run = setup_run(load_config(None, lora_run + [f"distill.adapter={tmp_path / 'adapter'}"]),
