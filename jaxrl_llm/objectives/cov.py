@@ -13,6 +13,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jaxrl_llm.objectives._checks import check_token_shapes
+
 COV_LOSS_KINDS = ("clip_cov", "kl_cov")
 
 
@@ -75,12 +77,10 @@ def cov_selection(logp, old_logp, advantages, mask, *, kind: str, rng=None, cov_
     old_logp = jax.lax.stop_gradient(jnp.asarray(old_logp))
     adv = jax.lax.stop_gradient(jnp.asarray(advantages))
     mask = jnp.asarray(mask)
-    for name, arr in (("old_logp", old_logp), ("mask", mask)):
-        if arr.shape != logp.shape:
-            raise ValueError(f"cov_selection: {name} must have logp's shape {logp.shape}, got {arr.shape}")
-    if logp.ndim != 2 or adv.shape not in (logp.shape[:1], logp.shape):
-        raise ValueError(f"cov_selection: need logp [B, T] and advantages [B] or [B, T], got {logp.shape} "
-                         f"and {adv.shape}")
+    check_token_shapes("cov_selection", "logp", logp, old_logp=old_logp, mask=mask)
+    if adv.shape not in (logp.shape[:1], logp.shape):
+        raise ValueError(f"cov_selection: advantages must be [B] {logp.shape[:1]} or [B, T] {logp.shape}, "
+                         f"got {adv.shape}")
     on = mask != 0
     cov = token_covariance(logp, adv, mask)
     count = on.sum()

@@ -14,6 +14,7 @@ from typing import Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from jaxrl_llm.objectives._checks import check_token_shapes
 from jaxrl_llm.objectives.aggregate import AGG_MODES, LossTerms, aggregate_terms, check_mode, safe_divide
 from jaxrl_llm.objectives.cov import COV_LOSS_KINDS, cov_selection
 from jaxrl_llm.objectives.mstep import PROMPT_MEAN_MODES
@@ -149,11 +150,7 @@ POLICY_LOSS_KINDS = tuple(POLICY_LOSSES)
 def _check_inputs(logp, old_logp, advantages, mask, kind, clip_low, clip_high, dual_clip, agg, max_len, weights):
     if kind not in POLICY_LOSSES:
         raise ValueError(f"policy_loss: kind must be one of {POLICY_LOSS_KINDS}, got {kind!r}")
-    if logp.ndim != 2:
-        raise ValueError(f"policy_loss: logp must be [B, T], got shape {logp.shape}")
-    for name, arr in (("old_logp", old_logp), ("mask", mask)):
-        if arr.shape != logp.shape:
-            raise ValueError(f"policy_loss: {name} must have logp's shape {logp.shape}, got {arr.shape}")
+    check_token_shapes("policy_loss", "logp", logp, old_logp=old_logp, mask=mask)
     if advantages.shape not in (logp.shape[:1], logp.shape):
         raise ValueError(f"policy_loss: advantages must be [B] {logp.shape[:1]} or [B, T] {logp.shape}, "
                          f"got {advantages.shape}")
