@@ -40,7 +40,7 @@ class ScoredRollouts:
     # tool use of these rows' conversations (`MultiTurnRollout.summary` sums; None: single-turn), read like
     # slot_stats where the rows are drawn (`count_tool_use`)
     tool_stats: dict | None = None
-    # a mixture of experts' sampled routes (`sampling.Rollout`'s; None: a dense model or an engine that records
+    # a mixture of experts' sampled routes (`sampling.Rollout`'s; None: a dense model or tool rollouts, which record
     # none): routes [R, N, L_sparse, k] of the response tokens, prompt_routes [R, P, L_sparse, k] of each row's prompt
     routes: np.ndarray | None = None
     prompt_routes: np.ndarray | None = None
