@@ -42,7 +42,7 @@ from jaxrl_llm.capacity.topology import LibtpuMissing, Topology, parse_topology,
 from jaxrl_llm.models import lora, quant
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.model import init_params
-from jaxrl_llm.models.moe import route_dtype
+from jaxrl_llm.models.moe import route_dtype, route_shape
 from jaxrl_llm.models.sharding import BATCH_SPEC, make_mesh, param_shardings
 from jaxrl_llm.run.config import RunConfig, uses_critic
 from jaxrl_llm.run.layout import batch_shardings, check_mesh_fits, sharding_of, split_devices
@@ -73,8 +73,8 @@ def batch_shapes(cfg: RunConfig, shapes: StepShapes, model_config: ModelConfig |
         per_id = (*per_slot, cfg.distill.top_k)
         extra = dict(teacher_ids=jax.ShapeDtypeStruct(per_id, i32), teacher_topk_logp=jax.ShapeDtypeStruct(per_id, f32))
     if model_config is not None and records_routes(model_config):  # [rows, L, L_sparse, k] small ints
-        per_token = (sum(model_config.sparse_layers()), model_config.num_experts_per_tok)
-        extra["routes"] = jax.ShapeDtypeStruct((*per_row, *per_token), route_dtype(model_config.num_experts))
+        extra["routes"] = jax.ShapeDtypeStruct((*per_row, *route_shape(model_config)),
+                                               route_dtype(model_config.num_experts))
     return TrainBatch(tokens=jax.ShapeDtypeStruct(per_row, i32), positions=jax.ShapeDtypeStruct(per_row, i32),
                       segments=jax.ShapeDtypeStruct(per_row, i32), pred_index=jax.ShapeDtypeStruct(per_slot, i32),
                       response_tokens=jax.ShapeDtypeStruct(per_slot, i32),

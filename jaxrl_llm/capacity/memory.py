@@ -198,6 +198,7 @@ v5e chip's 16, 30.75 of a v4's 32: `capacity.chips.CHIPS`).
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import numpy as np
@@ -214,7 +215,7 @@ from jaxrl_llm.models.attention import resolve as attention_resolve
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.lora import adapter_shapes
 from jaxrl_llm.models.moe import resolve as moe_resolve
-from jaxrl_llm.models.moe import route_dtype
+from jaxrl_llm.models.moe import route_dtype, route_shape
 from jaxrl_llm.run.config import RunConfig, uses_critic
 from jaxrl_llm.run.shapes import ROW_SEQ_MULTIPLE, StepShapes, parse_mesh, step_shapes  # noqa: F401
 from jaxrl_llm.sampling.buckets import response_tile_size, round_up
@@ -270,9 +271,7 @@ class _Inputs:
     def route_bytes(self) -> int:
         """Bytes of one token's recorded routes: sparse layers x k expert ids in `moe.route_dtype`; 0 for a dense
         model."""
-        sparse = sum(self.mc.sparse_layers())
-        return sparse * self.mc.num_experts_per_tok * np.dtype(route_dtype(self.mc.num_experts)).itemsize if sparse \
-            else 0
+        return math.prod(route_shape(self.mc)) * np.dtype(route_dtype(self.mc.num_experts)).itemsize
 
     def logprob_residuals(self, rows: int, scored: int) -> int:
         """`logprob_residual_bytes` of `rows` rows of `scored` scored positions."""

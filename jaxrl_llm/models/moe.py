@@ -82,6 +82,11 @@ def route(h: jax.Array, router: jax.Array, router_bias: jax.Array | None = None,
     return Routing(chosen, weights, logits)
 
 
+def route_shape(config) -> tuple[int, int]:
+    """One token's recorded routes: (sparse layers, experts per token); its ids are `route_dtype`'s."""
+    return sum(config.sparse_layers()), config.num_experts_per_tok
+
+
 def route_dtype(num_experts: int):
     """The smallest signed integer type that holds expert ids 0..num_experts - 1 and the -1 of a token without a
     record: int8 up to 128 experts, else int16 (int32 past 32,768)."""

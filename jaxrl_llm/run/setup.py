@@ -34,7 +34,7 @@ from jax.sharding import NamedSharding
 from jaxrl_llm import data as data_lib
 from jaxrl_llm import models
 from jaxrl_llm.models import lora, quant
-from jaxrl_llm.models.moe import route_dtype
+from jaxrl_llm.models.moe import route_dtype, route_shape
 from jaxrl_llm.models.peft_io import load_peft
 from jaxrl_llm.models.sharding import BATCH_SPEC, make_mesh, param_shardings
 from jaxrl_llm.run.checkpoint import Checkpointer
@@ -149,8 +149,7 @@ def load_policy(source: str, *, param_dtype: str = "float32", compute_dtype: str
 def no_routes(model_config, shape: tuple[int, int]) -> np.ndarray:
     """A packed batch's routes [G, L, L_sparse, k] with nothing recorded (-1): what a batch the sampler recorded no
     routes for carries where the train step's shardings expect them (a mixture of experts on a mesh)."""
-    per_token = (sum(model_config.sparse_layers()), model_config.num_experts_per_tok)
-    return np.full((*shape, *per_token), -1, np.dtype(route_dtype(model_config.num_experts)))
+    return np.full((*shape, *route_shape(model_config)), -1, np.dtype(route_dtype(model_config.num_experts)))
 
 
 def write_bound_gb(configured_gb: float, state) -> float:

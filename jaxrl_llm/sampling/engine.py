@@ -18,7 +18,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxrl_llm.models import ModelConfig
 from jaxrl_llm.models.sharding import BATCH_AXES
-from jaxrl_llm.models.moe import route_dtype
+from jaxrl_llm.models.moe import route_dtype, route_shape
 from jaxrl_llm.sampling.decoder import RowCache, decode_step, empty_row_cache, prefill_cache, unstack_layers
 from jaxrl_llm.sampling.token_selection import select_tokens
 
@@ -157,7 +157,7 @@ def _empty_routes(config: ModelConfig, rows: int, prompt_bucket: int, new_token_
     """`SamplingState`'s routes and prompt_routes, all -1 (nothing recorded yet); {} for a dense model."""
     if not records_routes(config):
         return {}
-    per_token = (sum(config.sparse_layers()), config.num_experts_per_tok)
+    per_token = route_shape(config)
     dtype = route_dtype(config.num_experts)
     return {"routes": jnp.full((rows, new_token_bucket, *per_token), -1, dtype),
             "prompt_routes": jnp.full((rows, prompt_bucket, *per_token), -1, dtype)}
