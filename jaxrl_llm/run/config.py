@@ -596,18 +596,11 @@ def _model_checks(config: RunConfig) -> list[tuple[str, bool, str]]:
      or config.model.attention_block_size >= 1, "must be >= 1 or null"),
     ("model.attention_block_min_length", config.model.attention_block_min_length >= 0, "must be >= 0"),
     ("model.router_aux_loss_coef", config.model.router_aux_loss_coef >= 0, "must be >= 0"),
-    ("model.routing_replay", config.model.routing_replay != "rollout" or not _routes_unrecorded(config),
-     f"'rollout' replays the routes the sampler records, and {_routes_unrecorded(config)} (their tokens would "
-     f"take the trainer's own top k): use single-turn rollouts, or routing_replay none"),
+    # either engine records routes on single-turn rollouts, whole or partial; tool rollouts record none yet
+    ("model.routing_replay", config.model.routing_replay != "rollout" or not config.tools.env,
+     "'rollout' replays the routes the sampler records, and tool rollouts (tools.env) record none (their tokens "
+     "would take the trainer's own top k): use single-turn rollouts, or routing_replay none"),
     ]
-
-
-def _routes_unrecorded(config: RunConfig) -> str:
-    """Which of this run's samplers records no routes for routing replay ('' when none: either engine records them on
-    single-turn rollouts, whole or partial)."""
-    if config.tools.env:
-        return "tool rollouts (tools.env) record none"
-    return ""
 
 
 def _optim_checks(config: RunConfig) -> list[tuple[str, bool, str]]:
