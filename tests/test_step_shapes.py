@@ -26,8 +26,9 @@ def test_a_plain_step_by_hand():
     assert (s.sampler_mesh, s.sampler_devices, s.sampler_reads) == (FSDP2, 0, "policy")
     assert (s.gvm_chunk, s.gvm_chunk_rows, s.gvm_rows, s.gvm_row_length, s.lora) == (0, 0, 0, 0, None)
     # 6 prompts in 2 mini-batches: 3 rows, bucketed to a power-of-two multiple of the micro-batch (2): 4
-    assert step_shapes(load_config(None, TINY + ["sampling.prompts_per_step=6", "optim.mini_batches=2"]),
-                       FSDP2).mini_batch_rows == 4
+    six = step_shapes(load_config(None, TINY + ["sampling.prompts_per_step=6", "optim.mini_batches=2"]), FSDP2)
+    assert (six.mini_batch_rows, six.mini_batch_rows_per_device) == (4, 2)  # 4 rows over fsdp=2
+    assert s.mini_batch_rows_per_device == 1
 
 
 def test_gvm_counts_its_per_prompt_budget():

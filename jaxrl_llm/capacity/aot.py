@@ -110,10 +110,10 @@ def compile_run(cfg: RunConfig, topology: str | Topology, *, model_config: Model
                             teacher_config=teacher_config)
     rows = shapes.mini_batch_rows
     step_batch = batch_shapes(cfg, shapes, mc)  # distill.mode topk: the teacher's top-K fields; a mixture: routes
-    routed = records_routes(mc)  # a mixture of experts: the batch carries the sampler's routes, as a run's
-    step_sharding = sharding_of(step_batch, batch_shardings(mesh, routes=routed))
+    # the passes' batch: the rollouts packed, no teacher fields; a mixture of experts' carries routes, as a run's
+    batch_sharding = batch_shardings(mesh, routes=step_batch.routes is not None)
+    step_sharding = sharding_of(step_batch, batch_sharding)
     step_batch = _abstract(step_batch, step_sharding)
-    batch_sharding = batch_shardings(mesh, routes=routed)  # the passes' batch: the rollouts packed, no teacher fields
     batch = step_batch._replace(teacher_ids=None, teacher_topk_logp=None)
 
     optimizer = make_optimizer(cfg.optim)

@@ -339,15 +339,14 @@ def _teacher_topk_term(x: _Inputs) -> int:
     d, sh = x.cfg.distill, x.shapes
     if not d.teacher or d.mode != "topk":
         return 0
-    rows = -(-sh.mini_batch_rows // sh.row_split)
-    return rows * sh.responses_per_row * x.cfg.sampling.max_new_tokens * d.top_k * (4 + 4)
+    return sh.mini_batch_rows_per_device * sh.responses_per_row * x.cfg.sampling.max_new_tokens * d.top_k * (4 + 4)
 
 
 def _batch_routes_term(x: _Inputs) -> int:
     """Bytes per device of the sampler's routes a train-step mini-batch carries (`TrainBatch.routes`, module
     docstring); 0 for a dense model."""
     sh = x.shapes
-    return -(-sh.mini_batch_rows // sh.row_split) * sh.row_length * x.route_bytes
+    return sh.mini_batch_rows_per_device * sh.row_length * x.route_bytes
 
 
 def _sampler_routes_term(x: _Inputs) -> dict[str, int]:

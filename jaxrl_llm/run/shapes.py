@@ -77,6 +77,12 @@ class StepShapes:
         return 1 if self.varying_counts else self.sampler_call.shapes.prompt_group
 
     @property
+    def mini_batch_rows_per_device(self) -> int:
+        """Rows of one train-step mini-batch each data x fsdp x expert device holds (the last device's share may be
+        padding: rounded up)."""
+        return -(-self.mini_batch_rows // self.row_split)
+
+    @property
     def gvm_chunk_rows_per_device(self) -> int:
         """Rows of one chunk of GVM's norm pass each data x fsdp device differentiates."""
         return self.gvm_chunk_rows // self.row_split
