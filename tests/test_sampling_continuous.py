@@ -472,3 +472,74 @@ def test_default_slots_are_one_per_sample_bucketed():
     # None or 0: the samples rounded up to the row bucket (powers of two from 4 on); else the given count
     assert [default_slots(n, None) for n in (1, 3, 5, 9, 16, 17, 64, 100)] == [1, 4, 8, 16, 16, 32, 64, 128]
     assert default_slots(100, 0) == 128 and default_slots(100, 7) == 7
+
+
+MOE_MESH_SCRIPT = """
+import importlib.util
+import json
+import pathlib
+
+import jax
+import numpy as np
+
+from jaxrl_llm.models.sharding import make_mesh, shard_params
+from jaxrl_llm.sampling import continuous, generate
+from jaxrl_llm.train.rollouts import ScoredRollouts
+
+assert jax.device_count() == 8, jax.devices()
+spec = importlib.util.spec_from_file_location("sampler_gap", pathlib.Path("benchmarks/sampler_gap.py"))
+gap = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(gap)
+(config, params), _ = gap.tiny_moe()
+prompts = gap.MOE_PROMPTS[:3]  # tests/test_routing_replay.py's continuous call: 12 samples of 3 prompts, 10 tokens
+kwargs = dict(num_samples=4, max_new_tokens=10, temperature=1.0, rng=jax.random.key(1), engine="continuous",
+              max_slots=5)
+specs, decode_slots = [], continuous.decode_slots
+
+
+def spy(*args, **kw):  # the final state's layout: where the routes lived in the loop
+    state = decode_slots(*args, **kw)
+    specs.append([str(getattr(x.sharding, "spec", None)) for x in (state.routes, state.prompt_routes)])
+    return state
+
+
+continuous.decode_slots = spy
+single = generate(params, config, prompts, **kwargs)
+results = {}
+for name in ("data=2,fsdp=4", "data=2,fsdp=2,expert=2"):
+    mesh = make_mesh(name)
+    multi = generate(shard_params(params, mesh), config, prompts, mesh=mesh, **kwargs)
+    scored = ScoredRollouts(records=[{"prompt_ids": p, "answer": ""} for p in prompts], prompt_index=multi.prompt_index,
+                            tokens=multi.tokens, mask=multi.mask, logprobs=multi.logprobs, lengths=multi.lengths,
+                            rewards=np.zeros(len(multi.lengths), np.float32), correct=np.zeros(len(multi.lengths), bool),
+                            routes=multi.routes, prompt_routes=multi.prompt_routes)
+    trainer = gap.trainer_gap(params, config, scored, "none")  # the trainer's own top k on the mesh's rollout
+    results[name] = dict(
+        tokens_equal=bool(np.array_equal(single.tokens, multi.tokens)),
+        routes_equal=bool(np.array_equal(single.routes, multi.routes)),
+        prompt_routes_equal=bool(np.array_equal(single.prompt_routes, multi.prompt_routes)),
+        recorded=int((multi.routes[..., 0] >= 0).sum() + (multi.prompt_routes[..., 0] >= 0).sum()),
+        fed=int(np.maximum(multi.lengths - 1, 0).sum()), prompt_tokens=int(sum(len(p) for p in prompts)) * 4,
+        logprob_diff=float(np.abs(single.logprobs - multi.logprobs).max()),
+        routes_own_changed=trainer["routes_own_changed"], routes_recorded=trainer["routes_recorded"],
+        specs=specs[-1])
+print("RESULT", json.dumps(results))
+"""
+
+
+def test_mesh_continuous_routes_equal_single_device_and_the_trainers():
+    """A mixture of experts on simulated 8-device meshes (data x fsdp, and one with an expert axis: experts split
+    over it): the continuous engine's tokens and recorded routes (prompt and fed tokens) are the single device's,
+    the trainer's own top k on the sampled sequences chooses every recorded route again, and the routes lived split
+    over the row axes (sample rows, queue prompts) rather than whole on every device."""
+    from simulated_mesh import run_on_devices
+
+    results = run_on_devices(["-c", MOE_MESH_SCRIPT])
+    for name, r in results.items():
+        rows = "('data', 'fsdp')" if "expert" not in name else "('data', 'fsdp', 'expert')"
+        assert r["specs"] == [f"P({rows},)", f"P({rows},)"], (name, r)
+        assert r["tokens_equal"] and r["routes_equal"] and r["prompt_routes_equal"], (name, r)
+        # one route per (token, layer) of 2 sparse layers: every fed token and every prompt token of the 12 samples
+        assert r["recorded"] == 2 * (r["fed"] + r["prompt_tokens"]) and r["fed"] > 0, (name, r)
+        assert r["routes_own_changed"] == 0 and r["routes_recorded"] > 0, (name, r)
+        assert r["logprob_diff"] < 5e-5, (name, r)

@@ -20,7 +20,8 @@ inside the jitted loop: slots turn over without a host round trip or a recompile
 updated in place (written before the iteration's attention reads it). A sample's token t uses the uniform number
 fold_in(fold_in(rng, k), t) of the static engine's row k (`engine._row_uniforms`), so both engines draw
 the same rollouts. On a mesh the slots are split over its ('data', 'fsdp') axes and every device holds the
-whole prompt cache, so a slot's gather by prompt entry stays on its device.
+whole prompt cache, so a slot's gather by prompt entry stays on its device. A mixture of experts' recorded routes
+(`SlotState.routes`) are split over the same axes by sample row, not held whole on every device.
 """
 
 from __future__ import annotations
@@ -181,6 +182,17 @@ def _empty_state(config: ModelConfig, prompts: PromptCache, queue_prompts: Promp
         turn_ended=jnp.zeros((queue,), bool), first_row=jnp.zeros((), jnp.int32), **routes)
 
 
+def _constrain_routes(state: SlotState, mesh: Mesh | None) -> SlotState:
+    """The recorded routes split over the mesh's row axes, routes by sample row and prompt_routes by queue prompt: the
+    largest per-sample buffers (Qwen3-30B-A3B on v5p-64: 2.35 GiB a device whole). A slot's write goes to the device
+    holding its sample's row: XLA gathers the slots' routes of one token (S x L_sparse x k) to every device, and each
+    writes the rows it holds."""
+    if state.routes is None or mesh is None:
+        return state
+    return dataclasses.replace(state, routes=_constrain(state.routes, mesh),
+                               prompt_routes=_constrain(state.prompt_routes, mesh))
+
+
 def _prefill_on_demand(params, layers, config: ModelConfig, mesh: Mesh | None, queue_prompts: PromptQueue,
                        prefill_chunk: int):
     """The slot loop's prefill: a step that prefills chunks of the queue's next prompts while free slots need them."""
@@ -271,10 +283,10 @@ def _slot_loop(params, config: ModelConfig, mesh: Mesh | None, queue_prompts: Pr
 
     def constrain(state: SlotState) -> SlotState:
         per_slot = ("slot_sample", "slot_step", "logits")
-        return dataclasses.replace(
+        return _constrain_routes(dataclasses.replace(
             state, **{name: _constrain(getattr(state, name), mesh) for name in per_slot},
             response_k=jax.tree_util.tree_map(lambda x: _constrain(x, mesh), state.response_k),
-            response_v=jax.tree_util.tree_map(lambda x: _constrain(x, mesh), state.response_v))
+            response_v=jax.tree_util.tree_map(lambda x: _constrain(x, mesh), state.response_v)), mesh)
 
     prefill_on_demand = _prefill_on_demand(params, layers, config, mesh, queue_prompts, prefill_chunk)
     refill = functools.partial(_refill, queue_prompts=queue_prompts, sample_prompt=sample_prompt, slots=slots,
@@ -372,13 +384,14 @@ def decode_slots(params, config: ModelConfig, mesh: Mesh | None, prompts: Prompt
     return jax.lax.while_loop(busy, step, constrain(state))
 
 
-@functools.partial(jax.jit, static_argnames=("config", "slots", "new_token_bucket"), donate_argnames=("prompts",))
+@functools.partial(jax.jit, static_argnames=("config", "slots", "new_token_bucket", "mesh"),
+                   donate_argnames=("prompts",))
 def start_slots(config: ModelConfig, prompts: PromptCache, queue_prompts: PromptQueue, sample_prompt: jax.Array,
-                pad_id: jax.Array, *, slots: int, new_token_bucket: int) -> SlotState:
+                pad_id: jax.Array, *, slots: int, new_token_bucket: int, mesh: Mesh | None = None) -> SlotState:
     """The slot loop's state before its first iteration (nothing prefilled, every sample pending): `run_slots`
-    goes on from it."""
-    return _empty_state(config, prompts, queue_prompts, sample_prompt.shape[0], pad_id, slots=slots,
-                        new_token_bucket=new_token_bucket)
+    goes on from it. With `mesh`, the routes start split as the loop holds them (`_constrain_routes`)."""
+    return _constrain_routes(_empty_state(config, prompts, queue_prompts, sample_prompt.shape[0], pad_id, slots=slots,
+                                          new_token_bucket=new_token_bucket), mesh)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "mesh", "slots", "greedy", "top_k", "use_top_p",
@@ -419,13 +432,15 @@ def resume_slots(state: SlotState, resume: jax.Array, tokens: jax.Array, logprob
         stopped=state.stopped & ~resume, resume=state.resume | resume, turn_ended=state.turn_ended & ~seen)
 
 
-@functools.partial(jax.jit, donate_argnames=("state",))
-def shift_slots(state: SlotState, prompts: jax.Array, rows: jax.Array, pad_id: jax.Array) -> SlotState:
+@functools.partial(jax.jit, static_argnames=("mesh",), donate_argnames=("state",))
+def shift_slots(state: SlotState, prompts: jax.Array, rows: jax.Array, pad_id: jax.Array,
+                mesh: Mesh | None = None) -> SlotState:
     """The queue without its first `prompts` prompts and their `rows` samples, every one of which has ended
     (`run_slots(..., turns=False)`): the rows after them move to the front, the freed rows at the back are
     empty, and the slots, the prompt entries and the random numbers (`first_row`) follow their samples. The host
     then puts new prompts in the queue's free places (its `PromptQueue` and sample_prompt, rebuilt), so that one
-    queue of fixed size serves an endless stream of prompts."""
+    queue of fixed size serves an endless stream of prompts. With `mesh`, the routes stay split over its row axes
+    (`_constrain_routes`); the shift itself gathers them (a roll by a traced count crosses devices)."""
     def shift(x, fill):
         moved = jnp.roll(x, -rows, axis=0)
         keep = jnp.arange(x.shape[0]) < x.shape[0] - rows
@@ -446,7 +461,7 @@ def shift_slots(state: SlotState, prompts: jax.Array, rows: jax.Array, pad_id: j
         keep = jnp.arange(moved.shape[0]) < moved.shape[0] - prompts
         shifted = dataclasses.replace(shifted, routes=shift(state.routes, -1),
                                       prompt_routes=jnp.where(keep[:, None, None, None], moved, -1))
-    return shifted
+    return _constrain_routes(shifted, mesh)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "mesh", "prefill_chunk"), donate_argnames=("state",))

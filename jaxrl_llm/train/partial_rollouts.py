@@ -120,7 +120,8 @@ class PartialSampler:
         self.entries = prompt_entries(self.window, self.slots, self.chunk)
         cache = continuous.empty_prompt_cache(model_config, self.entries, self.prompt_bucket)
         self.state = continuous.start_slots(model_config, cache, self._queue([]), self.arguments[0],
-                                            jnp.int32(pad_id), slots=self.slots, new_token_bucket=self.width)
+                                            jnp.int32(pad_id), slots=self.slots, new_token_bucket=self.width,
+                                            mesh=mesh)
         # host books, one entry per queue place / row: the prompts, the version that prefilled each, whether its
         # group was handed over; per row the tokens so far and the version of the logits each was drawn from
         self.records: list[dict] = []
@@ -239,7 +240,8 @@ class PartialSampler:
         if d == 0:
             return
         rows = d * self.n
-        self.state = continuous.shift_slots(self.state, jnp.int32(d), jnp.int32(rows), jnp.int32(self.pad_id))
+        self.state = continuous.shift_slots(self.state, jnp.int32(d), jnp.int32(rows), jnp.int32(self.pad_id),
+                                            mesh=self.mesh)
         self.records = self.records[d:]
         for name, fill in (("prefill_version", -1), ("handed", False), ("lengths", 0), ("drawn", -1)):
             old = getattr(self, name)
@@ -273,7 +275,10 @@ class PartialSampler:
                              f"recompute {books['shape']}, this run's has {shape}: resume with the checkpoint's "
                              f"settings")
         leaves, treedef = jax.tree_util.tree_flatten(self.state)
-        self.state = jax.tree_util.tree_unflatten(treedef, [jnp.asarray(arrays[f"leaf{i}"], x.dtype)
+        # on a mesh each leaf goes back where the engine holds it (the routes split over the row axes)
+        place = (lambda a, x: jnp.asarray(a, x.dtype)) if self.mesh is None else (
+            lambda a, x: jax.device_put(np.asarray(a, x.dtype), x.sharding))
+        self.state = jax.tree_util.tree_unflatten(treedef, [place(arrays[f"leaf{i}"], x)
                                                             for i, x in enumerate(leaves)])
         for name in self._HOST:
             setattr(self, name, np.array(arrays[name]))
