@@ -713,13 +713,23 @@ def test_moe_routes_by_hand():
     assert static["batch_routes"] == 1 * 32 * 4 == 128 and dense["batch_routes"] == dense["sampler_routes"] == 0
     assert static["programs"]["train_step"]["working"] == (static["params"] + static["optimizer"]
                                                          + static["train_step"] + 128)
-    # continuous engine: every sample's 4 x 16 response positions and the queue's 2 + 2 (chunk) prompts x 16, on
-    # every device
+    # continuous engine: every sample's 4 x 16 response positions and the queue's 2 + 2 (chunk) prompts x 16, split
+    # over the 2 devices
     continuous = cpu_estimate(load_config(None, TINY_RUN + ["sampling.engine=continuous"]), mc, mesh)
-    assert continuous["sampler_routes"] == (4 * 16 + (2 + 2) * 16) * 4 == 512
+    assert continuous["sampler_routes"] == (4 * 16 + (2 + 2) * 16) // 2 * 4 == 256
     # more than 128 experts: int16 ids, twice the bytes
     wide = cpu_estimate(load_config(None, TINY_RUN), mc.replace(num_experts=200), mesh)
     assert (wide["sampler_routes"], wide["batch_routes"]) == (512, 256)
+
+
+def test_continuous_routes_split_over_every_row_axis_by_hand():
+    """The continuous engine's recorded routes on data=2, fsdp=2, expert=2 (rows split over all 8 devices) for the
+    tiny MoE of `test_moe_routes_by_hand` (4 bytes a token): 8 prompts x 2 samples, 16 rows of 16 response positions,
+    a queue of 8 prompts and a prefill chunk of 8 (a multiple of the 8 devices) of 16 prompt positions."""
+    mc = TINY.replace(num_layers=3, mlp_only_layers=(0,), **_TINY_MOE)
+    cfg = load_config(None, TINY_RUN + ["sampling.engine=continuous", "sampling.prompts_per_step=8"])
+    est = cpu_estimate(cfg, mc, parse_mesh("data=2,fsdp=2,expert=2", 8))
+    assert est["sampler_routes"] == (16 * 16 + (8 + 8) * 16) // 8 * 4 == 256
 
 
 def test_moe_parameters_by_hand():

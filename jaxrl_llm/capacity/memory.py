@@ -124,8 +124,8 @@ Every term counts what jaxrl_llm itself allocates, per device of a `data x fsdp 
               each prompt and response token chose, sparse layers x k x r per token, held through the call: the
               static engine's rows / (data x fsdp x expert) x (P_bucket + R_bucket), plus in the prefill one chunk's
               prompts' chunk x P_bucket gathered on every device (as its keys and values); the continuous engine's
-              every sample's and queue prompt's, on every device: (rows x R_bucket + (queue bucket + chunk)
-              x P_bucket); counted in sampling
+              every sample's and queue prompt's, split over data x fsdp x expert as its slots: (rows x R_bucket
+              + (queue bucket + chunk) x P_bucket) / (data x fsdp x expert); counted in sampling
   gvm norms   (GVM only) per-sample gradients of the subset (default the embedding) for
               `sampling.gvm_rows_per_chunk` (0: `optim.micro_batch_size`) unpacked rows at a time, in p
               (a tied embedding in the subset also gets the output layer's, rows x V x D in c, made first), with
@@ -354,9 +354,9 @@ def _sampler_routes_term(x: _Inputs) -> dict[str, int]:
     static engine's routes of one prefill chunk, gathered on every device by the merge}; 0s for a dense model."""
     call, split, per_token = x.shapes.sampler_call, x.shapes.sampler_row_split, x.route_bytes
     plan = call.shapes
-    if x.cfg.sampling.engine == "continuous":  # every sample's and every queue prompt's, on every device
+    if x.cfg.sampling.engine == "continuous":  # every sample's and every queue prompt's, split as the slots are
         held = (plan.row_bucket * plan.new_token_bucket
-                + (call.queue_bucket + plan.prompts_per_prefill) * plan.prompt_bucket) * per_token
+                + (call.queue_bucket + plan.prompts_per_prefill) * plan.prompt_bucket) // split * per_token
         return {"held": held, "prefill": 0}
     held = plan.row_bucket // split * (plan.prompt_bucket + plan.new_token_bucket) * per_token
     return {"held": held, "prefill": plan.prompts_per_prefill * plan.prompt_bucket * per_token}
