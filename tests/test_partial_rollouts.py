@@ -365,3 +365,53 @@ def test_prompts_that_do_not_fit_are_refused(scripted):
     too_long = "prompt of 9 tokens \\+ max_new_tokens \\(60\\) exceeds max_position_embeddings"
     with pytest.raises(ValueError, match=too_long):
         _sampler(config, next_records=lambda: [{"prompt_ids": [1] * 9}] * 3, max_new_tokens=60).segment(versions[0], 0)
+
+
+def test_a_checkpoint_saved_before_the_routes_were_recorded(tmp_path):
+    """A mixture of experts' partial checkpoint written before the sampler recorded routes (here: one saved now, its
+    route arrays deleted) resumes with routing_replay none, its rollouts in flight holding -1 (nothing recorded);
+    with rollout, a ValueError names the checkpoint's folder, the first missing key and what to do."""
+    from types import SimpleNamespace
+
+    from jaxrl_llm.train.partial_rollouts import make_partial_rollouts, saved_routes, score_groups
+
+    config = ModelConfig(vocab_size=64, hidden_size=8, intermediate_size=8, num_layers=1, num_heads=2, num_kv_heads=1,
+                         head_dim=4, model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2,
+                         moe_intermediate_size=8, max_position_embeddings=64)
+    sampler = _sampler(config)
+    arrays, books = sampler.state_dict()
+    route_leaves = [f"sampler/leaf{len(arrays) - len(PartialSampler._HOST) - k}" for k in (2, 1)]  # the last two
+    group = Group(record={"prompt_ids": [1, 2], "answer": "0"}, index=0, tokens=np.ones((2, 16), np.int32),
+                  logprobs=np.zeros((2, 16), np.float32), lengths=np.full(2, 3, np.int32), stopped=np.zeros(2, bool),
+                  versions=np.zeros((2, 16), np.int32), routes=np.zeros((2, 16, 1, 2), np.int8),
+                  prompt_routes=np.zeros((16, 1, 2), np.int8))
+    save_in_flight(tmp_path, 3, {3: ([group], {}), "sampler": {"arrays": arrays, "books": books, "next_step": 4,
+                                                               "pending": [group], "dropped": 0, "drawn": 0,
+                                                               "schedule": {}}})
+    path = tmp_path / "in_flight" / "3.npz"
+    with np.load(path) as data:
+        assert all(key in data.files for key in route_leaves + ["3/0/routes", "pending/0/prompt_routes"])
+        kept = {k: data[k] for k in data.files if k not in route_leaves and not k.endswith("routes")}
+    np.savez(path, **kept)
+
+    cfg = load_config(None, ["rollouts.mode=partial", "model.routing_replay=rollout", "sampling.samples_per_prompt=2",
+                             "sampling.prompts_per_step=2", "data.max_prompt_tokens=8", "sampling.max_new_tokens=10",
+                             "rollouts.segment_iterations=3", "sampling.engine=continuous", "sampling.max_slots=4",
+                             "sampling.temperature=1.0"])
+    run = SimpleNamespace(config=cfg, sampler_model_config=config, data=iter([]), sampler_mesh=None, out_dir=tmp_path,
+                          tokenizer=SimpleNamespace(stop_ids=(), pad_token_id=0),
+                          checkpointer=SimpleNamespace(directory=tmp_path / "checkpoints"))
+    with pytest.raises(ValueError, match=rf"step 3 in {tmp_path / 'checkpoints'} .*lacks '{route_leaves[0]}' \(6 "
+                                         r"route arrays in all\).*afresh.*model.routing_replay=none"):
+        make_partial_rollouts(run, 3, load_in_flight(tmp_path, 3, expected=2))
+
+    restored = saved_routes(load_in_flight(tmp_path, 3, expected=2), sampler, routing_replay="none", checkpoint="")
+    sampler.load_state_dict(restored["sampler"]["arrays"], restored["sampler"]["books"])
+    # a queue of 4 prompts x 2 samples, 16 new-token positions; 4 queue prompts and a prefill chunk of 4, 16 positions
+    routes, prompt_routes = np.asarray(sampler.state.routes), np.asarray(sampler.state.prompt_routes)
+    assert routes.shape == (4 * 2, 16, 1, 2) and prompt_routes.shape == (4 + 4, 16, 1, 2)
+    assert (routes == -1).all() and (prompt_routes == -1).all()
+    groups = restored[3][0] + restored["sampler"]["pending"]
+    scored = score_groups(groups, _Tokenizer(), lambda texts, golds, lengths: (np.zeros(4, bool), np.zeros(4)))
+    assert scored.routes.shape == (4, 16, 1, 2) and scored.prompt_routes.shape == (4, 16, 1, 2)
+    assert (scored.routes == -1).all() and (scored.prompt_routes == -1).all()

@@ -509,10 +509,11 @@ results = {}
 for name in ("data=2,fsdp=4", "data=2,fsdp=2,expert=2"):
     mesh = make_mesh(name)
     multi = generate(shard_params(params, mesh), config, prompts, mesh=mesh, **kwargs)
+    rows = len(multi.lengths)
     scored = ScoredRollouts(records=[{"prompt_ids": p, "answer": ""} for p in prompts], prompt_index=multi.prompt_index,
                             tokens=multi.tokens, mask=multi.mask, logprobs=multi.logprobs, lengths=multi.lengths,
-                            rewards=np.zeros(len(multi.lengths), np.float32), correct=np.zeros(len(multi.lengths), bool),
-                            routes=multi.routes, prompt_routes=multi.prompt_routes)
+                            rewards=np.zeros(rows, np.float32), correct=np.zeros(rows, bool), routes=multi.routes,
+                            prompt_routes=multi.prompt_routes)
     trainer = gap.trainer_gap(params, config, scored, "none")  # the trainer's own top k on the mesh's rollout
     results[name] = dict(
         tokens_equal=bool(np.array_equal(single.tokens, multi.tokens)),

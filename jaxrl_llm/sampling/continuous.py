@@ -470,8 +470,10 @@ def refresh_slots(params, config: ModelConfig, mesh: Mesh | None, state: SlotSta
     """The caches recomputed with `params` (new weights for the samples in flight): every prompt entry prefilled
     again from the queue prompt it holds, `prefill_chunk` at a time, and every busy slot's tokens so far fed again,
     one decode step per position for all slots together, so its response cache and its next token's logits are
-    those `params` compute. Tokens, log-probs and random numbers stay. Costs a prefill of the entries and
-    max(slot_step) decode steps."""
+    those `params` compute. Tokens, log-probs and random numbers stay, and so do a mixture of experts' recorded
+    routes: the prompts' and tokens' experts under `params` are computed here and not recorded, so a sample keeps
+    those of the weights that first prefilled or fed each token while its later tokens are drawn from caches
+    `params` routed. Costs a prefill of the entries and max(slot_step) decode steps."""
     layers = unstack_layers(params)
     entries, queue = state.entry_left.shape[0], queue_prompts.tokens.shape[0]
     index = jnp.arange(queue, dtype=jnp.int32)

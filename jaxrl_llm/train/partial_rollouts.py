@@ -25,14 +25,23 @@ A batch of step t has staleness t - v >= L on its newest tokens; a group whose o
 
 Routes. A mixture of experts' sampler records the experts each prompt token and fed token chose (routing replay,
 `continuous.SlotState`); a group hands them over with its samples, and a step's batch carries them to the trainer
-(`ScoredRollouts.routes`, `prompt_routes`). A response continued under new weights keeps the routes of the version
-that fed each token (the recomputed caches record none): the experts the sampler computed with.
+(`ScoredRollouts.routes`, `prompt_routes`). Each is recorded once, when first computed, and never rewritten: a
+prompt's by the version of the segment that first prefilled it (its `prefill_version` until a refresh), a response
+token t's by the version of the segment that fed it, the one that drew token t + 1 from that feed (`versions[t + 1]`,
+but for a refresh in between; the last token is never fed: -1). So a response continued under new weights holds each
+version's routes for the tokens that version fed. Without recompute_cache these are exactly the experts the sampler
+computed with: every cache entry stays that of the version that wrote it. With recompute_cache,
+`continuous.refresh_slots` routes the prompt and the tokens so far again under the new version and records none of it:
+their routes stay the earlier versions', while the tokens drawn after the refresh attended to caches the new version
+computed with its own (unrecorded) experts.
 
 Checkpoints. A checkpoint at step t waits until the sampler stops at the first segment whose version is t or later
 (`quiesce`: a point fixed by the schedule), then saves beside it the batches formed and not yet trained, the groups
 handed over for the next batch (their routes too) and the whole engine state: the slots' tokens, log-probs, token
 versions and routes, the KV caches, the queue and the prompts read from the stream (`save_in_flight`). `--resume`
-restores all of it, so a resumed run equals the uninterrupted one bitwise.
+restores all of it, so a resumed run equals the uninterrupted one bitwise. A mixture of experts' checkpoint saved
+before the sampler recorded routes resumes with model.routing_replay none, the rollouts in flight without routes;
+with rollout it is refused (`saved_routes`).
 
 Events. RUN_DIR/segments.jsonl logs the schedule for `benchmarks/partial_sim.py replay` (`SegmentLog`): the sampler's
 shape, every segment's version, start and end and the groups it handed over with their lengths, and when each batch
@@ -43,6 +52,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import threading
 import time
 from collections import deque
@@ -58,6 +68,8 @@ from jaxrl_llm.sampling.engine import to_host
 from jaxrl_llm.sampling.plan import row_multiple, stop_array
 from jaxrl_llm.sampling.token_selection import selection_settings
 
+logger = logging.getLogger(__name__)
+
 
 def _host(x: jax.Array) -> np.ndarray:
     """A copy on the host: the engine's next call donates (and may overwrite) the state's buffers, which a plain
@@ -72,8 +84,8 @@ class Group:
     A mixture of experts' recorded routes (routing replay; None for a dense model): routes [n, N, L_sparse, k] the
     experts each fed token chose, prompt_routes [P, L_sparse, k] those of the prompt's tokens in its prefill (-1
     where nothing was recorded: a sample's last token, past the prompt). A response continued under new weights
-    keeps the routes each version chose as it fed its tokens (`continuous.refresh_slots` records none): what the
-    sampler computed."""
+    keeps the routes each version chose as it first fed its tokens (`continuous.refresh_slots` records none; module
+    docstring, Routes)."""
 
     record: dict
     index: int
@@ -364,7 +376,7 @@ def make_partial_rollouts(run, start: int, in_flight: dict, *, filter_groups: Ca
     """The loop's `rollouts.mode: partial` (`async_rollouts.PartialRollouts` over a `PartialSampler` on the run's
     sampler mesh): the stream `run.data`, the key fold_in(seed, 2^30) (no step's key of the other modes), and a
     step's batch scored in the trainer's thread, `filter_groups(scored) -> (scored, filtered)` applied to it."""
-    from jaxrl_llm.train.async_rollouts import PartialRollouts, copy_params
+    from jaxrl_llm.train.async_rollouts import PartialRollouts, copy_params, in_flight_path
 
     cfg, section = run.config, run.config.rollouts  # a resumed run's schedule: resume.check_rollout_schedule
     sampling = cfg.sampling
@@ -376,6 +388,9 @@ def make_partial_rollouts(run, start: int, in_flight: dict, *, filter_groups: Ca
                              pad_id=run.tokenizer.pad_token_id, key=jax.random.fold_in(
                                  jax.random.PRNGKey(cfg.train.seed), 1 << 30),
                              slots=sampling.max_slots, mesh=run.sampler_mesh, recompute=section.recompute_cache)
+    in_flight = saved_routes(in_flight, sampler, routing_replay=cfg.model.routing_replay,
+                             checkpoint=f"the checkpoint at step {start} in {run.checkpointer.directory} (its "
+                                        f"in-flight rollouts: {in_flight_path(run.out_dir, start)})")
     log = segment_log(run, sampler, start)
 
     def make_batch(groups, step, info):
@@ -415,3 +430,41 @@ def unpack_groups_state(prefix: str, meta: list[dict], data) -> list[Group]:
     return [Group(record=m["record"], index=m["index"], **{f: np.array(data[f"{prefix}/{i}/{f}"])
                                                           for f in _GROUP_ARRAYS + _GROUP_ROUTES
                                                           if f"{prefix}/{i}/{f}" in data}) for i, m in enumerate(meta)]
+
+
+def saved_routes(in_flight: dict, sampler: PartialSampler, *, routing_replay: str, checkpoint: str) -> dict:
+    """`in_flight` (`async_rollouts.load_in_flight`) with the routes a mixture of experts' checkpoint saved before the
+    sampler recorded them: its engine state lacks the route leaves and its groups their routes. With routing_replay
+    none they are restored as -1 (nothing recorded): the trainer replays no route then, its values are those of a
+    checkpoint with routes, and only routes_changed counts fewer routes (those recorded after the resume); with
+    rollout a ValueError naming `checkpoint`, the first missing key and what to do, since those samples would be
+    trained on the trainer's own experts, not replayed. Unchanged for a dense model or a newer checkpoint."""
+    if sampler.state.routes is None or "sampler" not in in_flight:
+        return in_flight
+    paths, leaves = zip(*jax.tree_util.tree_flatten_with_path(sampler.state)[0])
+    route_leaves = [i for i, path in enumerate(paths) if path[0].name in _GROUP_ROUTES]
+    saved = in_flight["sampler"]
+    parts = [(f"{t}", in_flight[t][0]) for t in sorted(t for t in in_flight if t != "sampler")]
+    parts.append(("pending", saved["pending"]))
+    missing = [f"sampler/leaf{i}" for i in route_leaves if f"leaf{i}" not in saved["arrays"]]
+    missing += [f"{prefix}/{i}/{field}" for prefix, groups in parts for i, g in enumerate(groups)
+                for field in _GROUP_ROUTES if getattr(g, field) is None]
+    if not missing:
+        return in_flight
+    if routing_replay != "none":
+        raise ValueError(f"{checkpoint} was saved before the sampler recorded the experts' routes: it lacks "
+                         f"{missing[0]!r} ({len(missing)} route arrays in all), which model.routing_replay="
+                         f"{routing_replay} replays. Start the run afresh (a new output directory), or resume with "
+                         f"model.routing_replay=none: the rollouts in flight then go on without routes")
+    logger.warning("%s holds no routes for the rollouts in flight (saved before the sampler recorded them): they go on "
+                   "with none (-1), and routes_changed counts only the routes recorded after the resume", checkpoint)
+    dtype, per_token = sampler.state.routes.dtype, sampler.state.routes.shape[2:]
+    arrays = dict(saved["arrays"])
+    for i in route_leaves:
+        arrays.setdefault(f"leaf{i}", np.full(leaves[i].shape, -1, dtype))
+    for _, groups in parts:
+        for g in groups:
+            if g.routes is None:
+                g.routes = np.full((*g.tokens.shape, *per_token), -1, dtype)
+                g.prompt_routes = np.full((sampler.prompt_bucket, *per_token), -1, dtype)
+    return {**in_flight, "sampler": {**saved, "arrays": arrays}}
