@@ -73,6 +73,7 @@ from jaxrl_llm.sampling import generate  # noqa: E402
 from jaxrl_llm.train.routing import load_balancing_loss, load_max_over_mean, routes_changed  # noqa: E402
 from jaxrl_llm.train.rollouts import ScoredRollouts, build_train_batches  # noqa: E402
 from jaxrl_llm.train.step import make_train_step  # noqa: E402
+from jaxrl_llm.tools.env import TurnResult  # noqa: E402
 
 _spec = importlib.util.spec_from_file_location(
     "sampler_gap", pathlib.Path(__file__).resolve().parent.parent / "benchmarks" / "sampler_gap.py")
@@ -380,20 +381,104 @@ def test_gvm_stage_rows_keep_their_routes():
     np.testing.assert_array_equal(stage2.prompt_routes[:, :, 0, 0], [[0] * 4, [1] * 4, [10, 10, 10, -1], [2] * 4])
 
 
-@pytest.mark.parametrize("overrides, named", [
-    (["tools.env=python"], "tool rollouts"),
-])
-def test_rollout_replay_is_refused_where_the_sampler_records_no_routes(overrides, named):
-    """Either engine records routes on single-turn rollouts, whole or partial: elsewhere routing_replay rollout is a
-    ConfigError naming what records none, not a silent fall back to the trainer's own top k."""
-    from jaxrl_llm.run.config import ConfigError, load_config
+def test_rollout_replay_is_accepted_wherever_the_sampler_records_routes():
+    """Either engine records routes on single-turn rollouts, whole or partial, and on tool rollouts: routing_replay
+    rollout loads with each of them."""
+    from jaxrl_llm.run.config import load_config
 
-    for other in (["sampling.engine=static"], ["sampling.engine=continuous"], ["rollouts.mode=partial"]):
+    for other in (["sampling.engine=static"], ["sampling.engine=continuous"], ["rollouts.mode=partial"],
+                  ["tools.env=python"], ["tools.env=calculator", "sampling.engine=continuous"]):
         config = load_config(None, ["model.routing_replay=rollout", *other])
         assert config.model.routing_replay == "rollout"
-    assert load_config(None, overrides).model.routing_replay == "none"
-    with pytest.raises(ConfigError, match=f"model.routing_replay.*{named}"):
-        load_config(None, ["model.routing_replay=rollout", *overrides])
+
+
+class _Ids:
+    """Token ids written as their decimal numbers ("33 44 55"), end of sequence 2."""
+
+    vocab_size, pad_token_id, stop_ids = 64, 0, (2,)
+
+    def encode(self, text, add_special_tokens=False):
+        return [int(word) for word in text.split()]
+
+    def decode(self, ids, skip_special_tokens=True):
+        return " ".join(str(int(i)) for i in ids)
+
+
+class _AnswerOnce:
+    """A turn stops at every token whose number holds a 1 (16 of the 64); the first stop is a tool call, answered
+    by three tokens the model did not sample; the next ends the conversation (tools.max_turns 1)."""
+
+    stop_strings = ("1",)
+
+    def step(self, record, text, *, ended, calls_left=1):
+        if ended or calls_left < 1:
+            return TurnResult("end")
+        return TurnResult("observe", observation="33 44 55", tool_call=True)
+
+
+def _tool_rollouts(params, config, engine: str, reuse_prompt_prefill: bool = True) -> ScoredRollouts:
+    """`PROMPTS` x `SAMPLES` conversations of `NEW_TOKENS` tokens with `_AnswerOnce` as the trainer gets them
+    (`rollouts.sample_and_score` with tools; re-prefilled rounds: `generate_multiturn` itself)."""
+    from jaxrl_llm.run.config import SamplingSection, ToolsSection
+    from jaxrl_llm.sampling.multiturn import generate_multiturn
+    from jaxrl_llm.train.rollouts import ToolUse, sample_and_score
+
+    records = [{"prompt_ids": p, "answer": ""} for p in PROMPTS]
+    rng = jax.random.key(1)
+    if reuse_prompt_prefill:
+        sampling = SamplingSection(max_new_tokens=NEW_TOKENS, engine=engine, max_slots=5)
+        tools = ToolUse(_AnswerOnce(), ToolsSection(env="calculator", max_turns=1, segment_iterations=3))
+        return sample_and_score(params, config, _Ids(), records, SAMPLES, sampling,
+                                lambda texts, golds, lengths: (np.zeros(len(texts), bool),
+                                                               np.zeros(len(texts), np.float32)), rng, tools=tools)
+    out = generate_multiturn(params, config, _Ids(), records, _AnswerOnce(), num_samples=SAMPLES,
+                             max_new_tokens=NEW_TOKENS, max_turns=1, rng=rng, reuse_prompt_prefill=False)
+    n = len(out.lengths)
+    return ScoredRollouts(records=records, prompt_index=out.prompt_index, tokens=out.tokens, mask=out.mask,
+                          logprobs=out.logprobs, lengths=out.lengths, rewards=np.zeros(n, np.float32),
+                          correct=np.zeros(n, bool), routes=out.routes, prompt_routes=out.prompt_routes)
+
+
+@pytest.mark.parametrize("engine, reuse_prompt_prefill", [("static", True), ("continuous", True), ("static", False)])
+def test_tool_rollouts_record_the_routes_of_every_token_the_trainer_sees(moe, engine, reuse_prompt_prefill):
+    """Tool rollouts (`sampling.multiturn`: rounds from the prompt's shared prefill, the continuous engine's slots, or
+    rounds that re-prefill each conversation) record the experts of every token the trainer's forward runs over:
+    the prompt's, the model's own and the tool's answer fed between its turns (loss mask 0). The f32 trainer's own
+    top k over the whole packed sequence equals them at every recorded position (-1 past the prompt and from the
+    last token on, never fed), and replaying them leaves its log-probs the sampler's."""
+    config, params, _, _ = moe
+    scored = _tool_rollouts(params, config, engine, reuse_prompt_prefill)
+    observed = (scored.mask == 0) & (np.arange(NEW_TOKENS) < scored.lengths[:, None])
+    answered = [r for r in range(scored.num_samples) if observed[r].any() and scored.mask[r, observed[r].argmax():]
+                .any()]
+    assert answered, "no model token after a tool answer: the test exercises none"
+    assert scored.routes.dtype == np.int8 and scored.routes.shape == (12, NEW_TOKENS, 2, 2)
+    for row in range(scored.num_samples):
+        n, p = scored.lengths[row], len(PROMPTS[scored.prompt_index[row]])
+        assert (scored.routes[row, :n - 1] >= 0).all() and (scored.routes[row, n - 1:] == -1).all()
+        assert (scored.prompt_routes[row, :p] >= 0).all() and (scored.prompt_routes[row, p:] == -1).all()
+    fed = int(np.maximum(scored.lengths - 1, 0).sum())
+    for replay in ("none", "rollout"):
+        found = gap.trainer_gap(params, config, scored, replay)
+        assert found["routes_own_changed"] == 0 and found["routes_changed"] == 0
+        assert found["routes_recorded"] == 2 * (fed + sum(len(p) for p in PROMPTS))
+        assert found["max_abs_d"] < 1e-4  # on the model's tokens; f32 rounding of log-probs of size ~5
+
+
+def test_bf16_tool_rollouts_replay_with_no_route_changed(moe):
+    """A bf16 sampler copy's tool rollouts (on the continuous engine's slots): the f32 trainer's own top k differs
+    from some recorded routes; replaying them it takes the recorded experts at every recorded position, the tool's
+    answers included (routes_changed 0), and its log-probs come closer to the sampler's."""
+    config, params, _, _ = moe
+    scored = _tool_rollouts(*gap.sampler_copy(params, config, "bfloat16"), "continuous")
+    assert ((scored.mask == 0) & (np.arange(NEW_TOKENS) < scored.lengths[:, None])).any()
+    fed = int(np.maximum(scored.lengths - 1, 0).sum())
+    none, replay = (gap.trainer_gap(params, config, scored, r) for r in ("none", "rollout"))
+    assert replay["routes_recorded"] == 2 * (fed + sum(len(p) for p in PROMPTS))
+    assert none["routes_changed"] > 0 and none["routes_changed"] == none["routes_own_changed"]
+    assert replay["routes_changed"] == 0
+    # measured: routes_changed 0.030 -> 0, mismatch KL 0.0052 -> 0.0036
+    assert replay["mismatch_kl_f64"] < none["mismatch_kl_f64"]
 
 
 def test_the_compiled_train_batch_carries_routes_as_a_runs():

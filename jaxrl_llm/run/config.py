@@ -79,7 +79,7 @@ class ModelSection:
     # train step send every token the sampler routed to the experts it chose (their gate weights recomputed from the
     # trainer's router logits, so the router still learns); "none" routes by the trainer's own top k. Either way a
     # step logs routes_changed and expert_load_max_over_mean when the sampler recorded routes. Either engine records
-    # them on single-turn rollouts, whole or partial: "rollout" with tool rollouts (which record none yet) is refused.
+    # them on single-turn rollouts, whole or partial, and on tool rollouts (the tool's answers as the model fed them).
     routing_replay: str = "none"
     # Switch's load-balancing loss, E sum_e f_e P_e per sparse layer, added x this coefficient (0: off).
     router_aux_loss_coef: float = 0.0
@@ -596,10 +596,6 @@ def _model_checks(config: RunConfig) -> list[tuple[str, bool, str]]:
      or config.model.attention_block_size >= 1, "must be >= 1 or null"),
     ("model.attention_block_min_length", config.model.attention_block_min_length >= 0, "must be >= 0"),
     ("model.router_aux_loss_coef", config.model.router_aux_loss_coef >= 0, "must be >= 0"),
-    # either engine records routes on single-turn rollouts, whole or partial; tool rollouts record none yet
-    ("model.routing_replay", config.model.routing_replay != "rollout" or not config.tools.env,
-     "'rollout' replays the routes the sampler records, and tool rollouts (tools.env) record none (their tokens "
-     "would take the trainer's own top k): use single-turn rollouts, or routing_replay none"),
     ]
 
 

@@ -24,6 +24,14 @@ resumed slot's given tokens on the continuous one); with `reuse_prompt_prefill=F
 open conversation's whole context. No KV cache is kept across a tool call. Sample k's token t is drawn with the
 numbers of its row and position on the continuous engine (as in a single-turn call); the rounds draw each round's
 rows with a key of their own.
+
+Routes (a mixture of experts, routing replay): every token of the conversation gets the experts it chose in the pass
+that first fed it: a prompt token in its prompt's prefill, a sampled token in the decode step that fed it back, an
+observation token in the step (or, re-prefilled, the prefill) of the next turn that fed it. That first feed's
+key/values are what the later tokens' log-probs attended to, and a re-feed in a later turn computes the same experts
+up to another program's rounding. Observation tokens are out of the loss but in the trainer's forward, so replay
+routes them too. Laid out as a single-turn rollout's (`generate.Rollout`): -1 past the prompt, on the last token
+(never fed) and after it.
 """
 
 from __future__ import annotations
@@ -70,6 +78,10 @@ class MultiTurnRollout:
     # rounds: slot-steps summed over them (iterations = slot-steps, one "slot"); turns on the continuous engine's
     # slots: its slots and loop iterations (a continued conversation's fed tokens count as slot-steps, not as useful)
     slot_stats: SlotStats | None = None
+    # a mixture of experts' recorded routes (module docstring; None for a dense model): routes [R, N, L_sparse, k]
+    # of the conversation's tokens, prompt_routes [R, P, L_sparse, k] of its prompt's, as `generate.Rollout`'s
+    routes: np.ndarray | None = None
+    prompt_routes: np.ndarray | None = None
 
     def summary(self) -> dict[str, float]:
         """Per-sample means of the tool metrics (turns, tool_calls, tool_call_rate: samples with a call,
@@ -111,6 +123,16 @@ class _Conversation:
     malformed: bool = False
     truncated: bool = False
     tool_seconds: float = 0.0
+    routes: np.ndarray | None = None  # [max_new_tokens, L_sparse, k]: each token's at its first feed, -1 before it
+    prompt_routes: np.ndarray | None = None  # [P, L_sparse, k]: the prompt's, from its prefill
+
+    def record_routes(self, fed: np.ndarray, width: int) -> None:
+        """Keep the routes `fed` [n, L_sparse, k] of tokens 0 .. n - 1 of this conversation (-1: not fed) where
+        none are kept yet: each token keeps those of the pass that first fed it."""
+        if self.routes is None:
+            self.routes = np.full((width, *fed.shape[1:]), -1, fed.dtype)
+        n = min(len(fed), width)
+        self.routes[:n] = np.where(self.routes[:n] >= 0, self.routes[:n], fed[:n])
 
 
 def generate_multiturn(params, config, tokenizer, records: Sequence[dict], env, *, num_samples, max_new_tokens: int,
@@ -156,7 +178,8 @@ def generate_multiturn(params, config, tokenizer, records: Sequence[dict], env, 
         while open_rows:
             active = [conversations[i] for i in open_rows]  # in prompt order, as generate orders its rows
             forced, given = None, [0] * len(active)
-            if rounds == 0 or reuse:  # each prompt prefilled once for its open conversations
+            reprefilled = not (rounds == 0 or reuse)  # each row's context: its prompt and its tokens so far
+            if not reprefilled:  # each prompt prefilled once for its open conversations
                 contexts = [list(r["prompt_ids"]) for r in records]
                 per_context = np.bincount([c.prompt for c in active], minlength=len(records))
                 if rounds > 0:
@@ -181,6 +204,9 @@ def generate_multiturn(params, config, tokenizer, records: Sequence[dict], env, 
             for row, c in enumerate(active):
                 sampled = int(out.lengths[row]) - given[row]  # after the forced tokens (the conversation so far)
                 n = min(sampled, max_new_tokens - len(c.tokens))
+                if out.routes is not None:
+                    _record_round_routes(c, out, row, len(records[c.prompt]["prompt_ids"]), n, reprefilled,
+                                         max_new_tokens)
                 at_stop = n == sampled and out.finish_reason[row] == FINISH_STOP
                 stopped.append((c, *_take_turn(c, out.tokens[row, given[row]:given[row] + n].tolist(),
                                                out.logprobs[row, given[row]:given[row] + n].tolist(), at_stop,
@@ -238,9 +264,12 @@ def _slot_turns(params, config, tokenizer, records, counts, conversations: list[
             if ended:
                 tokens, logprobs, lengths, stopped = (to_host(x) for x in (state.tokens, state.logprobs,
                                                                           state.lengths, state.stopped))
+                routes = None if state.routes is None else to_host(state.routes)
             for r in ended:
                 c = conversations[r]
                 given, n = len(c.tokens), int(lengths[r])
+                if routes is not None:  # this turn's slot fed tokens 0 .. n - 2 (the given ones again)
+                    c.record_routes(routes[r, :n - 1], max_new_tokens)
                 text, done = _take_turn(c, tokens[r, given:n].tolist(), logprobs[r, given:n].tolist(),
                                         bool(stopped[r]), eos=eos, max_new_tokens=max_new_tokens,
                                         tokenizer=tokenizer)
@@ -263,9 +292,32 @@ def _slot_turns(params, config, tokenizer, records, counts, conversations: list[
                 in_engine.add(r)
         if resume.any() or seen.any():
             state = continuous.resume_slots(state, resume, row_tokens, row_logprobs, given, seen)
+    if state.routes is not None:  # each prompt's, from its one prefill (its entry is kept across turns)
+        queue_row = np.asarray(sample_prompt)[:plan.num_rows]
+        prompt_routes = to_host(state.prompt_routes)[queue_row]
+        inside = np.arange(prompt_routes.shape[1])[None, :] < np.asarray(queue.lengths)[queue_row][:, None]
+        for c, own in zip(conversations, np.where(inside[..., None, None], prompt_routes, -1)):
+            c.prompt_routes = own
     iterations = int(state.iterations)
     useful = int(sum(int(m) for c in conversations for m in c.mask))
     return segments, SlotStats(slots=static["slots"], iterations=iterations, useful_slot_steps=useful)
+
+
+def _record_round_routes(c: _Conversation, out, row: int, prompt_length: int, sampled: int, reprefilled: bool,
+                         width: int) -> None:
+    """Keep the routes of a round's row (`generate`'s `Rollout` `out`) for `c`'s tokens so far and the `sampled`
+    this turn adds: all in `out.routes` (the tokens so far forced), or, re-prefilled, the tokens so far in the
+    context's prefill (after the prompt, in `out.prompt_routes`) and this turn's after them. The prompt's own come
+    from the first round's prefill."""
+    if c.prompt_routes is None:
+        c.prompt_routes = out.prompt_routes[row]
+    before = len(c.tokens)
+    if reprefilled:
+        routes = np.concatenate([out.prompt_routes[row, prompt_length:prompt_length + before],
+                                 out.routes[row, :sampled]])
+    else:
+        routes = out.routes[row, :before + sampled]
+    c.record_routes(routes, width)
 
 
 def _take_turn(c: _Conversation, new: list, logprobs: list, at_stop: bool, *, eos, max_new_tokens: int,
@@ -319,6 +371,12 @@ def _as_arrays(conversations: list[_Conversation], tokenizer, width: int, rounds
         n = len(c.tokens)
         tokens[r, :n], mask[r, :n], logprobs[r, :n] = c.tokens, c.mask, c.logprobs
     field = lambda name, dtype: np.array([getattr(c, name) for c in conversations], dtype)  # noqa: E731
+    routes = {}
+    if conversations and conversations[0].routes is not None:
+        routes = {"routes": np.stack([c.routes for c in conversations]),
+                  "prompt_routes": np.stack([c.prompt_routes for c in conversations])}
+        fed = np.arange(width)[None, :] < np.array([len(c.tokens) for c in conversations])[:, None] - 1
+        routes["routes"] = np.where(fed[..., None, None], routes["routes"], -1)  # the last token: never fed
     text = [tokenizer.decode([t for t, m in zip(c.tokens, c.mask) if m], skip_special_tokens=True)
             for c in conversations]
     return MultiTurnRollout(
@@ -327,4 +385,4 @@ def _as_arrays(conversations: list[_Conversation], tokenizer, width: int, rounds
         tool_calls=field("tool_calls", np.int32), tool_errors=field("tool_errors", np.int32),
         tool_timeouts=field("tool_timeouts", np.int32), malformed=field("malformed", bool),
         truncated=field("truncated", bool), tool_seconds=field("tool_seconds", np.float64), model_text=text,
-        rounds=rounds, slot_stats=slot_stats)
+        rounds=rounds, slot_stats=slot_stats, **routes)

@@ -40,8 +40,8 @@ class ScoredRollouts:
     # tool use of these rows' conversations (`MultiTurnRollout.summary` sums; None: single-turn), read like
     # slot_stats where the rows are drawn (`count_tool_use`)
     tool_stats: dict | None = None
-    # a mixture of experts' sampled routes (`sampling.Rollout`'s; None: a dense model or tool rollouts, which record
-    # none): routes [R, N, L_sparse, k] of the response tokens, prompt_routes [R, P, L_sparse, k] of each row's prompt
+    # a mixture of experts' sampled routes (`sampling.Rollout`'s or `MultiTurnRollout`'s; None: a dense model):
+    # routes [R, N, L_sparse, k] of the response tokens, prompt_routes [R, P, L_sparse, k] of each row's prompt
     routes: np.ndarray | None = None
     prompt_routes: np.ndarray | None = None
 
@@ -188,7 +188,7 @@ def _sample_and_score_tools(params, model_config, tokenizer, records, counts, sa
                           mask=rollout.mask, logprobs=rollout.logprobs, lengths=rollout.lengths,
                           rewards=rewards.astype(np.float32), correct=correct,
                           slot_stats=rollout.slot_stats if sampling.engine == "continuous" else None,
-                          tool_stats=stats)
+                          tool_stats=stats, routes=rollout.routes, prompt_routes=rollout.prompt_routes)
 
 
 def count_tool_use(info: dict, stats: dict | None) -> None:
