@@ -45,7 +45,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxrl_llm.sampling.buckets import bucket_size
 from jaxrl_llm.sampling.continuous import SlotStats
+from jaxrl_llm.sampling.engine import to_host
 from jaxrl_llm.sampling.generate import FINISH_STOP, generate
 from jaxrl_llm.sampling.plan import prepare_call
 
@@ -233,7 +235,6 @@ def _slot_turns(params, config, tokenizer, records, counts, conversations: list[
     conversation. Fills `conversations` (in `records` order, as `generate` orders rows); returns (segments run,
     slot-steps). `max_prompt_entries` is ignored: the prompt cache holds every prompt of the call."""
     from jaxrl_llm.sampling import continuous
-    from jaxrl_llm.sampling.engine import to_host
 
     setup = prepare_call(params, config, [r["prompt_ids"] for r in records], num_samples=counts,
                          max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
@@ -264,12 +265,12 @@ def _slot_turns(params, config, tokenizer, records, counts, conversations: list[
             if ended:
                 tokens, logprobs, lengths, stopped = (to_host(x) for x in (state.tokens, state.logprobs,
                                                                           state.lengths, state.stopped))
-                routes = None if state.routes is None else to_host(state.routes)
-            for r in ended:
+                routes = None if state.routes is None else _rows_to_host(state.routes, ended)
+            for i, r in enumerate(ended):
                 c = conversations[r]
                 given, n = len(c.tokens), int(lengths[r])
                 if routes is not None:  # this turn's slot fed tokens 0 .. n - 2 (the given ones again)
-                    c.record_routes(routes[r, :n - 1], max_new_tokens)
+                    c.record_routes(routes[i, :n - 1], max_new_tokens)
                 text, done = _take_turn(c, tokens[r, given:n].tolist(), logprobs[r, given:n].tolist(),
                                         bool(stopped[r]), eos=eos, max_new_tokens=max_new_tokens,
                                         tokenizer=tokenizer)
@@ -301,6 +302,14 @@ def _slot_turns(params, config, tokenizer, records, counts, conversations: list[
     iterations = int(state.iterations)
     useful = int(sum(int(m) for c in conversations for m in c.mask))
     return segments, SlotStats(slots=static["slots"], iterations=iterations, useful_slot_steps=useful)
+
+
+def _rows_to_host(x: jax.Array, rows: list[int]) -> np.ndarray:
+    """x[rows] as a numpy array (then padded rows), taken on the device first: the ended turns' routes, not every
+    sample's (routes are sparse layers x k ids per token, far more than its token and log-prob). The rows are padded
+    to a bucket (`buckets.bucket_size`), so few shapes compile."""
+    index = np.resize(np.asarray(rows, np.int32), bucket_size(len(rows)))
+    return to_host(jnp.take(x, jnp.asarray(index), axis=0))
 
 
 def _record_round_routes(c: _Conversation, out, row: int, prompt_length: int, sampled: int, reprefilled: bool,
