@@ -253,7 +253,7 @@ def _slot_turns(params, config, tokenizer, records, counts, conversations: list[
     arguments = (queue, sample_prompt, num_samples, rng, temperature, top_p, jnp.int32(max_new_tokens),
                  jnp.asarray(setup.stop_ids), jnp.int32(segment_iterations))
     state = continuous.start_slots(config, cache, queue, sample_prompt, jnp.int32(tokenizer.pad_token_id),
-                                   slots=static["slots"], new_token_bucket=static["new_token_bucket"])
+                                   slots=static["slots"], new_token_bucket=static["new_token_bucket"], mesh=mesh)
     width, rows = static["new_token_bucket"], sample_prompt.shape[0]
     in_engine, waiting, segments = set(range(plan.num_rows)), {}, 0
     while in_engine or waiting:
