@@ -67,7 +67,8 @@ def compile_one(preset: str, topology: str, overrides: list[str], out: pathlib.P
                topology, "--json", str(out), *overrides]
     print("$", " ".join(command[1:]), flush=True)
     done = subprocess.run(command, env={**os.environ, "JAX_PLATFORMS": "cpu"}, text=True, capture_output=True)
-    print(done.stdout, done.stderr[-2000:] if done.returncode not in (0, 1) else "", flush=True)
+    # a failure's reason is on stderr: a program that does not fit (exit 1), a bad config (2), or a traceback (1)
+    print(done.stdout, done.stderr[-2000:] if done.returncode else "", flush=True)
     if not out.exists():
         raise RuntimeError(f"compile of {preset} for {topology} failed (exit {done.returncode})")
     result = {**json.loads(out.read_text()), "overrides": overrides, "command": " ".join(command[1:])}
