@@ -500,3 +500,36 @@ def test_the_compiled_train_batch_carries_routes_as_a_runs():
     assert routes.dtype == route_dtype(config.num_experts)
     assert batch_shapes(cfg, shapes, config.replace(num_experts=0)).routes is None
     assert batch_shapes(cfg, shapes).routes is None  # no model given: the dense batch
+
+
+def test_the_loop_logs_the_route_metrics_of_every_step(tmp_path):
+    """A mixture of experts trained by the loop itself: each step's row of metrics.jsonl carries what the train
+    step computes for its routes (with replay of an f32 sampler's routes no route changes, the trainer's own top k
+    equals the sampler's, the load is at least the mean's, the balancing loss at least 1), and the update's other
+    figures (advantage_mean)."""
+    from jaxrl_llm import models
+    from jaxrl_llm.models.bundled import bundled_gguf_path
+    from jaxrl_llm.models.tokenizer import Tokenizer
+    from jaxrl_llm.run.metrics import read_metrics
+    from jaxrl_llm.train import load_config
+    from jaxrl_llm.train.loop import train
+
+    tokenizer = Tokenizer.from_gguf(bundled_gguf_path())
+    config = models.ModelConfig(vocab_size=tokenizer.vocab_size, hidden_size=32, intermediate_size=48, num_layers=2,
+                                num_heads=2, num_kv_heads=1, head_dim=16, qk_norm=True, tie_word_embeddings=True,
+                                model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2,
+                                moe_intermediate_size=16, norm_topk_prob=True, moe_impl="ragged_dot")
+    params = models.init_params(config, jax.random.PRNGKey(0))
+    overrides = ["train.steps=2", "train.eval_problems=0", "algorithm.kl_coef=0", "sampling.prompts_per_step=2",
+                 "sampling.samples_per_prompt=2", "sampling.max_new_tokens=6", "optim.micro_batch_size=4",
+                 "optim.lr=1e-3", "train.save_every=0",
+                 "algorithm.entropy_coef=0.1",  # the untrained policy's rewards are all 0: the entropy term updates
+                 "model.routing_replay=rollout", "model.router_aux_loss_coef=0.01", f"train.out_dir={tmp_path}"]
+    summary = train(load_config(None, overrides), policy=(config, params, tokenizer), log=lambda *_: None)
+    assert summary["status"] == "done"
+    rows = [row for row in read_metrics(tmp_path) if "loss" in row]
+    assert [row["step"] for row in rows] == [1, 2]
+    for row in rows:
+        assert row["routes_changed"] == 0 and row["routes_own_changed"] == 0, row
+        assert row["expert_load_max_over_mean"] >= 1 and row["router_aux_loss"] >= 1, row
+        assert "advantage_mean" in row and "finite" not in row and row["skipped_update"] == 0

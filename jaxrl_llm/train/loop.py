@@ -418,11 +418,9 @@ def step_metrics(run: Run, scored: ScoredRollouts, round_info: dict, update: dic
         "samples_drawn": books["counters"]["samples_drawn"], "prompts_filtered": books["counters"]["prompts_filtered"],
         "lr": learning_rate(run.config.optim, int(run.state.step)),
         "tokens_per_s": tokens / max(times["sample_s"], 1e-9),
-        **{k: update[k] for k in ("loss", "policy_loss", "kl", "entropy", "clip_fraction", "grad_norm",
-                                  "value_loss", "value_clip_fraction", "value_grad_norm", "explained_variance",
-                                  "value_mean", "return_mean", "rollout_mismatch_kl", "rollout_corrected_fraction",
-                                  "rollout_weight_mean", "rollout_ratio_min", "rollout_ratio_max", "distill_reverse_kl",
-                                  "teacher_logp", "distill_topk_loss", "topk_coverage") if k in update},
+        # every figure the update returns (the step's, the critic's, the correction's, distillation's, a mixture of
+        # experts' routes_changed and expert load), but the finite flags, which skipped_update counts
+        **{k: v for k, v in update.items() if k not in ("finite", "value_finite", "updates")},
         "updates": update["updates"], "skipped_update": 0 if update["finite"] else 1,
         **{f"time_{k}": v for k, v in times.items()},
         **slot_occupancy(round_info),  # continuous engine: useful / decoded slot-steps of the step's sampler calls
