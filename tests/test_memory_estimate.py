@@ -732,6 +732,29 @@ def test_continuous_routes_split_over_every_row_axis_by_hand():
     assert est["sampler_routes"] == (16 * 16 + (8 + 8) * 16) // 8 * 4 == 256
 
 
+def test_decode_holds_the_experts_gathered_over_the_expert_axis_by_hand(monkeypatch):
+    """The static decode over an expert axis holds every sparse layer's experts gathered over it (`jaxrl-llm compile`,
+    Qwen3-30B-A3B on v5p-64, fsdp=4,expert=2,tensor=4: 88 MiB a layer), in a phase without the tile copies and the
+    logits. The tiny MoE of `test_moe_routes_by_hand` (2 sparse layers of 8 experts, D 16, F_e 32, f32) on
+    fsdp=2,expert=2,tensor=2: per layer 8 experts x (gate and up 2 x 8 x 16 + down 16 x 8) x 4 B, on a TPU each
+    minor dimension (16 of gate and up, 8 of down) on 128 lanes."""
+    mc = TINY.replace(num_layers=3, mlp_only_layers=(0,), **_TINY_MOE)
+    mesh = {"data": 1, "fsdp": 2, "expert": 2, "tensor": 2}
+    cfg = load_config(None, TINY_RUN)
+    cpu, tpu = cpu_estimate(cfg, mc, mesh), estimate_memory(cfg, mc, mesh, platform="tpu")
+    assert cpu["sampler_experts"] == 2 * 8 * (2 * 8 * 16 + 16 * 8) * 4 == 24576
+    assert tpu["sampler_experts"] == 2 * 8 * (2 * 8 * 128 + 16 * 128) * 4 == 262144
+    # without them the decode holds the logits instead (no tiles at 16 new-token slots): 4 rows over 4 devices, two
+    # f32 [1, 64] buffers, or the call's 4 rows x 64 / 2 (vocabulary split over tensor), 512 B either way
+    monkeypatch.setattr("jaxrl_llm.capacity.memory._gathered_experts", lambda x, c: 0)
+    assert cpu["sampling_decode"] - cpu_estimate(cfg, mc, mesh)["sampling_decode"] == 24576 - 512
+    # no expert axis, or one that does not divide the experts (the rules keep them whole): nothing gathered
+    monkeypatch.undo()
+    for other in ({"data": 1, "fsdp": 4, "expert": 1, "tensor": 2}, {"data": 1, "fsdp": 1, "expert": 3, "tensor": 1}):
+        assert cpu_estimate(cfg, mc, other)["sampler_experts"] == 0, other
+    assert cpu_estimate(cfg, TINY, mesh)["sampler_experts"] == 0
+
+
 def test_moe_parameters_by_hand():
     """Qwen3-30B-A3B's and gpt-oss-20b's parameter counts (the "30.5B" and "20.9B" of their model cards) and
     Qwen3-30B-A3B's elements per device on fsdp=8, tensor=4 counted by hand, and the estimate's params and AdamW

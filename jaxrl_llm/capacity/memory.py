@@ -111,7 +111,20 @@ Every term counts what jaxrl_llm itself allocates, per device of a `data x fsdp 
                          the logits are the larger of the two row buffers and the call's rows x V / tensor f32
                          (the output layer's product gives every row's logits with the vocabulary split); on a
                          TPU without the cast copy, the stacked layer weights sliced per layer in c (XLA hoists
-                         the slices out of the loop)
+                         the slices out of the loop); and over an `expert` axis of s > 1 devices that splits a
+                         mixture's E experts, sampler experts: every sparse layer's experts gathered over that axis,
+                         all held at once, sparse layers x E x (2 D_f lanes(F_t) + F_t lanes(D_f)) x c, D_f = D /
+                         fsdp and F_t = F_e / tensor where they divide, lanes(n) = n rounded up to 128 on a TPU (the
+                         minor dimension of gate and up [E, D_f, F_t] and of down [E, F_t, D_f] on its 128 lanes), n
+                         elsewhere. The decode is traced without the mesh, so `moe.expert_mlp` takes its ragged_dot
+                         path, whose groups XLA cannot split: it all-gathers each layer's experts over the expert
+                         axis inside the loop, every layer's at the top of each step. The tile copies and the logits
+                         are not live then, so decode counts the larger of the two (tiles + logits, gathered
+                         experts). `jaxrl-llm compile` of Qwen3-30B-A3B for v5p-64 (fsdp=4,expert=2,tensor=4): two
+                         bf16 [128, 512, 192] (F_t 192 on 256 lanes: 32 MiB each) and one [128, 192, 512] (24 MiB)
+                         a layer, 4.13 GiB for 48 layers; XLA's decode peak 14.65 GiB against 14.54 (11.05 without
+                         them), 5.08 against 5.00 with its first 16 layers, 2.65 against 2.62 with 8; with 4 layers
+                         XLA gathers one layer at a time (1.24 against 1.43)
               With sampling.engine=continuous: layers x (C x P_bucket + S x R_bucket) x
               kv_heads x head_dim x 2 x c for S decode slots (`sampling.buckets.slot_count`) and
               C = `sampling.buckets.prompt_entries` prompt-cache entries (one per prompt of the step, at
@@ -160,7 +173,8 @@ each layer keeps its own kind's terms (a dense layer among sparse ones its dense
 block's); with remat one layer's working set is its kind's, or, where the kinds mix, the sparse block's and the
 dense block's together (the layer's lax.cond holds both branches' buffers: XLA's CPU buffer assignment). The
 sampler's prefill adds a sparse layer's forward buffers for the chunk's tokens on a device (chunk / (data x fsdp)
-x P_bucket), its decode for the call's rows on a device.
+x P_bucket), its decode for the call's rows on a device (and, over an expert axis, every sparse layer's experts
+gathered: sampler experts, in sampling's decode).
 
 The sampler's own copy of the policy (`sampling.dtype`, `rollouts`): with sampling.dtype bfloat16 the sampler
 reads a bf16 copy (local x 2; its KV cache and logits in bf16 too), with int8 a copy whose projections are int8
@@ -187,12 +201,13 @@ device (KV heads / tensor and their query heads when tensor divides the KV heads
 The XLA-specific terms (update temporaries, the embedding's f32 gradients, the prefill's gathered chunk, the
 decode's tile copies, logits and weight slices, the policy cast, the phases of the train step and of GVM's norm
 pass) were read from the compiled programs' buffer assignments and live ranges (`jaxrl-llm compile` for
-v5litepod-64, v4-32 and one v5e chip, 2026-11-28). Rows per device = ceil(rows / (data x fsdp)). Lengths are the
-worst case: every response reaches max_new_tokens (set `response_fill` below 1 for an average fill). Against XLA's
-own peak of each compiled program (`memory_analysis().peak_memory_in_bytes`, what the TPU compiler holds a program
-to) over 22 preset-slices in docs/launch.md: the train step -5% to +10%, the sampler's prefill -5% to +9%, decode
--8% to +10%, GVM's norms -7% to 0%; leave ~10-15% of HBM free (the compiler lets a program use 15.75 GiB of a
-v5e chip's 16, 30.75 of a v4's 32: `capacity.chips.CHIPS`).
+v5litepod-64, v4-32 and one v5e chip, 2026-11-28; the decode's gathered experts for v5p-64, 2026-11-29). Rows
+per device = ceil(rows / (data x fsdp)). Lengths are the worst case: every response reaches max_new_tokens (set
+`response_fill` below 1 for an average fill). Against XLA's own peak of each compiled program
+(`memory_analysis().peak_memory_in_bytes`, what the TPU compiler holds a program to) over 22 preset-slices in
+docs/launch.md: the train step -5% to +10%, the sampler's prefill -5% to +9%, decode -8% to +10%, GVM's norms -7% to
+0%; leave ~10-15% of HBM free (the compiler lets a program use 15.75 GiB of a v5e chip's 16, 30.75 of a v4's 32:
+`capacity.chips.CHIPS`).
 """
 
 from __future__ import annotations
@@ -392,8 +407,27 @@ def _continuous_sampling(x: _Inputs, c: int, loop_weights: int) -> dict[str, int
     routes = _sampler_routes_term(x)["held"]  # the recorded experts of every sample and queue prompt
     sampling = (kv_cache + local_slots * prompt_bucket * kv_bytes + (prompts + 2 * local_slots) * mc.vocab_size * 4
                 + loop_weights + x.sparse_block(local_slots) + routes)
-    return {"kv_cache": kv_cache, "sampler_routes": routes, "sampling": sampling, "sampling_prefill": sampling,
-            "sampling_decode": sampling}
+    return {"kv_cache": kv_cache, "sampler_routes": routes, "sampler_experts": 0, "sampling": sampling,
+            "sampling_prefill": sampling, "sampling_decode": sampling}
+
+
+def _gathered_experts(x: _Inputs, c: int) -> int:
+    """Bytes per device of every sparse layer's experts gathered over the sampler mesh's `expert` axis, which the
+    static decode holds at the start of each step (module docstring, decode); 0 for a dense model, without an expert
+    axis, or where it cannot split the experts (the rules then keep them whole on every device)."""
+    mc, mesh = x.mc, x.shapes.sampler_mesh
+    shards, sparse = mesh.get("expert", 1), sum(mc.sparse_layers())
+    if shards == 1 or not sparse or mc.num_experts % shards:
+        return 0
+    d = mc.hidden_size // mesh["fsdp"] if mc.hidden_size % mesh["fsdp"] == 0 else mc.hidden_size
+    f = mc.expert_intermediate_size
+    f = f // mesh["tensor"] if f % mesh["tensor"] == 0 else f
+
+    def lanes(n: int) -> int:  # a TPU buffer's minor dimension on its tiles of 128 lanes
+        return round_up(n, 128) if x.platform == "tpu" else n
+
+    # gate and up [E, D, F] laid out with F minor for the grouped matmul, down [E, F, D]
+    return sparse * mc.num_experts * (2 * d * lanes(f) + f * lanes(d)) * c
 
 
 def _static_sampling(x: _Inputs, c: int, weights_cast: int, layer_copy: int) -> dict[str, int]:
@@ -422,16 +456,19 @@ def _static_sampling(x: _Inputs, c: int, weights_cast: int, layer_copy: int) -> 
                + routed + routes["held"] + routes["prefill"])
     # Decode: a tensor axis that cannot split the KV heads makes the loop copy the cache (XLA on TPU); a tiled
     # response cache (`buckets.response_tile_size`) copies the tile being written, in every full-attention layer;
-    # the output layer's f32 logits come out for the call's rows with the vocabulary split over tensor.
+    # the output layer's f32 logits come out for the call's rows with the vocabulary split over tensor. Over an
+    # expert axis every sparse layer's gathered experts are held at the step's start, when neither is (phases).
     decode_copy = kv_cache if mesh["tensor"] > 1 and head_split == 1 else 0
     tile = response_tile_size(call.new_token_bucket)
     tiles = sum(1 for n in slots if n == call.new_token_bucket) * local_rows * tile * kv_bytes // head_split \
         if tile else 0
     vocab_split = mesh["tensor"] if mc.vocab_size % mesh["tensor"] == 0 else 1
-    decode = (kv_cache + decode_copy + tiles + max(logits, call.row_bucket * mc.vocab_size // vocab_split * 4)
-              + max(weights_cast, layer_copy) + x.sparse_block(local_rows) + routes["held"])
-    return {"kv_cache": kv_cache, "sampler_routes": routes["held"], "sampling": max(prefill, decode),
-            "sampling_prefill": prefill, "sampling_decode": decode}
+    logits_out = max(logits, call.row_bucket * mc.vocab_size // vocab_split * 4)
+    gathered = _gathered_experts(x, c)
+    decode = (kv_cache + decode_copy + max(tiles + logits_out, gathered) + max(weights_cast, layer_copy)
+              + x.sparse_block(local_rows) + routes["held"])
+    return {"kv_cache": kv_cache, "sampler_routes": routes["held"], "sampler_experts": gathered,
+            "sampling": max(prefill, decode), "sampling_prefill": prefill, "sampling_decode": decode}
 
 
 def _sampler_terms(x: _Inputs, policy: dict[str, int]) -> dict[str, int]:
@@ -548,12 +585,12 @@ def estimate_memory(config: RunConfig, model_config: ModelConfig, mesh: dict[str
     `remat` overrides model.remat; `response_fill` scales the response length (1.0: every response
     reaches sampling.max_new_tokens); `teacher_config`: distill.teacher's model when it is not the policy's shape.
     Returns a dict of byte counts (params, optimizer, reference, teacher, teacher_pass, teacher_topk, gradients,
-    activations, logprob_residuals, train_step, batch_routes, kv_cache, sampler_routes, sampling, gvm_norms, critic,
-    critic_step, sampler_copy, sampler_version (one policy version an async sampler holds, 0 in sync),
-    sampler_copies, sampler_peak (the sampler's own devices, 0 when it shares the trainer's), peak) plus
-    param_count, row_length (packed training row), sample_rows (rows of one sampler call's state), gvm_chunk_rows
-    and "programs" (`program_memory`: each compiled program's resident and working bytes).
-    """
+    activations, logprob_residuals, train_step, batch_routes, kv_cache, sampler_routes, sampler_experts (the static
+    decode's gathered experts), sampling, gvm_norms, critic, critic_step, sampler_copy, sampler_version (one policy
+    version an async sampler holds, 0 in sync), sampler_copies, sampler_peak (the sampler's own devices, 0 when it
+    shares the trainer's), peak) plus param_count, row_length (packed training row), sample_rows (rows of one sampler
+    call's state), gvm_chunk_rows and "programs" (`program_memory`: each compiled program's resident and working
+    bytes)."""
     if isinstance(mesh, str):
         if devices is None:
             raise ValueError("estimate_memory: a mesh string needs `devices`")
