@@ -245,3 +245,21 @@ def test_flax_declarations_give_the_init_params_tree_of_a_mixed_gpt_oss_model():
     axes = nn.get_partition_spec(boxed)["layers"]
     assert tuple(axes["expert_down"]) == ("layers", "experts", "expert_mlp", "embed")
     assert tuple(axes["attn_sinks"]) == ("layers", "heads")
+
+
+def test_a_run_on_gpu_is_told_what_its_grouped_matmul_costs():
+    """`gpu_caveat`: nothing for a dense model or off a GPU; on one, the dense lowering of ragged_dot with the
+    model's expert ratio (E / k = 64 / 4 = 16), or the tiles' kernel count."""
+    from jaxrl_llm.models import ModelConfig
+    from jaxrl_llm.models.moe import gpu_caveat
+
+    base = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=2, num_kv_heads=1,
+                head_dim=16)
+    sparse = ModelConfig(**base, model_type="qwen3_moe", num_experts=64, num_experts_per_tok=4,
+                         moe_intermediate_size=16)
+    assert gpu_caveat(ModelConfig(**base), "gpu") is None
+    assert gpu_caveat(sparse, "tpu") is None and gpu_caveat(sparse, "cpu") is None
+    for impl in ("auto", "ragged_dot"):
+        said = gpu_caveat(sparse.replace(moe_impl=impl), "gpu")
+        assert "dense product over all 64 experts (16x the grouped FLOPs" in said, said
+    assert "one small kernel per tile" in gpu_caveat(sparse.replace(moe_impl="tiles"), "cuda")

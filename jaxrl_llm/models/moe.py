@@ -194,6 +194,21 @@ def resolve(impl: str, platform: str) -> str:
     return _CHOICES.get(impl, {}).get(platform, impl)
 
 
+def gpu_caveat(config: ModelConfig, platform: str) -> str | None:
+    """What a run of a mixture of experts on `platform` should be told before it starts, or None: on a GPU neither
+    grouped matmul is efficient yet (module docstring; docs/launch.md, "The mixtures of experts")."""
+    if not config.num_experts or platform not in ("cuda", "gpu"):
+        return None
+    if resolve(config.moe_impl, "cuda") == "ragged_dot":
+        cost = (f"XLA's GPU compiler lowers ragged_dot as a dense product over all {config.num_experts} experts "
+                f"({config.num_experts / config.num_experts_per_tok:g}x the grouped FLOPs and an [E, N k, D] operand "
+                f"per matmul; Qwen3-30B-A3B's train step needs 415 GiB a GPU on h200-8)")
+    else:
+        cost = "moe_impl=tiles launches one small kernel per tile of rows (519 million a Qwen3-30B-A3B train step)"
+    return (f"mixture of experts on GPU: {cost}; fine for small models, too slow or too large at scale until a GPU "
+            f"grouped matmul exists (docs/launch.md, \"The mixtures of experts\")")
+
+
 def grouped_mlp(rows: jax.Array, row_expert: jax.Array, group_sizes: jax.Array, experts: Experts,
                 expected_rows: int | None = None, *, impl: str = "auto") -> jax.Array:
     """The experts' SwiGLU over rows [M, D] sorted by expert (`row_expert`, groups of `group_sizes` rows; rows past

@@ -23,6 +23,7 @@ from tqdm.auto import tqdm
 
 from jaxrl_llm import models
 from jaxrl_llm.eval import evaluate
+from jaxrl_llm.models import moe
 from jaxrl_llm.models.lora import EXPERT_PROJECTIONS
 from jaxrl_llm.models.peft_io import save_peft
 from jaxrl_llm.run.config import RunConfig
@@ -67,6 +68,9 @@ def _quiet(*args, **kwargs) -> None:
 
 def _train(run: Run, resume: bool, log) -> dict[str, Any]:
     cfg = run.config
+    caveat = moe.gpu_caveat(run.model_config, jax.default_backend())
+    if caveat:
+        log(caveat)
     start, books, in_flight = restore(run) if resume else (0, new_books(), {})
     if start:
         log(f"resumed from step {start} in {run.checkpointer.directory}")
