@@ -1,6 +1,8 @@
 """On-policy distillation in the trainer: the `distill` config section, the teacher's weights and pass, the
 advantages it gives, and one update of a tiny policy towards itself and towards a distinct teacher."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -124,16 +126,23 @@ DISTILL_RUN = TINY_RUN + ["train.eval_problems=0", "algorithm.entropy_coef=0.0",
 
 def state_log_probs(params, config, scored) -> list[np.ndarray]:
     """Per sample, the full-vocabulary log-softmax [R, V] (float64) at every state that predicts a response token
-    of these samples (one unpacked row each, whatever the policy now)."""
-    out = []
-    for row in range(scored.num_samples):
-        prompt = list(scored.records[scored.prompt_index[row]]["prompt_ids"])
-        tokens = jnp.asarray([prompt + scored.tokens[row].tolist()], jnp.int32)
-        positions = jnp.arange(tokens.shape[1], dtype=jnp.int32)[None]
-        hidden = gather_response_hidden(models.hidden_states(params, config, tokens, positions),
-                                        jnp.asarray([len(prompt)]), scored.tokens.shape[1])
-        out.append(np.asarray(jax.nn.log_softmax(hidden @ output_matrix(params, config).T, axis=-1)[0], np.float64))
-    return out
+    of these samples (one unpacked row each, whatever the policy now). The rows go in one compiled call, each
+    [prompt | response] padded on the right to the longest: causal attention leaves its positions as they are."""
+    prompts = [list(scored.records[scored.prompt_index[row]]["prompt_ids"]) for row in range(scored.num_samples)]
+    width = max(map(len, prompts)) + scored.tokens.shape[1]
+    tokens = np.zeros((scored.num_samples, width), np.int32)
+    for row, prompt in enumerate(prompts):
+        tokens[row, :len(prompt) + scored.tokens.shape[1]] = prompt + scored.tokens[row].tolist()
+    log_probs = _state_log_probs(params, config, tokens, np.array([len(p) for p in prompts], np.int32),
+                                 scored.tokens.shape[1])
+    return list(np.asarray(log_probs, np.float64))
+
+
+@functools.partial(jax.jit, static_argnums=(1, 4))
+def _state_log_probs(params, config, tokens, prompt_lens, response_len):
+    positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+    hidden = gather_response_hidden(models.hidden_states(params, config, tokens, positions), prompt_lens, response_len)
+    return jax.nn.log_softmax(hidden @ output_matrix(params, config).T, axis=-1)
 
 
 def exact_reverse_kl(params, teacher_params, config, scored) -> float:
