@@ -817,3 +817,34 @@ def test_fit_rows_per_call_stops_at_the_smallest_row_bucket_on_one_device():
     floor = estimate_memory(dataclasses.replace(cfg, sampling=dataclasses.replace(cfg.sampling, max_rows_per_call=2)),
                             KNOWN_MODELS["qwen2.5-math-7b"], one)
     assert rows == 2 and est["sample_rows"] == 2 and est["peak"] == floor["peak"] > 0.85 * 16 * 2 ** 30
+
+
+def test_gpu_dense_ragged_dot_by_hand(monkeypatch):
+    """On a GPU, XLA rewrites a sparse layer's ragged_dots into dense batched dots over every expert; one layer's
+    backward pass holds E' x M x max(3 D', 6 F' + 2 D') x c more (`memory._Inputs.dense_ragged_dot`). The tiny MoE
+    of `test_moe_routes_by_hand` without its dense layer (8 experts, k 2, D 16, F_e 32, f32), one packed row of 32
+    tokens per device: on fsdp=2 M = 32 x 2 x 2 gathered rows, D' 8, F' 32 (the F' phase); with D 64 and F_e 8 on
+    fsdp=2,tensor=2 D' 32, F' 4 (the D' phase); over expert=2 a device's 4 experts, M = 2 x 32 x min(2, 4), D and
+    F_e whole. Nothing on a TPU, a CPU, or with the tiles path."""
+    mc = TINY.replace(**_TINY_MOE)
+    cfg = load_config(None, TINY_RUN)
+    cases = [(mc, {"data": 1, "fsdp": 2, "tensor": 1}, 8 * 128 * (6 * 32 + 2 * 8) * 4),
+             (mc.replace(hidden_size=64, moe_intermediate_size=8), {"data": 1, "fsdp": 2, "tensor": 2},
+              8 * 128 * 3 * 32 * 4),
+             (mc, {"data": 1, "fsdp": 1, "expert": 2, "tensor": 1}, 4 * 128 * (6 * 32 + 2 * 16) * 4)]
+    with_term = [estimate_memory(cfg, model, mesh, platform="gpu") for model, mesh, _ in cases]
+    monkeypatch.setattr("jaxrl_llm.capacity.memory._Inputs.dense_ragged_dot", lambda self, tokens: 0)
+    for (model, mesh, term), est in zip(cases, with_term):
+        assert est["row_length"] == 32
+        without = estimate_memory(cfg, model, mesh, platform="gpu")
+        assert est["activations"] - without["activations"] == term, (mesh, term)
+        assert est["train_step"] - without["train_step"] == term, (mesh, term)
+    assert [term for *_, term in cases] == [851968, 393216, 458752]
+    monkeypatch.undo()
+    mesh = cases[0][1]
+    tiles = load_config(None, TINY_RUN + ["model.moe_impl=tiles"])
+    for run, platform in ((cfg, "tpu"), (cfg, "cpu"), (tiles, "gpu")):
+        est = estimate_memory(run, mc, mesh, platform=platform)
+        monkeypatch.setattr("jaxrl_llm.capacity.memory._Inputs.dense_ragged_dot", lambda self, tokens: 0)
+        assert estimate_memory(run, mc, mesh, platform=platform)["activations"] == est["activations"], platform
+        monkeypatch.undo()
