@@ -28,13 +28,21 @@ def _samples(groups=4, per_group=3, resp=6, seed=0):
 
 
 def _unpacked_logprobs(params, prompts, members, responses, lengths):
+    """One row per sample (prompt then response, right-padded to the longest), scored in one compiled call."""
+    owner = {int(i): prompt for prompt, group in zip(prompts, members) for i in group}
+    tokens = np.zeros((len(owner), max(map(len, prompts)) + responses.shape[1]), np.int32)
+    for row, i in enumerate(owner):
+        tokens[row, :len(owner[i]) + responses.shape[1]] = owner[i] + responses[i].tolist()
+    samples = np.array(list(owner))
+    logp = np.asarray(_row_logprobs(params, TINY, tokens, np.array([len(owner[i]) for i in samples], np.int32),
+                                    responses[samples]))
     out = np.zeros(responses.shape, np.float32)
-    for prompt, group in zip(prompts, members):
-        for i in group:
-            tokens = np.array([prompt + responses[i].tolist()], np.int32)
-            logp = row_logprobs(params, TINY, tokens, np.array([len(prompt)]), responses[i:i + 1])
-            out[i, :lengths[i]] = np.asarray(logp)[0, :lengths[i]]
+    for row, i in enumerate(samples):
+        out[i, :lengths[i]] = logp[row, :lengths[i]]
     return out
+
+
+_row_logprobs = jax.jit(row_logprobs, static_argnums=1)
 
 
 def test_packed_logprobs_equal_one_row_per_sample():
@@ -75,8 +83,9 @@ def test_compact_scoring_equals_slot_scoring_and_unpacked_rows():
     assert np.asarray(targets[0, :4]).tolist() == [int(responses[0, 0]), *responses[1, :3].tolist()]
     assert int(np.asarray(valid[0]).sum()) == 22 and int(index[0, 16]) == 1  # slot 1, token 0 -> entry 1
 
-    def both(compact):
-        return response_logprobs(params, TINY, batch, chunk=16, with_entropy=True, compact=compact)
+    def both(compact):  # compiled, as a run's pass is (op by op, every primitive would compile apart)
+        score = lambda p: response_logprobs(p, TINY, batch, chunk=16, with_entropy=True, compact=compact)  # noqa: E731
+        return jax.jit(score)(params)
 
     (logp, ent), (slot_logp, slot_ent) = both(None), both(False)
     packed_mask = np.asarray(batch.mask)
@@ -93,7 +102,7 @@ def test_compact_scoring_equals_slot_scoring_and_unpacked_rows():
         def f(p):
             lp, h = response_logprobs(p, TINY, batch, chunk=16, with_entropy=True, compact=compact)
             return jnp.sum(weights * (lp + 0.1 * h))
-        return jax.grad(f)(params)
+        return jax.jit(jax.grad(f))(params)
 
     for got_g, want_g in zip(jax.tree_util.tree_leaves(objective(True)), jax.tree_util.tree_leaves(objective(False))):
         np.testing.assert_allclose(got_g, want_g, atol=1e-5)
