@@ -90,8 +90,9 @@ def test_value_pass_reads_generated_tokens_only_when_rows_are_shorter_than_their
     rows, slots, resp_len = batch.pred_index.shape
     assert batch.tokens.shape[1] < slots * resp_len
     packed_mask = np.asarray(batch.mask)
-    compact = np.asarray(response_values(params, UNTIED, batch))
-    slot = np.asarray(response_values(params, UNTIED, batch, compact=False))
+    # Compiled, as a run's pass is (op by op, every primitive would compile apart).
+    compact = np.asarray(jax.jit(lambda p: response_values(p, UNTIED, batch))(params))
+    slot = np.asarray(jax.jit(lambda p: response_values(p, UNTIED, batch, compact=False))(params))
     np.testing.assert_allclose(compact * packed_mask, slot * packed_mask, atol=1e-6)
     assert np.all(compact[packed_mask == 0] == 0) and np.abs(slot[packed_mask == 0]).max() > 0.05
     got = unpack(compact, members, len(lengths)) * mask
@@ -101,7 +102,7 @@ def test_value_pass_reads_generated_tokens_only_when_rows_are_shorter_than_their
     weights = jnp.asarray(np.random.default_rng(8).normal(size=packed_mask.shape), jnp.float32) * packed_mask
 
     def grads(layout):
-        return jax.grad(lambda p: jnp.sum(weights * response_values(p, UNTIED, batch, compact=layout)))(params)
+        return jax.jit(jax.grad(lambda p: jnp.sum(weights * response_values(p, UNTIED, batch, compact=layout))))(params)
 
     for got_g, want_g in zip(jax.tree_util.tree_leaves(grads(True)), jax.tree_util.tree_leaves(grads(False))):
         np.testing.assert_allclose(got_g, want_g, atol=1e-5)
