@@ -124,8 +124,9 @@ def test_adapter_gradients_are_the_merged_weight_gradient_restricted_to_a_and_b(
     def loss(p):
         return jnp.sum(jax.nn.log_softmax(models.forward(p, config, tokens, positions)) * weights)
 
-    got = jax.grad(lambda a: loss(lora.attach(params, a, spec.scale)))(adapters)["layers"]
-    merged_grad = jax.grad(loss)(lora.merge(params, adapters, spec.scale))["layers"]
+    # Compiled (op by op, every primitive of the two backward passes would compile apart).
+    got = jax.jit(jax.grad(lambda a: loss(lora.attach(params, a, spec.scale))))(adapters)["layers"]
+    merged_grad = jax.jit(jax.grad(loss))(lora.merge(params, adapters, spec.scale))["layers"]
     s = spec.scale
     for name in spec.targets:
         a, b, g = adapters["layers"][f"{name}_lora_a"], adapters["layers"][f"{name}_lora_b"], merged_grad[name]
