@@ -86,3 +86,21 @@ def test_the_dispatch_refuses_cudnn_for_attention_sinks():
     assert resolve(_config("auto"), "tpu") == "splash"  # splash takes sinks
     with pytest.raises(ValueError, match="takes no attention sinks"):
         resolve(_config("cudnn"), "gpu")
+
+
+@pytest.mark.parametrize("sinks_dtype", [jnp.bfloat16, jnp.float32])
+def test_a_bf16_gradient_with_sinks_lowers_for_every_platform(packed, sinks_dtype):
+    """bf16 q, k, v with sinks in bf16 or float32: the gradient of the dispatched attention lowers for CPU, GPU and
+    TPU (the splash branch gave the sinks' gradient in q's dtype, the XLA ones in the sinks', and the platforms'
+    case refused to lower for a CPU or GPU)."""
+    batch, q, k, v = packed
+    q, k, v = (x.astype(jnp.bfloat16) for x in (q, k, v))
+    config = _config("auto").replace(compute_dtype="bfloat16")
+
+    def loss(q, k, v, sinks):
+        return self_attention(q, k, v, jnp.asarray(batch.positions), config, segment_ids=jnp.asarray(batch.segments),
+                              slots=2, response_len=6, sinks=sinks).astype(jnp.float32).sum()
+
+    traced = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3))).trace(q, k, v, jnp.asarray(SINKS, sinks_dtype))
+    for platform in ("cpu", "cuda", "tpu"):
+        traced.lower(lowering_platforms=(platform,))

@@ -147,7 +147,10 @@ def _splash_rows(q, k, v, real, *, window: int | None, softcap: float | None, in
     qh = q.reshape(rows, width, num_kv, group, dim).transpose(0, 2, 3, 1, 4)  # [N, KV, G, W, d]
     kh, vh = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [N, KV, W, d]
 
-    head_sinks = None if sinks is None else sinks.astype(jnp.float32).reshape(num_kv, group)  # [KV, G]: per MQA call
+    # [KV, G]: per MQA call, in q's dtype: the kernel's backward returns the sinks' gradient in q's dtype whatever
+    # theirs, so float32 sinks beside bf16 q made the platforms' branches disagree on its dtype and a bf16 policy
+    # with sinks (gpt-oss) failed to lower its train step for a CPU or GPU ("'stablehlo.case' op inferred type(s)")
+    head_sinks = None if sinks is None else sinks.astype(q.dtype).reshape(num_kv, group)
 
     def one_row(qr, kr, vr, seg):
         segments = splash.SegmentIds(q=seg, kv=seg)
