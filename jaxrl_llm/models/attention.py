@@ -127,6 +127,18 @@ def _scatter_back(out: jax.Array, groups: Groups, batch: int) -> jax.Array:
     return jnp.where(groups.back_real[:, :, None], got, 0).astype(out.dtype)
 
 
+@jax.custom_vjp
+def _f32_gradient(x: jax.Array) -> jax.Array:
+    """x itself, whose gradient is float32 as x is. The splash kernel's backward returns the sinks' gradient in q's
+    dtype whatever theirs, so float32 sinks beside bf16 q made the platforms' branches of the dispatch disagree on
+    its dtype, and a bf16 policy with sinks (gpt-oss) failed to lower its train step for a CPU or GPU
+    ("'stablehlo.case' op inferred type(s)")."""
+    return x
+
+
+_f32_gradient.defvjp(lambda x: (x, None), lambda _, g: (g.astype(jnp.float32),))
+
+
 def _splash_rows(q, k, v, real, *, window: int | None, softcap: float | None, interpret: bool, sinks=None):
     """Causal splash attention on rows q [N, W, H, d], k, v [N, W, KV, d] (q already scaled), real [N, W]
     (splash segment 1 = real, 0 = padding), with attention `sinks` [H] when given: [N, W, H * d]."""
@@ -147,10 +159,7 @@ def _splash_rows(q, k, v, real, *, window: int | None, softcap: float | None, in
     qh = q.reshape(rows, width, num_kv, group, dim).transpose(0, 2, 3, 1, 4)  # [N, KV, G, W, d]
     kh, vh = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [N, KV, W, d]
 
-    # [KV, G]: per MQA call, in q's dtype: the kernel's backward returns the sinks' gradient in q's dtype whatever
-    # theirs, so float32 sinks beside bf16 q made the platforms' branches disagree on its dtype and a bf16 policy
-    # with sinks (gpt-oss) failed to lower its train step for a CPU or GPU ("'stablehlo.case' op inferred type(s)")
-    head_sinks = None if sinks is None else sinks.astype(q.dtype).reshape(num_kv, group)
+    head_sinks = None if sinks is None else _f32_gradient(sinks.astype(jnp.float32)).reshape(num_kv, group)  # [KV, G]
 
     def one_row(qr, kr, vr, seg):
         segments = splash.SegmentIds(q=seg, kv=seg)
