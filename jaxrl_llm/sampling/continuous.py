@@ -575,7 +575,13 @@ def generate_slots(params, config: ModelConfig, prompts: list[np.ndarray], count
         return (*out, (None, None))
     fed = np.arange(max_new_tokens)[None, :] < out_lengths[:, None] - 1  # a row's last token is never fed back
     routes = np.where(fed[..., None, None], to_host(state.routes)[:n, :max_new_tokens], -1)
-    queue_row = np.asarray(inputs[2])[:n]  # each sample's queue prompt
+    return (*out, (routes, sample_prompt_routes(state, inputs[1], inputs[2], n)))
+
+
+def sample_prompt_routes(state: SlotState, queue_prompts: PromptQueue, sample_prompt, rows: int) -> np.ndarray:
+    """The recorded routes [rows, P, L_sparse, k] of the first `rows` samples' prompts: each its queue prompt's
+    (`sample_prompt`) from that prompt's prefill, -1 past the prompt."""
+    queue_row = np.asarray(sample_prompt)[:rows]
     prompt_routes = to_host(state.prompt_routes)[queue_row]
-    inside = np.arange(prompt_routes.shape[1])[None, :] < np.asarray(inputs[1].lengths)[queue_row][:, None]
-    return (*out, (routes, np.where(inside[..., None, None], prompt_routes, -1)))
+    inside = np.arange(prompt_routes.shape[1])[None, :] < np.asarray(queue_prompts.lengths)[queue_row][:, None]
+    return np.where(inside[..., None, None], prompt_routes, -1)

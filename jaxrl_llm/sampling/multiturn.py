@@ -294,10 +294,7 @@ def _slot_turns(params, config, tokenizer, records, counts, conversations: list[
         if resume.any() or seen.any():
             state = continuous.resume_slots(state, resume, row_tokens, row_logprobs, given, seen)
     if state.routes is not None:  # each prompt's, from its one prefill (its entry is kept across turns)
-        queue_row = np.asarray(sample_prompt)[:plan.num_rows]
-        prompt_routes = to_host(state.prompt_routes)[queue_row]
-        inside = np.arange(prompt_routes.shape[1])[None, :] < np.asarray(queue.lengths)[queue_row][:, None]
-        for c, own in zip(conversations, np.where(inside[..., None, None], prompt_routes, -1)):
+        for c, own in zip(conversations, continuous.sample_prompt_routes(state, queue, sample_prompt, plan.num_rows)):
             c.prompt_routes = own
     iterations = int(state.iterations)
     useful = int(sum(int(m) for c in conversations for m in c.mask))
