@@ -10,9 +10,10 @@ from jaxrl_llm.sampling.buckets import round_up
 LOGPROB_CHUNK = 8192  # vocabulary chunk of train.logprobs.chunked_logprobs
 
 
-def _split(n: int, tensor: int) -> int:
-    """`n` features per device: split over tensor where it divides them (`models.sharding`), else whole."""
-    return n // tensor if n % tensor == 0 else n
+def split_features(n: int, ways: int) -> int:
+    """`n` features per device: split over `ways` devices (a mesh axis) where it divides them (`models.sharding`),
+    else whole."""
+    return n // ways if n % ways == 0 else n
 
 
 def padded_tile_rows(pairs: int, experts: int) -> int:
@@ -51,9 +52,9 @@ def feed_forward_bytes(mc: ModelConfig, tokens: int, tensor: int, c: int, sparse
     fsdp=8: a bf16 [1835008, 2048] buffer, 8 x 229,376 pairs)."""
     d = mc.hidden_size
     if not sparse:
-        f = _split(mc.intermediate_size, tensor)
+        f = split_features(mc.intermediate_size, tensor)
         return tokens * 4 * f * c, tokens * 2 * f * c
-    k, f, experts = mc.num_experts_per_tok, _split(mc.expert_intermediate_size, tensor), mc.num_experts
+    k, f, experts = mc.num_experts_per_tok, split_features(mc.expert_intermediate_size, tensor), mc.num_experts
     routed = tokens * (experts * 4 + k * 8 + k * d * 4)
     if expert > 1:
         experts //= expert
@@ -82,8 +83,8 @@ def activation_bytes(mc: ModelConfig, rows: int, length: int, tensor: int, c: in
     is model.attention_block_size (None: full attention); `groups` (S, W, dense): a fused kernel attends on S
     regrouped rows of W tokens per row (`models.attention`), or with `dense` XLA's full attention on each of
     them (a GPU where cuDNN cannot serve); None: the xla path."""
-    q_heads = _split(mc.num_heads, tensor)
-    q, kv = q_heads * mc.head_dim, _split(mc.num_kv_heads, tensor) * mc.head_dim
+    q_heads = split_features(mc.num_heads, tensor)
+    q, kv = q_heads * mc.head_dim, split_features(mc.num_kv_heads, tensor) * mc.head_dim
     d, tokens = mc.hidden_size, rows * length
     # Per layer: norm inputs/outputs, q/k/v before and after RoPE, attention output, residuals, and the layer's
     # feed-forward block (`feed_forward_bytes`: the dense MLP, or a sparse layer's experts and routing buffers).
@@ -100,8 +101,8 @@ def activation_bytes(mc: ModelConfig, rows: int, length: int, tensor: int, c: in
         kept = 0
         for sparse in layers:
             # what a remat policy keeps of the block: gate and up, per choice in a sparse layer
-            f = (mc.num_experts_per_tok * _split(mc.expert_intermediate_size, tensor) if sparse
-                 else _split(mc.intermediate_size, tensor))
+            f = (mc.num_experts_per_tok * split_features(mc.expert_intermediate_size, tensor) if sparse
+                 else split_features(mc.intermediate_size, tensor))
             kept += d + {"dots": q + 2 * kv + 2 * d + 2 * f, "qkv_attn_mlp": 2 * q + 2 * kv + 2 * f}.get(policy, 0)
             if policy == "qkv_attn_mlp":  # the layer being differentiated recomputes its norm outputs and block
                 per_layer[sparse] = tokens * (2 * d + 2 * f) * c if not sparse else \
@@ -118,13 +119,13 @@ def _attention_bytes(mc: ModelConfig, rows: int, length: int, tensor: int, c: in
                      groups: tuple[int, int, bool] | None) -> tuple[int, int]:
     """(kept per layer, backward working set) of one layer's attention on `rows` rows of `length` tokens: the
     fused kernel's regrouped rows (`groups`), full attention's scores (`block` None), or blockwise tiles."""
-    q_heads = _split(mc.num_heads, tensor)
+    q_heads = split_features(mc.num_heads, tensor)
     if groups is not None:
         # the kernel runs per device on its KV heads' query groups, all heads where tensor cannot split the KV
         # heads: q, its output and output gradient, k and v, all in c (splash's backward kernels give dq, dk,
         # dv in the inputs' dtype), and the int32 segment ids laid over 128 lanes (512 B a token)
         slots, width, dense = groups
-        kv_heads = _split(mc.num_kv_heads, tensor)
+        kv_heads = split_features(mc.num_kv_heads, tensor)
         heads = kv_heads * (mc.num_heads // mc.num_kv_heads)
         tokens = rows * slots * width
         attention = 0

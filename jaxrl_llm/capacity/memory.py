@@ -236,7 +236,7 @@ import numpy as np
 
 from jaxrl_llm.capacity.chips import GIB, TARGETS  # noqa: F401 (the planners' names)
 from jaxrl_llm.capacity.activations import (LOGPROB_CHUNK, activation_bytes, feed_forward_bytes,
-                                            logprob_residual_bytes)
+                                            logprob_residual_bytes, split_features)
 from jaxrl_llm.capacity.elements import (local_elements, output_matrix_copy_bytes, output_matrix_elements,
                                          quantized_base_savings, sampler_copy_bytes, sharded_param_elements,
                                          subset_elements)
@@ -304,8 +304,7 @@ class _Inputs:
             rows = shards * tokens * min(k, experts)
         else:  # every data x fsdp device's pairs (as the grouped rows), D split over fsdp and F over tensor
             rows = tokens * k * mesh["data"] * mesh["fsdp"]
-            d = d // mesh["fsdp"] if d % mesh["fsdp"] == 0 else d
-            f = f // mesh["tensor"] if f % mesh["tensor"] == 0 else f
+            d, f = split_features(d, mesh["fsdp"]), split_features(f, mesh["tensor"])
         return experts * rows * max(3 * d, 6 * f + 2 * d) * self.c
 
     def sparse_block(self, tokens: int) -> int:
@@ -373,7 +372,7 @@ def _teacher_pass_term(x: _Inputs, teacher_config: ModelConfig | None) -> int:
     scored = min(length, sh.responses_per_row * x.cfg.sampling.max_new_tokens)
     tiled = mc.replace(attention_block_size=model.attention_block_size,
                        attention_block_min_length=model.attention_block_min_length).attention_block_for(length)
-    heads = mc.num_heads // sh.mesh["tensor"] if mc.num_heads % sh.mesh["tensor"] == 0 else mc.num_heads
+    heads = split_features(mc.num_heads, sh.mesh["tensor"])
     scores = rows * heads * length * length * (4 + c) if x.kernel == "xla" and tiled is None else 0
     if d.mode == "topk":
         sweep = rows * scored * (mc.hidden_size * c + 2 * min(mc.vocab_size, LOGPROB_CHUNK) * 4 + 4 * d.top_k * 8)
@@ -455,9 +454,7 @@ def _gathered_experts(x: _Inputs, c: int) -> int:
     shards, sparse = mesh.get("expert", 1), sum(mc.sparse_layers())
     if shards == 1 or not sparse or mc.num_experts % shards:
         return 0
-    d = mc.hidden_size // mesh["fsdp"] if mc.hidden_size % mesh["fsdp"] == 0 else mc.hidden_size
-    f = mc.expert_intermediate_size
-    f = f // mesh["tensor"] if f % mesh["tensor"] == 0 else f
+    d, f = split_features(mc.hidden_size, mesh["fsdp"]), split_features(mc.expert_intermediate_size, mesh["tensor"])
 
     def lanes(n: int) -> int:  # a TPU buffer's minor dimension on its tiles of 128 lanes
         return round_up(n, 128) if x.platform == "tpu" else n
