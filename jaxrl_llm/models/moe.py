@@ -33,6 +33,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.expert_parallel import expert_parallel_mlp, expert_shards
@@ -85,6 +86,13 @@ def route(h: jax.Array, router: jax.Array, router_bias: jax.Array | None = None,
 def route_shape(config) -> tuple[int, int]:
     """One token's recorded routes: (sparse layers, experts per token); its ids are `route_dtype`'s."""
     return sum(config.sparse_layers()), config.num_experts_per_tok
+
+
+def routes_before(routes, lengths):
+    """Recorded routes [R, T, L_sparse, k] (numpy) with each row's positions from `lengths` [R] on set to -1 (nothing
+    recorded): a row's prompt past its length, or its response's last token (lengths - 1), which is never fed."""
+    kept = np.arange(routes.shape[1])[None, :] < np.asarray(lengths)[:, None]
+    return np.where(kept[..., None, None], routes, -1)
 
 
 def route_dtype(num_experts: int):

@@ -37,6 +37,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from jaxrl_llm.models import ModelConfig
+from jaxrl_llm.models.moe import routes_before
 # the slot rules live with the other shape rules; imported here too for the engine's readers
 from jaxrl_llm.sampling.buckets import default_slots, prompt_entries, response_tile_size, slot_count  # noqa: F401
 from jaxrl_llm.sampling.decoder import (
@@ -573,8 +574,7 @@ def generate_slots(params, config: ModelConfig, prompts: list[np.ndarray], count
         return out
     if state.routes is None:
         return (*out, (None, None))
-    fed = np.arange(max_new_tokens)[None, :] < out_lengths[:, None] - 1  # a row's last token is never fed back
-    routes = np.where(fed[..., None, None], to_host(state.routes)[:n, :max_new_tokens], -1)
+    routes = routes_before(to_host(state.routes)[:n, :max_new_tokens], out_lengths - 1)  # the last: never fed back
     return (*out, (routes, sample_prompt_routes(state, inputs[1], inputs[2], n)))
 
 
@@ -582,6 +582,4 @@ def sample_prompt_routes(state: SlotState, queue_prompts: PromptQueue, sample_pr
     """The recorded routes [rows, P, L_sparse, k] of the first `rows` samples' prompts: each its queue prompt's
     (`sample_prompt`) from that prompt's prefill, -1 past the prompt."""
     queue_row = np.asarray(sample_prompt)[:rows]
-    prompt_routes = to_host(state.prompt_routes)[queue_row]
-    inside = np.arange(prompt_routes.shape[1])[None, :] < np.asarray(queue_prompts.lengths)[queue_row][:, None]
-    return np.where(inside[..., None, None], prompt_routes, -1)
+    return routes_before(to_host(state.prompt_routes)[queue_row], np.asarray(queue_prompts.lengths)[queue_row])

@@ -10,6 +10,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from jaxrl_llm.models import ModelConfig
+from jaxrl_llm.models.moe import routes_before
 from jaxrl_llm.sampling.buckets import SamplingPlan, bucket_size
 from jaxrl_llm.sampling.continuous import SlotStats, generate_slots
 from jaxrl_llm.sampling.engine import SamplingState, decode_rows, init_state, prefill_rows, row_sharding, to_host
@@ -122,11 +123,9 @@ def collect(state: SamplingState, plan: SamplingPlan, max_new_tokens: int, pad_i
     mask = (np.arange(max_new_tokens)[None, :] < lengths[:, None]).astype(np.float32)
     routes = {}
     if state.routes is not None:
-        fed = np.arange(max_new_tokens)[None, :] < lengths[:, None] - 1  # a row's last token is never fed back
-        routes["routes"] = np.where(fed[..., None, None], to_host(state.routes)[:n, :max_new_tokens], -1)
-        prompt_routes = to_host(state.prompt_routes)[:n]
-        inside = np.arange(prompt_routes.shape[1])[None, :] < to_host(state.prompt_lengths)[:n, None]
-        routes["prompt_routes"] = np.where(inside[..., None, None], prompt_routes, -1)
+        # a row's last token is never fed back
+        routes["routes"] = routes_before(to_host(state.routes)[:n, :max_new_tokens], lengths - 1)
+        routes["prompt_routes"] = routes_before(to_host(state.prompt_routes)[:n], to_host(state.prompt_lengths)[:n])
     return Rollout(
         prompt_index=plan.row_prompt.astype(np.int32),
         tokens=np.where(mask > 0, to_host(state.tokens)[:n, :max_new_tokens], pad_id).astype(np.int32),

@@ -45,6 +45,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxrl_llm.models.moe import routes_before
 from jaxrl_llm.sampling.buckets import bucket_size
 from jaxrl_llm.sampling.continuous import SlotStats
 from jaxrl_llm.sampling.engine import to_host
@@ -379,10 +380,9 @@ def _as_arrays(conversations: list[_Conversation], tokenizer, width: int, rounds
     field = lambda name, dtype: np.array([getattr(c, name) for c in conversations], dtype)  # noqa: E731
     routes = {}
     if conversations and conversations[0].routes is not None:
-        routes = {"routes": np.stack([c.routes for c in conversations]),
+        routes = {"routes": routes_before(np.stack([c.routes for c in conversations]),  # the last token: never fed
+                                          np.array([len(c.tokens) for c in conversations]) - 1),
                   "prompt_routes": np.stack([c.prompt_routes for c in conversations])}
-        fed = np.arange(width)[None, :] < np.array([len(c.tokens) for c in conversations])[:, None] - 1
-        routes["routes"] = np.where(fed[..., None, None], routes["routes"], -1)  # the last token: never fed
     text = [tokenizer.decode([t for t, m in zip(c.tokens, c.mask) if m], skip_special_tokens=True)
             for c in conversations]
     return MultiTurnRollout(

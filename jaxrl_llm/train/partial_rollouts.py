@@ -62,6 +62,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxrl_llm.models.moe import routes_before
 from jaxrl_llm.sampling import continuous
 from jaxrl_llm.sampling.buckets import bucket_size, default_slots, prefill_chunk, prompt_entries, round_up, slot_count
 from jaxrl_llm.sampling.engine import to_host
@@ -238,10 +239,8 @@ class PartialSampler:
                           logprobs=np.where(on, logprobs[rows], 0.0)[:, :n], lengths=lengths.copy(),
                           stopped=stopped[rows].copy(), versions=np.where(on, versions, -1)[:, :n])
             if routed:  # as `continuous.generate_slots` gives them: a row's last token is never fed back
-                fed = np.arange(n)[None, :] < lengths[:, None] - 1
-                inside = np.arange(self.prompt_bucket) < len(self.records[p]["prompt_ids"])
-                group.routes = np.where(fed[..., None, None], routes[rows, :n], -1)
-                group.prompt_routes = np.where(inside[:, None, None], prompt_routes[p], -1)
+                group.routes = routes_before(routes[rows, :n], lengths - 1)
+                group.prompt_routes = routes_before(prompt_routes[p][None], [len(self.records[p]["prompt_ids"])])[0]
             out.append(group)
             self.handed[p] = True
         return out
